@@ -1,0 +1,5 @@
+import sys
+
+from weightszip.cli import main
+
+sys.exit(main())

@@ -1,0 +1,250 @@
+"""Tensors in and out of the codec: numpy arrays and CPU torch tensors, zero-copy in."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from weightszip import _core
+from weightszip.errors import InvalidArgumentError
+
+FLAG_TORCH = 1
+LAYOUT_TENSOR = 0
+LAYOUT_FILE_BYTES = 1
+LAYOUT_KV = 2
+
+# numpy dtype -> container dtype name (the names numpy / torch users know).
+_NP_TO_NAME: dict[np.dtype, str] = {
+    np.dtype(np.uint8): "uint8",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float32): "float32",
+    np.dtype(ml_dtypes.float8_e4m3fn): "float8_e4m3fn",
+    np.dtype(ml_dtypes.float8_e5m2): "float8_e5m2",
+    np.dtype(np.float64): "float64",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.int16): "int16",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.uint16): "uint16",
+    np.dtype(np.uint32): "uint32",
+    np.dtype(np.uint64): "uint64",
+    np.dtype(np.bool_): "bool",
+}
+_NAME_TO_NP = {v: k for k, v in _NP_TO_NAME.items()}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - exercised only without torch
+        return None
+    return torch
+
+
+def _torch_maps():
+    torch = _torch()
+    if torch is None:
+        return {}, {}
+    to_name = {
+        torch.uint8: "uint8",
+        torch.bfloat16: "bfloat16",
+        torch.float16: "float16",
+        torch.float32: "float32",
+        torch.float8_e4m3fn: "float8_e4m3fn",
+        torch.float8_e5m2: "float8_e5m2",
+        torch.float64: "float64",
+        torch.int8: "int8",
+        torch.int16: "int16",
+        torch.int32: "int32",
+        torch.int64: "int64",
+        torch.bool: "bool",
+    }
+    for name in ("uint16", "uint32", "uint64"):
+        if hasattr(torch, name):
+            to_name[getattr(torch, name)] = name
+    return to_name, {v: k for k, v in to_name.items()}
+
+
+def threads_default(threads: int | None) -> int:
+    """0 lets the core use one thread per core; `WEIGHTSZIP_THREADS` overrides the default."""
+    if threads is None:
+        threads = int(os.environ.get("WEIGHTSZIP_THREADS", "0"))
+    if threads < 0:
+        raise InvalidArgumentError(f"threads must be >= 0, got {threads}")
+    return threads
+
+
+class _Buffer:
+    """A contiguous CPU buffer: its address, length, and the object that keeps it alive."""
+
+    __slots__ = ("addr", "nbytes", "owner", "dtype", "shape", "flags")
+
+    def __init__(self, addr: int, nbytes: int, owner: Any, dtype: str, shape: tuple[int, ...], flags: int):
+        self.addr, self.nbytes, self.owner = addr, nbytes, owner
+        self.dtype, self.shape, self.flags = dtype, shape, flags
+
+
+def as_buffer(x: Any) -> _Buffer:
+    """Zero-copy view of a numpy array or torch tensor (copied only when not contiguous or not on
+    the CPU)."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        to_name, _ = _torch_maps()
+        if x.dtype not in to_name:
+            raise InvalidArgumentError(f"unsupported torch dtype {x.dtype}")
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        return _Buffer(t.data_ptr(), t.numel() * t.element_size(), t, to_name[x.dtype], tuple(t.shape), FLAG_TORCH)
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        a = np.ascontiguousarray(x)
+        if a.dtype not in _NP_TO_NAME:
+            raise InvalidArgumentError(f"unsupported numpy dtype {a.dtype}")
+        return _Buffer(a.ctypes.data, a.nbytes, a, _NP_TO_NAME[a.dtype], tuple(a.shape), 0)
+    raise InvalidArgumentError(f"expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def bytes_buffer(b: Any) -> tuple[int, int, Any]:
+    """Address and length of a bytes-like object (bytes, bytearray, memoryview, uint8 array)."""
+    if isinstance(b, np.ndarray):
+        a = np.ascontiguousarray(b).view(np.uint8).reshape(-1)
+    else:
+        try:
+            a = np.frombuffer(b, dtype=np.uint8)
+        except TypeError as e:
+            raise InvalidArgumentError(f"expected bytes-like input, got {type(b).__name__}") from e
+    return a.ctypes.data, a.nbytes, a
+
+
+def normalize_axis(axis: int, ndim: int) -> int:
+    if ndim == 0:
+        return 0
+    if not -ndim <= axis < ndim:
+        raise InvalidArgumentError(f"axis {axis} out of range for a {ndim}-d tensor")
+    return axis % ndim
+
+
+def meta_tuple(buf: _Buffer, name: str, axis: int, layout: int) -> tuple:
+    return (name, buf.dtype, list(buf.shape), normalize_axis(axis, len(buf.shape)), layout, buf.flags)
+
+
+def empty_like_entry(entry: Mapping[str, Any], out: str | None):
+    """Allocate the array an entry decodes into: torch when asked for (or when it came from torch),
+    numpy otherwise. Returns (array, address)."""
+    want_torch = out == "torch" or (out is None and entry["flags"] & FLAG_TORCH and _torch() is not None)
+    if out not in (None, "torch", "numpy"):
+        raise InvalidArgumentError(f"out must be None, 'numpy' or 'torch', not {out!r}")
+    shape = tuple(entry["shape"])
+    if want_torch:
+        torch = _torch()
+        if torch is None:
+            raise InvalidArgumentError("out='torch' needs torch installed (pip install weightszip[torch])")
+        _, from_name = _torch_maps()
+        if entry["dtype"] not in from_name:
+            raise InvalidArgumentError(f"torch has no dtype {entry['dtype']}")
+        t = torch.empty(shape, dtype=from_name[entry["dtype"]])
+        return t, t.data_ptr()
+    a = np.empty(shape, dtype=_NAME_TO_NP[entry["dtype"]])
+    return a, a.ctypes.data
+
+
+def compress(
+    x: Any,
+    *,
+    axis: int = -1,
+    chunk_bytes: int = _core.DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+    lanes_log2: int = _core.DEFAULT_LANES_LOG2,
+    layout: int = LAYOUT_TENSOR,
+) -> bytes:
+    """Compress a numpy array or CPU torch tensor losslessly; returns a weightszip container.
+
+    `axis` is the channel axis: the exponent of each value is coded in the context of the value
+    one step back along the axis before it (for KV laid out [..., tokens, channels], the same
+    channel one token earlier). Any dtype round-trips; bf16, fp16, fp32 and fp8 are modelled.
+
+    >>> import numpy as np, weightszip
+    >>> x = np.linspace(-3, 3, 4096, dtype=np.float32).reshape(64, 64)
+    >>> bool((weightszip.decompress(weightszip.compress(x)) == x).all())
+    True
+    """
+    buf = as_buffer(x)
+    return _core.compress_buffers(
+        [(meta_tuple(buf, "", axis, layout), buf.addr, buf.nbytes)],
+        0,
+        chunk_bytes,
+        threads_default(threads),
+        lanes_log2,
+    )
+
+
+def decompress(data: Any, *, out: str | None = None, threads: int | None = None):
+    """Decompress a container made by `compress`: the same dtype, shape and bytes.
+
+    Returns a torch tensor when the input was one (or `out='torch'`), else a numpy array (bf16 and
+    fp8 as `ml_dtypes` types).
+    """
+    addr, n, keep = bytes_buffer(data)
+    index = _core.buffer_index(addr, n)
+    if len(index["entries"]) != 1:
+        raise InvalidArgumentError(
+            f"container holds {len(index['entries'])} entries; use load_file / weightszip.open for archives"
+        )
+    arr, out_addr = empty_like_entry(index["entries"][0], out)
+    _core.decode_buffer_entry(addr, n, 0, out_addr, index["entries"][0]["raw_bytes"], threads_default(threads))
+    del keep
+    return arr
+
+
+def info(data: Any) -> dict:
+    """The parsed index of an in-memory container (entries with dtype, shape, sizes)."""
+    addr, n, _keep = bytes_buffer(data)
+    return _core.buffer_index(addr, n)
+
+
+def verify(data: Any, *, threads: int | None = None) -> None:
+    """Decode every chunk and check every checksum; raises a `WeightszipError` on any damage."""
+    addr, n, _keep = bytes_buffer(data)
+    _core.verify_buffer(addr, n, threads_default(threads))
+
+
+def save_file(
+    tensors: Mapping[str, Any],
+    path: str | os.PathLike,
+    *,
+    axis: int | Mapping[str, int] = -1,
+    chunk_bytes: int = _core.DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+) -> None:
+    """Save a dict of named tensors to a .wz file (written atomically), like safetensors."""
+    bufs = []
+    for name, x in tensors.items():
+        if not isinstance(name, str):
+            raise InvalidArgumentError(f"tensor names must be str, got {type(name).__name__}")
+        ax = axis.get(name, -1) if isinstance(axis, Mapping) else axis
+        bufs.append((name, as_buffer(x), ax))
+    _core.save_buffers(
+        os.fspath(path),
+        [(meta_tuple(b, name, ax, LAYOUT_TENSOR), b.addr, b.nbytes) for name, b, ax in bufs],
+        chunk_bytes,
+        threads_default(threads),
+        _core.DEFAULT_LANES_LOG2,
+    )
+
+
+def load_file(path: str | os.PathLike, *, out: str | None = None, threads: int | None = None) -> dict:
+    """Load every tensor of a .wz file into a dict (numpy, or torch for tensors saved from torch)."""
+    p = os.fspath(path)
+    index = _core.file_index(p)
+    result = {}
+    for i, e in enumerate(index["entries"]):
+        arr, addr = empty_like_entry(e, out)
+        _core.decode_file_entry(p, i, addr, e["raw_bytes"], threads_default(threads))
+        result[e["name"]] = arr
+    return result

@@ -1,0 +1,187 @@
+"""The `weightszip` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from weightszip import files
+from weightszip.errors import WeightszipError
+
+# Files at least this large get a progress bar (smaller ones finish before a bar is useful).
+PROGRESS_MIN_BYTES = 32 << 20
+
+
+class _Progress:
+    """tqdm bar fed by the core's (done, total) callbacks; silent for small inputs."""
+
+    def __init__(self, desc: str, size: int, quiet: bool):
+        self.bar = None
+        if not quiet and size >= PROGRESS_MIN_BYTES:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=size, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _cmd_compress(a) -> int:
+    size = os.path.getsize(a.input)
+    out = a.output or a.input + ".wz"
+    kind, segs = files.file_segments(a.input)
+    p = _Progress("compress", size, a.quiet)
+    t = time.perf_counter()
+    try:
+        index = files._core.encode_file(a.input, out, segs, a.chunk_size, a.threads, files._core.DEFAULT_LANES_LOG2, p)
+    finally:
+        p.close()
+    dt = time.perf_counter() - t
+    stored = os.path.getsize(out)
+    if not a.quiet:
+        tensors = sum(1 for e in index["entries"] if e["layout"] == 0)
+        print(
+            f"{a.input} ({kind}, {tensors} tensors): {_human(size)} -> {_human(stored)} "
+            f"({stored / max(size, 1):.4f}) in {dt:.2f} s ({size / max(dt, 1e-9) / 1e6:.0f} MB/s)"
+        )
+    return 0
+
+
+def _cmd_decompress(a) -> int:
+    out = a.output
+    if out is None:
+        if not a.input.endswith(".wz"):
+            raise SystemExit("weightszip: error: give -o OUTPUT (input does not end in .wz)")
+        out = a.input[:-3]
+    index = files.file_info(a.input)
+    size = sum(e["raw_bytes"] for e in index["entries"])
+    p = _Progress("decompress", size, a.quiet)
+    t = time.perf_counter()
+    try:
+        files.decompress_file(a.input, out, threads=a.threads, progress=p)
+    finally:
+        p.close()
+    dt = time.perf_counter() - t
+    if not a.quiet:
+        print(f"{a.input} -> {out}: {_human(size)} in {dt:.2f} s ({size / max(dt, 1e-9) / 1e6:.0f} MB/s)")
+    return 0
+
+
+def _cmd_info(a) -> int:
+    index = files.file_info(a.input)
+    stored_total = os.path.getsize(a.input)
+    raw_total = sum(e["raw_bytes"] for e in index["entries"])
+    if a.json:
+        json.dump(
+            {
+                "format_version": files._core.FORMAT_VERSION,
+                "kind": "file" if index["kind"] == 1 else "tensors",
+                "container_bytes": stored_total,
+                "raw_bytes": raw_total,
+                "ratio": stored_total / raw_total if raw_total else None,
+                "entries": index["entries"],
+            },
+            sys.stdout,
+            indent=1,
+        )
+        print()
+        return 0
+    kind = "file (restores the original byte for byte)" if index["kind"] == 1 else "named tensors"
+    print(f"{a.input}: weightszip format {files._core.FORMAT_VERSION}, {kind}")
+    print(f"  {len(index['entries'])} entries, {_human(raw_total)} -> {_human(stored_total)}", end="")
+    print(f" ({stored_total / raw_total:.4f})" if raw_total else "")
+    shown = index["entries"] if a.all else index["entries"][:40]
+    print(f"  {'name':40s} {'dtype':14s} {'shape':22s} {'ratio':>7s} {'chunks':>6s}")
+    for e in shown:
+        r = e["stored_bytes"] / e["raw_bytes"] if e["raw_bytes"] else 0.0
+        print(f"  {e['name'][:40]:40s} {e['dtype']:14s} {str(e['shape'])[:22]:22s} {r:7.4f} {e['chunks']:6d}")
+    if len(shown) < len(index["entries"]):
+        print(f"  ... {len(index['entries']) - len(shown)} more (--all)")
+    return 0
+
+
+def _cmd_verify(a) -> int:
+    index = files.file_info(a.input)
+    size = sum(e["raw_bytes"] for e in index["entries"])
+    p = _Progress("verify", size, a.quiet)
+    try:
+        files.verify_file(a.input, threads=a.threads, progress=p)
+    finally:
+        p.close()
+    if not a.quiet:
+        print(f"{a.input}: OK ({len(index['entries'])} entries, every chunk decoded and checksummed)")
+    return 0
+
+
+def _cmd_demo(a) -> int:
+    from weightszip import demo
+
+    return demo.main(quick=a.quick, threads=a.threads)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightszip", description="Bit-exact compression of LLM tensors and files.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--threads", type=int, default=0, help="worker threads (default: one per core)")
+    common.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("compress", parents=[common], help="compress any file (.safetensors, .gguf, .npy tensor-aware)")
+    c.add_argument("input")
+    c.add_argument("-o", "--output", help="output path (default INPUT.wz)")
+    c.add_argument("--chunk-size", type=int, default=files._core.DEFAULT_CHUNK_BYTES, help="bytes per chunk")
+    c.set_defaults(fn=_cmd_compress)
+
+    d = sub.add_parser("decompress", parents=[common], help="restore the original file")
+    d.add_argument("input")
+    d.add_argument("-o", "--output", help="output path (default: INPUT without .wz)")
+    d.set_defaults(fn=_cmd_decompress)
+
+    i = sub.add_parser("info", help="show what a .wz file holds")
+    i.add_argument("input")
+    i.add_argument("--json", action="store_true")
+    i.add_argument("--all", action="store_true", help="list every entry")
+    i.set_defaults(fn=_cmd_info)
+
+    v = sub.add_parser("verify", parents=[common], help="decode everything and check every checksum")
+    v.add_argument("input")
+    v.set_defaults(fn=_cmd_verify)
+
+    m = sub.add_parser("demo", help="compress a real KV cache and real weights, prove it bit-exact")
+    m.add_argument("--threads", type=int, default=0)
+    m.add_argument("--quick", action="store_true", help="shorter context (for CI)")
+    m.set_defaults(fn=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except WeightszipError as e:
+        print(f"weightszip: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"weightszip: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Typed errors: every failure of the codec raises a subclass of `WeightszipError`.
+
+    WeightszipError
+    ├── BadMagicError            not a weightszip container
+    ├── UnsupportedVersionError  a format version this build cannot read
+    │   └── UnsupportedFeatureError  a dtype / profile / mode this version does not define
+    ├── CorruptDataError         structure or payload is damaged
+    │   ├── TruncatedError       the input ends early
+    │   └── ChecksumMismatchError
+    ├── LimitExceededError       a declared size exceeds a hard limit
+    ├── InvalidArgumentError     the call's arguments are not usable
+    │   └── BufferTooSmallError
+    └── WeightszipIOError        reading or writing a file failed
+"""
+
+from weightszip._core import (
+    BadMagicError,
+    BufferTooSmallError,
+    ChecksumMismatchError,
+    CorruptDataError,
+    InvalidArgumentError,
+    LimitExceededError,
+    TruncatedError,
+    UnsupportedFeatureError,
+    UnsupportedVersionError,
+    WeightszipError,
+    WeightszipIOError,
+)
+
+__all__ = [
+    "WeightszipError",
+    "BadMagicError",
+    "UnsupportedVersionError",
+    "UnsupportedFeatureError",
+    "CorruptDataError",
+    "TruncatedError",
+    "ChecksumMismatchError",
+    "LimitExceededError",
+    "InvalidArgumentError",
+    "BufferTooSmallError",
+    "WeightszipIOError",
+]

@@ -1,0 +1,298 @@
+"""Whole files: any file is restored byte for byte; safetensors, GGUF and .npy get tensor-aware
+coding of their float tensors, everything else (headers, quantized blocks, padding) is coded as
+bytes. The file is described as segments that cover it exactly, in order; the Rust core streams
+it through with bounded memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from weightszip import _core
+from weightszip._tensors import (
+    LAYOUT_FILE_BYTES,
+    LAYOUT_TENSOR,
+    _NAME_TO_NP,
+    threads_default,
+)
+from weightszip.errors import InvalidArgumentError
+
+Segment = tuple  # (name, dtype name, shape, channel axis, layout, flags)
+
+_SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+}
+_TO_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+# GGUF (ggml) tensor types that hold plain floats; quantized block types are coded as bytes.
+_GGML_FLOATS = {0: "float32", 1: "float16", 30: "bfloat16"}
+# ggml quantized types: (bytes per block). Coding their bytes with the block as the row lets the
+# coder use "same byte of the previous block" as context (the scales sit at fixed offsets).
+_GGML_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 9: 36, 10: 84, 11: 110, 12: 144, 13: 176, 14: 210, 15: 292}
+_SIZES = {name: np.dtype(dt).itemsize for name, dt in _NAME_TO_NP.items()}
+
+
+def _bytes_segment(name: str, n: int) -> Segment:
+    return (name, "uint8", [n], 0, LAYOUT_FILE_BYTES, 0)
+
+
+def _tensor_segment(name: str, dtype: str, shape: list[int]) -> Segment:
+    return (name, dtype, list(shape), max(len(shape) - 1, 0), LAYOUT_TENSOR, 0)
+
+
+def _cover(extents: list[tuple[int, int, Segment]], size: int) -> list[Segment]:
+    """Turn (start, end, segment) tensor extents into segments covering [0, size), filling gaps
+    with byte segments. Overlapping or out-of-file extents are dropped (their bytes stay bytes)."""
+    segs: list[Segment] = []
+    pos = 0
+    for start, end, seg in sorted(extents, key=lambda e: e[0]):
+        if start < pos or end > size or end <= start:
+            continue
+        if start > pos:
+            segs.append(_bytes_segment("", start - pos))
+        segs.append(seg)
+        pos = end
+    if pos < size:
+        segs.append(_bytes_segment("", size - pos))
+    return segs
+
+
+def _safetensors_segments(f, size: int) -> list[Segment] | None:
+    head = f.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head)
+    if n == 0 or n > min(size - 8, 100 << 20):
+        return None
+    try:
+        header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    base = 8 + n
+    extents = [(0, base, _bytes_segment("__header__", base))]
+    for name, t in header.items():
+        if name == "__metadata__" or not isinstance(t, dict):
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(t.get("dtype"))
+        shape, offs = t.get("shape"), t.get("data_offsets")
+        if dtype is None or not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2:
+            continue
+        try:
+            count = int(np.prod(shape, dtype=np.uint64)) if shape else 1
+            start, end = base + int(offs[0]), base + int(offs[1])
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if end - start != count * _SIZES[dtype]:
+            continue
+        extents.append((start, end, _tensor_segment(name, dtype, [int(d) for d in shape])))
+    return _cover(extents, size)
+
+
+class _GGUFReader:
+    def __init__(self, f, size: int):
+        self.f, self.size = f, size
+
+    def read(self, fmt: str):
+        n = struct.calcsize("<" + fmt)
+        b = self.f.read(n)
+        if len(b) != n:
+            raise ValueError("truncated GGUF header")
+        return struct.unpack("<" + fmt, b)
+
+    def string(self) -> str:
+        (n,) = self.read("Q")
+        if n > 1 << 24:
+            raise ValueError("GGUF string too long")
+        b = self.f.read(n)
+        if len(b) != n:
+            raise ValueError("truncated GGUF string")
+        return b.decode("utf-8", errors="replace")
+
+    _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+    def value(self, vtype: int, depth: int = 0):
+        if vtype in self._SCALARS:
+            return self.read(self._SCALARS[vtype])[0]
+        if vtype == 8:
+            return self.string()
+        if vtype == 9 and depth < 4:
+            (etype,) = self.read("I")
+            (count,) = self.read("Q")
+            if count > self.size:
+                raise ValueError("GGUF array longer than the file")
+            if etype in self._SCALARS:
+                width = struct.calcsize("<" + self._SCALARS[etype])
+                self.f.seek(count * width, os.SEEK_CUR)
+                return None
+            return [self.value(etype, depth + 1) for _ in range(count)]
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def _gguf_segments(f, size: int) -> list[Segment] | None:
+    r = _GGUFReader(f, size)
+    try:
+        magic = f.read(4)
+        if magic != b"GGUF":
+            return None
+        (version,) = r.read("I")
+        if version not in (2, 3):
+            return None
+        n_tensors, n_kv = r.read("QQ")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            return None
+        alignment = 32
+        for _ in range(n_kv):
+            key = r.string()
+            (vtype,) = r.read("I")
+            v = r.value(vtype)
+            if key == "general.alignment" and isinstance(v, int) and v > 0:
+                alignment = v
+        infos = []
+        for _ in range(n_tensors):
+            name = r.string()
+            (nd,) = r.read("I")
+            if nd > 8:
+                return None
+            dims = list(r.read("Q" * nd)) if nd else []
+            gtype, offset = r.read("IQ")
+            infos.append((name, dims, gtype, offset))
+        data = -(-f.tell() // alignment) * alignment
+    except (ValueError, struct.error):
+        return None
+    extents = [(0, data, _bytes_segment("__header__", data))]
+    ordered = sorted(infos, key=lambda t: t[3])
+    for i, (name, dims, gtype, offset) in enumerate(ordered):
+        start = data + offset
+        end = data + ordered[i + 1][3] if i + 1 < len(ordered) else size
+        shape = list(reversed(dims))  # ggml's ne[0] varies fastest: numpy order is reversed
+        if gtype in _GGML_FLOATS:
+            dtype = _GGML_FLOATS[gtype]
+            n = int(np.prod(shape, dtype=np.uint64)) * _SIZES[dtype] if shape else _SIZES[dtype]
+            if start + n <= end:
+                extents.append((start, start + n, _tensor_segment(name, dtype, shape)))
+                continue
+        block = _GGML_BLOCK_BYTES.get(gtype)
+        if block and shape and (int(np.prod(shape, dtype=np.uint64)) // 256 * 256) and (end - start) % block == 0:
+            n_blocks = (end - start) // block
+            extents.append((start, end, (name, "uint8", [n_blocks, block], 1, LAYOUT_FILE_BYTES, 0)))
+            continue
+        extents.append((start, end, _bytes_segment(name, end - start)))
+    return _cover(extents, size)
+
+
+def _npy_segments(f, size: int) -> list[Segment] | None:
+    try:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    except (ValueError, OSError):
+        return None
+    start = f.tell()
+    name = {np.dtype(v): k for k, v in _NAME_TO_NP.items()}.get(np.dtype(dtype).newbyteorder("="))
+    if fortran or name is None or np.dtype(dtype).byteorder == ">":
+        return None
+    n = int(np.prod(shape, dtype=np.uint64)) * _SIZES[name] if shape else _SIZES[name]
+    if start + n > size:
+        return None
+    return _cover([(0, start, _bytes_segment("__header__", start)), (start, start + n, _tensor_segment("", name, list(shape)))], size)
+
+
+def file_segments(path: str | os.PathLike) -> tuple[str, list[Segment]]:
+    """Describe a file as segments: ('safetensors' | 'gguf' | 'npy' | 'bytes', segments)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        for kind, parse in (("gguf", _gguf_segments), ("npy", _npy_segments), ("safetensors", _safetensors_segments)):
+            f.seek(0)
+            segs = parse(f, size)
+            if segs is not None:
+                return kind, segs
+    return "bytes", ([_bytes_segment("", size)] if size else [])
+
+
+def compress_file(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    chunk_bytes: int = _core.DEFAULT_CHUNK_BYTES,
+    threads: int | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> dict:
+    """Compress any file to a .wz container (written atomically); returns its index."""
+    _, segs = file_segments(src)
+    return _core.encode_file(
+        os.fspath(src), os.fspath(dst), segs, chunk_bytes, threads_default(threads), _core.DEFAULT_LANES_LOG2, progress
+    )
+
+
+def decompress_file(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    threads: int | None = None,
+    progress: Callable[[int, int], Any] | None = None,
+) -> dict:
+    """Restore the original file from a .wz made by `compress_file`, byte for byte. A container of
+    named tensors (from `save_file`) is written out as a .safetensors file."""
+    index = _core.file_index(os.fspath(src))
+    if index["kind"] == 1:
+        return _core.decode_file(os.fspath(src), os.fspath(dst), threads_default(threads), progress)
+    _write_safetensors(src, dst, index, threads_default(threads))
+    return index
+
+
+def _write_safetensors(src, dst, index: dict, threads: int) -> None:
+    header, offset = {}, 0
+    for e in index["entries"]:
+        header[e["name"]] = {
+            "dtype": _TO_SAFETENSORS[e["dtype"]],
+            "shape": e["shape"],
+            "data_offsets": [offset, offset + e["raw_bytes"]],
+        }
+        offset += e["raw_bytes"]
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    tmp = os.fspath(dst) + ".wz-partial"
+    try:
+        with open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(h)) + h)
+            for i, e in enumerate(index["entries"]):
+                buf = np.empty(e["raw_bytes"], dtype=np.uint8)
+                _core.decode_file_entry(os.fspath(src), i, buf.ctypes.data, buf.nbytes, threads)
+                out.write(buf.tobytes())
+        os.replace(tmp, dst)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def file_info(path: str | os.PathLike) -> dict:
+    """The checked index of a .wz file (entries, sizes) without decoding any chunk."""
+    return _core.file_index(os.fspath(path))
+
+
+def verify_file(path: str | os.PathLike, *, threads: int | None = None, progress=None) -> dict:
+    """Decode every chunk of a .wz file and check every checksum (nothing is written)."""
+    return _core.decode_file(os.fspath(path), None, threads_default(threads), progress)
+
