@@ -102,8 +102,10 @@ def as_buffer(x: Any) -> _Buffer:
             t = t.cpu()
         t = t.contiguous()
         return _Buffer(t.data_ptr(), t.numel() * t.element_size(), t, to_name[x.dtype], tuple(t.shape), FLAG_TORCH)
-    if isinstance(x, np.ndarray) or np.isscalar(x):
-        a = np.ascontiguousarray(x)
+    if isinstance(x, (np.ndarray, np.generic)):
+        a = np.asarray(x)
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into 1-d
         if a.dtype not in _NP_TO_NAME:
             raise InvalidArgumentError(f"unsupported numpy dtype {a.dtype}")
         return _Buffer(a.ctypes.data, a.nbytes, a, _NP_TO_NAME[a.dtype], tuple(a.shape), 0)
@@ -113,7 +115,7 @@ def as_buffer(x: Any) -> _Buffer:
 def bytes_buffer(b: Any) -> tuple[int, int, Any]:
     """Address and length of a bytes-like object (bytes, bytearray, memoryview, uint8 array)."""
     if isinstance(b, np.ndarray):
-        a = np.ascontiguousarray(b).view(np.uint8).reshape(-1)
+        a = np.ascontiguousarray(b.reshape(-1)).view(np.uint8)
     else:
         try:
             a = np.frombuffer(b, dtype=np.uint8)

@@ -1,0 +1,20 @@
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def real_kv() -> np.ndarray:
+    """bf16 K and V of SmolLM2-135M (layers 0, 1, 15; 64 tokens), as uint16 bit patterns,
+    [2, 3, 64, 192] (see tests/data/kv_smollm2_64tok.json)."""
+    return np.load(DATA / "kv_smollm2_64tok.npy")
+
+
+@pytest.fixture(autouse=True)
+def _single_thread_default(monkeypatch):
+    # Tests pass threads explicitly where they care; keep the default deterministic and light.
+    monkeypatch.setenv("WEIGHTSZIP_THREADS", os.environ.get("WEIGHTSZIP_THREADS", "2"))

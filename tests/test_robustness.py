@@ -1,0 +1,146 @@
+"""Damaged and hostile input: always a typed error, never a crash, a hang or a huge allocation."""
+
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import weightszip
+from weightszip import _core, errors
+
+
+def small_frame(real_kv) -> bytes:
+    k = np.ascontiguousarray(real_kv[0, 0, :8, :64]).view(ml_dtypes.bfloat16)
+    return weightszip.compress(k, chunk_bytes=512)
+
+
+def test_every_truncation_is_a_typed_error(real_kv):
+    blob = small_frame(real_kv)
+    for cut in range(len(blob)):
+        with pytest.raises(weightszip.WeightszipError):
+            weightszip.decompress(blob[:cut])
+
+
+def test_every_single_bit_flip_is_detected(real_kv):
+    blob = small_frame(real_kv)
+    assert len(blob) < 2000
+    for bit in range(len(blob) * 8):
+        bad = bytearray(blob)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(weightszip.WeightszipError):
+            weightszip.decompress(bytes(bad))
+
+
+def test_flip_in_a_chunk_is_a_checksum_mismatch(real_kv):
+    blob = bytearray(small_frame(real_kv))
+    blob[20] ^= 0x10  # inside the first chunk's payload (the preamble is 16 bytes)
+    with pytest.raises(errors.ChecksumMismatchError):
+        weightszip.decompress(bytes(blob))
+
+
+def test_other_files_are_not_containers():
+    for junk in [b"", b"\x89", b"\x89WZP"]:
+        with pytest.raises(errors.TruncatedError):
+            weightszip.decompress(junk)
+    with pytest.raises(errors.BadMagicError):
+        weightszip.decompress(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(errors.UnsupportedVersionError):
+        weightszip.decompress(b"\x89WZP\r\n\x1a\n" + bytes(8))
+    with pytest.raises(errors.BadMagicError):
+        weightszip.decompress(bytes(100))
+
+
+def test_newer_version_is_unsupported(real_kv):
+    blob = bytearray(small_frame(real_kv))
+    blob[8:10] = struct.pack("<H", 2)
+    with pytest.raises(errors.UnsupportedVersionError):
+        weightszip.decompress(bytes(blob))
+
+
+def _reseal(blob: bytearray, index: bytes) -> bytes:
+    """Rebuild a container around a modified index, with a correct index checksum: the checks
+    after the checksum are what the hostile-input tests below must exercise."""
+    (ilen,) = struct.unpack("<Q", blob[-24:-16])
+    body = bytes(blob[: len(blob) - 24 - ilen])
+    pre = np.frombuffer(body[:16] + index, np.uint8)
+    sum_ = _core.xxh3_64(pre.ctypes.data, pre.nbytes)
+    return body + index + struct.pack("<QQ", len(index), sum_) + b"WZPINDEX"
+
+
+def _index(blob: bytes) -> bytearray:
+    (ilen,) = struct.unpack("<Q", blob[-24:-16])
+    return bytearray(blob[len(blob) - 24 - ilen : len(blob) - 24])
+
+
+def test_declared_huge_shape_is_refused_before_allocating():
+    blob = weightszip.compress(np.zeros((4, 4), np.float32))
+    idx = _index(blob)
+    # Entry layout: kind(1) reserved(3) count(4) | name_len(2) name(0) dtype layout profile flags
+    # ndim axis | dims (8 each) ...
+    dims_at = 8 + 2 + 4 + 2
+    idx[dims_at : dims_at + 8] = struct.pack("<Q", 1 << 40)
+    with pytest.raises((errors.CorruptDataError, errors.LimitExceededError)):
+        weightszip.decompress(_reseal(bytearray(blob), bytes(idx)))
+
+
+def test_expansion_beyond_the_format_limit_is_refused():
+    # A 64 MiB chunk of zeros is legal but highly compressed; shrink its stored length claim.
+    blob = weightszip.compress(np.zeros(1 << 16, np.uint8), chunk_bytes=1 << 16)
+    idx = _index(blob)
+    at = len(idx) - 28 + 8  # stored_len of the only chunk
+    idx[at : at + 4] = struct.pack("<I", 1)
+    with pytest.raises((errors.LimitExceededError, errors.CorruptDataError)):
+        weightszip.decompress(_reseal(bytearray(blob), bytes(idx)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=600))
+def test_arbitrary_bytes_never_crash(b):
+    try:
+        weightszip.decompress(b)
+    except weightszip.WeightszipError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_random_damage_to_a_real_frame_is_caught(real_kv, data):
+    blob = bytearray(small_frame(real_kv))
+    n = data.draw(st.integers(1, 8))
+    for _ in range(n):
+        i = data.draw(st.integers(0, len(blob) - 1))
+        blob[i] = data.draw(st.integers(0, 255))
+    try:
+        out = weightszip.decompress(bytes(blob))
+    except weightszip.WeightszipError:
+        return
+    # Only a no-op "damage" (same byte written back) may decode, and then it must be exact.
+    assert out.tobytes() == np.ascontiguousarray(real_kv[0, 0, :8, :64]).tobytes()
+
+
+def test_exception_hierarchy():
+    for name in [
+        "BadMagicError",
+        "UnsupportedVersionError",
+        "UnsupportedFeatureError",
+        "CorruptDataError",
+        "TruncatedError",
+        "ChecksumMismatchError",
+        "LimitExceededError",
+        "InvalidArgumentError",
+        "BufferTooSmallError",
+        "WeightszipIOError",
+    ]:
+        cls = getattr(weightszip, name)
+        assert issubclass(cls, weightszip.WeightszipError) and cls is not weightszip.WeightszipError
+    assert issubclass(errors.TruncatedError, errors.CorruptDataError)
+    assert issubclass(errors.ChecksumMismatchError, errors.CorruptDataError)
+    assert issubclass(errors.UnsupportedFeatureError, errors.UnsupportedVersionError)
+
+
+def test_missing_file_is_an_io_error(tmp_path):
+    with pytest.raises(errors.WeightszipIOError):
+        weightszip.load_file(tmp_path / "nope.wz")
