@@ -225,7 +225,7 @@ def capture(
         raise ValueError(f"layers {bad} out of range: the model has {n_layers}")
 
     # One forward; a hook per decoder layer drives the progress bar.
-    decoder_layers = model.model.layers
+    decoder_layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
     bar = tqdm(total=len(decoder_layers), desc=f"forward {n_tokens} tokens", unit="layer")
 
     def tick(*_):  # a forward hook must return None, or it replaces the layer's output

@@ -8,6 +8,8 @@ use weightszip_core::{chunk, DType, TensorMeta};
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let data = std::fs::read(&args[1]).expect("read");
+    // WZ_ONLY=encode|decode limits the work (for instruction counting with callgrind).
+    let only = std::env::var("WZ_ONLY").unwrap_or_default();
     let row: u64 = args[2].parse().unwrap();
     let cb: usize = args.get(3).map(|s| s.parse().unwrap()).unwrap_or(1 << 20);
     let data = &data[..data.len() / (2 * row as usize) * 2 * row as usize];
@@ -22,7 +24,11 @@ fn main() {
     let mut out = vec![0u8; step];
     let t = Instant::now();
     for (c, raw) in enc.iter().zip(data.chunks(step)) {
+        if only == "encode" {
+            break;
+        }
         chunk::decode_chunk(&c.payload, &mut out[..raw.len()]).unwrap();
+        assert_eq!(&out[..raw.len()], raw);
     }
     let td = t.elapsed().as_secs_f64();
     let mb = data.len() as f64 / 1e6;

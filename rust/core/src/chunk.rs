@@ -14,6 +14,11 @@ use crate::rans::{self, DecTable, EncTable, PROB_BITS, PROB_SCALE, RANS_L};
 
 pub const MODE_STORED: u8 = 0;
 pub const MODE_RANS: u8 = 1;
+pub const MODE_ROWS: u8 = 2;
+/// Dedup pays when at least this fraction (1/16) of a chunk's rows repeat an earlier row: each
+/// repeat costs an 8-byte reference. Layer 0's V depends only on the token id, so 60-90% of its
+/// rows repeat on real text.
+const ROWS_MIN_SHARE: usize = 16;
 /// Most contexts one chunk may declare (context ids fit a byte).
 pub const MAX_CONTEXTS: usize = 256;
 /// Most lanes: 2^10. The GPU decoder runs a thread per lane; 32 lanes are enough on a CPU.
@@ -40,11 +45,25 @@ fn store<const UB: usize>(d: &mut [u8], i: usize, v: u32) {
     }
 }
 
-/// A context model for one chunk: which previous symbols get their own table, and the tables.
+/// Most channel groups a chunk may declare.
+pub const MAX_GROUPS: usize = 16;
+/// Longest stride that may carry a channel-group map (the map is `stride` bytes).
+pub const MAX_GROUP_STRIDE: usize = 1 << 16;
+/// Channel groups the encoder tries for float data. On real bf16 KV, (previous symbol, one of 8
+/// groups of channels ranked by mean exponent) costs 0.15-0.22 bits per value less than the
+/// previous symbol alone (SmolLM2 and Qwen2.5 K and V); 8 groups keep the tables learnable.
+const FLOAT_GROUPS: usize = 8;
+
+/// A context model for one chunk. The context key of unit i (i >= stride) is
+/// `sym[i - stride] * n_groups + group[i % stride]`; keys that pay for a table of their own get
+/// context ids 1.., the rest (and units i < stride) share context 0.
 struct Model {
     stride: usize,
-    /// Previous-symbol values that own a context, ascending; context id = index + 1.
-    keys: Vec<u16>,
+    n_groups: usize,
+    /// Channel group of each position in a stride (empty when n_groups == 1).
+    groups: Vec<u8>,
+    /// (key, context id) for every key listed, keys ascending; unlisted keys use context 0.
+    key_ctx: Vec<(u16, u8)>,
     /// Quantised frequencies per context (empty vector: context never used).
     freqs: Vec<Vec<u16>>,
     /// Estimated coded size in bits, tables included.
@@ -55,86 +74,223 @@ fn table_bytes(freqs: &[u16]) -> usize {
     2 + 4 * freqs.iter().filter(|&&f| f > 0).count()
 }
 
-/// Build the model for one candidate stride from the chunk's symbols.
-fn build_model(syms: &[u16], alphabet: usize, stride: usize) -> Model {
+/// Up to 8 evenly spread windows covering about 1/8 of `n` units (all of them when small).
+fn sample_windows(n: usize) -> Vec<(usize, usize)> {
+    const FULL_BELOW: usize = 1 <<17;
+    if n < FULL_BELOW {
+        return vec![(0, n)];
+    }
+    let w = n / 64;
+    (0..8).map(|k| (k * n / 8, k * n / 8 + w)).collect()
+}
+
+/// Rank the `stride` channel positions by their mean symbol magnitude (the symbol without its
+/// top bit: the exponent for floats) and cut them into `g` equal groups.
+fn channel_groups(syms: &[u16], stride: usize, g: usize, sym_bits: u32) -> Vec<u8> {
+    let mag_mask = (1u32 << (sym_bits - 1)) - 1;
+    let mut sum = vec![0u64; stride];
+    for row in syms.chunks(stride) {
+        for (acc, &s) in sum.iter_mut().zip(row) {
+            *acc += (s as u32 & mag_mask) as u64;
+        }
+    }
+    let mut order: Vec<usize> = (0..stride).collect();
+    order.sort_by_key(|&c| (sum[c], c));
+    let mut groups = vec![0u8; stride];
+    for (rank, &c) in order.iter().enumerate() {
+        groups[c] = (rank * g / stride) as u8;
+    }
+    groups
+}
+
+/// Build the model for one stride and grouping from the symbols of `windows` (ranges of unit
+/// indices; the context of a unit may lie before its window).
+fn build_model(
+    syms: &[u16],
+    alphabet: usize,
+    stride: usize,
+    groups: &[u8],
+    windows: &[(usize, usize)],
+) -> Model {
     let n = syms.len();
+    let n_groups = if groups.is_empty() { 1 } else { groups.iter().map(|&g| g as usize + 1).max().unwrap_or(1) };
     if stride == 0 || stride >= n {
         let mut counts = vec![0u32; alphabet];
-        for &s in syms {
-            counts[s as usize] += 1;
+        for &(a, b) in windows {
+            for &s in &syms[a..b] {
+                counts[s as usize] += 1;
+            }
         }
         let f = rans::quantize(&counts).unwrap_or_default();
-        let est = rans::coded_bits(&counts, &f) + 8.0 * (table_bytes(&f) + 2) as f64;
-        return Model { stride: 0, keys: vec![], freqs: vec![f], est_bits: est };
+        let sampled: u64 = counts.iter().map(|&c| c as u64).sum();
+        let scale = if sampled > 0 { n as f64 / sampled as f64 } else { 1.0 };
+        let est = rans::coded_bits(&counts, &f) * scale + 8.0 * (table_bytes(&f) + 2) as f64;
+        return Model { stride: 0, n_groups: 1, groups: vec![], key_ctx: vec![], freqs: vec![f], est_bits: est };
     }
-    // counts[p * alphabet + s]: symbol s after previous symbol p; row `alphabet` = no previous.
-    let mut counts = vec![0u32; (alphabet + 1) * alphabet];
-    for &s in &syms[..stride] {
-        counts[alphabet * alphabet + s as usize] += 1;
+    let none = alphabet * n_groups; // key of units without a previous one
+    let key_at = |i: usize| -> usize {
+        if i < stride {
+            none
+        } else {
+            let g = if groups.is_empty() { 0 } else { groups[i % stride] as usize };
+            syms[i - stride] as usize * n_groups + g
+        }
+    };
+    // Dense ids for the keys and symbols that occur, so the 2-D count table stays small.
+    let mut key_id = vec![u32::MAX; none + 1];
+    let mut keys_seen: Vec<usize> = Vec::new();
+    let mut sym_id = vec![u32::MAX; alphabet];
+    let mut syms_seen: Vec<usize> = Vec::new();
+    for &(a, b) in windows {
+        #[allow(clippy::needless_range_loop)] // `key_at` needs the index, not just the symbol
+        for i in a..b {
+            let k = key_at(i);
+            if key_id[k] == u32::MAX {
+                key_id[k] = keys_seen.len() as u32;
+                keys_seen.push(k);
+            }
+            let s = syms[i] as usize;
+            if sym_id[s] == u32::MAX {
+                sym_id[s] = syms_seen.len() as u32;
+                syms_seen.push(s);
+            }
+        }
     }
-    for i in stride..n {
-        counts[syms[i - stride] as usize * alphabet + syms[i] as usize] += 1;
+    let ns = syms_seen.len();
+    let mut counts = vec![0u32; keys_seen.len() * ns];
+    for &(a, b) in windows {
+        for i in a..b {
+            counts[key_id[key_at(i)] as usize * ns + sym_id[syms[i] as usize] as usize] += 1;
+        }
     }
-    let mut global = vec![0u64; alphabet];
-    for row in counts.chunks(alphabet) {
+    let mut global = vec![0u64; ns];
+    for row in counts.chunks(ns) {
         for (g, &c) in global.iter_mut().zip(row) {
             *g += c as u64;
         }
     }
-    let total = n as f64;
-    // Gain of giving previous symbol p its own table: bits saved against the chunk-wide
-    // distribution, less the table's own bytes.
-    let mut gains: Vec<(f64, usize)> = Vec::new();
-    for p in 0..alphabet {
-        let row = &counts[p * alphabet..(p + 1) * alphabet];
-        let np: u64 = row.iter().map(|&c| c as u64).sum();
-        if np == 0 {
-            continue;
-        }
-        let mut saved = 0.0;
-        let mut nsym = 0;
-        for (s, &c) in row.iter().enumerate() {
-            if c > 0 {
-                nsym += 1;
-                let p_ctx = c as f64 / np as f64;
-                let p_glob = global[s] as f64 / total;
-                saved += c as f64 * (p_ctx / p_glob).log2();
+    let total: f64 = global.iter().sum::<u64>() as f64;
+    // On a sample, scale the coded bits up to the whole chunk so they weigh right against the
+    // (fixed) cost of the tables.
+    let scale = if total > 0.0 { n as f64 / total } else { 1.0 };
+    // Context ids: 0 for units without a previous one, 1..=n_groups for each group's keys that
+    // have no table of their own, then one per key whose own table pays for itself.
+    let group_of = |key: usize| if key == none { usize::MAX } else { key % n_groups };
+    let mut group_counts = vec![vec![0u64; ns]; n_groups];
+    for (kid, &key) in keys_seen.iter().enumerate() {
+        if key != none {
+            for (g, &c) in group_counts[group_of(key)].iter_mut().zip(&counts[kid * ns..(kid + 1) * ns]) {
+                *g += c as u64;
             }
         }
-        let gain = saved - 8.0 * (2 + 4 * nsym.max(2) + 2) as f64;
+    }
+    let group_totals: Vec<f64> = group_counts.iter().map(|g| g.iter().sum::<u64>() as f64).collect();
+    // Gain of a key's own table: bits saved against its group's distribution, less the table.
+    let mut gains: Vec<(f64, usize)> = Vec::new();
+    for (kid, &key) in keys_seen.iter().enumerate() {
+        if key == none {
+            continue;
+        }
+        let gi = group_of(key);
+        let row = &counts[kid * ns..(kid + 1) * ns];
+        let nk: u64 = row.iter().map(|&c| c as u64).sum();
+        let mut saved = 0.0;
+        let mut nsym = 0;
+        for (j, &c) in row.iter().enumerate() {
+            if c > 0 {
+                nsym += 1;
+                let p_group = group_counts[gi][j] as f64 / group_totals[gi];
+                saved += c as f64 * ((c as f64 / nk as f64) / p_group).log2();
+            }
+        }
+        let gain = saved * scale - 8.0 * (2 + 4 * nsym.max(2)) as f64;
         if gain > 0.0 {
-            gains.push((gain, p));
+            gains.push((gain, key));
         }
     }
     gains.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
-    gains.truncate(MAX_CONTEXTS - 1);
-    let mut keys: Vec<u16> = gains.iter().map(|&(_, p)| p as u16).collect();
-    keys.sort_unstable();
-    let mut ctx_counts: Vec<Vec<u32>> = vec![vec![0u32; alphabet]; keys.len() + 1];
-    let mut is_key = vec![usize::MAX; alphabet + 1];
-    for (k, &p) in keys.iter().enumerate() {
-        is_key[p as usize] = k + 1;
-    }
-    for p in 0..=alphabet {
-        let row = &counts[p * alphabet..(p + 1) * alphabet];
-        let ctx = if is_key[p] == usize::MAX { 0 } else { is_key[p] };
-        for (acc, &c) in ctx_counts[ctx].iter_mut().zip(row) {
-            *acc += c;
+    gains.truncate(MAX_CONTEXTS - 1 - n_groups);
+    let mut own: Vec<usize> = gains.iter().map(|&(_, k)| k).collect();
+    own.sort_unstable();
+    let n_ctx = 1 + n_groups + own.len();
+    let mut ctx_counts: Vec<Vec<u32>> = vec![vec![0u32; alphabet]; n_ctx];
+    let mut key_ctx: Vec<(u16, u8)> = Vec::new();
+    let mut sorted_seen: Vec<(usize, usize)> = keys_seen.iter().enumerate().map(|(kid, &k)| (k, kid)).collect();
+    sorted_seen.sort_unstable();
+    for &(key, kid) in &sorted_seen {
+        let ctx = if key == none {
+            0
+        } else {
+            match own.binary_search(&key) {
+                Ok(p) => 1 + n_groups + p,
+                Err(_) => 1 + group_of(key),
+            }
+        };
+        if key != none {
+            key_ctx.push((key as u16, ctx as u8));
+        }
+        for (j, &c) in counts[kid * ns..(kid + 1) * ns].iter().enumerate() {
+            ctx_counts[ctx][syms_seen[j]] += c;
         }
     }
-    let mut est = 8.0 * (2 * keys.len() + 2) as f64;
+    let mut est = 8.0 * (3 * key_ctx.len() + 5 + if n_groups > 1 { stride } else { 0 }) as f64;
     let mut freqs = Vec::with_capacity(ctx_counts.len());
     for c in &ctx_counts {
         let f = rans::quantize(c).unwrap_or_default();
-        est += rans::coded_bits(c, &f) + 8.0 * table_bytes(&f) as f64;
+        est += rans::coded_bits(c, &f) * scale + 8.0 * table_bytes(&f) as f64;
         freqs.push(f);
     }
-    Model { stride, keys, freqs, est_bits: est }
+    let groups = if n_groups > 1 { groups.to_vec() } else { vec![] };
+    Model { stride, n_groups, groups, key_ctx, freqs, est_bits: est }
 }
 
 /// Encode one chunk. `strides` are the context strides (in units) the encoder may choose from;
 /// 0 (no context) is always tried.
-pub fn encode_chunk(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32) -> Vec<u8> {
+///
+/// With `row_bytes` > 0 the encoder also looks for rows (of that many bytes) that repeat an
+/// earlier row of the chunk exactly, and codes them as references (mode ROWS).
+pub fn encode_chunk(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32, row_bytes: usize) -> Vec<u8> {
+    if row_bytes > 0 && data.len().is_multiple_of(row_bytes) && data.len() / row_bytes >= 4 {
+        if let Some(p) = encode_rows(data, split, strides, lanes_log2, row_bytes) {
+            return p;
+        }
+    }
+    encode_units(data, split, strides, lanes_log2)
+}
+
+/// Mode ROWS, when enough rows repeat: references for the repeats, then the unique rows coded
+/// as one ordinary payload (STORED or RANS).
+fn encode_rows(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32, row_bytes: usize) -> Option<Vec<u8>> {
+    let n_rows = data.len() / row_bytes;
+    let mut first: std::collections::HashMap<&[u8], u32> = std::collections::HashMap::with_capacity(n_rows);
+    let mut refs: Vec<(u32, u32)> = Vec::new();
+    let mut unique: Vec<u8> = Vec::new();
+    for (i, row) in data.chunks_exact(row_bytes).enumerate() {
+        match first.entry(row) {
+            std::collections::hash_map::Entry::Occupied(e) => refs.push((i as u32, *e.get())),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(i as u32);
+                unique.extend_from_slice(row);
+            }
+        }
+    }
+    if refs.len() * ROWS_MIN_SHARE < n_rows {
+        return None;
+    }
+    let mut out = Vec::with_capacity(13 + 8 * refs.len() + unique.len() / 2);
+    out.push(MODE_ROWS);
+    put_u32(&mut out, row_bytes as u32);
+    put_u32(&mut out, n_rows as u32);
+    put_u32(&mut out, refs.len() as u32);
+    for &(row, src) in &refs {
+        put_u32(&mut out, row);
+        put_u32(&mut out, src);
+    }
+    out.extend_from_slice(&encode_units(&unique, split, strides, lanes_log2));
+    (out.len() <= data.len()).then_some(out)
+}
+
+fn encode_units(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32) -> Vec<u8> {
     match split.unit_bits {
         8 => encode_impl::<1>(data, split, strides, lanes_log2),
         16 => encode_impl::<2>(data, split, strides, lanes_log2),
@@ -164,16 +320,28 @@ fn encode_impl<const UB: usize>(
     let alphabet = 1usize << split.sym_bits;
     let syms: Vec<u16> = (0..n).map(|i| (load::<UB>(data, i) >> rbits) as u16).collect();
 
-    let mut best = build_model(&syms, alphabet, 0);
-    for &s in strides {
-        if s == 0 || s >= n {
+    // Choose the stride on a sample (the model estimate is a sum over units, so a spread-out
+    // sample ranks the candidates the same way), then build the chosen model on every unit.
+    let sample = sample_windows(n);
+    let mut best_choice = (0usize, Vec::new());
+    let mut best_est = build_model(&syms, alphabet, 0, &[], &sample).est_bits;
+    for &st in strides {
+        if st == 0 || st >= n {
             continue;
         }
-        let m = build_model(&syms, alphabet, s);
-        if m.est_bits < best.est_bits {
-            best = m;
+        let mut choices = vec![Vec::new()];
+        if split.grouped && (2 * FLOAT_GROUPS..=MAX_GROUP_STRIDE).contains(&st) {
+            choices.push(channel_groups(&syms, st, FLOAT_GROUPS, split.sym_bits));
+        }
+        for g in choices {
+            let est = build_model(&syms, alphabet, st, &g, &sample).est_bits;
+            if est < best_est {
+                best_est = est;
+                best_choice = (st, g);
+            }
         }
     }
+    let best = build_model(&syms, alphabet, best_choice.0, &best_choice.1, &[(0, n)]);
     let lanes = 1usize << lanes_log2;
     let raw_bytes = (n * rbits as usize).div_ceil(8);
     // Quick exit: if even the estimate cannot beat storing, store.
@@ -190,20 +358,49 @@ fn encode_impl<const UB: usize>(
         lanes_log2 -= 1;
     }
     let lanes = 1usize << lanes_log2;
-    let mut ctx_of = vec![0u8; alphabet];
-    for (k, &p) in best.keys.iter().enumerate() {
-        ctx_of[p as usize] = (k + 1) as u8;
+    let g = best.n_groups;
+    let mut ctx_of = vec![0u8; alphabet * g];
+    for &(key, c) in &best.key_ctx {
+        ctx_of[key as usize] = c;
     }
-    let tables: Vec<EncTable> = best.freqs.iter().map(|f| EncTable::new(f)).collect();
+    // Flat encoder table: entry ctx * alphabet + symbol.
+    let mut enc: Vec<rans::EncSym> = Vec::with_capacity(best.freqs.len() * alphabet);
+    for f in &best.freqs {
+        if f.is_empty() {
+            enc.extend(std::iter::repeat_n(rans::EncSym::default(), alphabet));
+        } else {
+            enc.extend_from_slice(&EncTable::new(f).syms);
+        }
+    }
     let stride = best.stride;
     let mask = lanes - 1;
+    // Context of every unit, computed forwards (it only reads symbols).
+    let mut ctx = vec![0u8; n];
+    if stride > 0 && g == 1 {
+        for i in stride..n {
+            ctx[i] = ctx_of[syms[i - stride] as usize];
+        }
+    } else if stride > 0 {
+        for i in stride..n {
+            ctx[i] = ctx_of[syms[i - stride] as usize * g + best.groups[i % stride] as usize];
+        }
+    }
     let mut states = vec![RANS_L; lanes];
-    let mut words: Vec<Vec<u16>> = (0..lanes).map(|_| Vec::with_capacity(n / lanes + 8)).collect();
+    // Each symbol emits at most one word, so a lane never needs more than its symbol count.
+    let per_lane = n.div_ceil(lanes);
+    let mut words = vec![0u16; lanes * per_lane];
+    let mut counts = vec![0usize; lanes];
     for i in (0..n).rev() {
-        let ctx = if stride > 0 && i >= stride { ctx_of[syms[i - stride] as usize] } else { 0 };
-        let es = &tables[ctx as usize].syms[syms[i] as usize];
         let lane = i & mask;
-        rans::enc_put(&mut states[lane], &mut words[lane], es);
+        let es = &enc[ctx[i] as usize * alphabet + syms[i] as usize];
+        let base = lane * per_lane;
+        let mut x = states[lane];
+        if x >= es.x_max {
+            words[base + counts[lane]] = x as u16;
+            counts[lane] += 1;
+            x >>= 16;
+        }
+        states[lane] = rans::enc_step(x, es);
     }
 
     let mut out = Vec::with_capacity(raw_bytes + n / 2 + 4096);
@@ -212,9 +409,13 @@ fn encode_impl<const UB: usize>(
     out.push(split.sym_bits as u8);
     out.push(lanes_log2 as u8);
     put_u32(&mut out, stride as u32);
-    put_u16(&mut out, (best.keys.len() + 1) as u16);
-    for &k in &best.keys {
-        put_u16(&mut out, k);
+    out.push(g as u8);
+    out.extend_from_slice(&best.groups);
+    put_u16(&mut out, best.freqs.len() as u16);
+    put_u16(&mut out, best.key_ctx.len() as u16);
+    for &(key, c) in &best.key_ctx {
+        put_u16(&mut out, key);
+        out.push(c);
     }
     for f in &best.freqs {
         let present: Vec<(usize, u16)> =
@@ -225,17 +426,26 @@ fn encode_impl<const UB: usize>(
             put_u16(&mut out, q);
         }
     }
-    for w in &words {
-        put_u32(&mut out, (4 + 2 * w.len()) as u32);
+    for &c in &counts {
+        put_u32(&mut out, (4 + 2 * c) as u32);
     }
-    for (w, &x) in words.iter().zip(&states) {
-        put_u32(&mut out, x);
-        for &word in w.iter().rev() {
-            put_u16(&mut out, word);
-        }
+    for lane in 0..lanes {
+        put_u32(&mut out, states[lane]);
+        let w = &words[lane * per_lane..lane * per_lane + counts[lane]];
+        out.extend(w.iter().rev().flat_map(|x| x.to_le_bytes()));
+    }
+    if std::env::var_os("WZ_DEBUG").is_some() {
+        let tbytes: usize = best.freqs.iter().map(|f| table_bytes(f)).sum();
+        let lane_bytes: usize = counts.iter().map(|c| 4 + 2 * c).sum();
+        eprintln!(
+            "chunk n={n} stride={stride} groups={g} ctx={} table_bytes={tbytes} sym_bits/unit={:.3} est={:.3}",
+            best.freqs.len(),
+            lane_bytes as f64 * 8.0 / n as f64,
+            best.est_bits / n as f64
+        );
     }
     pack_low_bits::<UB>(data, n, rbits, &mut out);
-    if out.len() >= data.len() + 1 {
+    if out.len() > data.len() {
         return stored(data);
     }
     out
@@ -246,25 +456,96 @@ fn pack_low_bits<const UB: usize>(data: &[u8], n: usize, rbits: u32, out: &mut V
     if rbits == 0 {
         return;
     }
+    let len = (n * rbits as usize).div_ceil(8);
+    let start = out.len();
+    // 8 bytes of slack let every unit OR its bits in with one unaligned 64-bit read-modify-write.
+    out.resize(start + len + 8, 0);
+    let buf = &mut out[start..];
     let mask = (1u64 << rbits) - 1;
-    let mut acc: u64 = 0;
-    let mut nbits = 0u32;
     for i in 0..n {
-        acc |= (load::<UB>(data, i) as u64 & mask) << nbits;
-        nbits += rbits;
-        while nbits >= 8 {
-            out.push(acc as u8);
-            acc >>= 8;
-            nbits -= 8;
-        }
+        let bit = i * rbits as usize;
+        let at = bit >> 3;
+        let word: &mut [u8; 8] = (&mut buf[at..at + 8]).try_into().unwrap();
+        let v = u64::from_le_bytes(*word) | ((load::<UB>(data, i) as u64 & mask) << (bit & 7));
+        *word = v.to_le_bytes();
     }
-    if nbits > 0 {
-        out.push(acc as u8);
-    }
+    out.truncate(start + len);
+}
+
+/// Read the low bits of unit `i` from the packed raw section (see `pack_low_bits`).
+#[inline(always)]
+fn low_bits(raw: &[u8], i: usize, rbits: u32, mask: u64) -> u32 {
+    let bit = i * rbits as usize;
+    let at = bit >> 3;
+    let v = if at + 8 <= raw.len() {
+        u64::from_le_bytes(raw[at..at + 8].try_into().unwrap())
+    } else {
+        let mut b = [0u8; 8];
+        b[..raw.len() - at].copy_from_slice(&raw[at..]);
+        u64::from_le_bytes(b)
+    };
+    ((v >> (bit & 7)) & mask) as u32
 }
 
 /// Decode one chunk payload into `out`, whose length is the chunk's raw length.
 pub fn decode_chunk(payload: &[u8], out: &mut [u8]) -> Result<()> {
+    if payload.first() == Some(&MODE_ROWS) {
+        return decode_rows(payload, out);
+    }
+    decode_units(payload, out)
+}
+
+fn decode_rows(payload: &[u8], out: &mut [u8]) -> Result<()> {
+    let mut r = Reader::new(payload);
+    r.u8("chunk mode")?;
+    let row_bytes = r.u32("row bytes")? as usize;
+    let n_rows = r.u32("row count")? as usize;
+    let n_refs = r.u32("reference count")? as usize;
+    if row_bytes == 0 || n_rows.checked_mul(row_bytes) != Some(out.len()) {
+        return corrupt(format!("{n_rows} rows of {row_bytes} bytes in a {}-byte chunk", out.len()));
+    }
+    if n_refs > n_rows || 8 * n_refs > r.remaining() {
+        return corrupt(format!("{n_refs} row references"));
+    }
+    let mut refs = Vec::with_capacity(n_refs);
+    let mut prev: i64 = -1;
+    for _ in 0..n_refs {
+        let row = r.u32("referencing row")? as usize;
+        let src = r.u32("referenced row")? as usize;
+        if row as i64 <= prev || row >= n_rows || src >= row {
+            return corrupt("row references out of order or out of range");
+        }
+        prev = row as i64;
+        refs.push((row, src));
+    }
+    for &(_, src) in &refs {
+        if refs.binary_search_by_key(&src, |&(row, _)| row).is_ok() {
+            return corrupt("a row reference points at another reference");
+        }
+    }
+    let inner = &payload[r.pos()..];
+    if inner.first() == Some(&MODE_ROWS) {
+        return corrupt("nested row references");
+    }
+    let mut unique = vec![0u8; (n_rows - n_refs) * row_bytes];
+    decode_units(inner, &mut unique)?;
+    let mut next_ref = 0;
+    let mut u = 0;
+    for row in 0..n_rows {
+        let at = row * row_bytes;
+        if next_ref < refs.len() && refs[next_ref].0 == row {
+            let src = refs[next_ref].1 * row_bytes;
+            out.copy_within(src..src + row_bytes, at);
+            next_ref += 1;
+        } else {
+            out[at..at + row_bytes].copy_from_slice(&unique[u..u + row_bytes]);
+            u += row_bytes;
+        }
+    }
+    Ok(())
+}
+
+fn decode_units(payload: &[u8], out: &mut [u8]) -> Result<()> {
     let mut r = Reader::new(payload);
     match r.u8("chunk mode")? {
         MODE_STORED => {
@@ -286,7 +567,7 @@ pub fn decode_chunk(payload: &[u8], out: &mut [u8]) -> Result<()> {
 }
 
 fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> Result<()> {
-    if out.len() % UB != 0 {
+    if !out.len().is_multiple_of(UB) {
         return corrupt("chunk length is not a whole number of units");
     }
     let n = out.len() / UB;
@@ -302,26 +583,40 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
     }
     let lanes = 1usize << lanes_log2;
     let stride = r.u32("context stride")? as usize;
+    let n_groups = r.u8("channel groups")? as usize;
+    if n_groups == 0 || n_groups > MAX_GROUPS || (n_groups > 1 && (stride == 0 || stride > MAX_GROUP_STRIDE)) {
+        return corrupt(format!("{n_groups} channel groups with context stride {stride}"));
+    }
+    let groups: &[u8] = if n_groups > 1 { r.take(stride, "channel group map")? } else { &[] };
+    if groups.iter().any(|&g| g as usize >= n_groups) {
+        return corrupt("channel group out of range");
+    }
+    let n_keys = alphabet * n_groups;
     let n_ctx = r.u16("context count")? as usize;
-    if n_ctx == 0 || n_ctx > MAX_CONTEXTS || n_ctx > alphabet + 1 {
+    if n_ctx == 0 || n_ctx > MAX_CONTEXTS || n_ctx > n_keys + 1 {
         return corrupt(format!("{n_ctx} contexts"));
     }
     if stride != 0 && stride < lanes {
         return corrupt(format!("context stride {stride} is shorter than the {lanes} lanes"));
     }
-    // Each context costs at least its 2-byte key and 2-byte table size: check before allocating.
-    if r.remaining() < 4 * n_ctx {
+    let n_listed = r.u16("listed keys")? as usize;
+    if n_listed > n_keys {
+        return corrupt(format!("{n_listed} keys listed of {n_keys}"));
+    }
+    // Each listed key takes 3 bytes and each table at least 2: check before allocating.
+    if r.remaining() < 3 * n_listed + 2 * n_ctx {
         return truncated("context keys and tables");
     }
-    let mut ctx_of = vec![0u8; alphabet];
+    let mut ctx_of = vec![0u8; n_keys];
     let mut prev: i32 = -1;
-    for k in 1..n_ctx {
+    for _ in 0..n_listed {
         let key = r.u16("context key")?;
-        if key as i32 <= prev || key as usize >= alphabet {
+        let c = r.u8("context id")?;
+        if key as i32 <= prev || key as usize >= n_keys || c as usize >= n_ctx {
             return corrupt("context keys out of order or out of range");
         }
         prev = key as i32;
-        ctx_of[key as usize] = k as u8;
+        ctx_of[key as usize] = c;
     }
     let mut slot_sym: Vec<u16> = Vec::with_capacity(n_ctx * PROB_SCALE as usize);
     let mut sym_fs: Vec<u32> = Vec::with_capacity(n_ctx * alphabet);
@@ -351,7 +646,7 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
     let mut states = vec![0u32; lanes];
     for l in 0..lanes {
         let len = lane_len[l];
-        if len < 4 || len % 2 != 0 {
+        if len < 4 || !len.is_multiple_of(2) {
             return corrupt(format!("lane {l} length {len}"));
         }
         let bytes = r.take(len, "lane stream")?;
@@ -370,27 +665,15 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
     }
 
     let mut syms = vec![0u16; n];
-    let mut dec = LaneDecoder {
-        slot_sym: &slot_sym,
-        sym_fs: &sym_fs,
-        alphabet,
-        stream: full,
-        max_pos: full.len() - 2,
-        states: &mut states,
-        pos: &mut lane_pos,
-        mask: lanes - 1,
-    };
-    // The first `stride` units (all of them without context) use context 0.
-    let head = if stride == 0 { n } else { stride.min(n) };
-    let mut bad = false;
-    for (i, s) in syms[..head].iter_mut().enumerate() {
-        *s = dec.step(i, 0, &mut bad);
-    }
-    for i in head..n {
-        let ctx = ctx_of[syms[i - stride] as usize] as usize;
-        syms[i] = dec.step(i, ctx, &mut bad);
-    }
-    if bad {
+    let ok = decode_symbols(
+        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups },
+        full,
+        stride,
+        &mut states,
+        &mut lane_pos,
+        &mut syms,
+    );
+    if !ok {
         return corrupt("symbol decoded in an empty context");
     }
     for l in 0..lanes {
@@ -399,66 +682,106 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
         }
     }
     // Put symbols and raw low bits back together.
-    let rmask = if rbits == 0 { 0 } else { (1u64 << rbits) - 1 };
-    let mut acc: u64 = 0;
-    let mut nbits = 0u32;
-    let mut rp = 0usize;
-    for i in 0..n {
-        let mut low = 0u32;
-        if rbits > 0 {
-            while nbits < rbits {
-                acc |= (raw[rp] as u64) << nbits;
-                rp += 1;
-                nbits += 8;
-            }
-            low = (acc & rmask) as u32;
-            acc >>= rbits;
-            nbits -= rbits;
+    if rbits == 0 {
+        for (i, &sym) in syms.iter().enumerate() {
+            store::<UB>(out, i, sym as u32);
         }
-        store::<UB>(out, i, ((syms[i] as u32) << rbits) | low);
+        return Ok(());
     }
-    if acc != 0 {
+    let used = n * rbits as usize;
+    if !used.is_multiple_of(8) && raw[raw.len() - 1] >> (used % 8) != 0 {
         return corrupt("non-zero padding bits after the raw low bits");
+    }
+    let rmask = (1u64 << rbits) - 1;
+    for (i, &sym) in syms.iter().enumerate() {
+        store::<UB>(out, i, ((sym as u32) << rbits) | low_bits(raw, i, rbits, rmask));
     }
     Ok(())
 }
 
-/// The decoder's hot loop state. Indices into the tables are in range by construction: context
-/// ids come from `ctx_of` (all < n_ctx), slots are masked to 12 bits, and every symbol in
-/// `slot_sym` was validated below the alphabet size when the tables were built.
-struct LaneDecoder<'a> {
+/// Validated decoder tables of one chunk.
+struct DecodeTables<'a> {
+    /// ctx * 4096 + slot -> symbol.
     slot_sym: &'a [u16],
+    /// ctx * alphabet + symbol -> freq << 16 | start (freq 0: symbol absent / empty context).
     sym_fs: &'a [u32],
     alphabet: usize,
-    stream: &'a [u8],
-    max_pos: usize,
-    states: &'a mut [u32],
-    pos: &'a mut [usize],
-    mask: usize,
+    /// context key (previous symbol * groups + channel group) -> context id.
+    ctx_of: &'a [u8],
+    /// channel group of each position in a stride; empty for a single group.
+    groups: &'a [u8],
 }
 
-impl LaneDecoder<'_> {
-    #[inline(always)]
-    fn step(&mut self, i: usize, ctx: usize, bad: &mut bool) -> u16 {
-        let lane = i & self.mask;
-        let x = self.states[lane];
+/// The hot loop: decode every symbol of a chunk, unit i from lane i mod L. Returns false if a
+/// symbol was decoded in an empty context. A lane that runs past its stream reads (clamped,
+/// in-bounds) garbage and is caught by the caller, which requires every lane to end exactly at
+/// its end in state L.
+///
+/// Indexing is unchecked where the invariants below make it safe:
+/// - `ctx_of` has `alphabet` entries, each < n_ctx; every decoded symbol is < alphabet (tables
+///   are built from validated (symbol, freq) pairs, and an empty context yields symbol 0);
+/// - `slot_sym` has n_ctx * 4096 entries and slots are masked to 12 bits;
+/// - `sym_fs` has n_ctx * alphabet entries;
+/// - lanes = states.len() = pos.len() is a power of two; stream reads are clamped to len - 2.
+fn decode_symbols(
+    t: &DecodeTables,
+    stream: &[u8],
+    stride: usize,
+    states: &mut [u32],
+    pos: &mut [usize],
+    syms: &mut [u16],
+) -> bool {
+    let n = syms.len();
+    let lanes = states.len();
+    let mask = lanes - 1;
+    let max_pos = stream.len() - 2;
+    let g = t.groups.iter().map(|&x| x as usize + 1).max().unwrap_or(1);
+    assert!(t.ctx_of.len() == t.alphabet * g && t.sym_fs.len() * PROB_SCALE as usize == t.slot_sym.len() * t.alphabet);
+    assert!(pos.len() == lanes && lanes.is_power_of_two() && stream.len() >= 2);
+    let mut bad = false;
+    let mut step = |i: usize, ctx: usize, syms: &mut [u16]| unsafe {
+        let lane = i & mask;
+        let x = *states.get_unchecked(lane);
         let slot = x & (PROB_SCALE - 1);
-        let s = self.slot_sym[ctx * PROB_SCALE as usize + slot as usize];
-        let fs = self.sym_fs[ctx * self.alphabet + s as usize];
+        let s = *t.slot_sym.get_unchecked(ctx * PROB_SCALE as usize + slot as usize);
+        let fs = *t.sym_fs.get_unchecked(ctx * t.alphabet + s as usize);
         let f = fs >> 16;
-        // An empty context has frequency 0 everywhere: flag it and let the caller fail after the
-        // loop (wrapping arithmetic keeps the meaningless state harmless until then).
-        *bad |= f == 0;
+        bad |= f == 0;
         let x = f.wrapping_mul(x >> PROB_BITS).wrapping_add(slot).wrapping_sub(fs & 0xffff);
-        // Branch-free refill: always read the next word (clamped inside the stream) and keep it
-        // only when the state fell below L. A lane that reads past its own end is caught after
-        // the loop, where every lane must end exactly at its end.
+        // Branch-free refill: always read the next word, keep it only if the state fell below L.
+        let p = *pos.get_unchecked(lane);
+        let q = p.min(max_pos);
+        let w = u16::from_le_bytes([*stream.get_unchecked(q), *stream.get_unchecked(q + 1)]) as u32;
         let need = x < RANS_L;
-        let p = self.pos[lane];
-        let q = p.min(self.max_pos);
-        let w = u16::from_le_bytes([self.stream[q], self.stream[q + 1]]) as u32;
-        self.states[lane] = if need { (x << 16) | w } else { x };
-        self.pos[lane] = p + 2 * need as usize;
-        s
+        *states.get_unchecked_mut(lane) = if need { (x << 16) | w } else { x };
+        *pos.get_unchecked_mut(lane) = p + 2 * need as usize;
+        *syms.get_unchecked_mut(i) = s;
+    };
+    let head = if stride == 0 { n } else { stride.min(n) };
+    for i in 0..head {
+        step(i, 0, syms);
     }
+    if t.groups.is_empty() {
+        for i in head..n {
+            // SAFETY: i - stride < i < n; symbols are < alphabet = ctx_of.len().
+            let ctx = unsafe { *t.ctx_of.get_unchecked(*syms.get_unchecked(i - stride) as usize) } as usize;
+            step(i, ctx, syms);
+        }
+    } else {
+        assert!(t.groups.len() == stride && t.groups.iter().all(|&x| (x as usize) < g));
+        let mut c = 0usize; // i % stride, for i from head = stride
+        for i in head..n {
+            // SAFETY: c < stride = groups.len(); key = sym * g + group < alphabet * g.
+            let ctx = unsafe {
+                let key = *syms.get_unchecked(i - stride) as usize * g + *t.groups.get_unchecked(c) as usize;
+                *t.ctx_of.get_unchecked(key)
+            } as usize;
+            step(i, ctx, syms);
+            c += 1;
+            if c == stride {
+                c = 0;
+            }
+        }
+    }
+    !bad
 }

@@ -95,7 +95,10 @@ fn strides_for(meta: &TensorMeta) -> Vec<usize> {
 }
 
 pub fn encode_chunk_bytes(raw: &[u8], meta: &TensorMeta, lanes_log2: u32) -> EncodedChunk {
-    let payload = chunk::encode_chunk(raw, meta.dtype.split(), &strides_for(meta), lanes_log2);
+    // Rows that repeat exactly (layer 0's V: one row per token id) are looked for in tensors,
+    // not in opaque file bytes.
+    let row_bytes = if meta.dtype == DType::U8 { 0 } else { meta.row_elems() as usize * meta.dtype.size() };
+    let payload = chunk::encode_chunk(raw, meta.dtype.split(), &strides_for(meta), lanes_log2, row_bytes);
     EncodedChunk { payload, raw_xxh3: xxhash_rust::xxh3::xxh3_64(raw) }
 }
 

@@ -100,11 +100,11 @@ impl DType {
     /// costs decode speed. fp8 is coded whole (8-bit symbols). Every other dtype is coded as bytes.
     pub fn split(self) -> Split {
         match self {
-            DType::BF16 => Split { unit_bits: 16, sym_bits: 9 },
-            DType::F16 => Split { unit_bits: 16, sym_bits: 6 },
-            DType::F32 => Split { unit_bits: 32, sym_bits: 9 },
-            DType::F8E4M3 | DType::F8E5M2 => Split { unit_bits: 8, sym_bits: 8 },
-            _ => Split { unit_bits: 8, sym_bits: 8 },
+            DType::BF16 => Split { unit_bits: 16, sym_bits: 9, grouped: true },
+            DType::F16 => Split { unit_bits: 16, sym_bits: 6, grouped: true },
+            DType::F32 => Split { unit_bits: 32, sym_bits: 9, grouped: true },
+            DType::F8E4M3 | DType::F8E5M2 => Split { unit_bits: 8, sym_bits: 8, grouped: true },
+            _ => Split { unit_bits: 8, sym_bits: 8, grouped: false },
         }
     }
 }
@@ -115,6 +115,8 @@ impl DType {
 pub struct Split {
     pub unit_bits: u32,
     pub sym_bits: u32,
+    /// Whether the encoder tries channel groups (floats: channels differ in magnitude).
+    pub grouped: bool,
 }
 
 impl Split {

@@ -79,7 +79,7 @@ pub struct EncSym {
 
 impl EncSym {
     pub fn new(start: u32, freq: u32) -> EncSym {
-        debug_assert!(freq >= 1 && freq < PROB_SCALE);
+        debug_assert!((1..PROB_SCALE).contains(&freq));
         EncSym {
             // ((L >> PROB_BITS) << 16) * freq, see the module notes.
             x_max: freq << 20,
@@ -109,16 +109,11 @@ impl EncTable {
     }
 }
 
-/// Encode one symbol into state `x`, pushing renormalisation words to `out` (in reverse order).
+/// Code one symbol into a state already renormalised below `s.x_max`.
 #[inline(always)]
-pub fn enc_put(x: &mut u32, out: &mut Vec<u16>, s: &EncSym) {
-    let mut v = *x;
-    if v >= s.x_max {
-        out.push(v as u16);
-        v >>= 16;
-    }
+pub fn enc_step(v: u32, s: &EncSym) -> u32 {
     let q = ((v as u128 * s.rcp as u128) >> 44) as u32;
-    *x = (q << PROB_BITS) + (v - q * s.freq) + s.start;
+    (q << PROB_BITS) + (v - q * s.freq) + s.start
 }
 
 /// Decoder table for one context: slot -> symbol, and symbol -> (freq << 16 | start).
