@@ -38,16 +38,22 @@ _NP_TO_NAME: dict[np.dtype, str] = {
 _NAME_TO_NP = {v: k for k, v in _NP_TO_NAME.items()}
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - exercised only without torch
-        return None
-    return torch
+def _torch(load: bool = False):
+    """torch if the caller already imported it (a torch tensor can only come from there), or if
+    `load` asks for it; importing torch takes seconds, and numpy users should not pay that."""
+    import sys
+
+    if "torch" in sys.modules or load:
+        try:
+            import torch
+        except ImportError:  # pragma: no cover - exercised only without torch
+            return None
+        return torch
+    return None
 
 
 def _torch_maps():
-    torch = _torch()
+    torch = _torch(load=True)
     if torch is None:
         return {}, {}
     to_name = {
@@ -139,12 +145,12 @@ def meta_tuple(buf: _Buffer, name: str, axis: int, layout: int) -> tuple:
 def empty_like_entry(entry: Mapping[str, Any], out: str | None):
     """Allocate the array an entry decodes into: torch when asked for (or when it came from torch),
     numpy otherwise. Returns (array, address)."""
-    want_torch = out == "torch" or (out is None and entry["flags"] & FLAG_TORCH and _torch() is not None)
+    want_torch = out == "torch" or (out is None and entry["flags"] & FLAG_TORCH and _torch(load=True) is not None)
     if out not in (None, "torch", "numpy"):
         raise InvalidArgumentError(f"out must be None, 'numpy' or 'torch', not {out!r}")
     shape = tuple(entry["shape"])
     if want_torch:
-        torch = _torch()
+        torch = _torch(load=True)
         if torch is None:
             raise InvalidArgumentError("out='torch' needs torch installed (pip install weightszip[torch])")
         _, from_name = _torch_maps()
