@@ -68,6 +68,42 @@ struct Model {
     freqs: Vec<Vec<u16>>,
     /// Estimated coded size in bits, tables included.
     est_bits: f64,
+    /// Context key of every unit (when built over the whole chunk with a stride).
+    keys: Vec<u16>,
+}
+
+/// Append the context keys of units a..b: `(sym[i - stride] >> shift) * n_groups + group[i % stride]`, or
+/// `none` (no previous unit) for i < stride. `groups` is empty for a single group.
+#[allow(clippy::too_many_arguments)]
+fn unit_keys(
+    syms: &[u16],
+    stride: usize,
+    groups: &[u8],
+    n_groups: usize,
+    shift: u32,
+    none: usize,
+    a: usize,
+    b: usize,
+    out: &mut Vec<u16>,
+) {
+    let head = b.min(stride.max(a));
+    out.extend(std::iter::repeat_n(none as u16, head - a));
+    if head >= b {
+        return;
+    }
+    let prev = &syms[head - stride..b - stride];
+    if groups.is_empty() {
+        out.extend(prev.iter().map(|&p| p >> shift));
+        return;
+    }
+    let mut c = head % stride;
+    for &p in prev {
+        out.push(((p >> shift) as usize * n_groups + groups[c] as usize) as u16);
+        c += 1;
+        if c == stride {
+            c = 0;
+        }
+    }
 }
 
 fn table_bytes(freqs: &[u16]) -> usize {
@@ -110,6 +146,7 @@ fn build_model(
     alphabet: usize,
     stride: usize,
     groups: &[u8],
+    shift: u32,
     windows: &[(usize, usize)],
 ) -> Model {
     let n = syms.len();
@@ -125,43 +162,42 @@ fn build_model(
         let sampled: u64 = counts.iter().map(|&c| c as u64).sum();
         let scale = if sampled > 0 { n as f64 / sampled as f64 } else { 1.0 };
         let est = rans::coded_bits(&counts, &f) * scale + 8.0 * (table_bytes(&f) + 2) as f64;
-        return Model { stride: 0, n_groups: 1, groups: vec![], key_ctx: vec![], freqs: vec![f], est_bits: est };
+        return Model {
+            stride: 0,
+            n_groups: 1,
+            groups: vec![],
+            key_ctx: vec![],
+            freqs: vec![f],
+            est_bits: est,
+            keys: vec![],
+        };
     }
-    let none = alphabet * n_groups; // key of units without a previous one
-    let key_at = |i: usize| -> usize {
-        if i < stride {
-            none
-        } else {
-            let g = if groups.is_empty() { 0 } else { groups[i % stride] as usize };
-            syms[i - stride] as usize * n_groups + g
-        }
-    };
+    let none = (alphabet >> shift) * n_groups; // key of units without a previous one
+    let mut wkeys: Vec<u16> = Vec::new();
+    let mut wsyms: Vec<u16> = Vec::new();
+    for &(a, b) in windows {
+        unit_keys(syms, stride, groups, n_groups, shift, none, a, b, &mut wkeys);
+        wsyms.extend_from_slice(&syms[a..b]);
+    }
     // Dense ids for the keys and symbols that occur, so the 2-D count table stays small.
     let mut key_id = vec![u32::MAX; none + 1];
     let mut keys_seen: Vec<usize> = Vec::new();
     let mut sym_id = vec![u32::MAX; alphabet];
     let mut syms_seen: Vec<usize> = Vec::new();
-    for &(a, b) in windows {
-        #[allow(clippy::needless_range_loop)] // `key_at` needs the index, not just the symbol
-        for i in a..b {
-            let k = key_at(i);
-            if key_id[k] == u32::MAX {
-                key_id[k] = keys_seen.len() as u32;
-                keys_seen.push(k);
-            }
-            let s = syms[i] as usize;
-            if sym_id[s] == u32::MAX {
-                sym_id[s] = syms_seen.len() as u32;
-                syms_seen.push(s);
-            }
+    for (&k, &s) in wkeys.iter().zip(&wsyms) {
+        if key_id[k as usize] == u32::MAX {
+            key_id[k as usize] = keys_seen.len() as u32;
+            keys_seen.push(k as usize);
+        }
+        if sym_id[s as usize] == u32::MAX {
+            sym_id[s as usize] = syms_seen.len() as u32;
+            syms_seen.push(s as usize);
         }
     }
     let ns = syms_seen.len();
     let mut counts = vec![0u32; keys_seen.len() * ns];
-    for &(a, b) in windows {
-        for i in a..b {
-            counts[key_id[key_at(i)] as usize * ns + sym_id[syms[i] as usize] as usize] += 1;
-        }
+    for (&k, &s) in wkeys.iter().zip(&wsyms) {
+        counts[key_id[k as usize] as usize * ns + sym_id[s as usize] as usize] += 1;
     }
     let mut global = vec![0u64; ns];
     for row in counts.chunks(ns) {
@@ -241,7 +277,8 @@ fn build_model(
         freqs.push(f);
     }
     let groups = if n_groups > 1 { groups.to_vec() } else { vec![] };
-    Model { stride, n_groups, groups, key_ctx, freqs, est_bits: est }
+    let full = windows == [(0, n)];
+    Model { stride, n_groups, groups, key_ctx, freqs, est_bits: est, keys: if full { wkeys } else { vec![] } }
 }
 
 /// Encode one chunk. `strides` are the context strides (in units) the encoder may choose from;
@@ -316,32 +353,57 @@ fn encode_impl<const UB: usize>(
     assert!(split.sym_bits >= 1 && split.sym_bits <= MAX_SYM_BITS);
     assert!(lanes_log2 <= MAX_LANES_LOG2);
     let n = data.len() / UB;
-    let rbits = split.raw_bits();
-    let alphabet = 1usize << split.sym_bits;
-    let syms: Vec<u16> = (0..n).map(|i| (load::<UB>(data, i) >> rbits) as u16).collect();
-
-    // Choose the stride on a sample (the model estimate is a sum over units, so a spread-out
-    // sample ranks the candidates the same way), then build the chosen model on every unit.
+    // Symbol widths to try: the dtype's (sign and exponent for floats) and, for floats, two more
+    // mantissa bits with the context still keyed on sign and exponent (ctx_shift 2): on real
+    // weights the mantissa's top bits given the exponent carry 0.05-0.09 bits.
+    let mut widths = vec![(split.sym_bits, 0u32)];
+    if split.grouped && split.sym_bits + 2 <= MAX_SYM_BITS.min(split.unit_bits) {
+        widths.push((split.sym_bits + 2, 2));
+    }
+    // Choose on a sample (the model estimate is a sum over units, so a spread-out sample ranks
+    // the candidates the same way), then build the chosen model on every unit.
     let sample = sample_windows(n);
-    let mut best_choice = (0usize, Vec::new());
-    let mut best_est = build_model(&syms, alphabet, 0, &[], &sample).est_bits;
-    for &st in strides {
-        if st == 0 || st >= n {
-            continue;
-        }
-        let mut choices = vec![Vec::new()];
-        if split.grouped && (2 * FLOAT_GROUPS..=MAX_GROUP_STRIDE).contains(&st) {
-            choices.push(channel_groups(&syms, st, FLOAT_GROUPS, split.sym_bits));
-        }
-        for g in choices {
-            let est = build_model(&syms, alphabet, st, &g, &sample).est_bits;
-            if est < best_est {
-                best_est = est;
-                best_choice = (st, g);
+    // Best candidate per symbol width: (estimated bits, stride, groups, symbols).
+    let mut finalists: Vec<(f64, u32, u32, usize, Vec<u8>, Vec<u16>)> = Vec::new();
+    for &(sym_bits, shift) in &widths {
+        let rbits = split.unit_bits - sym_bits;
+        let alphabet = 1usize << sym_bits;
+        let syms: Vec<u16> = (0..n).map(|i| (load::<UB>(data, i) >> rbits) as u16).collect();
+        let mut best = (build_model(&syms, alphabet, 0, &[], shift, &sample).est_bits, 0usize, Vec::new());
+        for &st in strides {
+            if st == 0 || st >= n {
+                continue;
+            }
+            let mut choices = vec![Vec::new()];
+            if split.grouped && (2 * FLOAT_GROUPS..=MAX_GROUP_STRIDE).contains(&st) {
+                choices.push(channel_groups(&syms, st, FLOAT_GROUPS, sym_bits));
+            }
+            for g in choices {
+                let est = build_model(&syms, alphabet, st, &g, shift, &sample).est_bits;
+                if est < best.0 {
+                    best = (est, st, g);
+                }
             }
         }
+        finalists.push((best.0 + (n * rbits as usize) as f64, sym_bits, shift, best.1, best.2, syms));
     }
-    let best = build_model(&syms, alphabet, best_choice.0, &best_choice.1, &[(0, n)]);
+    // A sample sees fewer of the rare symbols, so it underestimates the tables of the wider
+    // alphabet: when the wider width looks better, build both in full and keep the smaller.
+    if finalists.len() == 2 && finalists[1].0 >= finalists[0].0 {
+        finalists.truncate(1);
+    }
+    let mut chosen: Option<(f64, u32, u32, Model, Vec<u16>)> = None;
+    for (_, sym_bits, shift, stride, groups, syms) in finalists {
+        let m = build_model(&syms, 1usize << sym_bits, stride, &groups, shift, &[(0, n)]);
+        let total = m.est_bits + (n * (split.unit_bits - sym_bits) as usize) as f64;
+        if chosen.as_ref().is_none_or(|c| total < c.0) {
+            chosen = Some((total, sym_bits, shift, m, syms));
+        }
+    }
+    let (_, sym_bits, shift, best, syms) = chosen.expect("at least one candidate");
+    let split = Split { sym_bits, ..split };
+    let rbits = split.raw_bits();
+    let alphabet = 1usize << sym_bits;
     let lanes = 1usize << lanes_log2;
     let raw_bytes = (n * rbits as usize).div_ceil(8);
     // Quick exit: if even the estimate cannot beat storing, store.
@@ -359,7 +421,7 @@ fn encode_impl<const UB: usize>(
     }
     let lanes = 1usize << lanes_log2;
     let g = best.n_groups;
-    let mut ctx_of = vec![0u8; alphabet * g];
+    let mut ctx_of = vec![0u8; (alphabet >> shift) * g];
     for &(key, c) in &best.key_ctx {
         ctx_of[key as usize] = c;
     }
@@ -375,16 +437,9 @@ fn encode_impl<const UB: usize>(
     let stride = best.stride;
     let mask = lanes - 1;
     // Context of every unit, computed forwards (it only reads symbols).
-    let mut ctx = vec![0u8; n];
-    if stride > 0 && g == 1 {
-        for i in stride..n {
-            ctx[i] = ctx_of[syms[i - stride] as usize];
-        }
-    } else if stride > 0 {
-        for i in stride..n {
-            ctx[i] = ctx_of[syms[i - stride] as usize * g + best.groups[i % stride] as usize];
-        }
-    }
+    // `keys` holds `none` = alphabet * g for units without a previous one: context 0.
+    ctx_of.push(0);
+    let ctx: Vec<u8> = if stride > 0 { best.keys.iter().map(|&k| ctx_of[k as usize]).collect() } else { vec![0u8; n] };
     let mut states = vec![RANS_L; lanes];
     // Each symbol emits at most one word, so a lane never needs more than its symbol count.
     let per_lane = n.div_ceil(lanes);
@@ -407,6 +462,7 @@ fn encode_impl<const UB: usize>(
     out.push(MODE_RANS);
     out.push(split.unit_bits as u8);
     out.push(split.sym_bits as u8);
+    out.push(shift as u8);
     out.push(lanes_log2 as u8);
     put_u32(&mut out, stride as u32);
     out.push(g as u8);
@@ -577,6 +633,10 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
     }
     let rbits = 8 * UB as u32 - sym_bits;
     let alphabet = 1usize << sym_bits;
+    let shift = r.u8("context shift")? as u32;
+    if shift >= sym_bits {
+        return corrupt(format!("context shift {shift} of {sym_bits}-bit symbols"));
+    }
     let lanes_log2 = r.u8("lanes")? as u32;
     if lanes_log2 > MAX_LANES_LOG2 {
         return corrupt(format!("2^{lanes_log2} lanes is more than 2^{MAX_LANES_LOG2}"));
@@ -591,7 +651,7 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
     if groups.iter().any(|&g| g as usize >= n_groups) {
         return corrupt("channel group out of range");
     }
-    let n_keys = alphabet * n_groups;
+    let n_keys = (alphabet >> shift) * n_groups;
     let n_ctx = r.u16("context count")? as usize;
     if n_ctx == 0 || n_ctx > MAX_CONTEXTS || n_ctx > n_keys + 1 {
         return corrupt(format!("{n_ctx} contexts"));
@@ -666,7 +726,7 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
 
     let mut syms = vec![0u16; n];
     let ok = decode_symbols(
-        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups },
+        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups, shift },
         full,
         stride,
         &mut states,
@@ -710,6 +770,8 @@ struct DecodeTables<'a> {
     ctx_of: &'a [u8],
     /// channel group of each position in a stride; empty for a single group.
     groups: &'a [u8],
+    /// low symbol bits left out of the context key.
+    shift: u32,
 }
 
 /// The hot loop: decode every symbol of a chunk, unit i from lane i mod L. Returns false if a
@@ -736,7 +798,8 @@ fn decode_symbols(
     let mask = lanes - 1;
     let max_pos = stream.len() - 2;
     let g = t.groups.iter().map(|&x| x as usize + 1).max().unwrap_or(1);
-    assert!(t.ctx_of.len() == t.alphabet * g && t.sym_fs.len() * PROB_SCALE as usize == t.slot_sym.len() * t.alphabet);
+    let shift = t.shift;
+    assert!(shift < 16 && t.ctx_of.len() == (t.alphabet >> shift) * g && t.sym_fs.len() * PROB_SCALE as usize == t.slot_sym.len() * t.alphabet);
     assert!(pos.len() == lanes && lanes.is_power_of_two() && stream.len() >= 2);
     let mut bad = false;
     let mut step = |i: usize, ctx: usize, syms: &mut [u16]| unsafe {
@@ -764,7 +827,7 @@ fn decode_symbols(
     if t.groups.is_empty() {
         for i in head..n {
             // SAFETY: i - stride < i < n; symbols are < alphabet = ctx_of.len().
-            let ctx = unsafe { *t.ctx_of.get_unchecked(*syms.get_unchecked(i - stride) as usize) } as usize;
+            let ctx = unsafe { *t.ctx_of.get_unchecked((*syms.get_unchecked(i - stride) >> shift) as usize) } as usize;
             step(i, ctx, syms);
         }
     } else {
@@ -773,7 +836,7 @@ fn decode_symbols(
         for i in head..n {
             // SAFETY: c < stride = groups.len(); key = sym * g + group < alphabet * g.
             let ctx = unsafe {
-                let key = *syms.get_unchecked(i - stride) as usize * g + *t.groups.get_unchecked(c) as usize;
+                let key = (*syms.get_unchecked(i - stride) >> shift) as usize * g + *t.groups.get_unchecked(c) as usize;
                 *t.ctx_of.get_unchecked(key)
             } as usize;
             step(i, ctx, syms);
