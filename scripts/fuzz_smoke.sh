@@ -14,7 +14,8 @@
 # exit 1 after all targets have run.
 #
 # Environment:
-#   FUZZ_SANITIZER  address (default) or none. The core is safe Rust, so `none` mostly buys speed.
+#   FUZZ_SANITIZER  address (default) or none (faster, but blind to memory errors in the decoder's
+#                   `unsafe` hot loop).
 #   FUZZ_TARGETS    space-separated subset of targets (default: all, from `cargo fuzz list`).
 #   FUZZ_TIMEOUT    seconds one input may run before it counts as a hang (default 60).
 #   FUZZ_RSS_MB     memory limit in MiB, also the largest single allocation (default 2048).
@@ -41,7 +42,7 @@ if ! command -v c++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; the
     exit 2
 fi
 
-targets="${FUZZ_TARGETS:-$(cargo fuzz list)}"
+targets="$(echo ${FUZZ_TARGETS:-$(cargo fuzz list)})"
 
 # Seeds are committed; write them only if a target has none (e.g. a fresh checkout without them).
 for t in $targets; do

@@ -35,10 +35,14 @@ fn xxh3(b: &[u8]) -> u64 {
 
 /// Pass 1: arbitrary bytes, as the library would see them.
 fn as_is(data: &[u8]) {
-    let Ok(c) = Container::parse(data) else { return };
+    let Ok(c) = Container::parse(data) else {
+        return;
+    };
     let mut budget = MAX_TOTAL_RAW;
     for ei in 0..c.index.entries.len() {
-        let Ok(need) = c.index.entries[ei].meta.raw_bytes() else { continue };
+        let Ok(need) = c.index.entries[ei].meta.raw_bytes() else {
+            continue;
+        };
         if need > MAX_ENTRY_RAW || need > budget {
             continue;
         }
@@ -81,7 +85,9 @@ fn rebuild(buf: &[u8], io: usize, index: &Index) -> Vec<u8> {
 
 /// Pass 2: a checksum-repaired copy.
 fn repaired(data: &[u8]) {
-    let Some((buf, io, il)) = repair(data) else { return };
+    let Some((buf, io, il)) = repair(data) else {
+        return;
+    };
     let ib = &buf[io..io + il];
     let direct = Index::parse(ib, io as u64);
     let parsed = Container::parse(&buf);
@@ -94,7 +100,10 @@ fn repaired(data: &[u8]) {
     );
     let Ok(c) = parsed else { return };
     assert_eq!(c.index, direct.unwrap());
-    assert!(c.index.to_bytes() == ib, "index does not re-serialise to the bytes it was parsed from");
+    assert!(
+        c.index.to_bytes() == ib,
+        "index does not re-serialise to the bytes it was parsed from"
+    );
 
     // Decode each chunk on its own, bypassing the checksums; remember the results.
     let mut index = c.index.clone();
@@ -137,18 +146,31 @@ fn repaired(data: &[u8]) {
         let r = c2.decode_entry(ei, &mut out, 1);
         match d {
             Ok(want) => {
-                r.unwrap_or_else(|e| panic!("entry {ei}: every chunk decodes, decode_entry says {e}"));
-                assert!(out == *want, "entry {ei}: decode_entry differs from its chunks");
+                r.unwrap_or_else(|e| {
+                    panic!("entry {ei}: every chunk decodes, decode_entry says {e}")
+                });
+                assert!(
+                    out == *want,
+                    "entry {ei}: decode_entry differs from its chunks"
+                );
             }
             Err(()) => {
                 all_ok = false;
-                assert!(r.is_err(), "entry {ei}: a chunk fails to decode but decode_entry succeeds");
+                assert!(
+                    r.is_err(),
+                    "entry {ei}: a chunk fails to decode but decode_entry succeeds"
+                );
             }
         }
     }
     if decoded.iter().all(|d| d.is_some()) {
         let v = c2.verify(1);
-        assert_eq!(v.is_ok(), all_ok, "verify disagrees with the chunk decoder: {:?}", v.err());
+        assert_eq!(
+            v.is_ok(),
+            all_ok,
+            "verify disagrees with the chunk decoder: {:?}",
+            v.err()
+        );
     }
 }
 

@@ -16,7 +16,8 @@
 //!             bits 4-5: data mode (0 raw pool, 1 2-bit bytes, 2 PRNG, 3 smooth elements),
 //!             bit 6: layout KV instead of tensor, bit 7: torch flag
 //!   t2 t3 t4  dimensions 0..=255 (the first ndim are used)
-//!   t5        name length (mod 16)
+//!   t5        bits 0-3: name length, bits 4-5: rows repeat with this period (0: none;
+//!             repeated rows make the encoder emit row references, MODE_ROWS)
 //! rest        data pool: tensor contents and names are drawn from it
 //! ```
 //!
@@ -28,11 +29,14 @@
 use libfuzzer_sys::fuzz_target;
 use weightszip_core::codec::{chunk_elems_for, compress, Container, EncodeOptions};
 use weightszip_core::dtype::ALL_DTYPES;
-use weightszip_core::format::{parse_trailer, TensorMeta, FLAG_TORCH, KIND_FILE, KIND_TENSORS, LAYOUT_KV, LAYOUT_TENSOR, TRAILER_LEN};
+use weightszip_core::format::{
+    parse_trailer, TensorMeta, FLAG_TORCH, KIND_FILE, KIND_TENSORS, LAYOUT_KV, LAYOUT_TENSOR,
+    TRAILER_LEN,
+};
 
 const MAX_RAW: u64 = 64 << 10;
 /// Bound on chunks x alphabet^2 per tensor (the context model counts pairs of symbols).
-const MAX_MODEL_WORK: u64 = 1 << 23;
+const MAX_MODEL_WORK: u64 = 1 << 20;
 
 struct Bytes<'a> {
     d: &'a [u8],
@@ -48,7 +52,13 @@ impl Bytes<'_> {
 }
 
 fn gen_data(mode: u8, size: usize, nbytes: usize, pool: &[u8], salt: usize) -> Vec<u8> {
-    let at = |j: usize| if pool.is_empty() { 0 } else { pool[(j + salt * 131) % pool.len()] };
+    let at = |j: usize| {
+        if pool.is_empty() {
+            0
+        } else {
+            pool[(j + salt * 131) % pool.len()]
+        }
+    };
     match mode {
         0 => (0..nbytes).map(at).collect(),
         1 => (0..nbytes).map(|j| at(j) & 3).collect(),
@@ -67,7 +77,13 @@ fn gen_data(mode: u8, size: usize, nbytes: usize, pool: &[u8], salt: usize) -> V
             // One base element; each element flips bits of its lowest byte only.
             let base: Vec<u8> = (0..size).map(at).collect();
             (0..nbytes)
-                .map(|j| if j % size == 0 { base[0] ^ at(size + j / size) } else { base[j % size] })
+                .map(|j| {
+                    if j % size == 0 {
+                        base[0] ^ at(size + j / size)
+                    } else {
+                        base[j % size]
+                    }
+                })
                 .collect()
         }
     }
@@ -83,11 +99,20 @@ fuzz_target!(|data: &[u8]| {
     let n_tensors = ((g & 3) as usize).clamp(0, 2) + 1;
     let lanes_log2 = ((g >> 2) & 15) as u32 % 11;
     let two_threads = g & 0x40 != 0;
-    let kind = if g & 0x80 != 0 { KIND_FILE } else { KIND_TENSORS };
+    let kind = if g & 0x80 != 0 {
+        KIND_FILE
+    } else {
+        KIND_TENSORS
+    };
     let chunk_bytes = u16::from_le_bytes([b.u8(), b.u8()]) as u64 + 1;
-    let opts = EncodeOptions { chunk_bytes, threads: if two_threads { 2 } else { 1 }, lanes_log2 };
-    let headers: Vec<[u8; 6]> =
-        (0..n_tensors).map(|_| [b.u8(), b.u8(), b.u8(), b.u8(), b.u8(), b.u8()]).collect();
+    let opts = EncodeOptions {
+        chunk_bytes,
+        threads: if two_threads { 2 } else { 1 },
+        lanes_log2,
+    };
+    let headers: Vec<[u8; 6]> = (0..n_tensors)
+        .map(|_| [b.u8(), b.u8(), b.u8(), b.u8(), b.u8(), b.u8()])
+        .collect();
     let pool = data.get(b.i.min(data.len())..).unwrap_or(&[]);
 
     let mut tensors: Vec<(TensorMeta, Vec<u8>)> = Vec::new();
@@ -96,10 +121,18 @@ fuzz_target!(|data: &[u8]| {
         let ndim = (h[1] & 3) as usize;
         let mut shape: Vec<u64> = h[2..2 + ndim].iter().map(|&d| d as u64).collect();
         let mut meta = TensorMeta::new(dtype, shape.clone());
-        meta.channel_axis = if ndim == 0 { 0 } else { ((h[1] >> 2) & 3) % ndim as u8 };
-        meta.layout = if h[1] & 0x40 != 0 { LAYOUT_KV } else { LAYOUT_TENSOR };
+        meta.channel_axis = if ndim == 0 {
+            0
+        } else {
+            ((h[1] >> 2) & 3) % ndim as u8
+        };
+        meta.layout = if h[1] & 0x40 != 0 {
+            LAYOUT_KV
+        } else {
+            LAYOUT_TENSOR
+        };
         meta.flags = if h[1] & 0x80 != 0 { FLAG_TORCH } else { 0 };
-        let name_len = (h[5] % 16) as usize;
+        let name_len = (h[5] & 15) as usize;
         meta.name = String::from_utf8_lossy(&pool[..name_len.min(pool.len())]).into_owned();
         let alphabet = 1u64 << dtype.split().sym_bits;
         loop {
@@ -108,7 +141,9 @@ fuzz_target!(|data: &[u8]| {
             let chunks = if raw == 0 {
                 0
             } else {
-                meta.n_elems().unwrap().div_ceil(chunk_elems_for(&meta, &opts))
+                meta.n_elems()
+                    .unwrap()
+                    .div_ceil(chunk_elems_for(&meta, &opts))
             };
             if raw <= MAX_RAW && chunks * alphabet * alphabet <= MAX_MODEL_WORK {
                 break;
@@ -117,18 +152,30 @@ fuzz_target!(|data: &[u8]| {
             shape[big] /= 2;
         }
         let mode = (h[1] >> 4) & 3;
-        let bytes = gen_data(mode, dtype.size(), raw_of(&meta) as usize, pool, ti);
+        let mut bytes = gen_data(mode, dtype.size(), raw_of(&meta) as usize, pool, ti);
+        let period = ((h[5] >> 4) & 3) as usize;
+        let row = (meta.row_elems() as usize * dtype.size()).min(bytes.len());
+        if period > 0 && row > 0 {
+            for r in period..bytes.len() / row {
+                bytes.copy_within((r % period) * row..(r % period + 1) * row, r * row);
+            }
+        }
         tensors.push((meta, bytes));
     }
 
     let refs: Vec<(TensorMeta, &[u8])> = tensors.iter().map(|(m, d)| (m.clone(), &d[..])).collect();
-    let c = compress(&refs, kind, &opts).unwrap_or_else(|e| panic!("compress refused valid input: {e}"));
+    let c = compress(&refs, kind, &opts)
+        .unwrap_or_else(|e| panic!("compress refused valid input: {e}"));
     if two_threads {
         let one = EncodeOptions { threads: 1, ..opts };
-        assert!(compress(&refs, kind, &one).unwrap() == c, "output depends on the thread count");
+        assert!(
+            compress(&refs, kind, &one).unwrap() == c,
+            "output depends on the thread count"
+        );
     }
 
-    let parsed = Container::parse(&c).unwrap_or_else(|e| panic!("own container does not parse: {e}"));
+    let parsed =
+        Container::parse(&c).unwrap_or_else(|e| panic!("own container does not parse: {e}"));
     assert_eq!(parsed.index.kind, kind);
     assert_eq!(parsed.index.entries.len(), tensors.len());
     let total = c.len() as u64;
@@ -137,12 +184,17 @@ fuzz_target!(|data: &[u8]| {
         parsed.index.to_bytes() == c[io as usize..(io + il) as usize],
         "index does not re-serialise to its bytes"
     );
-    parsed.verify(opts.threads).unwrap_or_else(|e| panic!("verify failed on own container: {e}"));
+    parsed
+        .verify(opts.threads)
+        .unwrap_or_else(|e| panic!("verify failed on own container: {e}"));
     for (ei, (meta, bytes)) in tensors.iter().enumerate() {
         assert_eq!(&parsed.index.entries[ei].meta, meta);
         let back = parsed
             .decode_entry_vec(ei, opts.threads)
             .unwrap_or_else(|e| panic!("entry {ei} does not decode: {e}"));
-        assert!(back == *bytes, "entry {ei}: decoded bytes differ from the input");
+        assert!(
+            back == *bytes,
+            "entry {ei}: decoded bytes differ from the input"
+        );
     }
 });

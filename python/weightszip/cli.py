@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--threads", type=int, default=0)
     m.add_argument("--quick", action="store_true", help="shorter context (for CI)")
     m.set_defaults(fn=_cmd_demo)
+    from weightszip.eval import capacity
+    capacity.add_parser(sub)
     return p
 
 

@@ -343,6 +343,10 @@ fn stored(data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The best candidate of one symbol width: (estimated total bits, symbol bits, context shift,
+/// stride, channel groups, symbols).
+type Finalist = (f64, u32, u32, usize, Vec<u8>, Vec<u16>);
+
 fn encode_impl<const UB: usize>(
     data: &[u8],
     split: Split,
@@ -364,7 +368,7 @@ fn encode_impl<const UB: usize>(
     // the candidates the same way), then build the chosen model on every unit.
     let sample = sample_windows(n);
     // Best candidate per symbol width: (estimated bits, stride, groups, symbols).
-    let mut finalists: Vec<(f64, u32, u32, usize, Vec<u8>, Vec<u16>)> = Vec::new();
+    let mut finalists: Vec<Finalist> = Vec::new();
     for &(sym_bits, shift) in &widths {
         let rbits = split.unit_bits - sym_bits;
         let alphabet = 1usize << sym_bits;
@@ -726,7 +730,7 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
 
     let mut syms = vec![0u16; n];
     let ok = decode_symbols(
-        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups, shift },
+        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups, n_groups, shift },
         full,
         stride,
         &mut states,
@@ -770,6 +774,8 @@ struct DecodeTables<'a> {
     ctx_of: &'a [u8],
     /// channel group of each position in a stride; empty for a single group.
     groups: &'a [u8],
+    /// number of channel groups declared (the map need not use every group).
+    n_groups: usize,
     /// low symbol bits left out of the context key.
     shift: u32,
 }
@@ -797,7 +803,7 @@ fn decode_symbols(
     let lanes = states.len();
     let mask = lanes - 1;
     let max_pos = stream.len() - 2;
-    let g = t.groups.iter().map(|&x| x as usize + 1).max().unwrap_or(1);
+    let g = t.n_groups;
     let shift = t.shift;
     assert!(shift < 16 && t.ctx_of.len() == (t.alphabet >> shift) * g && t.sym_fs.len() * PROB_SCALE as usize == t.slot_sym.len() * t.alphabet);
     assert!(pos.len() == lanes && lanes.is_power_of_two() && stream.len() >= 2);

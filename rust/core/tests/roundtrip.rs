@@ -128,3 +128,15 @@ proptest! {
         let _ = weightszip_core::chunk::decode_chunk(&payload, &mut out);
     }
 }
+
+/// Found by the chunk_decode fuzzer: a group map that leaves the top declared group unused made
+/// the decoder's consistency assert fire (a panic on untrusted input).
+#[test]
+fn unused_top_channel_group_is_not_a_panic() {
+    let payload = [
+        0x01, 0x08, 0x08, 0x00, 0x00, 0x04, 0x00, 0x00, 0x00, 0x04, 0x00, 0x00, 0x00, 0x01, 0x01, 0x00, 0x00, 0x00,
+        0x00, 0x00, 0x04, 0x00, 0x00, 0x00, 0x00, 0x01, 0x60, 0x00,
+    ];
+    let mut out = vec![0u8; 0x92a2];
+    assert!(weightszip_core::chunk::decode_chunk(&payload, &mut out).is_err());
+}

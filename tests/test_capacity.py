@@ -1,0 +1,264 @@
+"""The capacity calculator: the published figures reproduced exactly, JSON, config.json, errors, plot."""
+
+import json
+import math
+from fractions import Fraction
+
+import pytest
+
+from weightszip import cli
+from weightszip.errors import WeightszipError
+from weightszip.eval import capacity
+from weightszip.eval.capacity import GB, CapacityError, compute
+
+ALL = ["bf16", "fp8", "int4-g32", "q4", "q3.5", "q3"]
+
+# Llama-3.1-8B's and -70B's config.json, as Meta publishes them (the fields the calculator reads).
+LLAMA_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def run_cli(*args) -> int:
+    return cli.main([str(a) for a in args])
+
+
+def sessions(report):
+    return {f.name: f.sessions_per_unit for f in report.formats}
+
+
+def test_llama_8b_one_h100_as_the_card_reports():
+    r = compute("llama-3.1-8b", "h100-80gb-reported", gpus=1, context=131072)
+    assert r.memory_gb == Fraction("85.5")
+    assert r.weight_bytes == Fraction("16.06") * GB
+    assert r.budget_per_gpu == Fraction("58.6") * GB  # 0.92 x 85.5 - 16.06 - 4, exactly
+    assert r.budget_total == r.budget_per_gpu
+    bf16 = r.row("bf16")
+    assert bf16.kv_bytes_per_session == 2 * 32 * 8 * 128 * 2 * 131072
+    assert round(float(bf16.kv_bytes_per_session / GB), 1) == 17.2
+    assert sessions(r) == {"bf16": 3, "fp8": 6, "int4-g32": 12, "q4": 13, "q3.5": 15, "q3": 18}
+    assert r.unit == "GPU"
+    # speedups are ratios of whole-session counts
+    assert r.row("q3").vs_bf16 == 6.0 and r.row("q3").vs_fp8 == 3.0
+    assert r.row("int4-g32").vs_fp8 == 2.0
+
+
+def test_llama_8b_memory_as_explicit_input():
+    r = compute("llama-3.1-8b", "h100-80gb", gpu_memory_gb="85.5")
+    assert r.memory_gb == Fraction("85.5") and r.memory_source == "--gpu-memory-gb"
+    assert sessions(r) == {"bf16": 3, "fp8": 6, "int4-g32": 12, "q4": 13, "q3.5": 15, "q3": 18}
+    # any GPU, given its memory
+    assert sessions(compute("llama-3.1-8b", "my-gpu", gpu_memory_gb="85.5")) == sessions(r)
+    # the label's 80 GB is a different, smaller budget
+    assert compute("llama-3.1-8b", "h100-80gb").budget_per_gpu == (Fraction("73.6") - Fraction("20.06")) * GB
+
+
+def test_llama_70b_8x_h100_node():
+    r = compute("llama-3.1-70b", "h100-80gb", gpus=8, context=131072)
+    assert r.memory_gb == 80
+    assert r.weight_bytes == Fraction("141.2") * GB
+    assert r.budget_total == (Fraction("588.8") - Fraction("141.2") - 32) * GB
+    assert round(float(r.budget_total / GB)) == 416
+    bf16 = r.row("bf16")
+    assert bf16.kv_bytes_per_session == 2 * 80 * 8 * 128 * 2 * 131072
+    assert round(float(bf16.kv_bytes_per_session / GB), 1) == 42.9
+    assert sessions(r) == {"bf16": 9, "fp8": 19, "int4-g32": 34, "q4": 38, "q3.5": 44, "q3": 51}
+    assert r.unit == "node" and r.unit_gpus == 8 and r.kv_replication == 1
+
+
+def test_llama_8b_h200():
+    r = compute("llama-3.1-8b", "h200")
+    assert r.budget_per_gpu == Fraction("109.66") * GB
+    assert sessions(r) == {"bf16": 6, "fp8": 12, "int4-g32": 22, "q4": 25, "q3.5": 29, "q3": 34}
+
+
+def test_fleet():
+    r = compute("llama-3.1-8b", "h100-80gb-reported", sessions=1000)
+    q3 = r.row("q3")
+    assert q3.fleet_units == math.ceil(1000 / 18) == q3.fleet_gpus == 56
+    assert q3.cost_reserved == 112 and q3.cost_on_demand == Fraction("202.16")
+    r = compute("llama-3.1-70b", "h100-80gb", gpus=8, sessions=1000)
+    fp8 = r.row("fp8")
+    assert fp8.fleet_units == math.ceil(1000 / 19) == 53 and fp8.fleet_gpus == 424
+    assert fp8.cost_reserved == 848
+    # 2-GPU replicas are packed four to a node, and bought by the node
+    r = compute("llama-3.1-8b", "h100-80gb", gpus=2, sessions=100)
+    assert r.replicas_per_unit == 4
+    assert r.row("bf16").sessions_per_unit == 4 * r.row("bf16").sessions_per_replica
+    assert r.row("bf16").fleet_gpus == 8 * r.row("bf16").fleet_units
+
+
+def test_register_format_extends_and_replaces():
+    saved = dict(capacity.FORMATS)
+    try:
+        capacity.register_format("q2.25", 2.25, "test")
+        r = compute("llama-3.1-8b", "h100-80gb-reported", formats=["bf16", "q2.25"])
+        assert r.row("q2.25").bits_per_value == Fraction(9, 4)
+        assert r.row("q2.25").sessions_per_unit == math.floor(Fraction("58.6") * GB / (Fraction(17179869184) * 9 / 64))
+        capacity.register_format("q3", Fraction(3) + Fraction(1, 64))
+        assert compute("llama-3.1-8b", "h100-80gb-reported", formats=["q3"]).row("q3").bits_per_value == Fraction(193, 64)
+        with pytest.raises(CapacityError):
+            capacity.register_format("bad", 0)
+        with pytest.raises(ValueError):
+            capacity.register_format("bad", "four")
+    finally:
+        capacity.FORMATS.clear()
+        capacity.FORMATS.update(saved)
+
+
+def test_text_output(capsys):
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--gpu-memory-gb", "85.5") == 0
+    out = capsys.readouterr().out
+    assert "85.5 GB each" in out and "58.60 GB of KV per GPU" in out
+    assert "sessions/GPU" in out and "Fleet for 1000 concurrent sessions" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] == "q3.5"]
+    assert rows[0][1:4] == ["3.50", "3.76", "15"]  # format table: bits, KV GB/session, sessions/GPU
+    assert rows[1][1:5] == ["15", "67", "$134.00", "$241.87"]  # fleet table
+
+
+def test_json_output(capsys):
+    assert run_cli("capacity", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--gpus", "8", "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["gpu"]["memory_gb"] == 80.0 and d["gpus"] == 8 and d["unit"] == "node"
+    assert round(d["kv_budget_gb_total"]) == 416
+    assert [(f["name"], f["sessions_per_unit"]) for f in d["formats"]] == list(
+        zip(ALL, [9, 19, 34, 38, 44, 51])
+    )
+    assert d["fleet"]["sessions"] == 1000 and d["fleet"]["price_reserved_per_gpu_hour"] == 2.0
+    assert d["fleet"]["rows"][1]["gpus"] == 424
+
+
+def test_formats_and_context_flags(capsys):
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb-reported", "--context", "128k",
+                   "--formats", "fp8,q3", "--sessions", "36", "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["context"] == 131072
+    assert [(f["name"], f["sessions_per_unit"]) for f in d["formats"]] == [("fp8", 6), ("q3", 18)]
+    assert [row["units"] for row in d["fleet"]["rows"]] == [6, 2]
+    # speedups still relative to bf16 even when bf16 is not listed
+    assert d["formats"][1]["speedup_vs_bf16"] == 6.0
+
+
+def test_config_json(tmp_path, capsys):
+    p = tmp_path / "Llama-3.1-8B" / "config.json"
+    p.parent.mkdir()
+    p.write_text(json.dumps(LLAMA_8B_CONFIG))
+    # parameters estimated from the config: 8,030,261,248 (Meta's 8.03B)
+    r = compute(str(p), "h100-80gb-reported")
+    assert r.model.params == 8030261248
+    assert (r.model.layers, r.model.kv_heads, r.model.head_dim) == (32, 8, 128)
+    assert any("estimated" in n for n in r.notes)
+    assert sessions(r) == {"bf16": 3, "fp8": 6, "int4-g32": 12, "q4": 13, "q3.5": 15, "q3": 18}
+    # --params, and a directory holding config.json, through the CLI
+    assert run_cli("capacity", "--model", p.parent, "--gpu", "h100-80gb-reported", "--params", "8.03B", "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["model"]["params"] == 8.03e9 and d["kv_budget_gb_per_gpu"] == 58.6
+    # a parameter field in the config; head_dim given directly; MHA when num_key_value_heads is absent
+    cfg = {"num_hidden_layers": 30, "num_attention_heads": 9, "head_dim": 64, "num_parameters": 134515008}
+    q = tmp_path / "smol.json"
+    q.write_text(json.dumps(cfg))
+    r = compute(str(q), "l4", context=8192)
+    assert r.model.kv_heads == 9 and r.model.params == 134515008
+    assert r.row("bf16").kv_bytes_per_session == 2 * 30 * 9 * 64 * 2 * 8192
+
+
+def test_config_mixture_of_experts_needs_params(tmp_path):
+    cfg = dict(LLAMA_8B_CONFIG, num_local_experts=8)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(CapacityError, match="--params"):
+        compute(str(p), "h200")
+    assert compute(str(p), "h200", params="46.7e9").model.params == Fraction(467, 10) * 10**9
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(model="llama-9"), "unknown model"),
+        (dict(gpu="h300"), "unknown GPU"),
+        (dict(formats=["q5"]), "unknown format"),
+        (dict(gpus=3), "does not divide"),
+        (dict(gpus=12), "multiple of 8"),
+        (dict(gpu_memory_gb=-1), "positive"),
+        (dict(model="llama-3.1-70b"), "no room for any KV cache"),
+        (dict(params="many"), "not a number"),
+    ],
+)
+def test_invalid_inputs(kwargs, match):
+    args = dict(model="llama-3.1-8b", gpu="h100-80gb")
+    args.update(kwargs)
+    model, gpu = args.pop("model"), args.pop("gpu")
+    with pytest.raises(CapacityError, match=match) as e:
+        compute(model, gpu, **args)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, WeightszipError)
+
+
+def test_invalid_config_files(tmp_path):
+    with pytest.raises(CapacityError, match="cannot read"):
+        compute(str(tmp_path / "missing.json"), "h200")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CapacityError, match="not valid JSON"):
+        compute(str(bad), "h200")
+    bad.write_text(json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32}))
+    with pytest.raises(CapacityError, match="hidden_size"):
+        compute(str(bad), "h200")
+    bad.write_text(json.dumps(dict(LLAMA_8B_CONFIG, kv_lora_rank=512)))
+    with pytest.raises(CapacityError, match="latent"):
+        compute(str(bad), "h200")
+
+
+def test_cli_errors(capsys):
+    # a bad value for a flag: argparse's usage error
+    for argv in (["--gpus", "0"], ["--context", "lots"], ["--sessions", "-5"], ["--gpu-memory-gb", "x"]):
+        with pytest.raises(SystemExit) as e:
+            run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", *argv)
+        assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        run_cli("capacity", "--gpu", "h100-80gb")  # --model is required
+    capsys.readouterr()
+    # an input the calculator cannot use: a message and exit status 1
+    assert run_cli("capacity", "--model", "llama-3.1-70b", "--gpu", "l40s") == 1
+    err = capsys.readouterr().err
+    assert "no room for any KV cache" in err and "--gpus" in err
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--formats", "bf16,zz") == 1
+    assert "unknown format 'zz'" in capsys.readouterr().err
+
+
+def test_kv_heads_replicated_past_one_per_gpu():
+    r = compute("llama-3.1-70b", "h100-80gb", gpus=16)
+    assert r.kv_replication == 2 and r.unit_gpus == 16
+    assert r.row("bf16").kv_bytes_per_session == 2 * 2 * 80 * 8 * 128 * 2 * 131072
+
+
+def test_plot_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "capacity.png"
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb-reported", "--plot", out) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    with pytest.raises(CapacityError, match="pip install matplotlib"):
+        capacity._import_pyplot()
