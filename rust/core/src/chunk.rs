@@ -10,13 +10,14 @@
 use crate::bytes::{put_u16, put_u32, Reader};
 use crate::dtype::Split;
 use crate::error::{corrupt, truncated, Result};
+use crate::format::MAX_EXPANSION;
 use crate::rans::{self, DecTable, EncTable, PROB_BITS, PROB_SCALE, RANS_L};
 
 pub const MODE_STORED: u8 = 0;
 pub const MODE_RANS: u8 = 1;
 pub const MODE_ROWS: u8 = 2;
 /// Dedup pays when at least this fraction (1/16) of a chunk's rows repeat an earlier row: each
-/// repeat costs an 8-byte reference. Layer 0's V depends only on the token id, so 60-90% of its
+/// repeat costs an 8-byte reference. Layer 0's V depends only on the token id, so 77-90% of its
 /// rows repeat on real text.
 const ROWS_MIN_SHARE: usize = 16;
 /// Most contexts one chunk may declare (context ids fit a byte).
@@ -287,12 +288,17 @@ fn build_model(
 /// With `row_bytes` > 0 the encoder also looks for rows (of that many bytes) that repeat an
 /// earlier row of the chunk exactly, and codes them as references (mode ROWS).
 pub fn encode_chunk(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32, row_bytes: usize) -> Vec<u8> {
+    let plain = encode_units(data, split, strides, lanes_log2);
     if row_bytes > 0 && data.len().is_multiple_of(row_bytes) && data.len() / row_bytes >= 4 {
-        if let Some(p) = encode_rows(data, split, strides, lanes_log2, row_bytes) {
-            return p;
+        if let Some(rows) = encode_rows(data, split, strides, lanes_log2, row_bytes) {
+            // Keep the smaller, and never one a reader must reject: references can restore far
+            // more bytes per stored byte than coded symbols can (docs/FORMAT.md, "Limits").
+            if rows.len() < plain.len() && (data.len() as u64) <= MAX_EXPANSION * rows.len() as u64 {
+                return rows;
+            }
         }
     }
-    encode_units(data, split, strides, lanes_log2)
+    plain
 }
 
 /// Mode ROWS, when enough rows repeat: references for the repeats, then the unique rows coded

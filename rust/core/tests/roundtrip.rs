@@ -140,3 +140,12 @@ fn unused_top_channel_group_is_not_a_panic() {
     let mut out = vec![0u8; 0x92a2];
     assert!(weightszip_core::chunk::decode_chunk(&payload, &mut out).is_err());
 }
+
+/// Row references can restore far more bytes per stored byte than coded symbols can; the encoder
+/// must never write a chunk its own reader rejects for exceeding the expansion limit.
+#[test]
+fn huge_repeated_rows_stay_within_the_expansion_limit() {
+    let data = vec![0u8; 64 << 20];
+    let opts = EncodeOptions { chunk_bytes: 64 << 20, threads: 1, ..Default::default() };
+    roundtrip(DType::I8, vec![16, 4 << 20], &data, &opts);
+}
