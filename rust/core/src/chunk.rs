@@ -25,6 +25,8 @@ pub const MAX_CONTEXTS: usize = 256;
 /// Most lanes: 2^10. The GPU decoder runs a thread per lane; 32 lanes are enough on a CPU.
 pub const MAX_LANES_LOG2: u32 = 10;
 pub const DEFAULT_LANES_LOG2: u32 = 5;
+/// Fewest units per lane the encoder allows before it halves the lane count.
+const MIN_UNITS_PER_LANE: usize = 256;
 /// Largest alphabet: 2^12 symbols, so a symbol always has a slot in a 4096-entry table.
 pub const MAX_SYM_BITS: u32 = 12;
 
@@ -432,6 +434,11 @@ fn encode_impl<const UB: usize>(
     // a single lane).
     let mut lanes_log2 = lanes_log2;
     while best.stride != 0 && (1usize << lanes_log2) > best.stride {
+        lanes_log2 -= 1;
+    }
+    // Each lane costs 8 bytes (its length and final state): small chunks (a 16-token page is a
+    // few thousand units) get one lane per 256 units at most.
+    while lanes_log2 > 0 && (n >> lanes_log2) < MIN_UNITS_PER_LANE {
         lanes_log2 -= 1;
     }
     let lanes = 1usize << lanes_log2;
