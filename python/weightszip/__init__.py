@@ -9,19 +9,8 @@
 
 from weightszip._core import FORMAT_VERSION
 from weightszip._tensors import compress, decompress, info, load_file, save_file, verify
-from weightszip.errors import (
-    BadMagicError,
-    BufferTooSmallError,
-    ChecksumMismatchError,
-    CorruptDataError,
-    InvalidArgumentError,
-    LimitExceededError,
-    TruncatedError,
-    UnsupportedFeatureError,
-    UnsupportedVersionError,
-    WeightszipError,
-    WeightszipIOError,
-)
+from weightszip import errors
+from weightszip.errors import *  # noqa: F403 - the exception classes, listed in errors.__all__
 from weightszip.files import compress_file, decompress_file, file_info, verify_file
 
 __version__ = "0.1.0"
@@ -38,15 +27,6 @@ __all__ = [
     "decompress_file",
     "file_info",
     "verify_file",
-    "WeightszipError",
-    "BadMagicError",
-    "UnsupportedVersionError",
-    "UnsupportedFeatureError",
-    "CorruptDataError",
-    "TruncatedError",
-    "ChecksumMismatchError",
-    "LimitExceededError",
-    "InvalidArgumentError",
-    "BufferTooSmallError",
-    "WeightszipIOError",
+    "errors",
+    *errors.__all__,
 ]
