@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=_cmd_demo)
     from weightszip.eval import capacity
     capacity.add_parser(sub)
+    from weightszip.eval import cli as eval_cli
+    eval_cli.add_parsers(sub)
     return p
 
 

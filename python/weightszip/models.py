@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,44 +156,159 @@ def bf16_bits(t) -> np.ndarray:
     return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
 
+EVAL_HINT = "pip install 'weightszip[eval]'"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM in bf16, its tokenizer, and where it came from."""
+
+    model: object  # transformers PreTrainedModel, in eval mode
+    tokenizer: object
+    name: str  # what it is (the HF name for the known models, else the path)
+    source: str  # the file or folder it was loaded from
+    key: str | None  # "smollm2" / "qwen2.5" for the known models
+    gguf_file: str | None
+    pip_packages: tuple[str, ...]
+    load_seconds: float
+
+
+def _resolve_model(spec: str | os.PathLike) -> tuple[Path, str | None, ModelSpec | None]:
+    """(folder, gguf file name or None, known ModelSpec or None) for a model spec."""
+    s = os.fspath(spec)
+    if s in MODELS:
+        gguf = find_model_gguf(s)
+        return gguf.parent, gguf.name, MODELS[s]
+    p = Path(s).expanduser()
+    if p.is_file():
+        with open(p, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ValueError(f"{p} is not a GGUF file; give a model folder, a .gguf file or one of {sorted(MODELS)}")
+        return p.parent, p.name, None
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return p, None, None
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return p, ggufs[0].name, None
+        if ggufs:
+            raise ValueError(f"{p} holds {len(ggufs)} .gguf files; name one of them")
+        raise ValueError(f"{p} has neither a config.json nor a .gguf file")
+    raise ValueError(f"no model {s!r}: not one of {sorted(MODELS)}, nor a folder or .gguf file that exists")
+
+
+def _dequantized_cache_path(gguf: Path) -> Path:
+    """Where the bf16 copy of a GGUF model is kept: keyed by the file (name, size, mtime) and the
+    transformers version that dequantized it."""
+    import transformers
+
+    st = gguf.stat()
+    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return _cache_dir() / "models" / f"{gguf.stem}-bf16-{digest}"
+
+
+def _save_dequantized(model, tok, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only or full cache only costs the next load its time
+        print(f"note: could not cache the dequantized model in {path}: {e}", flush=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_causal_lm(spec: str | os.PathLike, *, verbose: bool = True, cache: bool | None = None) -> LoadedModel:
+    """Load a causal LM in bf16 with its tokenizer, for evaluation and KV capture.
+
+    ``spec`` is "smollm2" or "qwen2.5" (found among installed PyPI packages; ``ModelNotInstalled``
+    names what to install), a transformers model folder (config.json + weights, or a folder with
+    one .gguf file), or a .gguf file. GGUF weights are dequantized to bf16; the dequantized model
+    and tokenizer are saved once under ``$WEIGHTSZIP_CACHE`` (or ``~/.cache/weightszip``) and loaded
+    from there next time (30 s -> under 1 s for SmolLM2; same weights and token ids). ``cache=False``
+    or ``WEIGHTSZIP_MODEL_CACHE=0`` turns that off.
+    """
+    if cache is None:
+        cache = os.environ.get("WEIGHTSZIP_MODEL_CACHE", "1") != "0"
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError as e:
+        raise ImportError(f"loading a model needs torch, transformers, gguf and accelerate: {EVAL_HINT} ({e})") from e
+
+    folder, gguf_name, known = _resolve_model(spec)
+    t0 = time.perf_counter()
+    source = str(folder / gguf_name) if gguf_name else str(folder)
+    if verbose:
+        print(f"loading {known.hf_name if known else source}", flush=True)
+    cached = _dequantized_cache_path(folder / gguf_name) if gguf_name and cache else None
+    if cached is not None and (cached / "config.json").is_file():
+        tok = AutoTokenizer.from_pretrained(cached)
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.bfloat16)
+    elif gguf_name:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf_name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+        )
+        if cached is not None:
+            _save_dequantized(model, tok, cached)
+    else:
+        tok = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tok,
+        name=known.hf_name if known else source,
+        source=source,
+        key=known.key if known else None,
+        gguf_file=gguf_name,
+        pip_packages=known.packages if known else (),
+        load_seconds=time.perf_counter() - t0,
+    )
+
+
+def tokenize_text(tok, text_path: Path, n_tokens: int, offset: int = 0):
+    """The token ids [1, n_tokens] of ``text_path`` from token ``offset`` on (BOS etc. as the
+    tokenizer adds them, counted from the start), and the files they come from."""
+    text_path = Path(text_path)
+    want = offset + n_tokens
+    # ~2-3 characters per token for prose and code; read a margin and retry with all if short.
+    text, files = read_text(text_path, max_chars=want * 8)
+    ids = tok(text, add_special_tokens=True, return_tensors="pt").input_ids
+    if ids.shape[1] < want:
+        text, files = read_text(text_path)
+        ids = tok(text, add_special_tokens=True, return_tensors="pt").input_ids
+    if ids.shape[1] < want:
+        raise ValueError(f"{text_path} has only {ids.shape[1]} tokens, fewer than {offset} + {n_tokens}")
+    # Files are listed from the start of the text up to the last kept token (for folder inputs).
+    files = _files_covering(tok, files, ids[0, :want].tolist(), text_path)
+    return ids[:, offset:want], files
+
+
 def capture(
     model_key: str,
     text_path: Path,
     n_tokens: int,
     layers: list[int] | None = None,
     threads: int | None = None,
+    loaded: LoadedModel | None = None,
 ) -> tuple[np.ndarray, dict]:
+    """bf16 K and V (post-RoPE) of ``n_tokens`` of ``text_path`` through model ``model_key``
+    ("smollm2", "qwen2.5", a folder or a .gguf file; or an already ``loaded`` one), as uint16 bit
+    patterns [2, layers, tokens, kv_heads*head_dim], and a metadata dict."""
     import torch
     import transformers
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import DynamicCache
 
     if threads:
         torch.set_num_threads(threads)
-    spec = MODELS[model_key]
-    gguf = find_model_gguf(model_key)
-    t0 = time.perf_counter()
-    print(f"loading {spec.hf_name} from {gguf}", flush=True)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    model.eval()
-    t_load = time.perf_counter() - t0
-
-    # ~2-3 characters per token for prose and code; read a margin and retry with all if short.
-    text, files = read_text(text_path, max_chars=n_tokens * 8)
-    ids = tok(text, add_special_tokens=True, return_tensors="pt").input_ids
-    if ids.shape[1] < n_tokens:
-        text, files = read_text(text_path)
-        ids = tok(text, add_special_tokens=True, return_tensors="pt").input_ids
-    if ids.shape[1] < n_tokens:
-        raise ValueError(f"{text_path} has only {ids.shape[1]} tokens, fewer than {n_tokens}")
-    ids = ids[:, :n_tokens]
-    files = _files_covering(tok, files, ids[0].tolist(), text_path)
+    lm = loaded if loaded is not None else load_causal_lm(model_key)
+    model, tok = lm.model, lm.tokenizer
+    t_load = lm.load_seconds
+    ids, files = tokenize_text(tok, text_path, n_tokens)
 
     cfg = model.config
     n_layers = cfg.num_hidden_layers
@@ -202,7 +318,7 @@ def capture(
         raise ValueError(f"layers {bad} out of range: the model has {n_layers}")
 
     # One forward; a hook per decoder layer drives the progress bar.
-    decoder_layers = model.model.layers
+    decoder_layers = list(getattr(getattr(model, "model", None), "layers", None) or [])
     bar = tqdm(total=len(decoder_layers), desc=f"forward {n_tokens} tokens", unit="layer")
 
     def tick(*_):  # a forward hook must return None, or it replaces the layer's output
@@ -211,7 +327,9 @@ def capture(
     hooks = [m.register_forward_hook(tick) for m in decoder_layers]
     t1 = time.perf_counter()
     with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        # A plain DynamicCache keeps every token in every layer (a config-built one would keep
+        # only a window in the sliding layers of Gemma-style models).
+        out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache(), logits_to_keep=1)
     t_fwd = time.perf_counter() - t1
     bar.close()
     for h in hooks:
@@ -232,10 +350,11 @@ def capture(
             kv[slot, j] = bf16_bits(x[0].transpose(0, 1).reshape(n_tokens, width))
 
     meta = {
-        "model": spec.hf_name,
-        "model_key": spec.key,
-        "gguf_file": gguf.name,
-        "pip_packages": list(spec.packages),
+        "model": lm.name,
+        "model_key": lm.key,
+        "model_source": lm.source,
+        "gguf_file": lm.gguf_file,
+        "pip_packages": list(lm.pip_packages),
         "text": str(text_path),
         "text_files": files,
         "tokens": n_tokens,

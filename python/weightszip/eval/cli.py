@@ -1,0 +1,239 @@
+"""`weightszip eval kl` and `weightszip kv dump`: the evaluation commands.
+
+Registered into the main parser by ``add_parsers(subparsers)``; torch and transformers are
+imported only when a command runs (``pip install 'weightszip[eval]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _model_help() -> str:
+    from weightszip.models import MODELS
+
+    return f"one of {', '.join(sorted(MODELS))}, a transformers model folder, or a .gguf file"
+
+
+def _split_formats(s: str) -> list[str]:
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    if not names:
+        raise SystemExit("weightszip: error: --format names no format")
+    return names
+
+
+def _load(spec: str, threads: int | None):
+    import torch
+
+    from weightszip.models import load_causal_lm
+
+    if threads:
+        torch.set_num_threads(threads)
+    return load_causal_lm(spec, verbose=False)
+
+
+def _cmd_eval_kl(a) -> int:
+    import torch
+    import transformers
+
+    from weightszip.eval import formats as F
+    from weightszip.eval import kl
+    from weightszip.models import ModelNotInstalled, tokenize_text
+
+    names = _split_formats(a.format)
+    try:
+        fmts = [F.get_format(n) for n in names]
+    except (KeyError, F.FormatUnavailable) as e:
+        print(f"weightszip: error: {e.args[0]}", file=sys.stderr)
+        return 2
+    if a.window < 2:
+        print("weightszip: error: --window must be at least 2 tokens", file=sys.stderr)
+        return 2
+    try:
+        lm = _load(a.model, a.threads)
+    except (ModelNotInstalled, ImportError, ValueError) as e:
+        print(f"weightszip: error: {e}", file=sys.stderr)
+        return 2
+    ids, files = tokenize_text(lm.tokenizer, Path(a.text), a.window, a.offset)
+    layers, kv_heads, head_dim = kl.model_kv_shape(lm.model)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"{lm.name}: {layers} layers, {kv_heads} kv heads x {head_dim}; {a.window} tokens of {', '.join(files)}")
+    windowed = a.chunked or any(f.keeps_bf16 for f in fmts)
+    results, ref_seconds = kl.evaluate(
+        lm.model,
+        ids,
+        fmts,
+        n_buckets=a.buckets,
+        chunk=a.chunk,
+        force_chunked=a.chunked,
+        floor=windowed and not a.chunked and a.floor is not False,
+        log=log,
+    )
+    rows = results
+    report = {
+        "model": lm.name,
+        "model_source": lm.source,
+        "text": str(a.text),
+        "text_files": files,
+        "offset_tokens": a.offset,
+        "window": a.window,
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "reference_forward_seconds": round(ref_seconds, 2),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attention": lm.model.config._attn_implementation,
+        "results": [r.summary() for r in rows],
+    }
+    if a.plot:
+        kl.plot(rows, a.plot, title=f"{lm.name}, {a.window} tokens of {Path(a.text).name}")
+        report["plot"] = str(a.plot)
+    if a.save:
+        import numpy as np
+
+        save = Path(a.save)
+        save.parent.mkdir(parents=True, exist_ok=True)
+        # Per-position scores beside the report (to re-plot or re-bucket without re-running).
+        arrays = {}
+        for i, r in enumerate(rows):
+            arrays[f"kl_{i}"], arrays[f"agree_{i}"] = r.kl.astype(np.float32), r.agree
+        np.savez_compressed(save.with_suffix(".npz"), names=np.array([r.name for r in rows]), **arrays)
+        report["per_position"] = str(save.with_suffix(".npz"))
+        save.write_text(json.dumps(report, indent=1) + "\n")
+    if a.json:
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{'format':34s} {'bits/value':>10s} {'mean KL':>10s} {'top-1':>7s} {'KL p99':>9s} {'attention':>9s} {'time s':>7s}")
+    for r in rows:
+        print(
+            f"{r.name:34s} {r.bits_per_value:10.4f} {kl.fmt_kl(r.mean_kl):>10s} {r.top1:7.4f} "
+            f"{kl.fmt_kl(r.kl_p99):>9s} {r.attention:>9s} {r.seconds:7.1f}"
+        )
+    print(f"(bf16 reference forward: {ref_seconds:.1f} s; KL in nats, over all {a.window} positions)")
+    print(kl.describe_position_buckets(rows))
+    if a.plot:
+        print(f"plot: {a.plot}")
+    return 0
+
+
+def _cmd_kv_dump(a) -> int:
+    import numpy as np
+
+    import weightszip
+    from weightszip.models import ModelNotInstalled, capture
+
+    if a.tokens < 1:
+        print("weightszip: error: --tokens must be positive", file=sys.stderr)
+        return 2
+    try:
+        lm = _load(a.model, a.threads)
+    except (ModelNotInstalled, ImportError, ValueError) as e:
+        print(f"weightszip: error: {e}", file=sys.stderr)
+        return 2
+    import ml_dtypes
+
+    layers = [int(x) for x in a.layers.split(",")] if a.layers else None
+    kv, meta = capture(a.model, Path(a.text), a.tokens, layers, a.threads, loaded=lm)
+    _, n_layers, n_tokens, width = kv.shape
+    bf16 = kv.view(ml_dtypes.bfloat16)  # the bit patterns, typed: the container records bf16
+    tensors = {}
+    for j, i in enumerate(meta["layers"]):
+        tensors[f"layer.{i}.k"] = bf16[0, j]
+        tensors[f"layer.{i}.v"] = bf16[1, j]
+    meta = dict(
+        meta,
+        layout="per layer: tensors layer.{i}.k and layer.{i}.v, [tokens, kv_heads*head_dim] bf16, "
+        "a token's heads side by side (head h at columns h*head_dim..), post-RoPE",
+        dtype="bfloat16",
+        shape=[n_tokens, width],
+    )
+    tensors["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    out = Path(a.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    weightszip.save_file(tensors, out, threads=a.threads or None)
+    dt = time.perf_counter() - t0
+    raw = kv.nbytes
+    stored = out.stat().st_size
+    print(
+        f"{meta['model']}: {n_layers} layers x K,V [{n_tokens}, {width}] bf16 ({raw / 2**20:.1f} MiB) -> {out} "
+        f"({stored / 2**20:.1f} MiB, {stored / raw:.4f}); forward {meta['forward_seconds']} s, save {dt:.1f} s"
+    )
+    return 0
+
+
+def add_parsers(subparsers) -> None:
+    """Register `eval` (sub-command `kl`) and `kv` (sub-command `dump`)."""
+    e = subparsers.add_parser("eval", help="evaluate KV formats on a real model (KL and top-1 vs bf16)")
+    esub = e.add_subparsers(dest="eval_cmd", required=True)
+    k = esub.add_parser(
+        "kl",
+        help="teacher-forced KL(bf16 || format) and top-1 agreement at every position of a window",
+        description="One forward over --window tokens of --text per format; in every attention layer each "
+        "query sees the K/V the format hands back at decode time. Prints bits per value, mean KL (nats), "
+        "top-1 agreement, KL per position bucket and the time of each format's forward.",
+    )
+    k.add_argument("--model", required=True, help=_model_help())
+    k.add_argument("--format", required=True, help="format name(s), comma-separated (weightszip eval formats lists them)")
+    k.add_argument("--text", required=True, help="text file, or folder of *.txt (held-out: not used for calibration)")
+    k.add_argument("--window", type=int, required=True, help="tokens in the window (the context the last position sees)")
+    k.add_argument("--offset", type=int, default=0, help="skip this many tokens of the text first (default 0)")
+    k.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
+    k.add_argument("--plot", help="write a PNG of KL and top-1 against position")
+    k.add_argument("--save", help="also write the JSON report to this file (and per-position KL, top-1 to .npz beside it)")
+    k.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    k.add_argument("--buckets", type=int, default=8, help="position buckets in the report (default 8)")
+    k.add_argument("--chunk", type=int, default=512, help="queries per block in the windowed attention")
+    k.add_argument(
+        "--chunked", action="store_true", help="run every format through the windowed fp32 attention (bf16 then shows its floor)"
+    )
+    k.add_argument(
+        "--no-floor", dest="floor", action="store_false", default=None,
+        help="skip the extra bf16 row through the windowed attention (added when a format keeps bf16 tokens)",
+    )
+    k.set_defaults(fn=_cmd_eval_kl)
+
+    from weightszip.eval import niah
+
+    niah.add_parser(esub)
+
+    f = esub.add_parser("formats", help="list the KV formats, their bits per value and whether they run here")
+    f.add_argument("--context", type=int, default=8192, help="context length for bits per value (default 8192)")
+    f.add_argument("--head-dim", type=int, default=64)
+    f.add_argument("--kv-heads", type=int, default=3)
+    f.set_defaults(fn=_cmd_eval_formats)
+
+    v = subparsers.add_parser("kv", help="capture real KV caches")
+    vsub = v.add_subparsers(dest="kv_cmd", required=True)
+    d = vsub.add_parser(
+        "dump",
+        help="write every layer's bf16 K and V (post-RoPE) of a text into a .wz container",
+        description="Tensors layer.{i}.k, layer.{i}.v: [tokens, kv_heads*head_dim] bf16; __meta__: uint8 JSON "
+        "(model, text files, token ids, shapes).",
+    )
+    d.add_argument("--model", required=True, help=_model_help())
+    d.add_argument("--text", required=True, help="text file, or folder of *.txt")
+    d.add_argument("--tokens", type=int, required=True)
+    d.add_argument("-o", "--output", required=True, help="OUT.wz")
+    d.add_argument("--layers", help="comma-separated layer indices (default: all)")
+    d.add_argument("--threads", type=int, default=0)
+    d.set_defaults(fn=_cmd_kv_dump)
+
+
+def _cmd_eval_formats(a) -> int:
+    from weightszip.eval import formats as F
+
+    status = F.available_formats()
+    print(f"{'format':10s} {'bits/value':>10s}  {'kept bf16':>9s}  description (bits at {a.context} tokens, head_dim {a.head_dim})")
+    for name, fmt in F.FORMATS.items():
+        bits = fmt.bits_per_value(a.context, a.head_dim, a.kv_heads)
+        kept = f"{fmt.sink_tokens}+{fmt.recent_window}" if fmt.keeps_bf16 else "-"
+        why = "" if status[name] is None else f"  [unavailable: {status[name]}]"
+        print(f"{name:10s} {bits:10.4f}  {kept:>9s}  {fmt.description}{why}")
+    return 0
