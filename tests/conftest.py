@@ -15,6 +15,12 @@ def real_kv() -> np.ndarray:
 
 
 @pytest.fixture(autouse=True)
+def _haystack_from_tests(monkeypatch):
+    # The NIAH tests read their haystack from tests/data, never from ../shared.
+    monkeypatch.setenv("WEIGHTSZIP_NIAH_TEXT", str(DATA / "text" / "haystack"))
+
+
+@pytest.fixture(autouse=True)
 def _single_thread_default(monkeypatch):
     # Tests pass threads explicitly where they care; keep the default deterministic and light.
     monkeypatch.setenv("WEIGHTSZIP_THREADS", os.environ.get("WEIGHTSZIP_THREADS", "2"))

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from weightszip.eval import formats as F  # noqa: E402
 from weightszip.eval import kl  # noqa: E402
 
-TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "books" / "austen-emma.txt"
+TEXT = Path(__file__).resolve().parent / "data" / "text" / "austen-emma-excerpt.txt"
 
 
 def _kv(t=96, h=3, d=64, seed=0, scale=2.0):

@@ -134,7 +134,8 @@ class Corpus:
 
 
 def default_text() -> Path:
-    """../shared/data/text/paul_graham as seen from the project (or $WEIGHTSZIP_NIAH_TEXT)."""
+    """$WEIGHTSZIP_NIAH_TEXT, else ../shared/data/text/paul_graham as seen from the project, else the
+    text the package ships (weightszip/data)."""
     env = os.environ.get("WEIGHTSZIP_NIAH_TEXT")
     if env:
         return Path(env)
@@ -143,7 +144,8 @@ def default_text() -> Path:
         for cand in (base / ".." / "shared" / "data" / "text" / "paul_graham", base / "shared" / "data" / "text" / "paul_graham"):
             if cand.is_dir():
                 return cand.resolve()
-    raise FileNotFoundError("no default haystack text (../shared/data/text/paul_graham); pass --text DIR_OR_FILE")
+    # Installed without the project's shared texts: the public-domain text the package ships.
+    return Path(__file__).resolve().parent.parent / "data"
 
 
 def _read_texts(path: Path, max_chars: int) -> tuple[str, list[str]]:
@@ -431,8 +433,14 @@ def score_prompt(prompt: NiahPrompt, predict, decode, eos_ids: set[int], max_new
     forwards = 1
     results: list[SlotResult] = []
     ctx_len = len(prompt.ids)  # the canonical context of the current slot is base_seq[:ctx_len]
-    for si, slot in enumerate(prompt.slots):
+    for slot in prompt.slots:
         ctx_len += len(slot.prefix_ids)
+
+        def text(ids: list[int], lead=slot.lead) -> str:
+            # Tokenizers that fold the space into the next token may decode it away on its own.
+            t = decode(ids)
+            return t[len(lead) :] if lead and t.startswith(lead) else t
+
         seq, preds, first = base_seq, base_preds, len(base_seq) - base_keep
         gen: list[int] = []
         verdict = None
@@ -440,8 +448,8 @@ def score_prompt(prompt: NiahPrompt, predict, decode, eos_ids: set[int], max_new
             p = ctx_len + len(gen) - 1  # the position whose prediction is the next token
             if not (first <= p < len(seq) and seq[ctx_len : p + 1] == gen):
                 # Off the draft (the same text in other tokens): context + generated + the rest.
-                done = decode(gen)
-                draft = list(decode.encode(slot.target[len(done) :])) if slot.target.startswith(done) else []
+                done = text(gen)
+                draft = list(decode.encode(slot.value[len(done) :])) if slot.value.startswith(done) else []
                 seq = base_seq[:ctx_len] + gen + draft
                 keep = len(gen) + len(draft) + 1
                 preds, first = predict(seq, keep), len(seq) - keep
@@ -450,7 +458,7 @@ def score_prompt(prompt: NiahPrompt, predict, decode, eos_ids: set[int], max_new
             finished = t in eos_ids or len(gen) + 1 >= max_new
             if t not in eos_ids:
                 gen.append(t)
-            verdict = judge(decode(gen), slot.target, finished)
+            verdict = judge(text(gen), slot.value, finished)
         results.append(SlotResult(key=slot.key, value=slot.value, correct=verdict, generated=decode(gen)))
         if not verdict:
             break
