@@ -88,10 +88,10 @@ class Codec:
     def prepare(self, piece: np.ndarray, case: Case):
         return bytearray(u8(piece)) if self.mutates_input else piece
 
-    def compress(self, x, case: Case):
+    def compress(self, x, case: Case):  # -> blob
         raise NotImplementedError
 
-    def decompress(self, blob, case: Case):
+    def decompress(self, blob, case: Case):  # -> bytes-like, array or file path
         raise NotImplementedError
 
     def size(self, blob) -> int:
@@ -480,6 +480,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--weight-dtypes", default="bf16,fp16,fp32", help="weight casts to measure")
     ap.add_argument("--replot", help="only redraw the table and plots from a results JSON")
     ap.add_argument("--out", default=str(RESULTS), help="results folder")
+    ap.add_argument("--resume", action="store_true", help="keep the finished cases of an interrupted run "
+                    "(<out>/<stem>.partial.json) when it measured the same weightszip build")
     args = ap.parse_args(argv[1:])
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
@@ -497,6 +499,12 @@ def main(argv: list[str]) -> int:
     info.update(repeats=args.repeats, zstd19_repeats=zstd19_repeats, quick=args.quick, codecs=args.codecs,
                 zstd19_max_mb=ZSTD19_MAX_BYTES // MB)
     rows: list[dict] = []
+    partial = outdir / f"{stem}.partial.json"
+    if args.resume and partial.exists():
+        old = json.loads(partial.read_text())
+        if old["machine"].get("weightszip_build") == info["weightszip_build"]:
+            rows, info["resumed_from"] = old["results"], {k: old["machine"][k] for k in ("date", "loadavg_start")}
+    done = {(r["dataset"], r["case"]) for r in rows}
     with tempfile.TemporaryDirectory(prefix="bench_codec_") as tmp:
         codecs = [c for t in map(int, args.threads.split(",")) for c in make_codecs(t, tmp, args.codecs.split(","))]
         loaders = []
@@ -512,11 +520,12 @@ def main(argv: list[str]) -> int:
             loaders.append(("gguf", lambda: gguf_cases(args.quick, tmp)))
         for name, load in tqdm(loaders, desc="datasets"):
             for case in tqdm(load(), desc=name, leave=False):
-                rows += measure(case, codecs, args.repeats, zstd19_repeats)
-                (outdir / f"{stem}.partial.json").write_text(json.dumps({"machine": info, "results": rows}))
+                if (case.dataset, case.name) not in done:
+                    rows += measure(case, codecs, args.repeats, zstd19_repeats)
+                    partial.write_text(json.dumps({"machine": info, "results": rows}))
     info["loadavg_end"] = os.getloadavg()
     (outdir / f"{stem}.json").write_text(json.dumps({"machine": info, "results": rows}, indent=1))
-    (outdir / f"{stem}.partial.json").unlink(missing_ok=True)
+    partial.unlink(missing_ok=True)
     table = markdown(rows, info)
     (outdir / f"{stem}.md").write_text(table)
     print(table)
