@@ -312,7 +312,7 @@ def test_cli_eval_kl_json(smollm2, tmp_path, capsys):
 
     png = tmp_path / "kl.png"
     rc = main(["eval", "kl", "--model", "smollm2", "--format", "bf16,int4-g32", "--text", str(TEXT),
-               "--window", "48", "--json", "--plot", str(png), "--buckets", "4"])
+               "--window", "48", "--json", "--plot", str(png), "--buckets", "4", "--save", str(tmp_path / "r.json")])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     rows = {r["format"]: r for r in rep["results"]}
@@ -320,6 +320,9 @@ def test_cli_eval_kl_json(smollm2, tmp_path, capsys):
     assert rows["int4-g32"]["bits_per_value"] == 5 and rows["int4-g32"]["mean_kl"] > 0
     assert len(rows["int4-g32"]["buckets"]) == 4 and rep["window"] == 48
     assert png.stat().st_size > 10_000
+    assert json.loads((tmp_path / "r.json").read_text())["results"] == rep["results"]
+    per_position = np.load(tmp_path / "r.npz")
+    assert list(per_position["names"]) == ["bf16", "int4-g32"] and per_position["kl_1"].shape == (48,)
 
 
 def test_cli_kv_dump_writes_every_layer(smollm2, tmp_path, capsys):

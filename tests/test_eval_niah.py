@@ -308,8 +308,16 @@ def _smollm2():
 
 
 def test_end_to_end_smollm2_cli(tmp_path, capsys):
-    lm = _smollm2()  # loads (and caches) the model; the CLI below loads it again, from the cache
-    del lm
+    try:
+        import transformers  # noqa: F401
+
+        from weightszip.models import ModelNotInstalled, find_model_gguf
+    except ImportError as e:
+        pytest.skip(f"evaluation needs: pip install 'weightszip[eval]' ({e})")
+    try:
+        find_model_gguf("smollm2")
+    except ModelNotInstalled as e:
+        pytest.skip(f"SmolLM2 is not installed: {e}")
     t0 = time.perf_counter()
     out = tmp_path / "niah.json"
     rc = niah.main(["--model", "smollm2", "--formats", "bf16,int4-g32", "--length", "256", "--n", "2",
@@ -355,3 +363,18 @@ def test_verification_matches_reforward_per_token_on_smollm2():
             verdict = niah.judge(dec(gen), p.slots[0].value, finished)
         assert r.slots[0].correct == verdict, name
         assert r.slots[0].generated == dec(gen), name
+
+
+def test_cli_registration():
+    from weightszip import cli
+
+    a = cli.build_parser().parse_args(["eval", "niah", "--model", "smollm2", "--length", "2k", "--variant", "2x1"])
+    assert a.fn is niah.run_cli and a.length == 2048 and a.variant == Variant(2, 1)
+    assert a.formats == niah.DEFAULT_FORMATS and a.n == 20 and a.seed == 0
+    with pytest.raises(ValueError):
+        parse_variant("0x2")
+
+
+def test_unknown_format_is_refused_before_loading(capsys):
+    assert niah.main(["--model", "no-such-model", "--length", "512", "--formats", "bf16,nope"]) == 2
+    assert "unknown KV format 'nope'" in capsys.readouterr().err

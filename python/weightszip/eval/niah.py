@@ -675,7 +675,7 @@ def render(rep: NiahReport) -> str:
         lo, hi = r["wilson95"]
         acc = f"{r['accuracy']:.2f} [{lo:.2f}, {hi:.2f}]"
         p = vs.get((r["format"], "bf16"))
-        pval = f"{p['mcnemar_p']:.3f}" if p else "-"
+        pval = ("<0.001" if p["mcnemar_p"] < 0.001 else f"{p['mcnemar_p']:.3f}") if p else "-"
         row = f"{r['format']:10s} {r['bits_per_value']:10.3f} {r['correct']:>4d}/{r['n']:<3d}  {acc:19s}  {_diff_cell(p):21s} {pval:>9s}"
         if has_int4:
             row += f"  {_diff_cell(vs.get((r['format'], 'int4-g32'))):21s}"
