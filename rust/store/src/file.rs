@@ -1,0 +1,273 @@
+//! One chunk file on disk: a 64-byte header, the key, the payload. docs/STORE.md specifies it.
+//!
+//! ```text
+//! offset size field
+//!      0    4 magic "WZCK"
+//!      4    2 version (1), little-endian like every integer here
+//!      6    2 flags (0; a reader rejects bits it does not know)
+//!      8    4 tag: what the payload is (0 raw bytes, 1 weightszip container, 2.. compact formats)
+//!     12    4 key length K (1..=MAX_KEY_LEN)
+//!     16    8 payload length P
+//!     24    8 sequence number of this version of the key (unique per store, increasing)
+//!     32   16 XXH3-128 of the key (also the file's name)
+//!     48    8 XXH3-64 of the payload
+//!     56    8 XXH3-64 of bytes 0..56 followed by the key
+//!     64    K key
+//!   64+K    P payload
+//! ```
+//! Files are written as `NAME.tmp`, fsynced, renamed to `NAME` and the folder fsynced, so that a
+//! reader (or a restart after a crash) sees either the whole file or none of it.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Read, Write};
+use std::path::{Path, PathBuf};
+
+use weightszip_core::{Error, Result};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+pub const MAGIC: [u8; 4] = *b"WZCK";
+pub const VERSION: u16 = 1;
+pub const HEADER_LEN: usize = 64;
+/// Keys longer than this are refused: they are names, not data.
+pub const MAX_KEY_LEN: usize = 64 * 1024;
+pub const SUFFIX: &str = "wzc";
+pub const TMP_SUFFIX: &str = "tmp";
+
+pub fn key_hash(key: &[u8]) -> u128 {
+    xxh3_128(key)
+}
+
+/// `HH/HHHH...-SSSS.wzc`: 256 subfolders by the hash's first byte; the name holds only hex digits,
+/// so no key can name a path outside the store's folder.
+pub fn rel_path(hash: u128, seq: u64) -> PathBuf {
+    let h = format!("{hash:032x}");
+    PathBuf::from(&h[..2]).join(format!("{h}-{seq:016x}.{SUFFIX}"))
+}
+
+/// Parse a file name written by `rel_path` (the last component only).
+pub fn parse_name(name: &str) -> Option<(u128, u64)> {
+    let stem = name.strip_suffix(&format!(".{SUFFIX}"))?;
+    let (h, s) = stem.split_once('-')?;
+    if h.len() != 32 || s.len() != 16 {
+        return None;
+    }
+    Some((u128::from_str_radix(h, 16).ok()?, u64::from_str_radix(s, 16).ok()?))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub tag: u32,
+    pub key_len: u32,
+    pub payload_len: u64,
+    pub seq: u64,
+    pub key_hash: u128,
+    pub payload_xxh3: u64,
+}
+
+impl Header {
+    pub fn file_len(&self) -> u64 {
+        HEADER_LEN as u64 + self.key_len as u64 + self.payload_len
+    }
+
+    fn first56(&self) -> [u8; 56] {
+        let mut b = [0u8; 56];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&0u16.to_le_bytes());
+        b[8..12].copy_from_slice(&self.tag.to_le_bytes());
+        b[12..16].copy_from_slice(&self.key_len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.payload_len.to_le_bytes());
+        b[24..32].copy_from_slice(&self.seq.to_le_bytes());
+        b[32..48].copy_from_slice(&self.key_hash.to_le_bytes());
+        b[48..56].copy_from_slice(&self.payload_xxh3.to_le_bytes());
+        b
+    }
+
+    /// The 64 header bytes followed by the key.
+    pub fn encode(&self, key: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + key.len());
+        out.extend_from_slice(&self.first56());
+        out.extend_from_slice(&[0u8; 8]);
+        out.extend_from_slice(key);
+        let sum = header_sum(&out[..56], key);
+        out[56..64].copy_from_slice(&sum.to_le_bytes());
+        out
+    }
+
+    /// Parse and check the fixed header (not yet the key or the payload).
+    pub fn decode(b: &[u8; HEADER_LEN], max_payload: u64) -> Result<(Header, u64)> {
+        if b[0..4] != MAGIC {
+            return Err(Error::BadMagic);
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(Error::UnsupportedVersion(version, VERSION));
+        }
+        let flags = u16::from_le_bytes([b[6], b[7]]);
+        if flags != 0 {
+            return Err(Error::Unsupported(format!("chunk file flags {flags:#x}")));
+        }
+        let u32at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let h = Header {
+            tag: u32at(8),
+            key_len: u32at(12),
+            payload_len: u64at(16),
+            seq: u64at(24),
+            key_hash: u128::from_le_bytes(b[32..48].try_into().unwrap()),
+            payload_xxh3: u64at(48),
+        };
+        if h.key_len == 0 || h.key_len as usize > MAX_KEY_LEN {
+            return Err(Error::Corrupt(format!("chunk file key length {}", h.key_len)));
+        }
+        if h.payload_len > max_payload {
+            return Err(Error::LimitExceeded(format!(
+                "chunk file declares {} payload bytes, the store's limit is {max_payload}",
+                h.payload_len
+            )));
+        }
+        Ok((h, u64at(56)))
+    }
+}
+
+fn header_sum(first56: &[u8], key: &[u8]) -> u64 {
+    let mut buf = Vec::with_capacity(56 + key.len());
+    buf.extend_from_slice(first56);
+    buf.extend_from_slice(key);
+    xxh3_64(&buf)
+}
+
+/// A chunk read back from a file, every checksum checked.
+#[derive(Debug)]
+pub struct FileChunk {
+    pub header: Header,
+    pub key: Vec<u8>,
+    pub payload: Vec<u8>,
+}
+
+fn fsync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)?.sync_all()?;
+    Ok(())
+}
+
+/// Write a chunk file atomically: `final.tmp`, write, fsync (when `durable`), rename, fsync the
+/// folder (when `durable`). On any error the temporary file is removed and no file appears.
+pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8], durable: bool) -> Result<()> {
+    let tmp = final_path.with_extension(TMP_SUFFIX);
+    let res = (|| -> Result<()> {
+        let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+        f.write_all(&header.encode(key))?;
+        f.write_all(payload)?;
+        if durable {
+            f.sync_all()?;
+        }
+        drop(f);
+        fs::rename(&tmp, final_path)?;
+        if durable {
+            if let Some(dir) = final_path.parent() {
+                fsync_dir(dir)?;
+            }
+        }
+        Ok(())
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Read the header and key of a chunk file and check them (the header checksum covers both);
+/// the payload is not read. Used when a store is opened.
+pub fn read_header(path: &Path, max_payload: u64) -> Result<(Header, Vec<u8>)> {
+    let mut f = File::open(path)?;
+    let file_len = f.metadata()?.len();
+    let (h, key) = read_header_from(&mut f, file_len, max_payload)?;
+    Ok((h, key))
+}
+
+fn read_header_from(f: &mut File, file_len: u64, max_payload: u64) -> Result<(Header, Vec<u8>)> {
+    if file_len < HEADER_LEN as u64 {
+        return Err(Error::Truncated(format!("chunk file of {file_len} bytes")));
+    }
+    let mut hb = [0u8; HEADER_LEN];
+    f.read_exact(&mut hb)?;
+    let (h, sum) = Header::decode(&hb, max_payload)?;
+    if h.file_len() != file_len {
+        return Err(if h.file_len() > file_len {
+            Error::Truncated(format!("chunk file has {file_len} bytes, its header declares {}", h.file_len()))
+        } else {
+            Error::Corrupt(format!("chunk file has {file_len} bytes, its header declares {}", h.file_len()))
+        });
+    }
+    let mut key = vec![0u8; h.key_len as usize];
+    f.read_exact(&mut key)?;
+    if header_sum(&hb[..56], &key) != sum {
+        return Err(Error::ChecksumMismatch("chunk file header".into()));
+    }
+    if key_hash(&key) != h.key_hash {
+        return Err(Error::ChecksumMismatch("chunk file key hash".into()));
+    }
+    Ok((h, key))
+}
+
+/// Read a whole chunk file and verify it: sizes against the file's length (before anything is
+/// allocated), the header checksum, the key hash, the payload checksum. A missing file is
+/// `Ok(None)`.
+pub fn read_chunk(path: &Path, max_payload: u64) -> Result<Option<FileChunk>> {
+    let mut f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let file_len = f.metadata()?.len();
+    let (header, key) = read_header_from(&mut f, file_len, max_payload)?;
+    let mut payload = vec![0u8; header.payload_len as usize];
+    f.read_exact(&mut payload).map_err(|e| {
+        if e.kind() == ErrorKind::UnexpectedEof {
+            Error::Truncated("chunk file payload".into())
+        } else {
+            e.into()
+        }
+    })?;
+    if xxh3_64(&payload) != header.payload_xxh3 {
+        return Err(Error::ChecksumMismatch("chunk file payload".into()));
+    }
+    Ok(Some(FileChunk { header, key, payload }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_stay_inside() {
+        let h = key_hash(b"../../etc/passwd");
+        let p = rel_path(h, 7);
+        assert_eq!(p.components().count(), 2);
+        let name = p.file_name().unwrap().to_str().unwrap();
+        assert_eq!(parse_name(name), Some((h, 7)));
+        assert!(name.chars().all(|c| c.is_ascii_hexdigit() || c == '-' || c == '.' || c == 'w' || c == 'z'));
+        assert_eq!(parse_name("0123.wzc"), None);
+        assert_eq!(parse_name(&format!("{h:032x}-zz.wzc")), None);
+    }
+
+    #[test]
+    fn header_round_trip_and_rejections() {
+        let key = b"k1";
+        let h = Header { tag: 3, key_len: 2, payload_len: 10, seq: 9, key_hash: key_hash(key), payload_xxh3: 5 };
+        let enc = h.encode(key);
+        let hb: [u8; 64] = enc[..64].try_into().unwrap();
+        let (d, _) = Header::decode(&hb, 100).unwrap();
+        assert_eq!(d, h);
+        assert!(matches!(Header::decode(&hb, 9), Err(Error::LimitExceeded(_))));
+        let mut bad = hb;
+        bad[0] ^= 1;
+        assert!(matches!(Header::decode(&bad, 100), Err(Error::BadMagic)));
+        let mut bad = hb;
+        bad[4] = 2;
+        assert!(matches!(Header::decode(&bad, 100), Err(Error::UnsupportedVersion(2, 1))));
+        let mut bad = hb;
+        bad[6] = 1;
+        assert!(matches!(Header::decode(&bad, 100), Err(Error::Unsupported(_))));
+    }
+}

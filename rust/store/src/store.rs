@@ -1,0 +1,737 @@
+//! The store: a RAM tier and a disk tier behind one small lock, an I/O pool for batches.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File, TryLockError};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use rayon::prelude::*;
+use weightszip_core::{Error, Result};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::file::{self, key_hash, rel_path, Header, MAX_KEY_LEN};
+
+/// Bytes a RAM entry costs beyond its key and payload (maps, LRU node, Arcs): counted in the
+/// budget so that a store of many tiny chunks stays bounded too.
+const ENTRY_OVERHEAD: u64 = 160;
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Folder of the disk tier; None keeps the store in RAM only.
+    pub dir: Option<PathBuf>,
+    /// RAM tier budget in bytes (payload + key + a fixed overhead per chunk). 0: every chunk goes
+    /// straight to disk (or is dropped when there is no disk tier).
+    pub ram_bytes: u64,
+    /// Disk tier budget in bytes of chunk files; 0 means no limit (the file system's is the limit).
+    pub disk_bytes: u64,
+    /// Threads of the I/O pool that batched calls run on; 0 picks 4.
+    pub io_threads: usize,
+    /// fsync each chunk file and its folder before a write counts as done.
+    pub durable: bool,
+    /// Write every put to disk before returning (its errors are the put's); otherwise chunks go
+    /// to disk when the RAM tier evicts them (write-back).
+    pub write_through: bool,
+    /// Keep a chunk read from disk in the RAM tier.
+    pub promote: bool,
+    /// Largest payload accepted by put and believed in a file header.
+    pub max_chunk_bytes: u64,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            dir: None,
+            ram_bytes: 1 << 30,
+            disk_bytes: 0,
+            io_threads: 0,
+            durable: true,
+            write_through: false,
+            promote: true,
+            max_chunk_bytes: 1 << 30,
+        }
+    }
+}
+
+/// A chunk handed back by `get`: its tag (what the payload is) and its verified bytes.
+#[derive(Debug, Clone)]
+pub struct Chunk {
+    pub tag: u32,
+    pub data: Arc<Vec<u8>>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub ram_chunks: u64,
+    pub ram_bytes: u64,
+    pub disk_chunks: u64,
+    pub disk_bytes: u64,
+    pub flushing_chunks: u64,
+    pub puts: u64,
+    pub hits_ram: u64,
+    pub hits_disk: u64,
+    pub misses: u64,
+    /// Chunks written to disk because the RAM tier evicted them.
+    pub evicted_to_disk: u64,
+    /// Chunks dropped from the store by a budget (RAM without a disk tier, or the disk budget).
+    pub dropped: u64,
+    /// Chunks whose checksum failed on a read (or whose file was damaged at open): removed.
+    pub corrupt_evicted: u64,
+    /// Failed writes of evicted chunks (the chunk was dropped); a put's own failure is its error.
+    pub flush_errors: u64,
+}
+
+#[derive(Clone)]
+struct Value {
+    key: Arc<[u8]>,
+    data: Arc<Vec<u8>>,
+    tag: u32,
+    xxh: u64,
+}
+
+impl Value {
+    fn cost(&self) -> u64 {
+        self.data.len() as u64 + self.key.len() as u64 + ENTRY_OVERHEAD
+    }
+}
+
+struct RamEntry {
+    v: Value,
+    seq: u64,
+    tick: u64,
+    /// Not on disk yet: eviction must write it.
+    dirty: bool,
+}
+
+struct DiskEntry {
+    seq: u64,
+    bytes: u64,
+    tick: u64,
+}
+
+/// A write the caller must do after releasing the lock.
+struct Flush {
+    hash: u128,
+    v: Value,
+    seq: u64,
+}
+
+#[derive(Default)]
+struct State {
+    ram: HashMap<u128, RamEntry>,
+    ram_lru: BTreeMap<u64, u128>,
+    ram_used: u64,
+    /// Evicted (or being flushed) and not yet on disk: still readable.
+    flushing: HashMap<u128, (Value, u64)>,
+    disk: HashMap<u128, DiskEntry>,
+    disk_lru: BTreeMap<u64, u128>,
+    disk_used: u64,
+    tick: u64,
+    next_seq: u64,
+}
+
+impl State {
+    fn tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn remove_ram(&mut self, h: u128) -> Option<RamEntry> {
+        let e = self.ram.remove(&h)?;
+        self.ram_lru.remove(&e.tick);
+        self.ram_used -= e.v.cost();
+        Some(e)
+    }
+
+    fn insert_ram(&mut self, h: u128, v: Value, seq: u64, dirty: bool) {
+        self.remove_ram(h);
+        let tick = self.tick();
+        self.ram_used += v.cost();
+        self.ram_lru.insert(tick, h);
+        self.ram.insert(h, RamEntry { v, seq, tick, dirty });
+    }
+
+    fn touch_ram(&mut self, h: u128) {
+        let tick = self.tick();
+        if let Some(e) = self.ram.get_mut(&h) {
+            self.ram_lru.remove(&e.tick);
+            e.tick = tick;
+            self.ram_lru.insert(tick, h);
+        }
+    }
+
+    fn remove_disk(&mut self, h: u128) -> Option<DiskEntry> {
+        let e = self.disk.remove(&h)?;
+        self.disk_lru.remove(&e.tick);
+        self.disk_used -= e.bytes;
+        Some(e)
+    }
+
+    fn insert_disk(&mut self, h: u128, seq: u64, bytes: u64) -> Option<DiskEntry> {
+        let old = self.remove_disk(h);
+        let tick = self.tick();
+        self.disk_used += bytes;
+        self.disk_lru.insert(tick, h);
+        self.disk.insert(h, DiskEntry { seq, bytes, tick });
+        old
+    }
+
+    fn touch_disk(&mut self, h: u128) {
+        let tick = self.tick();
+        if let Some(e) = self.disk.get_mut(&h) {
+            self.disk_lru.remove(&e.tick);
+            e.tick = tick;
+            self.disk_lru.insert(tick, h);
+        }
+    }
+
+    /// The newest version of `h` anywhere in the store.
+    fn current_seq(&self, h: u128) -> Option<u64> {
+        [self.ram.get(&h).map(|e| e.seq), self.flushing.get(&h).map(|f| f.1), self.disk.get(&h).map(|e| e.seq)]
+            .into_iter()
+            .flatten()
+            .max()
+    }
+
+    /// Evict least recently used RAM entries until the budget holds: dirty ones become flushes
+    /// (when there is a disk tier), clean ones are dropped (their file is on disk already).
+    fn evict_ram(&mut self, budget: u64, has_disk: bool, flushes: &mut Vec<Flush>, dropped: &mut u64) {
+        while self.ram_used > budget {
+            let Some((_, &h)) = self.ram_lru.iter().next() else { break };
+            let e = self.remove_ram(h).expect("LRU and map agree");
+            if e.dirty && has_disk {
+                self.flushing.insert(h, (e.v.clone(), e.seq));
+                flushes.push(Flush { hash: h, v: e.v, seq: e.seq });
+            } else if !self.disk.contains_key(&h) {
+                *dropped += 1;
+            }
+        }
+    }
+
+    fn evict_disk(&mut self, budget: u64, unlink: &mut Vec<(u128, u64)>, dropped: &mut u64) {
+        if budget == 0 {
+            return;
+        }
+        while self.disk_used > budget {
+            let Some((_, &h)) = self.disk_lru.iter().next() else { break };
+            let e = self.remove_disk(h).expect("LRU and map agree");
+            unlink.push((h, e.seq));
+            if !self.ram.contains_key(&h) {
+                *dropped += 1;
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    puts: AtomicU64,
+    hits_ram: AtomicU64,
+    hits_disk: AtomicU64,
+    misses: AtomicU64,
+    evicted_to_disk: AtomicU64,
+    dropped: AtomicU64,
+    corrupt_evicted: AtomicU64,
+    flush_errors: AtomicU64,
+}
+
+pub struct ChunkStore {
+    cfg: StoreConfig,
+    state: Mutex<State>,
+    counters: Counters,
+    pool: rayon::ThreadPool,
+    /// Held for the store's life: one process per folder.
+    _lock: Option<File>,
+}
+
+/// Errors that mean "this chunk's bytes are not what was stored": the chunk is evicted.
+fn is_damage(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::BadMagic
+            | Error::UnsupportedVersion(..)
+            | Error::Unsupported(_)
+            | Error::Truncated(_)
+            | Error::Corrupt(_)
+            | Error::ChecksumMismatch(_)
+            | Error::LimitExceeded(_)
+    )
+}
+
+impl ChunkStore {
+    /// Open (or create) a store. With a folder, the chunk files already there are indexed (their
+    /// headers checked; payloads are checked when read), leftover temporary files of a writer that
+    /// died are removed, and damaged files are removed and counted.
+    pub fn open(cfg: StoreConfig) -> Result<ChunkStore> {
+        if cfg.max_chunk_bytes == 0 {
+            return Err(Error::InvalidArgument("max_chunk_bytes must be > 0".into()));
+        }
+        let threads = if cfg.io_threads == 0 { 4 } else { cfg.io_threads };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("wz-store-io-{i}"))
+            .build()
+            .map_err(|e| Error::InvalidArgument(format!("I/O pool: {e}")))?;
+        let counters = Counters::default();
+        let mut state = State { next_seq: 1, ..State::default() };
+        let mut lock = None;
+        if let Some(dir) = &cfg.dir {
+            fs::create_dir_all(dir)?;
+            let f = File::create(dir.join("LOCK"))?;
+            match f.try_lock() {
+                Ok(()) => {}
+                Err(TryLockError::WouldBlock) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "store folder {} is open in another process",
+                        dir.display()
+                    )))
+                }
+                Err(TryLockError::Error(e)) => return Err(e.into()),
+            }
+            lock = Some(f);
+            let found = pool.install(|| scan(dir, cfg.max_chunk_bytes, &counters))?;
+            let mut newest: HashMap<u128, (u64, u64)> = HashMap::new();
+            let mut stale = Vec::new();
+            for (h, seq, bytes) in found {
+                match newest.get(&h) {
+                    Some(&(s, _)) if s > seq => stale.push((h, seq)),
+                    Some(&(s, _)) => {
+                        stale.push((h, s));
+                        newest.insert(h, (seq, bytes));
+                    }
+                    None => {
+                        newest.insert(h, (seq, bytes));
+                    }
+                }
+            }
+            for (h, seq) in stale {
+                let _ = fs::remove_file(dir.join(rel_path(h, seq)));
+            }
+            let mut order: Vec<(u64, u128, u64)> = newest.into_iter().map(|(h, (s, b))| (s, h, b)).collect();
+            order.sort_unstable();
+            for (seq, h, bytes) in order {
+                state.insert_disk(h, seq, bytes);
+                state.next_seq = state.next_seq.max(seq + 1);
+            }
+        }
+        let store = ChunkStore { cfg, state: Mutex::new(state), counters, pool, _lock: lock };
+        let mut unlink = Vec::new();
+        let mut dropped = 0;
+        store.lock().evict_disk(store.cfg.disk_bytes, &mut unlink, &mut dropped);
+        store.counters.dropped.fetch_add(dropped, Relaxed);
+        store.unlink(&unlink);
+        Ok(store)
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves maps that are still consistent (every update is
+        // a few map operations without I/O), so a poisoned lock is taken over.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn path(&self, h: u128, seq: u64) -> Option<PathBuf> {
+        self.cfg.dir.as_ref().map(|d| d.join(rel_path(h, seq)))
+    }
+
+    fn unlink(&self, files: &[(u128, u64)]) {
+        for &(h, seq) in files {
+            if let Some(p) = self.path(h, seq) {
+                let _ = fs::remove_file(p);
+            }
+        }
+    }
+
+    fn check_put(&self, key: &[u8], data: &[u8]) -> Result<()> {
+        if key.is_empty() || key.len() > MAX_KEY_LEN {
+            return Err(Error::InvalidArgument(format!("key of {} bytes (1..={MAX_KEY_LEN})", key.len())));
+        }
+        if data.len() as u64 > self.cfg.max_chunk_bytes {
+            return Err(Error::LimitExceeded(format!(
+                "chunk of {} bytes, the store's limit is {}",
+                data.len(),
+                self.cfg.max_chunk_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Write one version's file. Returns its length.
+    fn write_file(&self, h: u128, v: &Value, seq: u64) -> Result<u64> {
+        let path = self.path(h, seq).expect("only called with a disk tier");
+        let header = Header {
+            tag: v.tag,
+            key_len: v.key.len() as u32,
+            payload_len: v.data.len() as u64,
+            seq,
+            key_hash: h,
+            payload_xxh3: v.xxh,
+        };
+        file::write_chunk(&path, &header, &v.key, &v.data, self.cfg.durable)?;
+        Ok(header.file_len())
+    }
+
+    /// Write an evicted chunk and move it from `flushing` to the disk tier, unless a newer put or
+    /// a delete of its key came first (then the file just written is removed).
+    fn flush(&self, f: Flush) -> Result<()> {
+        let written = self.write_file(f.hash, &f.v, f.seq);
+        let mut unlink = Vec::new();
+        let mut dropped = 0;
+        {
+            let mut st = self.lock();
+            let ours = st.flushing.get(&f.hash).map(|x| x.1) == Some(f.seq);
+            match &written {
+                Ok(bytes) if ours => {
+                    st.flushing.remove(&f.hash);
+                    st.insert_disk(f.hash, f.seq, *bytes);
+                    if let Some(e) = st.ram.get_mut(&f.hash) {
+                        if e.seq == f.seq {
+                            e.dirty = false;
+                        }
+                    }
+                    st.evict_disk(self.cfg.disk_bytes, &mut unlink, &mut dropped);
+                }
+                Ok(_) => unlink.push((f.hash, f.seq)),
+                Err(_) => {
+                    if ours {
+                        st.flushing.remove(&f.hash);
+                        match st.ram.get_mut(&f.hash) {
+                            // flush_all's write of a chunk still in RAM: it stays there, dirty.
+                            Some(e) if e.seq == f.seq => e.dirty = true,
+                            _ => dropped += 1,
+                        }
+                    }
+                }
+            }
+        }
+        self.counters.dropped.fetch_add(dropped, Relaxed);
+        self.unlink(&unlink);
+        written.map(|_| ())
+    }
+
+    fn run_flushes(&self, flushes: Vec<Flush>, own: Option<(u128, u64)>) -> Result<()> {
+        let mut result = Ok(());
+        for f in flushes {
+            let is_own = own == Some((f.hash, f.seq));
+            if !is_own {
+                self.counters.evicted_to_disk.fetch_add(1, Relaxed);
+            }
+            if let Err(e) = self.flush(f) {
+                if is_own {
+                    result = Err(e);
+                } else {
+                    self.counters.flush_errors.fetch_add(1, Relaxed);
+                }
+            }
+        }
+        result
+    }
+
+    /// Store `data` under `key` (replacing any older version). Write-back: the chunk goes to RAM
+    /// and reaches disk when evicted; a failed write of another, evicted chunk is counted in
+    /// `flush_errors`, not returned here. Write-through (or a zero RAM budget): the chunk is on
+    /// disk when this returns, and a failed write (a full disk) is this call's error, leaving
+    /// every chunk stored before it in place.
+    pub fn put(&self, key: &[u8], data: Vec<u8>, tag: u32) -> Result<()> {
+        self.check_put(key, &data)?;
+        let h = key_hash(key);
+        let xxh = xxh3_64(&data);
+        let v = Value { key: Arc::from(key), data: Arc::new(data), tag, xxh };
+        self.counters.puts.fetch_add(1, Relaxed);
+        let has_disk = self.cfg.dir.is_some();
+        let mut flushes = Vec::new();
+        let mut unlink = Vec::new();
+        let mut dropped = 0;
+        let seq;
+        if has_disk && self.cfg.write_through {
+            seq = {
+                let mut st = self.lock();
+                st.next_seq += 1;
+                st.next_seq - 1
+            };
+            let bytes = self.write_file(h, &v, seq)?;
+            let mut st = self.lock();
+            if st.current_seq(h).is_some_and(|c| c > seq) {
+                unlink.push((h, seq)); // a newer put of this key registered first
+            } else {
+                st.flushing.remove(&h);
+                if let Some(old) = st.insert_disk(h, seq, bytes) {
+                    unlink.push((h, old.seq));
+                }
+                st.insert_ram(h, v, seq, false);
+                st.evict_ram(self.cfg.ram_bytes, true, &mut flushes, &mut dropped);
+                st.evict_disk(self.cfg.disk_bytes, &mut unlink, &mut dropped);
+            }
+        } else {
+            let mut st = self.lock();
+            seq = st.next_seq;
+            st.next_seq += 1;
+            st.flushing.remove(&h);
+            if let Some(old) = st.remove_disk(h) {
+                unlink.push((h, old.seq));
+            }
+            st.insert_ram(h, v, seq, has_disk);
+            st.evict_ram(self.cfg.ram_bytes, has_disk, &mut flushes, &mut dropped);
+        }
+        self.counters.dropped.fetch_add(dropped, Relaxed);
+        self.unlink(&unlink);
+        self.run_flushes(flushes, Some((h, seq)))
+    }
+
+    /// The chunk stored under `key`, verified; Ok(None) when absent. A chunk that fails its
+    /// checksum is removed from the store and reported as the error (`ChecksumMismatch`,
+    /// `Truncated`, `Corrupt`, ...); a second get then finds nothing.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Chunk>> {
+        let h = key_hash(key);
+        // A file can vanish between the lookup and the read when a newer put or an eviction
+        // replaces it; the next lookup then finds the newer state.
+        for _ in 0..4 {
+            let disk_seq;
+            {
+                let mut st = self.lock();
+                let mem = if let Some(e) = st.ram.get(&h) {
+                    Some((e.v.clone(), e.seq))
+                } else {
+                    st.flushing.get(&h).cloned()
+                };
+                if let Some((v, seq)) = mem {
+                    st.touch_ram(h);
+                    drop(st);
+                    return self.check_mem(h, key, v, seq);
+                }
+                match st.disk.get(&h) {
+                    Some(e) => disk_seq = e.seq,
+                    None => {
+                        self.counters.misses.fetch_add(1, Relaxed);
+                        return Ok(None);
+                    }
+                }
+                st.touch_disk(h);
+            }
+            let path = self.path(h, disk_seq).expect("disk entries exist only with a folder");
+            match file::read_chunk(&path, self.cfg.max_chunk_bytes) {
+                Ok(None) => continue,
+                Ok(Some(fc)) => {
+                    if fc.key != key {
+                        // Two keys with one XXH3-128: never seen, but never returned either.
+                        self.counters.misses.fetch_add(1, Relaxed);
+                        return Ok(None);
+                    }
+                    self.counters.hits_disk.fetch_add(1, Relaxed);
+                    let data = Arc::new(fc.payload);
+                    if self.cfg.promote {
+                        self.promote(h, disk_seq, fc.key, data.clone(), fc.header);
+                    }
+                    return Ok(Some(Chunk { tag: fc.header.tag, data }));
+                }
+                Err(e) if is_damage(&e) => {
+                    {
+                        let mut st = self.lock();
+                        if st.disk.get(&h).map(|d| d.seq) == Some(disk_seq) {
+                            st.remove_disk(h);
+                        }
+                    }
+                    let _ = fs::remove_file(&path);
+                    self.counters.corrupt_evicted.fetch_add(1, Relaxed);
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.counters.misses.fetch_add(1, Relaxed);
+        Ok(None)
+    }
+
+    fn check_mem(&self, h: u128, key: &[u8], v: Value, seq: u64) -> Result<Option<Chunk>> {
+        if &*v.key != key {
+            self.counters.misses.fetch_add(1, Relaxed);
+            return Ok(None);
+        }
+        if xxh3_64(&v.data) != v.xxh {
+            {
+                let mut st = self.lock();
+                if st.ram.get(&h).map(|e| e.seq) == Some(seq) {
+                    st.remove_ram(h);
+                }
+                if st.flushing.get(&h).map(|f| f.1) == Some(seq) {
+                    st.flushing.remove(&h);
+                }
+            }
+            self.counters.corrupt_evicted.fetch_add(1, Relaxed);
+            return Err(Error::ChecksumMismatch("chunk in the RAM tier".into()));
+        }
+        self.counters.hits_ram.fetch_add(1, Relaxed);
+        Ok(Some(Chunk { tag: v.tag, data: v.data }))
+    }
+
+    fn promote(&self, h: u128, seq: u64, key: Vec<u8>, data: Arc<Vec<u8>>, header: Header) {
+        let v = Value { key: Arc::from(key), data, tag: header.tag, xxh: header.payload_xxh3 };
+        if v.cost() > self.cfg.ram_bytes {
+            return;
+        }
+        let mut flushes = Vec::new();
+        let mut dropped = 0;
+        {
+            let mut st = self.lock();
+            if st.ram.contains_key(&h) || st.current_seq(h) != Some(seq) {
+                return;
+            }
+            st.insert_ram(h, v, seq, false);
+            st.evict_ram(self.cfg.ram_bytes, true, &mut flushes, &mut dropped);
+        }
+        self.counters.dropped.fetch_add(dropped, Relaxed);
+        let _ = self.run_flushes(flushes, None);
+    }
+
+    /// Whether `key` is stored (without reading or verifying it).
+    pub fn contains(&self, key: &[u8]) -> bool {
+        let h = key_hash(key);
+        let st = self.lock();
+        st.ram.contains_key(&h) || st.flushing.contains_key(&h) || st.disk.contains_key(&h)
+    }
+
+    /// Remove `key` from every tier. Returns whether it was stored.
+    pub fn delete(&self, key: &[u8]) -> bool {
+        let h = key_hash(key);
+        let mut unlink = Vec::new();
+        let found;
+        {
+            let mut st = self.lock();
+            let a = st.remove_ram(h).is_some();
+            let b = st.flushing.remove(&h).is_some();
+            let c = st.remove_disk(h).map(|e| unlink.push((h, e.seq))).is_some();
+            found = a || b || c;
+        }
+        self.unlink(&unlink);
+        found
+    }
+
+    /// Write every chunk that is only in RAM to disk (no-op without a disk tier), on the I/O pool.
+    pub fn flush_all(&self) -> Result<()> {
+        if self.cfg.dir.is_none() {
+            return Ok(());
+        }
+        let flushes: Vec<Flush> = {
+            let mut st = self.lock();
+            let st = &mut *st;
+            let mut out = Vec::new();
+            for (&h, e) in st.ram.iter_mut() {
+                if e.dirty {
+                    e.dirty = false;
+                    st.flushing.insert(h, (e.v.clone(), e.seq));
+                    out.push(Flush { hash: h, v: e.v.clone(), seq: e.seq });
+                }
+            }
+            out
+        };
+        let results: Vec<Result<()>> = self.pool.install(|| flushes.into_par_iter().map(|f| self.flush(f)).collect());
+        results.into_iter().collect()
+    }
+
+    /// `put` of many chunks on the I/O pool; one result per item, in order.
+    pub fn put_many(&self, items: Vec<(Vec<u8>, Vec<u8>, u32)>) -> Vec<Result<()>> {
+        self.pool.install(|| items.into_par_iter().map(|(k, d, t)| self.put(&k, d, t)).collect())
+    }
+
+    /// `get` of many keys on the I/O pool; one result per key, in order.
+    pub fn get_many(&self, keys: &[Vec<u8>]) -> Vec<Result<Option<Chunk>>> {
+        self.pool.install(|| keys.par_iter().map(|k| self.get(k)).collect())
+    }
+
+    /// Run `f` on the I/O pool (for callers that batch their own work, e.g. compression).
+    pub fn install<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        self.pool.install(f)
+    }
+
+    pub fn stats(&self) -> Stats {
+        let st = self.lock();
+        let c = &self.counters;
+        Stats {
+            ram_chunks: st.ram.len() as u64,
+            ram_bytes: st.ram_used,
+            disk_chunks: st.disk.len() as u64,
+            disk_bytes: st.disk_used,
+            flushing_chunks: st.flushing.len() as u64,
+            puts: c.puts.load(Relaxed),
+            hits_ram: c.hits_ram.load(Relaxed),
+            hits_disk: c.hits_disk.load(Relaxed),
+            misses: c.misses.load(Relaxed),
+            evicted_to_disk: c.evicted_to_disk.load(Relaxed),
+            dropped: c.dropped.load(Relaxed),
+            corrupt_evicted: c.corrupt_evicted.load(Relaxed),
+            flush_errors: c.flush_errors.load(Relaxed),
+        }
+    }
+
+    /// The path of the file that holds `key` on disk now, if it is there (for tools and tests).
+    pub fn file_of(&self, key: &[u8]) -> Option<PathBuf> {
+        let h = key_hash(key);
+        let seq = self.lock().disk.get(&h).map(|e| e.seq)?;
+        self.path(h, seq)
+    }
+
+    /// Drop `key` from the RAM tier only (it stays on disk if it was there): lets callers and
+    /// tests force the next read to come from disk.
+    pub fn evict_from_ram(&self, key: &[u8]) -> bool {
+        let h = key_hash(key);
+        let mut flushes = Vec::new();
+        {
+            let mut st = self.lock();
+            let Some(e) = st.remove_ram(h) else { return false };
+            if e.dirty && self.cfg.dir.is_some() {
+                st.flushing.insert(h, (e.v.clone(), e.seq));
+                flushes.push(Flush { hash: h, v: e.v, seq: e.seq });
+            } else if !st.disk.contains_key(&h) {
+                self.counters.dropped.fetch_add(1, Relaxed);
+            }
+        }
+        let _ = self.run_flushes(flushes, None);
+        true
+    }
+}
+
+/// Index the chunk files of a store folder (in parallel over its 256 subfolders).
+fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, u64, u64)>> {
+    let per_sub: Vec<Result<Vec<(u128, u64, u64)>>> = (0..256u32)
+        .into_par_iter()
+        .map(|i| {
+            let sub = dir.join(format!("{i:02x}"));
+            fs::create_dir_all(&sub)?;
+            let mut out = Vec::new();
+            for entry in fs::read_dir(&sub)? {
+                let entry = entry?;
+                let name = entry.file_name();
+                let Some(name) = name.to_str() else { continue };
+                let path = entry.path();
+                if name.ends_with(&format!(".{}", file::TMP_SUFFIX)) {
+                    // A write that never reached its rename: the writer died.
+                    let _ = fs::remove_file(&path);
+                    continue;
+                }
+                let Some((h, seq)) = file::parse_name(name) else { continue };
+                match file::read_header(&path, max_payload) {
+                    Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => out.push((h, seq, hd.file_len())),
+                    Ok(_) => {
+                        let _ = fs::remove_file(&path);
+                        counters.corrupt_evicted.fetch_add(1, Relaxed);
+                    }
+                    Err(e) if is_damage(&e) => {
+                        let _ = fs::remove_file(&path);
+                        counters.corrupt_evicted.fetch_add(1, Relaxed);
+                    }
+                    Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(out)
+        })
+        .collect();
+    let mut all = Vec::new();
+    for r in per_sub {
+        all.extend(r?);
+    }
+    Ok(all)
+}

@@ -1,0 +1,353 @@
+//! Behaviour of the chunk store: tiers, budgets, persistence, damage, limits, concurrency.
+
+use std::fs;
+use std::path::Path;
+use std::sync::Arc;
+
+use weightszip_store::{file, ChunkStore, Error, StoreConfig};
+
+/// A value that names its key and version and is checkable on its own: 16 bytes of id and
+/// version, then bytes drawn from them, of a length drawn from them.
+fn value(id: u64, version: u64) -> Vec<u8> {
+    let mut s = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    let len = 16 + (s % 1500) as usize;
+    let mut v = Vec::with_capacity(len);
+    v.extend_from_slice(&id.to_le_bytes());
+    v.extend_from_slice(&version.to_le_bytes());
+    while v.len() < len {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v.push(s as u8);
+    }
+    v
+}
+
+fn check_value(v: &[u8]) -> (u64, u64) {
+    let id = u64::from_le_bytes(v[..8].try_into().unwrap());
+    let version = u64::from_le_bytes(v[8..16].try_into().unwrap());
+    assert_eq!(v, value(id, version).as_slice(), "bytes of ({id}, {version}) damaged");
+    (id, version)
+}
+
+fn key(id: u64) -> Vec<u8> {
+    format!("model@1@0@{id:016x}").into_bytes()
+}
+
+fn cfg(dir: Option<&Path>, ram: u64) -> StoreConfig {
+    StoreConfig { dir: dir.map(|d| d.to_path_buf()), ram_bytes: ram, durable: false, ..StoreConfig::default() }
+}
+
+fn chunk_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for sub in fs::read_dir(dir).unwrap() {
+        let sub = sub.unwrap().path();
+        if sub.is_dir() {
+            for f in fs::read_dir(&sub).unwrap() {
+                out.push(f.unwrap().path());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn ram_tier_keeps_the_budget_and_drops_least_recently_used() {
+    let s = ChunkStore::open(cfg(None, 10_000)).unwrap();
+    for id in 0..20 {
+        s.put(&key(id), vec![id as u8; 1000], 0).unwrap();
+        if id >= 1 {
+            assert!(s.get(&key(0)).unwrap().is_some(), "key 0 is used all the time, so it stays");
+        }
+    }
+    let st = s.stats();
+    assert!(st.ram_bytes <= 10_000, "{st:?}");
+    assert!(st.dropped >= 10, "{st:?}");
+    assert!(s.contains(&key(0)));
+    assert!(s.contains(&key(19)));
+    assert!(!s.contains(&key(1)));
+    let c = s.get(&key(19)).unwrap().unwrap();
+    assert_eq!(*c.data, vec![19u8; 1000]);
+}
+
+#[test]
+fn evicted_chunks_go_to_disk_and_come_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(Some(dir.path()), 8_000)).unwrap();
+    for id in 0..50 {
+        s.put(&key(id), value(id, 0), 7).unwrap();
+    }
+    let st = s.stats();
+    assert!(st.ram_bytes <= 8_000);
+    assert!(st.disk_chunks > 30, "{st:?}");
+    assert_eq!(st.dropped, 0);
+    for id in 0..50 {
+        let c = s.get(&key(id)).unwrap().expect("nothing lost");
+        assert_eq!(c.tag, 7);
+        assert_eq!(check_value(&c.data), (id, 0));
+    }
+    assert!(s.stats().hits_disk > 0);
+    s.flush_all().unwrap();
+    drop(s);
+    // Everything flushed is found again by a new store on the same folder.
+    let s = ChunkStore::open(cfg(Some(dir.path()), 8_000)).unwrap();
+    assert_eq!(s.stats().disk_chunks, 50);
+    for id in 0..50 {
+        assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data), (id, 0));
+    }
+}
+
+#[test]
+fn write_through_puts_are_on_disk_when_put_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, durable: true, ..cfg(Some(dir.path()), 1 << 20) })
+        .unwrap();
+    for id in 0..10 {
+        s.put(&key(id), value(id, 1), 0).unwrap();
+        assert!(s.file_of(&key(id)).unwrap().exists());
+    }
+    // A newer version replaces the file; the older file is gone.
+    let old = s.file_of(&key(3)).unwrap();
+    s.put(&key(3), value(3, 2), 0).unwrap();
+    assert!(!old.exists());
+    drop(s); // no flush: write-through needs none
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    for id in 0..10 {
+        let want = if id == 3 { 2 } else { 1 };
+        assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data), (id, want));
+    }
+    assert_eq!(chunk_files(dir.path()).len(), 10);
+}
+
+#[test]
+fn a_damaged_file_is_reported_and_evicted_never_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap();
+    for id in 0..4 {
+        s.put(&key(id), value(id, 0), 0).unwrap();
+    }
+    // Flip one payload byte of key 0, cut key 1 short, break key 2's header.
+    let p0 = s.file_of(&key(0)).unwrap();
+    let mut b = fs::read(&p0).unwrap();
+    let n = b.len();
+    b[n - 1] ^= 0x10;
+    fs::write(&p0, &b).unwrap();
+    let p1 = s.file_of(&key(1)).unwrap();
+    let b = fs::read(&p1).unwrap();
+    fs::write(&p1, &b[..b.len() - 5]).unwrap();
+    let p2 = s.file_of(&key(2)).unwrap();
+    let mut b = fs::read(&p2).unwrap();
+    b[10] ^= 1; // the tag: covered by the header checksum
+    fs::write(&p2, &b).unwrap();
+
+    assert!(matches!(s.get(&key(0)), Err(Error::ChecksumMismatch(_))));
+    assert!(matches!(s.get(&key(1)), Err(Error::Truncated(_))));
+    assert!(matches!(s.get(&key(2)), Err(Error::ChecksumMismatch(_))));
+    for id in 0..3 {
+        assert!(s.get(&key(id)).unwrap().is_none(), "evicted after the failed read");
+        assert!(!s.contains(&key(id)));
+    }
+    assert!(!p0.exists() && !p1.exists() && !p2.exists());
+    assert_eq!(s.stats().corrupt_evicted, 3);
+    assert_eq!(check_value(&s.get(&key(3)).unwrap().unwrap().data), (3, 0));
+}
+
+#[test]
+fn open_removes_temporaries_damaged_and_superseded_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap();
+    s.put(&key(1), value(1, 0), 0).unwrap();
+    let older = s.file_of(&key(1)).unwrap();
+    let older_bytes = fs::read(&older).unwrap();
+    s.put(&key(1), value(1, 1), 0).unwrap();
+    s.put(&key(2), value(2, 0), 0).unwrap();
+    let p1 = s.file_of(&key(1)).unwrap();
+    let p2 = s.file_of(&key(2)).unwrap();
+    drop(s);
+    // A writer that died before its rename, a garbage file under a chunk name, and the older
+    // version of key 1 back beside the newer one (a crash between rename and unlink).
+    let tmp = p1.with_extension("tmp");
+    fs::write(&tmp, b"partial").unwrap();
+    fs::write(&p2, b"not a chunk file at all, longer than sixty-four bytes ............").unwrap();
+    fs::write(&older, &older_bytes).unwrap();
+    let (_, seq1) = file::parse_name(p1.file_name().unwrap().to_str().unwrap()).unwrap();
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    assert!(!tmp.exists());
+    assert!(!p2.exists());
+    assert!(!older.exists());
+    assert_eq!(s.stats().disk_chunks, 1);
+    assert_eq!(s.stats().corrupt_evicted, 1);
+    assert!(s.get(&key(2)).unwrap().is_none());
+    assert_eq!(check_value(&s.get(&key(1)).unwrap().unwrap().data), (1, 1));
+    // New versions get sequence numbers above every file found.
+    s.put(&key(5), value(5, 0), 0).unwrap();
+    s.flush_all().unwrap();
+    let (_, seq5) = file::parse_name(s.file_of(&key(5)).unwrap().file_name().unwrap().to_str().unwrap()).unwrap();
+    assert!(seq5 > seq1);
+}
+
+#[test]
+fn disk_budget_evicts_oldest_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { disk_bytes: 20_000, ..cfg(Some(dir.path()), 0) }).unwrap();
+    for id in 0..40 {
+        s.put(&key(id), vec![1u8; 1000], 0).unwrap();
+    }
+    let st = s.stats();
+    assert!(st.disk_bytes <= 20_000, "{st:?}");
+    assert!(st.dropped > 0);
+    assert!(s.contains(&key(39)));
+    assert!(!s.contains(&key(0)));
+    let on_disk: u64 = chunk_files(dir.path()).iter().map(|p| fs::metadata(p).unwrap().len()).sum();
+    assert_eq!(on_disk, st.disk_bytes);
+}
+
+#[test]
+fn keys_cannot_name_paths_outside_the_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let inner = dir.path().join("store");
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(&inner), 0) }).unwrap();
+    for k in [&b"../../escape"[..], b"/etc/passwd", b"a/../../b", b"\0\xff", b"."] {
+        s.put(k, b"x".to_vec(), 0).unwrap();
+        assert_eq!(*s.get(k).unwrap().unwrap().data, b"x");
+        assert!(s.file_of(k).unwrap().starts_with(&inner));
+    }
+    let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("store")]);
+}
+
+#[test]
+fn bad_arguments_and_lying_headers_are_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { max_chunk_bytes: 4096, write_through: true, ..cfg(Some(dir.path()), 0) })
+        .unwrap();
+    assert!(matches!(s.put(b"", vec![1], 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.put(&vec![b'k'; 70_000], vec![1], 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.put(b"big", vec![0; 4097], 0), Err(Error::LimitExceeded(_))));
+    s.put(b"k", vec![0; 100], 0).unwrap();
+    // A header that declares a payload far beyond the limit must fail before allocating it.
+    let p = s.file_of(b"k").unwrap();
+    let mut b = fs::read(&p).unwrap();
+    b[16..24].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+    fs::write(&p, &b).unwrap();
+    assert!(matches!(s.get(b"k"), Err(Error::LimitExceeded(_))));
+    assert!(s.get(b"k").unwrap().is_none());
+    // One process per folder.
+    assert!(matches!(ChunkStore::open(cfg(Some(dir.path()), 0)), Err(Error::InvalidArgument(_))));
+    drop(s);
+    ChunkStore::open(cfg(Some(dir.path()), 0)).unwrap();
+}
+
+#[test]
+fn delete_and_replace_across_tiers() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(Some(dir.path()), 4_000)).unwrap();
+    for id in 0..20 {
+        s.put(&key(id), value(id, 0), 0).unwrap();
+    }
+    for id in 0..20 {
+        s.put(&key(id), value(id, 1), 0).unwrap();
+    }
+    for id in (0..20).step_by(3) {
+        assert!(s.delete(&key(id)));
+        assert!(!s.delete(&key(id)));
+    }
+    s.flush_all().unwrap();
+    for id in 0..20 {
+        let got = s.get(&key(id)).unwrap();
+        if id % 3 == 0 {
+            assert!(got.is_none());
+        } else {
+            assert_eq!(check_value(&got.unwrap().data), (id, 1));
+        }
+    }
+    // One file per stored key: replaced and deleted versions left nothing behind.
+    let keys_left = (0..20).filter(|id| id % 3 != 0).count();
+    assert_eq!(chunk_files(dir.path()).len(), keys_left);
+}
+
+#[test]
+fn batched_put_and_get_keep_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { io_threads: 3, ..cfg(Some(dir.path()), 20_000) }).unwrap();
+    let items: Vec<_> = (0..64).map(|id| (key(id), value(id, 0), id as u32)).collect();
+    assert!(s.put_many(items).into_iter().all(|r| r.is_ok()));
+    let mut keys: Vec<_> = (0..64).map(key).collect();
+    keys.push(b"absent".to_vec());
+    let got = s.get_many(&keys);
+    for (id, r) in got.iter().enumerate() {
+        match r.as_ref().unwrap() {
+            Some(c) => {
+                assert_eq!(c.tag, id as u32);
+                assert_eq!(check_value(&c.data), (id as u64, 0));
+            }
+            None => assert_eq!(id, 64),
+        }
+    }
+}
+
+/// Eight threads of mixed put / get / delete / evict on shared keys: every read returns the
+/// intact bytes of some version of the key it asked for, and at the end each key holds exactly
+/// the last version its writer put (each key has one writer thread; readers read every key).
+#[test]
+fn eight_threads_of_mixed_operations_lose_nothing() {
+    const THREADS: u64 = 8;
+    const KEYS_PER_THREAD: u64 = 40;
+    const OPS: u64 = 6_000;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(
+        ChunkStore::open(StoreConfig { disk_bytes: 0, ..cfg(Some(dir.path()), 60_000) }).unwrap(),
+    );
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let mut last: Vec<Option<u64>> = vec![None; KEYS_PER_THREAD as usize];
+                let mut r = 0x1234_5678u64 + t;
+                for op in 0..OPS {
+                    r ^= r << 13;
+                    r ^= r >> 7;
+                    r ^= r << 17;
+                    let own = (r >> 8) % KEYS_PER_THREAD;
+                    let id = t * KEYS_PER_THREAD + own;
+                    match r % 10 {
+                        0..=3 => {
+                            s.put(&key(id), value(id, op), 0).unwrap();
+                            last[own as usize] = Some(op);
+                        }
+                        4 => {
+                            s.delete(&key(id));
+                            last[own as usize] = None;
+                        }
+                        5 => {
+                            s.evict_from_ram(&key(id));
+                        }
+                        _ => {
+                            // Read any thread's key.
+                            let other = (r >> 20) % (THREADS * KEYS_PER_THREAD);
+                            if let Some(c) = s.get(&key(other)).unwrap() {
+                                assert_eq!(check_value(&c.data).0, other);
+                            }
+                        }
+                    }
+                }
+                last
+            })
+        })
+        .collect();
+    let lasts: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let st = s.stats();
+    assert!(st.evicted_to_disk > 0 && st.hits_disk > 0, "both tiers used: {st:?}");
+    assert_eq!(st.flush_errors, 0);
+    assert_eq!(st.corrupt_evicted, 0);
+    for (t, last) in lasts.iter().enumerate() {
+        for (own, want) in last.iter().enumerate() {
+            let id = t as u64 * KEYS_PER_THREAD + own as u64;
+            let got = s.get(&key(id)).unwrap().map(|c| check_value(&c.data).1);
+            assert_eq!(got, *want, "key {id}");
+        }
+    }
+    s.flush_all().unwrap();
+    let stored = lasts.iter().flatten().filter(|v| v.is_some()).count();
+    assert_eq!(chunk_files(dir.path()).len(), stored, "one file per stored key, no leftovers");
+}
