@@ -7,6 +7,7 @@ pub mod codec;
 pub mod dtype;
 pub mod error;
 pub mod format;
+pub mod page;
 pub mod rans;
 
 pub use codec::{compress, decode_file, encode_file, read_index, Container, EncodeOptions};

@@ -7,6 +7,8 @@
 
 use std::path::PathBuf;
 
+mod page;
+
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -27,7 +29,7 @@ create_exception!(_core, InvalidArgumentError, WeightszipError, "The call's argu
 create_exception!(_core, BufferTooSmallError, InvalidArgumentError, "An output buffer has the wrong size.");
 create_exception!(_core, WeightszipIOError, WeightszipError, "Reading or writing a file failed.");
 
-fn to_py(e: Error) -> PyErr {
+pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     // Exhaustive on purpose: a new variant must be given its exception class here.
     match e {
@@ -47,7 +49,7 @@ fn to_py(e: Error) -> PyErr {
 /// # Safety contract
 /// The Python wrapper passes the address and length of a live, contiguous buffer that it keeps
 /// referenced for the whole call and does not mutate concurrently.
-unsafe fn slice<'a>(addr: usize, len: usize) -> &'a [u8] {
+pub(crate) unsafe fn slice<'a>(addr: usize, len: usize) -> &'a [u8] {
     if len == 0 {
         &[]
     } else {
@@ -55,7 +57,7 @@ unsafe fn slice<'a>(addr: usize, len: usize) -> &'a [u8] {
     }
 }
 
-unsafe fn slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
+pub(crate) unsafe fn slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
     if len == 0 {
         &mut []
     } else {
@@ -293,5 +295,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_file, m)?)?;
     m.add_function(wrap_pyfunction!(decode_file, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
+    page::register(m)?;
     Ok(())
 }

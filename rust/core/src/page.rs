@@ -1,0 +1,636 @@
+//! The exact page profile (docs/FORMAT.md, "Exact page profile"): 16-token pages of a paged KV
+//! cache, each decodable on its own and by thousands of GPU threads at once.
+//!
+//! Read me first:
+//! - A 16-bit value is split into an 8-bit *symbol* (bf16: the exponent; fp16: the high byte)
+//!   and an 8-bit *raw* byte stored verbatim (bf16: sign and mantissa; fp16: the low byte).
+//! - Symbols are coded with a STATIC canonical prefix code per channel, taken from a codebook
+//!   calibrated once per (layer, K or V) and stored once, not per page. Symbol 256 is the
+//!   escape: its code is followed by the 8 bits of a symbol that has no code of its own.
+//! - A page of `C` channels has `C / 32` *streams*; stream `s` holds the symbols of channels
+//!   `32s .. 32s + 31` of the 16 tokens, token-major. Each stream is padded to 32-bit words and
+//!   its word count is in the page header, so a GPU thread per (page, stream) decodes 512 symbols
+//!   with no dependency on any other stream.
+//! - Bits are written into each little-endian u32 word from its most significant bit down.
+
+use crate::error::{corrupt, Error, Result};
+
+/// Tokens per page.
+pub const PAGE_TOKENS: usize = 16;
+/// Channels per stream.
+pub const STREAM_CHANNELS: usize = 32;
+/// Symbols per stream (16 tokens x 32 channels).
+pub const STREAM_SYMBOLS: usize = PAGE_TOKENS * STREAM_CHANNELS;
+/// The escape symbol: its code is followed by 8 raw bits of a symbol without a code.
+pub const ESC: usize = 256;
+/// Symbols per channel table, the escape included.
+pub const NSYM: usize = 257;
+/// Longest code length. 12 bits keep the decoder's lookup table at 4096 entries per channel;
+/// the reference calibrator uses 8 (a 512-byte table: measured on SmolLM2's KV, 8 instead of 12
+/// costs 0.026 bits per value).
+pub const MAX_CODE_LEN: u8 = 12;
+/// Most channels in a codebook (keeps one page's header and size within u32).
+pub const MAX_CHANNELS: usize = 1 << 16;
+/// Codebook magic: "WZPB".
+pub const CODEBOOK_MAGIC: [u8; 4] = *b"WZPB";
+pub const CODEBOOK_VERSION: u8 = 1;
+/// dtype codes (as in the container index) the page profile accepts.
+pub const DTYPE_BF16: u8 = 1;
+pub const DTYPE_F16: u8 = 2;
+
+/// One (layer, K or V) codebook: code lengths per channel and symbol, and the canonical codes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageCodebook {
+    pub dtype: u8,
+    pub max_len: u8,
+    pub channels: usize,
+    /// `channels x 257` code lengths; 0 = no code.
+    pub lengths: Vec<u8>,
+    /// `channels x 257` canonical codes (right-aligned in `lengths` bits).
+    codes: Vec<u16>,
+}
+
+/// Size in bytes of a page header for `channels` channels: one u16 per stream, padded with
+/// zeros to a multiple of 8 bytes so that the raw bytes and the code words stay aligned.
+pub fn header_len(channels: usize) -> usize {
+    (2 * (channels / STREAM_CHANNELS)).div_ceil(8) * 8
+}
+
+/// Split a 16-bit value into (symbol, raw byte).
+#[inline]
+fn split(dtype: u8, v: u16) -> (u8, u8) {
+    if dtype == DTYPE_BF16 {
+        (((v >> 7) & 0xFF) as u8, (((v >> 8) & 0x80) | (v & 0x7F)) as u8)
+    } else {
+        ((v >> 8) as u8, (v & 0xFF) as u8)
+    }
+}
+
+#[inline]
+fn join(dtype: u8, sym: u8, raw: u8) -> u16 {
+    let (s, r) = (sym as u16, raw as u16);
+    if dtype == DTYPE_BF16 {
+        ((r & 0x80) << 8) | (s << 7) | (r & 0x7F)
+    } else {
+        (s << 8) | r
+    }
+}
+
+/// Canonical codes from lengths: symbols sorted by (length, symbol), codes counting up.
+/// Checks that the code is complete (Kraft sum exactly 1).
+fn canonical(lengths: &[u8], max_len: u8, channel: usize) -> Result<Vec<u16>> {
+    let mut count = [0u32; 16];
+    for &l in lengths {
+        if l > max_len {
+            return corrupt(format!("codebook channel {channel}: code length {l} > max_len {max_len}"));
+        }
+        count[l as usize] += 1;
+    }
+    // Kraft sum in units of 2^-max_len.
+    let kraft: u64 = (1..=max_len as usize).map(|l| (count[l] as u64) << (max_len as usize - l)).sum();
+    if kraft != 1u64 << max_len {
+        return corrupt(format!("codebook channel {channel}: the code is not complete (Kraft sum {kraft}/{})", 1u64 << max_len));
+    }
+    // First code of each length: canonical order, codes of length l follow those of l - 1.
+    let mut next_fixed = [0u32; 16];
+    let mut c = 0u32;
+    for l in 1..=max_len as usize {
+        if l > 1 {
+            c = (c + count[l - 1]) << 1;
+        }
+        next_fixed[l] = c;
+    }
+    let mut codes = vec![0u16; lengths.len()];
+    for (s, &l) in lengths.iter().enumerate() {
+        if l > 0 {
+            codes[s] = next_fixed[l as usize] as u16;
+            next_fixed[l as usize] += 1;
+        }
+    }
+    Ok(codes)
+}
+
+impl PageCodebook {
+    /// A codebook from its code lengths (`channels x 257`), checked like a parsed one.
+    pub fn from_lengths(dtype: u8, max_len: u8, channels: usize, lengths: Vec<u8>) -> Result<Self> {
+        if dtype != DTYPE_BF16 && dtype != DTYPE_F16 {
+            return Err(Error::Unsupported(format!("page codebook dtype code {dtype}")));
+        }
+        if max_len == 0 || max_len > MAX_CODE_LEN {
+            return corrupt(format!("codebook max_len {max_len} not in 1..={MAX_CODE_LEN}"));
+        }
+        if channels == 0 || !channels.is_multiple_of(STREAM_CHANNELS) {
+            return corrupt(format!("codebook channels {channels}: must be a positive multiple of 32"));
+        }
+        if channels > MAX_CHANNELS {
+            return Err(Error::LimitExceeded(format!("codebook channels {channels} > {MAX_CHANNELS}")));
+        }
+        if lengths.len() != channels * NSYM {
+            return corrupt(format!("codebook has {} lengths, expected {}", lengths.len(), channels * NSYM));
+        }
+        let mut codes = Vec::with_capacity(lengths.len());
+        for (c, row) in lengths.chunks_exact(NSYM).enumerate() {
+            codes.extend(canonical(row, max_len, c)?);
+        }
+        Ok(PageCodebook { dtype, max_len, channels, lengths, codes })
+    }
+
+    /// Parse a serialized codebook (12-byte header, then the lengths).
+    pub fn parse(b: &[u8]) -> Result<Self> {
+        if b.len() < 12 {
+            return Err(Error::Truncated(format!("page codebook of {} bytes (header is 12)", b.len())));
+        }
+        if b[0..4] != CODEBOOK_MAGIC {
+            return Err(Error::BadMagic);
+        }
+        if b[4] != CODEBOOK_VERSION {
+            return Err(Error::UnsupportedVersion(b[4] as u16, CODEBOOK_VERSION as u16));
+        }
+        if b[7] != 0 {
+            return corrupt("page codebook reserved byte 7 is not zero");
+        }
+        let channels = u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize;
+        if channels > MAX_CHANNELS {
+            return Err(Error::LimitExceeded(format!("codebook channels {channels} > {MAX_CHANNELS}")));
+        }
+        let need = 12 + channels * NSYM;
+        if b.len() < need {
+            return Err(Error::Truncated(format!("page codebook of {} bytes, header declares {need}", b.len())));
+        }
+        if b.len() > need {
+            return corrupt(format!("page codebook of {} bytes, header declares {need}", b.len()));
+        }
+        Self::from_lengths(b[5], b[6], channels, b[12..].to_vec())
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(12 + self.lengths.len());
+        out.extend_from_slice(&CODEBOOK_MAGIC);
+        out.extend_from_slice(&[CODEBOOK_VERSION, self.dtype, self.max_len, 0]);
+        out.extend_from_slice(&(self.channels as u32).to_le_bytes());
+        out.extend_from_slice(&self.lengths);
+        out
+    }
+
+    /// Canonical code of (channel, symbol); meaningful where the length is not 0.
+    pub fn code(&self, channel: usize, sym: usize) -> u16 {
+        self.codes[channel * NSYM + sym]
+    }
+
+    /// Calibrate a codebook from sample rows (`tokens x channels` 16-bit values, little endian):
+    /// per channel, a Huffman code over the symbols seen plus the escape, with the rarest symbols
+    /// moved to the escape until no code is longer than `max_len`.
+    pub fn calibrate(dtype: u8, channels: usize, samples: &[u8], max_len: u8) -> Result<Self> {
+        if channels == 0 || !channels.is_multiple_of(STREAM_CHANNELS) || channels > MAX_CHANNELS {
+            return Err(Error::InvalidArgument(format!("channels {channels}: must be a positive multiple of 32, at most {MAX_CHANNELS}")));
+        }
+        if !(2..=MAX_CODE_LEN).contains(&max_len) {
+            return Err(Error::InvalidArgument(format!("max_len {max_len} not in 2..={MAX_CODE_LEN}")));
+        }
+        if dtype != DTYPE_BF16 && dtype != DTYPE_F16 {
+            return Err(Error::InvalidArgument(format!("page profile dtype code {dtype}: only bf16 (1) and fp16 (2)")));
+        }
+        if !samples.len().is_multiple_of(2 * channels) {
+            return Err(Error::InvalidArgument(format!("{} sample bytes are not whole rows of {channels} 16-bit values", samples.len())));
+        }
+        let mut hist = vec![0u64; channels * 256];
+        for row in samples.chunks_exact(2 * channels) {
+            for (c, v) in row.chunks_exact(2).enumerate() {
+                let (s, _) = split(dtype, u16::from_le_bytes([v[0], v[1]]));
+                hist[c * 256 + s as usize] += 1;
+            }
+        }
+        let mut lengths = vec![0u8; channels * NSYM];
+        for c in 0..channels {
+            let l = limited_lengths(&hist[c * 256..(c + 1) * 256], max_len);
+            lengths[c * NSYM..(c + 1) * NSYM].copy_from_slice(&l);
+        }
+        Self::from_lengths(dtype, max_len, channels, lengths)
+    }
+
+    /// Raw size of one page in bytes.
+    pub fn page_raw_len(&self) -> usize {
+        PAGE_TOKENS * self.channels * 2
+    }
+}
+
+/// Huffman code lengths over the seen symbols and the escape (count: 1 plus the counts moved
+/// into it), demoting the rarest seen symbol to the escape until every length is <= max_len.
+fn limited_lengths(hist: &[u64], max_len: u8) -> [u8; NSYM] {
+    let mut live: Vec<usize> = (0..256).filter(|&s| hist[s] > 0).collect();
+    let mut esc_count = 1u64;
+    loop {
+        let mut weights: Vec<(u64, usize)> = live.iter().map(|&s| (hist[s], s)).collect();
+        if weights.is_empty() {
+            // No samples: a two-symbol code (symbol 0 and the escape) keeps the code complete.
+            weights.push((0, 0));
+        }
+        weights.push((esc_count, ESC));
+        let lens = huffman_lengths(&weights);
+        if lens.iter().all(|&(_, l)| l <= max_len as u32) {
+            let mut out = [0u8; NSYM];
+            for (s, l) in lens {
+                out[s] = l as u8;
+            }
+            return out;
+        }
+        // Drop the rarest seen symbol (ties: the larger symbol) into the escape.
+        let (i, _) = live.iter().enumerate().min_by_key(|&(_, &s)| (hist[s], std::cmp::Reverse(s))).expect("escape alone fits");
+        esc_count += hist[live[i]];
+        live.remove(i);
+    }
+}
+
+/// Plain Huffman code lengths for (weight, symbol) pairs (at least two).
+fn huffman_lengths(w: &[(u64, usize)]) -> Vec<(usize, u32)> {
+    // Nodes: leaves 0..n, then internal nodes; two-queue construction over sorted leaves.
+    let n = w.len();
+    let mut leaves: Vec<(u64, usize)> = w.to_vec();
+    leaves.sort();
+    let mut parent = vec![usize::MAX; 2 * n];
+    let mut weight: Vec<u64> = leaves.iter().map(|x| x.0).collect();
+    let (mut li, mut qi) = (0usize, n);
+    let pick = |weight: &[u64], li: &mut usize, qi: &mut usize, len: usize| -> usize {
+        if *li < n && (*qi >= len || weight[*li] <= weight[*qi]) {
+            *li += 1;
+            *li - 1
+        } else {
+            *qi += 1;
+            *qi - 1
+        }
+    };
+    for _ in 0..n - 1 {
+        let len = weight.len();
+        let a = pick(&weight, &mut li, &mut qi, len);
+        let b = pick(&weight, &mut li, &mut qi, len);
+        let id = weight.len();
+        weight.push(weight[a] + weight[b]);
+        parent[a] = id;
+        parent[b] = id;
+    }
+    (0..n)
+        .map(|i| {
+            let (mut d, mut x) = (0u32, i);
+            while parent[x] != usize::MAX {
+                d += 1;
+                x = parent[x];
+            }
+            (leaves[i].1, d)
+        })
+        .collect()
+}
+
+/// MSB-first bit writer into u32 words.
+struct BitWriter {
+    words: Vec<u32>,
+    acc: u64,
+    n: u32,
+}
+
+impl BitWriter {
+    fn put(&mut self, code: u32, len: u32) {
+        self.acc |= (code as u64) << (64 - self.n - len);
+        self.n += len;
+        if self.n >= 32 {
+            self.words.push((self.acc >> 32) as u32);
+            self.acc <<= 32;
+            self.n -= 32;
+        }
+    }
+    fn finish(mut self) -> Vec<u32> {
+        if self.n > 0 {
+            self.words.push((self.acc >> 32) as u32);
+        }
+        self.words
+    }
+}
+
+/// Encode one page: `values` is 16 tokens x `channels` 16-bit values, little endian.
+pub fn encode_page(cb: &PageCodebook, values: &[u8], out: &mut Vec<u8>) -> Result<()> {
+    let c_n = cb.channels;
+    if values.len() != cb.page_raw_len() {
+        return Err(Error::InvalidArgument(format!("a page is {} bytes, got {}", cb.page_raw_len(), values.len())));
+    }
+    let v = |t: usize, c: usize| u16::from_le_bytes([values[2 * (t * c_n + c)], values[2 * (t * c_n + c) + 1]]);
+    let n_streams = c_n / STREAM_CHANNELS;
+    let mut streams = Vec::with_capacity(n_streams);
+    for s in 0..n_streams {
+        let mut w = BitWriter { words: Vec::new(), acc: 0, n: 0 };
+        for t in 0..PAGE_TOKENS {
+            for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
+                let (sym, _) = split(cb.dtype, v(t, c));
+                let l = cb.lengths[c * NSYM + sym as usize];
+                if l > 0 {
+                    w.put(cb.code(c, sym as usize) as u32, l as u32);
+                } else {
+                    let le = cb.lengths[c * NSYM + ESC];
+                    if le == 0 {
+                        return Err(Error::InvalidArgument(format!("channel {c}: symbol {sym} has no code and the codebook has no escape")));
+                    }
+                    w.put(cb.code(c, ESC) as u32, le as u32);
+                    w.put(sym as u32, 8);
+                }
+            }
+        }
+        streams.push(w.finish());
+    }
+    let hl = header_len(c_n);
+    let start = out.len();
+    out.resize(start + hl, 0);
+    for (s, w) in streams.iter().enumerate() {
+        // At most 512 x (12 + 8) bits = 320 words per stream: fits a u16.
+        out[start + 2 * s..start + 2 * s + 2].copy_from_slice(&(w.len() as u16).to_le_bytes());
+    }
+    for t in 0..PAGE_TOKENS {
+        for c in 0..c_n {
+            out.push(split(cb.dtype, v(t, c)).1);
+        }
+    }
+    for w in streams {
+        for x in w {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+    }
+    Ok(())
+}
+
+/// Length in bytes of the page that starts at `page[0]`, from its header alone (does not decode).
+pub fn page_len(cb: &PageCodebook, page: &[u8]) -> Result<usize> {
+    let hl = header_len(cb.channels);
+    if page.len() < hl {
+        return Err(Error::Truncated(format!("page of {} bytes, its header is {hl}", page.len())));
+    }
+    let words: usize = (0..cb.channels / STREAM_CHANNELS).map(|s| u16::from_le_bytes([page[2 * s], page[2 * s + 1]]) as usize).sum();
+    Ok(hl + PAGE_TOKENS * cb.channels + 4 * words)
+}
+
+/// Decode one page of exactly `page.len()` bytes into `out` (16 x channels values, little endian).
+/// Every rule of the format is checked; a violation is an error, never a panic.
+pub fn decode_page(cb: &PageCodebook, page: &[u8], out: &mut [u8]) -> Result<()> {
+    let c_n = cb.channels;
+    if out.len() != cb.page_raw_len() {
+        return Err(Error::BufferTooSmall { need: cb.page_raw_len() as u64, have: out.len() as u64 });
+    }
+    let hl = header_len(c_n);
+    let n_streams = c_n / STREAM_CHANNELS;
+    let total = page_len(cb, page)?;
+    if page.len() < total {
+        return Err(Error::Truncated(format!("page of {} bytes, its header declares {total}", page.len())));
+    }
+    if page.len() > total {
+        return corrupt(format!("page of {} bytes, its header declares {total}", page.len()));
+    }
+    if page[2 * n_streams..hl].iter().any(|&b| b != 0) {
+        return corrupt("page header padding is not zero");
+    }
+    let raw = &page[hl..hl + PAGE_TOKENS * c_n];
+    let mut pos = hl + PAGE_TOKENS * c_n;
+    let ml = cb.max_len as u32;
+    for s in 0..n_streams {
+        let nw = u16::from_le_bytes([page[2 * s], page[2 * s + 1]]) as usize;
+        let words = &page[pos..pos + 4 * nw];
+        pos += 4 * nw;
+        let word = |i: usize| -> u64 {
+            if i < nw {
+                u32::from_le_bytes([words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3]]) as u64
+            } else {
+                0
+            }
+        };
+        let (mut bitpos, total_bits) = (0usize, 32 * nw);
+        // Peek `k` bits at `bitpos` (k <= 32); bits past the stream's end read as zero.
+        let peek = |bitpos: usize, k: u32| -> u32 {
+            let w = bitpos / 32;
+            let two = (word(w) << 32) | word(w + 1);
+            ((two << (bitpos % 32)) >> (64 - k)) as u32
+        };
+        for t in 0..PAGE_TOKENS {
+            for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
+                let lens = &cb.lengths[c * NSYM..(c + 1) * NSYM];
+                let x = peek(bitpos, ml);
+                // Canonical decode: find the symbol whose code is the prefix of x (linear in the
+                // alphabet; the reference favours obviousness over speed).
+                let mut found = None;
+                for (sym, &l) in lens.iter().enumerate() {
+                    if l > 0 && (x >> (ml - l as u32)) as u16 == cb.code(c, sym) {
+                        found = Some((sym, l as u32));
+                        break;
+                    }
+                }
+                // A complete code always matches.
+                let (mut sym, l) = found.ok_or_else(|| Error::Corrupt("no code matched".into()))?;
+                bitpos += l as usize;
+                if sym == ESC {
+                    sym = peek(bitpos, 8) as usize;
+                    bitpos += 8;
+                    if lens[sym] != 0 {
+                        return corrupt(format!("stream {s}: escaped symbol {sym} of channel {c} has a code of its own"));
+                    }
+                }
+                if bitpos > total_bits {
+                    return corrupt(format!("stream {s} runs past its {nw} words"));
+                }
+                let v = join(cb.dtype, sym as u8, raw[t * c_n + c]);
+                out[2 * (t * c_n + c)..2 * (t * c_n + c) + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        if total_bits - bitpos >= 32 {
+            return corrupt(format!("stream {s} has a spare word"));
+        }
+        if bitpos < total_bits && peek(bitpos, (total_bits - bitpos) as u32) != 0 {
+            return corrupt(format!("stream {s}: padding bits are not zero"));
+        }
+    }
+    Ok(())
+}
+
+/// Encode many pages (`values` = n x 16 x channels); returns the pages back to back and the
+/// offset of each page (n + 1 offsets, the last = total length). With `align` > 1 every page
+/// starts at a multiple of `align` bytes (zero bytes between pages), as the GPU pool places them.
+pub fn encode_pages(cb: &PageCodebook, values: &[u8], align: usize) -> Result<(Vec<u8>, Vec<u64>)> {
+    let pr = cb.page_raw_len();
+    if !values.len().is_multiple_of(pr) {
+        return Err(Error::InvalidArgument(format!("{} bytes are not whole pages of {pr}", values.len())));
+    }
+    if align == 0 || !align.is_power_of_two() || align > 4096 {
+        return Err(Error::InvalidArgument(format!("align {align}: must be a power of two <= 4096")));
+    }
+    let mut out = Vec::new();
+    let mut offs = Vec::with_capacity(values.len() / pr + 1);
+    for page in values.chunks_exact(pr) {
+        out.resize(out.len().div_ceil(align) * align, 0);
+        offs.push(out.len() as u64);
+        encode_page(cb, page, &mut out)?;
+    }
+    out.resize(out.len().div_ceil(align) * align, 0);
+    offs.push(out.len() as u64);
+    Ok((out, offs))
+}
+
+/// Decode pages at `offsets` (n + 1 entries; page i is `buf[offsets[i] .. offsets[i] + its
+/// length]`, and must end by `offsets[i + 1]`) into `out` (n pages of raw values).
+pub fn decode_pages(cb: &PageCodebook, buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
+    let pr = cb.page_raw_len();
+    let n = offsets.len().saturating_sub(1);
+    if out.len() != n * pr {
+        return Err(Error::BufferTooSmall { need: (n * pr) as u64, have: out.len() as u64 });
+    }
+    for i in 0..n {
+        let (a, b) = (offsets[i], offsets[i + 1]);
+        if a > b || b > buf.len() as u64 {
+            return corrupt(format!("page {i}: offsets {a}..{b} outside the {} byte buffer", buf.len()));
+        }
+        let region = &buf[a as usize..b as usize];
+        let len = page_len(cb, region)?;
+        if len > region.len() {
+            return Err(Error::Truncated(format!("page {i} of {len} bytes does not fit its {} byte slot", region.len())));
+        }
+        decode_page(cb, &region[..len], &mut out[i * pr..(i + 1) * pr])?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample(channels: usize, tokens: usize, seed: u64) -> Vec<u8> {
+        // Gaussian-like values with a per-channel scale, as bf16, by a small LCG.
+        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut out = Vec::with_capacity(tokens * channels * 2);
+        for _ in 0..tokens {
+            for c in 0..channels {
+                let mut acc = 0f32;
+                for _ in 0..4 {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    acc += ((x >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
+                }
+                let v = acc * (1 << (c % 7)) as f32;
+                let b = (v.to_bits() >> 16) as u16;
+                out.extend_from_slice(&b.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn round_trip_and_ratio() {
+        let ch = 64;
+        let data = sample(ch, 64, 1);
+        let cb = PageCodebook::calibrate(DTYPE_BF16, ch, &data, 8).unwrap();
+        let cb2 = PageCodebook::parse(&cb.to_bytes()).unwrap();
+        assert_eq!(cb, cb2);
+        let (buf, offs) = encode_pages(&cb, &data, 8).unwrap();
+        assert!(buf.len() < data.len() * 3 / 4, "{} vs {}", buf.len(), data.len());
+        let mut out = vec![0u8; data.len()];
+        decode_pages(&cb, &buf, &offs, &mut out).unwrap();
+        assert_eq!(out, data);
+    }
+
+    #[test]
+    fn escape_for_unseen_symbols() {
+        let ch = 32;
+        let data = sample(ch, 16, 2);
+        let cb = PageCodebook::calibrate(DTYPE_F16, ch, &data, 8).unwrap();
+        // Values whose high bytes never occurred in calibration go through the escape.
+        let other: Vec<u8> = (0..16 * ch).flat_map(|i| ((i as u16).wrapping_mul(7919)).to_le_bytes()).collect();
+        let mut page = Vec::new();
+        encode_page(&cb, &other, &mut page).unwrap();
+        let mut out = vec![0u8; other.len()];
+        decode_page(&cb, &page, &mut out).unwrap();
+        assert_eq!(out, other);
+    }
+
+    #[test]
+    fn hostile_pages_are_errors() {
+        let ch = 32;
+        let data = sample(ch, 16, 3);
+        let cb = PageCodebook::calibrate(DTYPE_BF16, ch, &data, 8).unwrap();
+        let mut page = Vec::new();
+        encode_page(&cb, &data, &mut page).unwrap();
+        let mut out = vec![0u8; data.len()];
+        assert!(matches!(decode_page(&cb, &page[..page.len() - 1], &mut out), Err(Error::Truncated(_))));
+        let mut longer = page.clone();
+        longer.extend_from_slice(&[0, 0, 0, 0]);
+        assert!(matches!(decode_page(&cb, &longer, &mut out), Err(Error::Corrupt(_))));
+        let mut pad = page.clone();
+        pad[2] = 1;
+        assert!(matches!(decode_page(&cb, &pad, &mut out), Err(Error::Corrupt(_))));
+        // Header says one word more than the stream needs: a spare word.
+        let mut more = page.clone();
+        more[0] += 1;
+        more.extend_from_slice(&[0, 0, 0, 0]);
+        assert!(matches!(decode_page(&cb, &more, &mut out), Err(Error::Corrupt(_))));
+        let mut small = vec![0u8; 10];
+        assert!(matches!(decode_page(&cb, &page, &mut small), Err(Error::BufferTooSmall { .. })));
+    }
+
+    #[test]
+    fn hostile_codebooks_are_errors() {
+        let cb = PageCodebook::calibrate(DTYPE_BF16, 32, &sample(32, 16, 4), 8).unwrap();
+        let b = cb.to_bytes();
+        assert!(matches!(PageCodebook::parse(&b[..11]), Err(Error::Truncated(_))));
+        assert!(matches!(PageCodebook::parse(&b[..b.len() - 1]), Err(Error::Truncated(_))));
+        let mut m = b.clone();
+        m[0] = b'X';
+        assert!(matches!(PageCodebook::parse(&m), Err(Error::BadMagic)));
+        let mut v = b.clone();
+        v[4] = 2;
+        assert!(matches!(PageCodebook::parse(&v), Err(Error::UnsupportedVersion(2, 1))));
+        let mut d = b.clone();
+        d[5] = 3;
+        assert!(matches!(PageCodebook::parse(&d), Err(Error::Unsupported(_))));
+        let mut k = b.clone();
+        let i = (12..k.len()).find(|&i| k[i] > 0).unwrap();
+        k[i] += 1; // breaks the Kraft sum
+        assert!(matches!(PageCodebook::parse(&k), Err(Error::Corrupt(_))));
+        let mut big = b.clone();
+        big[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(PageCodebook::parse(&big), Err(Error::LimitExceeded(_))));
+        let mut odd = b.clone();
+        odd[8..12].copy_from_slice(&33u32.to_le_bytes());
+        assert!(PageCodebook::parse(&odd).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn prop_round_trip(seed in any::<u64>(), cal in proptest::collection::vec(any::<u16>(), 32..256),
+                           pages in proptest::collection::vec(any::<u16>(), 512..=1024), f16 in any::<bool>(), ml in 8u8..=12) {
+            let ch = 32;
+            let dt = if f16 { DTYPE_F16 } else { DTYPE_BF16 };
+            let mut calb: Vec<u8> = cal.iter().flat_map(|v| v.to_le_bytes()).collect();
+            calb.truncate(calb.len() / (2 * ch) * 2 * ch);
+            calb.extend(sample(ch, 2, seed));
+            let cb = PageCodebook::calibrate(dt, ch, &calb, ml).unwrap();
+            let n = pages.len() / 512 * 512;
+            let vals: Vec<u8> = pages[..n].iter().flat_map(|v| v.to_le_bytes()).collect();
+            let (buf, offs) = encode_pages(&cb, &vals, 8).unwrap();
+            let mut out = vec![0u8; vals.len()];
+            decode_pages(&cb, &buf, &offs, &mut out).unwrap();
+            prop_assert_eq!(out, vals);
+        }
+
+        #[test]
+        fn prop_hostile_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..4000), seed in any::<u64>()) {
+            let cb = PageCodebook::calibrate(DTYPE_BF16, 32, &sample(32, 16, seed), 8).unwrap();
+            let mut out = vec![0u8; cb.page_raw_len()];
+            let _ = decode_page(&cb, &bytes, &mut out);
+            let _ = PageCodebook::parse(&bytes);
+        }
+
+        #[test]
+        fn prop_flipped_page_errs_or_decodes(seed in any::<u64>(), at in any::<usize>(), bit in 0u8..8) {
+            let data = sample(32, 16, seed);
+            let cb = PageCodebook::calibrate(DTYPE_BF16, 32, &data, 8).unwrap();
+            let mut page = Vec::new();
+            encode_page(&cb, &data, &mut page).unwrap();
+            let i = at % page.len();
+            page[i] ^= 1 << bit;
+            let mut out = vec![0u8; data.len()];
+            // Either a typed error or a decode (a flipped raw byte decodes to different values).
+            let _ = decode_page(&cb, &page, &mut out);
+        }
+    }
+}
