@@ -9,6 +9,8 @@ use std::path::PathBuf;
 
 mod page;
 
+mod store;
+
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -296,5 +298,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_file, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     page::register(m)?;
+    store::register(m)?;
     Ok(())
 }

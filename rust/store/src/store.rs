@@ -148,7 +148,15 @@ impl State {
         let tick = self.tick();
         self.ram_used += v.cost();
         self.ram_lru.insert(tick, h);
-        self.ram.insert(h, RamEntry { v, seq, tick, dirty });
+        self.ram.insert(
+            h,
+            RamEntry {
+                v,
+                seq,
+                tick,
+                dirty,
+            },
+        );
     }
 
     fn touch_ram(&mut self, h: u128) {
@@ -187,21 +195,37 @@ impl State {
 
     /// The newest version of `h` anywhere in the store.
     fn current_seq(&self, h: u128) -> Option<u64> {
-        [self.ram.get(&h).map(|e| e.seq), self.flushing.get(&h).map(|f| f.1), self.disk.get(&h).map(|e| e.seq)]
-            .into_iter()
-            .flatten()
-            .max()
+        [
+            self.ram.get(&h).map(|e| e.seq),
+            self.flushing.get(&h).map(|f| f.1),
+            self.disk.get(&h).map(|e| e.seq),
+        ]
+        .into_iter()
+        .flatten()
+        .max()
     }
 
     /// Evict least recently used RAM entries until the budget holds: dirty ones become flushes
     /// (when there is a disk tier), clean ones are dropped (their file is on disk already).
-    fn evict_ram(&mut self, budget: u64, has_disk: bool, flushes: &mut Vec<Flush>, dropped: &mut u64) {
+    fn evict_ram(
+        &mut self,
+        budget: u64,
+        has_disk: bool,
+        flushes: &mut Vec<Flush>,
+        dropped: &mut u64,
+    ) {
         while self.ram_used > budget {
-            let Some((_, &h)) = self.ram_lru.iter().next() else { break };
+            let Some((_, &h)) = self.ram_lru.iter().next() else {
+                break;
+            };
             let e = self.remove_ram(h).expect("LRU and map agree");
             if e.dirty && has_disk {
                 self.flushing.insert(h, (e.v.clone(), e.seq));
-                flushes.push(Flush { hash: h, v: e.v, seq: e.seq });
+                flushes.push(Flush {
+                    hash: h,
+                    v: e.v,
+                    seq: e.seq,
+                });
             } else if !self.disk.contains_key(&h) {
                 *dropped += 1;
             }
@@ -213,7 +237,9 @@ impl State {
             return;
         }
         while self.disk_used > budget {
-            let Some((_, &h)) = self.disk_lru.iter().next() else { break };
+            let Some((_, &h)) = self.disk_lru.iter().next() else {
+                break;
+            };
             let e = self.remove_disk(h).expect("LRU and map agree");
             unlink.push((h, e.seq));
             if !self.ram.contains_key(&h) {
@@ -266,14 +292,21 @@ impl ChunkStore {
         if cfg.max_chunk_bytes == 0 {
             return Err(Error::InvalidArgument("max_chunk_bytes must be > 0".into()));
         }
-        let threads = if cfg.io_threads == 0 { 4 } else { cfg.io_threads };
+        let threads = if cfg.io_threads == 0 {
+            4
+        } else {
+            cfg.io_threads
+        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("wz-store-io-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("I/O pool: {e}")))?;
         let counters = Counters::default();
-        let mut state = State { next_seq: 1, ..State::default() };
+        let mut state = State {
+            next_seq: 1,
+            ..State::default()
+        };
         let mut lock = None;
         if let Some(dir) = &cfg.dir {
             fs::create_dir_all(dir)?;
@@ -307,17 +340,26 @@ impl ChunkStore {
             for (h, seq) in stale {
                 let _ = fs::remove_file(dir.join(rel_path(h, seq)));
             }
-            let mut order: Vec<(u64, u128, u64)> = newest.into_iter().map(|(h, (s, b))| (s, h, b)).collect();
+            let mut order: Vec<(u64, u128, u64)> =
+                newest.into_iter().map(|(h, (s, b))| (s, h, b)).collect();
             order.sort_unstable();
             for (seq, h, bytes) in order {
                 state.insert_disk(h, seq, bytes);
                 state.next_seq = state.next_seq.max(seq + 1);
             }
         }
-        let store = ChunkStore { cfg, state: Mutex::new(state), counters, pool, _lock: lock };
+        let store = ChunkStore {
+            cfg,
+            state: Mutex::new(state),
+            counters,
+            pool,
+            _lock: lock,
+        };
         let mut unlink = Vec::new();
         let mut dropped = 0;
-        store.lock().evict_disk(store.cfg.disk_bytes, &mut unlink, &mut dropped);
+        store
+            .lock()
+            .evict_disk(store.cfg.disk_bytes, &mut unlink, &mut dropped);
         store.counters.dropped.fetch_add(dropped, Relaxed);
         store.unlink(&unlink);
         Ok(store)
@@ -347,7 +389,10 @@ impl ChunkStore {
 
     fn check_put(&self, key: &[u8], data: &[u8]) -> Result<()> {
         if key.is_empty() || key.len() > MAX_KEY_LEN {
-            return Err(Error::InvalidArgument(format!("key of {} bytes (1..={MAX_KEY_LEN})", key.len())));
+            return Err(Error::InvalidArgument(format!(
+                "key of {} bytes (1..={MAX_KEY_LEN})",
+                key.len()
+            )));
         }
         if data.len() as u64 > self.cfg.max_chunk_bytes {
             return Err(Error::LimitExceeded(format!(
@@ -439,7 +484,12 @@ impl ChunkStore {
         self.check_put(key, &data)?;
         let h = key_hash(key);
         let xxh = xxh3_64(&data);
-        let v = Value { key: Arc::from(key), data: Arc::new(data), tag, xxh };
+        let v = Value {
+            key: Arc::from(key),
+            data: Arc::new(data),
+            tag,
+            xxh,
+        };
         self.counters.puts.fetch_add(1, Relaxed);
         let has_disk = self.cfg.dir.is_some();
         let mut flushes = Vec::new();
@@ -511,7 +561,9 @@ impl ChunkStore {
                 }
                 st.touch_disk(h);
             }
-            let path = self.path(h, disk_seq).expect("disk entries exist only with a folder");
+            let path = self
+                .path(h, disk_seq)
+                .expect("disk entries exist only with a folder");
             match file::read_chunk(&path, self.cfg.max_chunk_bytes) {
                 Ok(None) => continue,
                 Ok(Some(fc)) => {
@@ -525,7 +577,10 @@ impl ChunkStore {
                     if self.cfg.promote {
                         self.promote(h, disk_seq, fc.key, data.clone(), fc.header);
                     }
-                    return Ok(Some(Chunk { tag: fc.header.tag, data }));
+                    return Ok(Some(Chunk {
+                        tag: fc.header.tag,
+                        data,
+                    }));
                 }
                 Err(e) if is_damage(&e) => {
                     {
@@ -564,11 +619,19 @@ impl ChunkStore {
             return Err(Error::ChecksumMismatch("chunk in the RAM tier".into()));
         }
         self.counters.hits_ram.fetch_add(1, Relaxed);
-        Ok(Some(Chunk { tag: v.tag, data: v.data }))
+        Ok(Some(Chunk {
+            tag: v.tag,
+            data: v.data,
+        }))
     }
 
     fn promote(&self, h: u128, seq: u64, key: Vec<u8>, data: Arc<Vec<u8>>, header: Header) {
-        let v = Value { key: Arc::from(key), data, tag: header.tag, xxh: header.payload_xxh3 };
+        let v = Value {
+            key: Arc::from(key),
+            data,
+            tag: header.tag,
+            xxh: header.payload_xxh3,
+        };
         if v.cost() > self.cfg.ram_bytes {
             return;
         }
@@ -622,23 +685,35 @@ impl ChunkStore {
                 if e.dirty {
                     e.dirty = false;
                     st.flushing.insert(h, (e.v.clone(), e.seq));
-                    out.push(Flush { hash: h, v: e.v.clone(), seq: e.seq });
+                    out.push(Flush {
+                        hash: h,
+                        v: e.v.clone(),
+                        seq: e.seq,
+                    });
                 }
             }
             out
         };
-        let results: Vec<Result<()>> = self.pool.install(|| flushes.into_par_iter().map(|f| self.flush(f)).collect());
+        let results: Vec<Result<()>> = self
+            .pool
+            .install(|| flushes.into_par_iter().map(|f| self.flush(f)).collect());
         results.into_iter().collect()
     }
 
     /// `put` of many chunks on the I/O pool; one result per item, in order.
     pub fn put_many(&self, items: Vec<(Vec<u8>, Vec<u8>, u32)>) -> Vec<Result<()>> {
-        self.pool.install(|| items.into_par_iter().map(|(k, d, t)| self.put(&k, d, t)).collect())
+        self.pool.install(|| {
+            items
+                .into_par_iter()
+                .map(|(k, d, t)| self.put(&k, d, t))
+                .collect()
+        })
     }
 
     /// `get` of many keys on the I/O pool; one result per key, in order.
     pub fn get_many(&self, keys: &[Vec<u8>]) -> Vec<Result<Option<Chunk>>> {
-        self.pool.install(|| keys.par_iter().map(|k| self.get(k)).collect())
+        self.pool
+            .install(|| keys.par_iter().map(|k| self.get(k)).collect())
     }
 
     /// Run `f` on the I/O pool (for callers that batch their own work, e.g. compression).
@@ -680,10 +755,16 @@ impl ChunkStore {
         let mut flushes = Vec::new();
         {
             let mut st = self.lock();
-            let Some(e) = st.remove_ram(h) else { return false };
+            let Some(e) = st.remove_ram(h) else {
+                return false;
+            };
             if e.dirty && self.cfg.dir.is_some() {
                 st.flushing.insert(h, (e.v.clone(), e.seq));
-                flushes.push(Flush { hash: h, v: e.v, seq: e.seq });
+                flushes.push(Flush {
+                    hash: h,
+                    v: e.v,
+                    seq: e.seq,
+                });
             } else if !st.disk.contains_key(&h) {
                 self.counters.dropped.fetch_add(1, Relaxed);
             }
@@ -711,9 +792,13 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, 
                     let _ = fs::remove_file(&path);
                     continue;
                 }
-                let Some((h, seq)) = file::parse_name(name) else { continue };
+                let Some((h, seq)) = file::parse_name(name) else {
+                    continue;
+                };
                 match file::read_header(&path, max_payload) {
-                    Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => out.push((h, seq, hd.file_len())),
+                    Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => {
+                        out.push((h, seq, hd.file_len()))
+                    }
                     Ok(_) => {
                         let _ = fs::remove_file(&path);
                         counters.corrupt_evicted.fetch_add(1, Relaxed);

@@ -1,0 +1,277 @@
+"""A chunk store for KV cache chunks: keys to compressed chunks in a RAM tier (byte budget, LRU)
+that evicts into a disk tier of atomic, checksummed files. The store is Rust (crate
+weightszip-store); every call releases the GIL, and batched calls run on its I/O thread pool.
+
+    >>> import numpy as np, tempfile, weightszip.store as ws
+    >>> kv = np.random.default_rng(0).standard_normal((2, 4, 256, 64)).astype(np.float16)
+    >>> with tempfile.TemporaryDirectory() as d, ws.ChunkStore(d, ram_bytes=1 << 20) as store:
+    ...     n = store.put_tensor("prefix-hash-0", kv)      # exact codec, in Rust, off the GIL
+    ...     back = store.get_tensor("prefix-hash-0")
+    ...     bool((back == kv).all()), n < kv.nbytes
+    (True, True)
+
+Chunks are opaque bytes with a tag saying what they are: `TAG_RAW` (any bytes), `TAG_CONTAINER`
+(a weightszip container, made by `put_tensor`), or the tag of a `ChunkCodec` registered with
+`register_codec` (compact formats plug in there). docs/STORE.md describes the files on disk and
+what survives a crash.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from weightszip import _core
+from weightszip._tensors import as_buffer, bytes_buffer, decompress, meta_tuple, LAYOUT_TENSOR
+from weightszip.errors import InvalidArgumentError, WeightszipError
+
+TAG_RAW = 0
+TAG_CONTAINER = _core.STORE_TAG_CONTAINER
+#: Tags below this are the store's own; registered codecs use tags from here on.
+FIRST_CODEC_TAG = 16
+
+
+class ChunkCodec(Protocol):
+    """A lossy or lossless encoding of a KV chunk into bytes (e.g. a compact q4 format).
+
+    `encode(x)` gets the chunk (a torch tensor or numpy array) and returns bytes that
+    `decode(data)` turns back into a tensor of the same shape and dtype.
+    """
+
+    tag: int
+
+    def encode(self, x: Any) -> bytes: ...
+
+    def decode(self, data: bytes) -> Any: ...
+
+
+_CODECS: dict[int, ChunkCodec] = {}
+
+
+def register_codec(codec: ChunkCodec, *, replace: bool = False) -> ChunkCodec:
+    """Make `codec` known by its tag, so that `get_tensor` can decode chunks stored with it."""
+    tag = int(codec.tag)
+    if not FIRST_CODEC_TAG <= tag < 2**32:
+        raise InvalidArgumentError(f"codec tags start at {FIRST_CODEC_TAG}, got {tag}")
+    if tag in _CODECS and _CODECS[tag] is not codec and not replace:
+        raise InvalidArgumentError(f"tag {tag} is taken by {_CODECS[tag]!r}")
+    _CODECS[tag] = codec
+    return codec
+
+
+def _key(key: str | bytes) -> bytes:
+    if isinstance(key, str):
+        key = key.encode()
+    elif isinstance(key, (bytearray, memoryview)):
+        key = bytes(key)
+    if not isinstance(key, bytes):
+        raise InvalidArgumentError(f"keys are str or bytes, got {type(key).__name__}")
+    return key
+
+
+def _raise_first(results: Sequence[Any]) -> None:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """What `ChunkStore` takes (also accepted as keyword arguments)."""
+
+    #: Folder of the disk tier; None keeps the store in RAM only.
+    path: str | os.PathLike | None = None
+    #: RAM tier budget: payload + key + ~160 bytes per chunk.
+    ram_bytes: int = 1 << 30
+    #: Disk tier budget in bytes of chunk files; 0: no limit but the file system's.
+    disk_bytes: int = 0
+    #: Threads of the I/O pool for batched calls; 0 picks 4.
+    io_threads: int = 0
+    #: fsync every chunk file and its folder before the write counts as done.
+    durable: bool = True
+    #: Every put is on disk when it returns (its errors are the put's); else write-back.
+    write_through: bool = False
+    #: Keep chunks read from disk in the RAM tier.
+    promote: bool = True
+    #: Largest chunk accepted (and believed in a file header).
+    max_chunk_bytes: int = 1 << 30
+
+
+class ChunkStore:
+    """Keys (str or bytes) to chunks, in RAM with LRU eviction into a disk folder.
+
+    Thread-safe; one process per folder (a lock file enforces it). Reads are always verified: a
+    damaged chunk is removed and its error (`ChecksumMismatchError`, `TruncatedError`, ...)
+    raised, never its bytes returned. Write-back by default: chunks reach disk when the RAM tier
+    evicts them or on `flush()` / `close()`; `write_through=True` puts them there at once.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, **kwargs: Any):
+        cfg = StoreConfig(path=path, **kwargs)
+        for name in ("ram_bytes", "disk_bytes", "io_threads", "max_chunk_bytes"):
+            v = getattr(cfg, name)
+            if not isinstance(v, int) or v < 0:
+                raise InvalidArgumentError(f"{name} must be an int >= 0, got {v!r}")
+        self.config = cfg
+        self._s = _core.Store(
+            None if cfg.path is None else os.fspath(cfg.path),
+            cfg.ram_bytes,
+            cfg.disk_bytes,
+            cfg.io_threads,
+            bool(cfg.durable),
+            bool(cfg.write_through),
+            bool(cfg.promote),
+            cfg.max_chunk_bytes,
+        )
+
+    # -- bytes --------------------------------------------------------------------------------
+    def put(self, key: str | bytes, data: Any, tag: int = TAG_RAW) -> None:
+        """Store bytes-like `data` (bytes, bytearray, memoryview, numpy array) under `key`."""
+        addr, n, keep = bytes_buffer(data)
+        self._s.put(_key(key), addr, n, int(tag))
+        del keep
+
+    def get(self, key: str | bytes) -> bytes | None:
+        """The bytes stored under `key`, or None."""
+        r = self._s.get(_key(key))
+        return None if r is None else r[1]
+
+    def get_with_tag(self, key: str | bytes) -> tuple[int, bytes] | None:
+        return self._s.get(_key(key))
+
+    def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], tag: int = TAG_RAW) -> None:
+        """Store many chunks on the I/O pool. Every item is attempted; the first error is raised."""
+        pairs = items.items() if isinstance(items, Mapping) else items
+        keep, args = [], []
+        for k, d in pairs:
+            addr, n, owner = bytes_buffer(d)
+            keep.append(owner)
+            args.append((_key(k), addr, n, int(tag)))
+        _raise_first(self._s.put_many(args))
+
+    def get_many(self, keys: Iterable[str | bytes], *, errors: str = "raise") -> list[bytes | None]:
+        """Read many chunks on the I/O pool; None for a missing key. A damaged chunk is removed
+        either way; `errors='raise'` raises its error, `errors='miss'` reports it as None."""
+        if errors not in ("raise", "miss"):
+            raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
+        out = []
+        for r in self._s.get_many([_key(k) for k in keys]):
+            if isinstance(r, BaseException):
+                if errors == "raise":
+                    raise r
+                out.append(None)
+            else:
+                out.append(None if r is None else r[1])
+        return out
+
+    # -- tensors ------------------------------------------------------------------------------
+    def put_tensor(self, key: str | bytes, x: Any, *, codec: ChunkCodec | None = None, axis: int = -1) -> int:
+        """Store a tensor (numpy or CPU torch); returns the bytes stored. Without `codec`, the
+        exact codec compresses it in Rust, off the GIL; with one, `codec.encode` does."""
+        return self.put_tensors({key: x}, codec=codec, axis=axis)[0]
+
+    def put_tensors(
+        self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, codec: ChunkCodec | None = None, axis: int = -1
+    ) -> list[int]:
+        """Store many tensors, compressed in parallel on the I/O pool. Returns bytes stored each."""
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        if codec is not None:
+            register_codec(codec)
+            blobs = [(k, codec.encode(x)) for k, x in pairs]
+            self.put_many(blobs, tag=codec.tag)
+            return [len(b) for _, b in blobs]
+        bufs = [(_key(k), as_buffer(x)) for k, x in pairs]
+        res = self._s.put_tensors(
+            [(k, meta_tuple(b, "", axis, LAYOUT_TENSOR), b.addr, b.nbytes) for k, b in bufs],
+            _core.DEFAULT_CHUNK_BYTES,
+            _core.DEFAULT_LANES_LOG2,
+        )
+        del bufs
+        _raise_first(res)
+        return list(res)
+
+    def _decode(self, key: Any, r: tuple[int, bytes] | None, out: str | None):
+        if r is None:
+            return None
+        tag, data = r
+        if tag == TAG_CONTAINER:
+            return decompress(data, out=out)
+        if tag in _CODECS:
+            return _CODECS[tag].decode(data)
+        raise InvalidArgumentError(f"chunk {key!r} has tag {tag}, which no registered codec decodes")
+
+    def get_tensor(self, key: str | bytes, *, out: str | None = None):
+        """The tensor stored under `key` (exact: bit-identical; a codec's: its decode), or None."""
+        return self._decode(key, self._s.get(_key(key)), out)
+
+    def get_tensors(self, keys: Iterable[str | bytes], *, out: str | None = None, errors: str = "raise") -> list:
+        keys = list(keys)
+        if errors not in ("raise", "miss"):
+            raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
+        res = self._s.get_many([_key(k) for k in keys])
+        out_list = []
+        for k, r in zip(keys, res):
+            if isinstance(r, BaseException):
+                if errors == "raise":
+                    raise r
+                r = None
+            out_list.append(self._decode(k, r, out))
+        return out_list
+
+    # -- management ---------------------------------------------------------------------------
+    def contains(self, key: str | bytes) -> bool:
+        return self._s.contains(_key(key))
+
+    __contains__ = contains
+
+    def delete(self, key: str | bytes) -> bool:
+        """Remove `key` from every tier; whether it was there."""
+        return self._s.delete(_key(key))
+
+    def evict_from_ram(self, key: str | bytes) -> bool:
+        """Move `key` out of the RAM tier (to disk when there is one)."""
+        return self._s.evict_from_ram(_key(key))
+
+    def flush(self) -> None:
+        """Write every chunk that is only in RAM to the disk tier."""
+        self._s.flush()
+
+    def file_of(self, key: str | bytes) -> str | None:
+        """The chunk file that holds `key` now, if it is on disk."""
+        p = self._s.file_of(_key(key))
+        return None if p is None else os.fspath(p)
+
+    def stats(self) -> dict[str, int]:
+        """Counts and bytes per tier, hits, misses, evictions, damaged chunks removed."""
+        return dict(self._s.stats())
+
+    def close(self) -> None:
+        """Flush to disk and release the folder (its lock) once nothing else holds the store."""
+        if self._s is not None:
+            try:
+                self.flush()
+            finally:
+                self._s = None
+
+    def __enter__(self) -> "ChunkStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ChunkStore({self.config.path!r}, ram_bytes={self.config.ram_bytes})"
+
+
+__all__ = [
+    "ChunkStore",
+    "StoreConfig",
+    "ChunkCodec",
+    "register_codec",
+    "TAG_RAW",
+    "TAG_CONTAINER",
+    "FIRST_CODEC_TAG",
+    "WeightszipError",
+]

@@ -1,0 +1,341 @@
+"""The chunk store through Python: bytes and tensors, tiers, batches, damage, crashes, full disks,
+threads. No test times anything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import weightszip
+from weightszip.store import TAG_CONTAINER, TAG_RAW, ChunkStore, register_codec
+
+DATA = Path(__file__).parent / "data"
+
+
+def real_kv() -> np.ndarray:
+    """Real SmolLM2 KV (3 layers, 64 tokens), LMCache's layout [2, layers, tokens, hidden], bf16."""
+    return np.load(DATA / "kv_smollm2_64tok.npy").view(ml_dtypes.bfloat16)
+
+
+def value(i: int, version: int = 0) -> bytes:
+    """Bytes that name their key and version and can be checked on their own."""
+    rng = np.random.default_rng([i, version])
+    n = int(rng.integers(16, 3000))
+    head = np.array([i, version], dtype=np.int64).tobytes()
+    return head + rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def check(b: bytes) -> tuple[int, int]:
+    i, version = np.frombuffer(b[:16], dtype=np.int64).tolist()
+    assert b == value(i, version), f"bytes of ({i}, {version}) damaged"
+    return i, version
+
+
+def chunk_files(d: Path) -> list[Path]:
+    return sorted(p for p in d.glob("??/*") if p.is_file())
+
+
+def test_bytes_round_trip_tags_and_misses(tmp_path):
+    s = ChunkStore(tmp_path, ram_bytes=1 << 20, durable=False)
+    s.put("a", b"hello")
+    s.put(b"b\x00\xff", bytearray(b"world"), tag=7)
+    s.put("c", np.arange(10, dtype=np.uint16))
+    assert s.get("a") == b"hello"
+    assert s.get_with_tag(b"b\x00\xff") == (7, b"world")
+    assert s.get("c") == np.arange(10, dtype=np.uint16).tobytes()
+    assert s.get("missing") is None and "missing" not in s and "a" in s
+    assert s.delete("a") and not s.delete("a") and s.get("a") is None
+    with pytest.raises(weightszip.InvalidArgumentError):
+        s.put("", b"x")
+    with pytest.raises(weightszip.InvalidArgumentError):
+        s.put(3, b"x")
+    with pytest.raises(weightszip.InvalidArgumentError):
+        ChunkStore(tmp_path / "x", ram_bytes=-1)
+
+
+def test_real_kv_chunk_round_trips_exactly_and_smaller(tmp_path):
+    kv = real_kv()
+    with ChunkStore(tmp_path, ram_bytes=0, durable=False) as s:
+        n = s.put_tensor("kv0", kv)
+        assert n < 0.85 * kv.nbytes, "real KV compresses"
+        assert s.get_with_tag("kv0")[0] == TAG_CONTAINER
+        back = s.get_tensor("kv0")
+        assert back.dtype == kv.dtype and back.shape == kv.shape
+        assert back.view(np.uint16).tobytes() == kv.view(np.uint16).tobytes()
+        assert os.path.getsize(s.file_of("kv0")) == n + 64 + len(b"kv0")
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(kv.view(np.uint16).astype(np.int32)).to(torch.int16).view(torch.bfloat16)
+    s = ChunkStore(None)
+    s.put_tensors({"t": t, "n": kv})
+    got = s.get_tensors(["t", "n", "absent"])
+    assert isinstance(got[0], torch.Tensor) and torch.equal(got[0].view(torch.int16), t.view(torch.int16))
+    assert (got[1].view(np.uint16) == kv.view(np.uint16)).all() and got[2] is None
+    s.put("raw", b"xx")
+    with pytest.raises(weightszip.InvalidArgumentError, match="tag 0"):
+        s.get_tensor("raw")
+
+
+class HalfCodec:
+    """A lossy stand-in for the compact formats: keeps the top byte of each bf16 value."""
+
+    tag = 40
+
+    def encode(self, x):
+        hi = (np.ascontiguousarray(x).view(np.uint16) >> 8).astype(np.uint8)
+        return np.array(x.shape, dtype=np.int64).tobytes() + hi.tobytes()
+
+    def decode(self, data):
+        shape = tuple(np.frombuffer(data[:32], dtype=np.int64))
+        hi = np.frombuffer(data[32:], dtype=np.uint8).astype(np.uint16) << 8
+        return hi.reshape(shape).view(ml_dtypes.bfloat16)
+
+
+def test_codec_hook_stores_and_decodes_compact_chunks():
+    kv = real_kv()
+    s = ChunkStore(None)
+    codec = register_codec(HalfCodec(), replace=True)
+    (n,) = s.put_tensors({"q": kv}, codec=codec)
+    assert n == 32 + kv.size
+    assert s.get_with_tag("q")[0] == 40
+    back = s.get_tensor("q")
+    assert (back.view(np.uint16) == (kv.view(np.uint16) & 0xFF00)).all()
+
+
+def test_ram_budget_evicts_into_disk_and_everything_comes_back(tmp_path):
+    s = ChunkStore(tmp_path, ram_bytes=20_000, durable=False)
+    s.put_many({f"k{i}": value(i) for i in range(100)})
+    st = s.stats()
+    assert st["ram_bytes"] <= 20_000 and st["disk_chunks"] > 50 and st["dropped"] == 0
+    got = s.get_many([f"k{i}" for i in range(100)] + ["nope"])
+    assert [check(b)[0] for b in got[:-1]] == list(range(100)) and got[-1] is None
+    assert s.stats()["hits_disk"] > 0
+    s.close()
+    s2 = ChunkStore(tmp_path, ram_bytes=0)
+    assert s2.stats()["disk_chunks"] == 100
+    assert check(s2.get("k42")) == (42, 0)
+
+
+def test_one_process_per_folder(tmp_path):
+    s = ChunkStore(tmp_path)
+    with pytest.raises(weightszip.InvalidArgumentError, match="another process"):
+        ChunkStore(tmp_path)
+    s.close()
+    ChunkStore(tmp_path)
+
+
+def test_corrupted_chunk_file_is_detected_evicted_never_returned(tmp_path):
+    s = ChunkStore(tmp_path, ram_bytes=0, durable=False)
+    for i in range(6):
+        s.put(f"k{i}", value(i))
+    for i, where in [(0, -1), (1, 70), (2, 10), (3, 40)]:
+        p = Path(s.file_of(f"k{i}"))
+        b = bytearray(p.read_bytes())
+        b[where] ^= 0x01
+        p.write_bytes(bytes(b))
+    with pytest.raises(weightszip.ChecksumMismatchError):
+        s.get("k0")
+    assert s.get("k0") is None and "k0" not in s
+    # Batched: 'miss' turns a damaged chunk into None, still evicting it.
+    assert [b is None for b in s.get_many(["k1", "k2", "k4"], errors="miss")] == [True, True, False]
+    with pytest.raises(weightszip.CorruptDataError):
+        s.get_many(["k3"])
+    st = s.stats()
+    assert st["corrupt_evicted"] == 4 and st["disk_chunks"] == 2
+    assert len(chunk_files(tmp_path)) == 2
+    # A file cut short while the store is closed is removed at the next open.
+    s.close()
+    p = sorted(chunk_files(tmp_path))[0]
+    p.write_bytes(p.read_bytes()[:-3])
+    s = ChunkStore(tmp_path)
+    assert s.stats()["disk_chunks"] == 1 and s.stats()["corrupt_evicted"] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["put", "get", "delete", "evict", "flush"]), st.integers(0, 11), st.integers(0, 3)),
+        max_size=60,
+    ),
+    ram=st.sampled_from([0, 3_000, 10_000, 1 << 20]),
+    write_through=st.booleans(),
+)
+def test_store_behaves_like_a_dict(tmp_path_factory, ops, ram, write_through):
+    """Model-based: with an unbounded disk tier the store is a dict, whatever the RAM budget."""
+    d = tmp_path_factory.mktemp("model")
+    s = ChunkStore(d, ram_bytes=ram, durable=False, write_through=write_through)
+    model: dict[str, bytes] = {}
+    for op, k, ver in ops:
+        key = f"key{k}"
+        if op == "put":
+            model[key] = value(k, ver)
+            s.put(key, model[key])
+        elif op == "get":
+            assert s.get(key) == model.get(key)
+        elif op == "delete":
+            assert s.delete(key) == (key in model)
+            model.pop(key, None)
+        elif op == "evict":
+            s.evict_from_ram(key)
+        else:
+            s.flush()
+    assert {f"key{k}": s.get(f"key{k}") for k in range(12) if f"key{k}" in s} == model
+    s.close()
+    s = ChunkStore(d)
+    assert {f"key{k}": s.get(f"key{k}") for k in range(12) if f"key{k}" in s} == model
+    s.close()
+
+
+def test_eight_threads_100k_mixed_ops_lose_nothing(tmp_path):
+    """8 threads, 100k operations in all: put / get / delete / evict on keys owned by one writer
+    each, reads of every key. Every read returns intact bytes of the key asked for; at the end
+    each key holds exactly its writer's last put."""
+    threads, keys_per, ops_per = 8, 64, 12_500
+    s = ChunkStore(tmp_path, ram_bytes=150_000, durable=False)
+    payload = [[value(t * keys_per + k, v) for v in range(4)] for t in range(threads) for k in range(keys_per)]
+    failures: list[BaseException] = []
+    lasts: list[dict[int, int | None]] = [dict() for _ in range(threads)]
+
+    def work(t: int) -> None:
+        rng = np.random.default_rng(t)
+        choice = rng.integers(0, 10, ops_per)
+        own = rng.integers(0, keys_per, ops_per)
+        ver = rng.integers(0, 4, ops_per)
+        other = rng.integers(0, threads * keys_per, ops_per)
+        try:
+            for op, o, v, r in zip(choice.tolist(), own.tolist(), ver.tolist(), other.tolist()):
+                i = t * keys_per + o
+                if op < 3:
+                    s.put(f"k{i}", payload[i][v])
+                    lasts[t][i] = v
+                elif op == 3:
+                    s.delete(f"k{i}")
+                    lasts[t][i] = None
+                elif op == 4:
+                    s.evict_from_ram(f"k{i}")
+                else:
+                    b = s.get(f"k{r}")
+                    if b is not None:
+                        assert check(b)[0] == r
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    ts = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not failures, failures[:3]
+    st = s.stats()
+    assert st["evicted_to_disk"] > 0 and st["hits_disk"] > 0 and st["hits_ram"] > 0, st
+    assert st["flush_errors"] == 0 and st["corrupt_evicted"] == 0
+    for last in lasts:
+        for i, v in last.items():
+            got = s.get(f"k{i}")
+            assert (None if got is None else check(got)) == (None if v is None else (i, v)), i
+    s.close()
+    assert len(chunk_files(tmp_path)) == sum(v is not None for last in lasts for v in last.values())
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from weightszip.store import ChunkStore
+    sys.path.insert(0, {tests!r})
+    from test_store import value
+    s = ChunkStore({path!r}, ram_bytes={ram}, write_through={wt}, durable=True)
+    i = 0
+    while True:
+        big = value(i) * 300  # ~0.5 MB, so that the kill often lands inside a write
+        s.put(f"k{{i}}", big)
+        print(i, flush=True)
+        i += 1
+    """
+)
+
+
+@pytest.mark.parametrize("write_through,ram", [(True, 0), (False, 2_000_000)], ids=["write-through", "write-back"])
+def test_sigkill_mid_puts_leaves_only_whole_verified_chunks(tmp_path, write_through, ram):
+    code = WRITER.format(tests=str(Path(__file__).parent), path=str(tmp_path), ram=ram, wt=write_through)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    done = -1
+    try:
+        for line in p.stdout:
+            done = int(line)
+            if done >= 25:
+                break
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert done >= 25, "the writer ran"
+    s = ChunkStore(tmp_path, ram_bytes=0)
+    present = 0
+    for i in range(done + 3):
+        b = s.get(f"k{i}")  # raises if a chunk came back damaged
+        if b is not None:
+            present += 1
+            assert b == value(i) * 300
+        elif write_through:
+            assert i > done, f"k{i} was acknowledged ({done}) before the kill, but is missing"
+    assert present >= (done + 1 if write_through else 1)
+    assert not list(tmp_path.glob("??/*.tmp")), "leftover temporaries are removed at open"
+    assert s.stats()["corrupt_evicted"] == 0
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 192 KiB tmpfs: a real ENOSPC. Needs root (CI and this machine run as root)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("write_through", [True, False], ids=["write-through", "zero-ram"])
+def test_full_disk_is_an_error_and_keeps_stored_chunks(tiny_fs, write_through):
+    s = ChunkStore(tiny_fs / "store", ram_bytes=0, write_through=write_through)
+    stored = []
+    with pytest.raises(weightszip.WeightszipIOError, match="No space left"):
+        for i in range(1000):
+            s.put(f"k{i}", value(i) * 4)
+            stored.append(i)
+    assert len(stored) > 5
+    assert f"k{len(stored)}" not in s
+    for i in stored:
+        assert s.get(f"k{i}") == value(i) * 4
+    assert not list((tiny_fs / "store").glob("??/*.tmp")), "the failed write left no temporary"
+    # Room again after deletes; the store keeps working.
+    for i in stored[:10]:
+        s.delete(f"k{i}")
+    s.put("again", value(1) * 4)
+    assert s.get("again") == value(1) * 4
+    s.close()
+    s = ChunkStore(tiny_fs / "store")
+    assert s.stats()["disk_chunks"] == len(stored) - 10 + 1
+
+
+def test_write_back_full_disk_is_counted_not_hidden(tiny_fs):
+    """Write-back: an evicted chunk that cannot be written is dropped and counted; the puts of
+    other chunks go on; nothing that was written is lost."""
+    s = ChunkStore(tiny_fs / "store", ram_bytes=30_000)
+    for i in range(200):
+        s.put(f"k{i}", value(i) * 4)
+    st = s.stats()
+    assert st["flush_errors"] > 0 and st["dropped"] >= st["flush_errors"]
+    for i in range(200):
+        b = s.get(f"k{i}")
+        assert b is None or b == value(i) * 4
