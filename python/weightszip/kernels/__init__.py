@@ -1,0 +1,1 @@
+../../../triton_kernels/__init__.py

@@ -1,0 +1,1 @@
+../../../triton_kernels/_interpreter_compat.py

@@ -1,0 +1,274 @@
+"""Paged decode attention (weightszip.kernels) against its plain-PyTorch reference.
+
+On a machine without a GPU the kernels run in Triton's interpreter on small shapes (set before triton
+is imported). On a GPU (TRITON_INTERPRET=0) the same tests run compiled, plus real shapes.
+
+Stated tolerance: with an fp32 output, |kernel - reference| <= 2**-8 * max|v| (the reference is fp64
+with exact softmax weights; the kernel rounds the softmax weights to bf16 for the tensor cores, 2**-9
+relative each, and sums in fp32). A bf16 output adds its own rounding, 2**-8 * |reference|.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from weightszip.errors import InvalidArgumentError  # noqa: E402
+from weightszip.kernels import (  # noqa: E402
+    KernelConfig,
+    PagedDecodeAttention,
+    dequantize_pages,
+    dequantize_pages_ref,
+    paged_decode_ref,
+    quantize_fp8_ref,
+    transform_query,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+TOL = 2.0**-8
+
+
+def make_case(*, B, Hq, Hkv, D, lens, page_type="bf16", block_size=16, S=0, W=0, seed=0, spare_blocks=3):
+    """Random cache: pages in a shuffled pool (blocks of a sequence scattered), side tokens, q."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = max(1, max(-(-L // block_size) for L in lens))
+    nb = B * blocks_per_seq + spare_blocks
+    perm = torch.randperm(nb, generator=g)[: B * blocks_per_seq].to(torch.int32).view(B, blocks_per_seq)
+    k = (torch.randn(nb, Hkv, block_size, D, generator=g) * 2).to(torch.bfloat16)
+    v = torch.randn(nb, Hkv, block_size, D, generator=g).to(torch.bfloat16)
+    ks = vs = None
+    if page_type == "fp8":
+        ks = torch.rand(Hkv, generator=g) * 0.02 + 0.002
+        vs = torch.rand(Hkv, generator=g) * 0.02 + 0.002
+        k = quantize_fp8_ref(k.transpose(1, 2), ks).transpose(1, 2).contiguous()
+        v = quantize_fp8_ref(v.transpose(1, 2), vs).transpose(1, 2).contiguous()
+    side = S + W
+    k_side = torch.randn(B, side, Hkv, D, generator=g).to(torch.bfloat16) if side else None
+    v_side = torch.randn(B, side, Hkv, D, generator=g).to(torch.bfloat16) if side else None
+    q = torch.randn(B, Hq, D, generator=g).to(torch.bfloat16)
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    return dict(q=to(q), k=to(k), v=to(v), bt=to(perm), ks=to(ks), vs=to(vs), k_side=to(k_side),
+                v_side=to(v_side), lens=list(lens), page_type=page_type, block_size=block_size, S=S, W=W)
+
+
+SMALL = KernelConfig(block_n=32)
+
+
+def run_kernel(c, *, split_tokens=None, config=SMALL, out_dtype=torch.float32, **extra):
+    B, Hq, D = c["q"].shape
+    Hkv = c["k"].shape[1]
+    attn = PagedDecodeAttention(Hq, Hkv, D, page_type=c["page_type"], block_size=c["block_size"],
+                                sink_tokens=c["S"], window=c["W"], device=DEVICE,
+                                config=config)
+    attn.plan(c["lens"], c["bt"], split_tokens=split_tokens)
+    out = torch.empty(B, Hq, D, dtype=out_dtype, device=DEVICE)
+    return attn.run(c["q"], c["k"], c["v"], k_scale=c["ks"], v_scale=c["vs"], k_side=c["k_side"],
+                    v_side=c["v_side"], out=out, **extra)
+
+
+def run_ref(c, **extra):
+    return paged_decode_ref(c["q"], c["k"], c["v"], c["bt"], c["lens"], page_type=c["page_type"],
+                            block_size=c["block_size"], k_scale=c["ks"], v_scale=c["vs"],
+                            sink_tokens=c["S"], window=c["W"], k_side=c["k_side"], v_side=c["v_side"],
+                            **extra)
+
+
+def vmax(c):
+    m = dequantize_pages_ref(c["v"], c["page_type"], c["vs"]).abs().max().item()
+    if c["v_side"] is not None:
+        m = max(m, c["v_side"].float().abs().max().item())
+    return m
+
+
+def assert_close(c, out, ref):
+    err = (out.double() - ref).abs().max().item()
+    assert err <= TOL * vmax(c), f"max error {err:.3g} > {TOL} * max|v| = {TOL * vmax(c):.3g}"
+
+
+CASES = {
+    # id: (page_type, Hq, Hkv, D, lens, block_size, S, W)
+    "bf16-gqa4-plain": ("bf16", 8, 2, 64, [1, 40, 200], 16, 0, 0),
+    "fp8-gqa4-plain": ("fp8", 8, 2, 64, [1, 40, 200], 16, 0, 0),
+    "bf16-mha-sinks-window": ("bf16", 2, 2, 32, [3, 21, 130], 16, 4, 8),
+    "fp8-gqa5-sinks-window": ("fp8", 10, 2, 32, [5, 60, 129], 16, 2, 11),
+    "bf16-block32-window-only": ("bf16", 4, 1, 32, [17, 64, 161], 32, 0, 16),
+    "fp8-block48-sinks-only": ("fp8", 6, 3, 16, [47, 48, 145], 48, 3, 0),
+    "bf16-gqa16-head128": ("bf16", 16, 1, 128, [33, 100], 16, 1, 4),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_reference(case):
+    pt, Hq, Hkv, D, lens, bs, S, W = CASES[case]
+    c = make_case(B=len(lens), Hq=Hq, Hkv=Hkv, D=D, lens=lens, page_type=pt, block_size=bs, S=S, W=W)
+    # A small split size so that sequences have several splits and the merge is exercised.
+    assert_close(c, run_kernel(c, split_tokens=64), run_ref(c))
+
+
+def test_bf16_output_and_default_schedule():
+    c = make_case(B=2, Hq=4, Hkv=2, D=32, lens=[50, 300], page_type="fp8", S=1, W=3, seed=3)
+    ref = run_ref(c)
+    out = run_kernel(c, out_dtype=torch.bfloat16, config=KernelConfig(block_n=64, min_split_tokens=64))
+    assert out.dtype == torch.bfloat16
+    err = (out.double() - ref).abs()
+    assert (err <= TOL * vmax(c) + TOL * ref.abs()).all()
+
+
+def test_split_count_does_not_change_result():
+    c = make_case(B=2, Hq=4, Hkv=1, D=32, lens=[256, 97], seed=5)
+    one = run_kernel(c, split_tokens=4096)
+    many = run_kernel(c, split_tokens=32)
+    # The bf16 rounding of the softmax weights depends on each split's running max, so the two
+    # schedules agree to the stated tolerance, not bit for bit.
+    assert (one - many).abs().max().item() <= TOL * vmax(c)
+    ref = run_ref(c)
+    assert_close(c, one, ref)
+    assert_close(c, many, ref)
+
+
+def test_transformed_domain_pages():
+    """Pages in a transformed domain (true key = y @ A_k + mu_k, true value = y @ A_v + mu_v): the
+    kernel, given q' and b (transform_query) and A_v, mu_v, equals attention over the true keys and
+    values, computed here without the reference."""
+    B, Hq, Hkv, D, S, W = 2, 4, 2, 32, 2, 5
+    lens = [40, 130]
+    c = make_case(B=B, Hq=Hq, Hkv=Hkv, D=D, lens=lens, S=S, W=W, seed=7)
+    g = torch.Generator().manual_seed(11)
+    a_k = (torch.linalg.qr(torch.randn(Hkv, D, D, generator=g))[0] * 1.5).to(DEVICE)
+    a_v = (torch.randn(Hkv, D, D, generator=g) / D**0.5).to(DEVICE)
+    mu_k = torch.randn(Hkv, D, generator=g).to(DEVICE)
+    mu_v = torch.randn(Hkv, D, generator=g).to(DEVICE)
+    qt, bias = transform_query(c["q"], a_k, mu_k, Hkv)
+    extra = dict(q_transformed=qt, logit_bias=bias, v_inv_transform=a_v, v_mean=mu_v)
+    out = run_kernel(c, split_tokens=32, **extra)
+    ref = run_ref(c, **extra)
+
+    # Independent check of the reference: true K and V, plain softmax attention.
+    sm = D**-0.5
+    G = Hq // Hkv
+    for b, L in enumerate(lens):
+        pos = torch.arange(S, L - W, device=DEVICE)
+        blk = c["bt"][b].long()[pos // 16]
+        for h in range(Hkv):
+            kt = c["k"][blk, h, pos % 16].double() @ a_k[h].double() + mu_k[h].double()
+            vt = c["v"][blk, h, pos % 16].double() @ a_v[h].double() + mu_v[h].double()
+            sl = [p for p in range(S)] + [S + p % W for p in range(L - W, L)]
+            ks = torch.cat([kt, c["k_side"][b, sl, h].double()])
+            vs = torch.cat([vt, c["v_side"][b, sl, h].double()])
+            for gi in range(G):
+                hq = h * G + gi
+                w = torch.softmax(ks @ c["q"][b, hq].double() * sm, 0)
+                # q' and b are fp32 (transform_query): agreement to fp32 rounding.
+                assert torch.allclose(ref[b, hq], w @ vs, rtol=1e-5, atol=1e-5)
+    # The page part goes through A_v after the bf16 products: scale the bound by A_v's gain.
+    gain = max(torch.linalg.matrix_norm(a_v.double(), ord=2).max().item(), 1.0)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= TOL * (vmax(c) * gain + mu_v.abs().max().item())
+
+
+@pytest.mark.parametrize("page_type", ["bf16", "fp8"])
+def test_dequantized_values_bit_exact(page_type):
+    """The values the kernel's tile loader produces equal the reference decoder's, bit for bit: every
+    fp8 code that is not NaN, with a per-head scale."""
+    Hkv, bs, D = 2, 32, 16
+    if page_type == "fp8":
+        codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+        n = Hkv * bs * D
+        raw = codes.repeat(-(-2 * n // codes.numel()))[: 2 * n].view(2, Hkv, bs, D)
+        pages = raw.view(torch.float8_e4m3fn)
+        scale = torch.tensor([0.0123, 3.5])
+    else:
+        pages = torch.randn(2, Hkv, bs, D).to(torch.bfloat16)
+        pages.view(-1)[:4] = torch.tensor([float("inf"), -0.0, 1e-40, -3e38])
+        scale = None
+    pages = pages.to(DEVICE)
+    scale = None if scale is None else scale.to(DEVICE)
+    got = dequantize_pages(pages, page_type, scale)
+    want = dequantize_pages_ref(pages, page_type, scale)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 120), min_size=1, max_size=3),
+    group=st.sampled_from([1, 3, 4]),
+    sinks=st.integers(0, 3),
+    window=st.sampled_from([0, 1, 7, 16]),
+    page_type=st.sampled_from(["bf16", "fp8"]),
+    split=st.sampled_from([32, 64, 1024]),
+)
+def test_random_batches(lens, group, sinks, window, page_type, split):
+    c = make_case(B=len(lens), Hq=2 * group, Hkv=2, D=16, lens=lens, page_type=page_type, S=sinks, W=window)
+    assert_close(c, run_kernel(c, split_tokens=split), run_ref(c))
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+def _attn(**kw):
+    args = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, device=DEVICE)
+    args.update(kw)
+    return PagedDecodeAttention(**args)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_q_heads=5), dict(head_dim=48), dict(block_size=24), dict(page_type="q4x"), dict(window=-1),
+], ids=["heads", "head_dim", "block_size", "page_type", "window"])
+def test_bad_construction(kw):
+    with pytest.raises(InvalidArgumentError):
+        _attn(**kw)
+
+
+def test_bad_plan_and_run():
+    c = make_case(B=2, Hq=4, Hkv=2, D=32, lens=[20, 40])
+    attn = _attn()
+    with pytest.raises(InvalidArgumentError, match="plan"):
+        attn.run(c["q"], c["k"], c["v"])
+    with pytest.raises(InvalidArgumentError, match="at least one token"):
+        attn.plan([0, 4], c["bt"])
+    with pytest.raises(InvalidArgumentError, match="int32"):
+        attn.plan([20, 40], c["bt"].long())
+    with pytest.raises(InvalidArgumentError, match="blocks per sequence"):
+        attn.plan([20, 4000], c["bt"])
+    attn.plan([20, 40], c["bt"])
+    with pytest.raises(InvalidArgumentError, match="q must be"):
+        attn.run(c["q"][:1], c["k"], c["v"])
+    with pytest.raises(InvalidArgumentError, match="k_pages"):
+        attn.run(c["q"], c["k"].float(), c["v"])
+    with pytest.raises(InvalidArgumentError, match="reference block"):
+        attn.run(c["q"], c["k"][:2], c["v"][:2])
+    fp8 = _attn(page_type="fp8")
+    fp8.plan([20, 40], c["bt"])
+    k8 = c["k"].to(torch.float8_e4m3fn)
+    with pytest.raises(InvalidArgumentError, match="k_scale"):
+        fp8.run(c["q"], k8, k8)
+    side = _attn(sink_tokens=2, window=4)
+    side.plan([20, 40], c["bt"])
+    with pytest.raises(InvalidArgumentError, match="k_side"):
+        side.run(c["q"], c["k"], c["v"])
+    bad = c["bt"].clone()
+    bad[1, 0] = -1
+    with pytest.raises(InvalidArgumentError, match="negative"):
+        attn.plan([20, 40], bad)
+
+
+# -- real shapes, GPU only -----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need the GPU")
+@pytest.mark.parametrize("page_type", ["bf16", "fp8"])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
+def test_real_shapes_gpu(page_type, shape):
+    Hq, Hkv, D = shape
+    lens = [4096, 1, 777, 16384 + 5]
+    for S, W in ((0, 0), (4, 128)):
+        c = make_case(B=len(lens), Hq=Hq, Hkv=Hkv, D=D, lens=lens, page_type=page_type, S=S, W=W, seed=S)
+        out = run_kernel(c, config=None)
+        assert_close(c, out, run_ref(c))

@@ -1,0 +1,562 @@
+"""Paged decode attention: one query token per sequence against a paged KV cache, split-K.
+
+Read me first:
+
+* **Layout.** Per layer, K and V each live in a pool of blocks ``[num_blocks, kv_heads, block_size,
+  head_dim]`` (``block_size`` a multiple of 16; a 16-token slice of one block and one KV head is a
+  *page*). ``block_tables[b, i]`` is the block that holds positions ``[i * block_size, (i + 1) *
+  block_size)`` of sequence ``b``, as in vLLM. Position ``p`` of a sequence sits in block
+  ``block_tables[b, p // block_size]`` at slot ``p % block_size``.
+* **Side tokens.** A format may keep ``S`` sink tokens (positions ``0..S-1``) and a recent window of
+  ``W`` positions in bf16 outside the pages, in ``k_side``/``v_side`` ``[num_seqs, S + W, kv_heads,
+  head_dim]``: sinks at slots ``0..S-1``, window position ``p >= S`` at slot ``S + p % W``. The pages
+  then hold positions ``[S, L - W)`` only (a sequence of ``L`` tokens); slots of other positions are
+  never read. Page tokens and side tokens share one softmax.
+* **Page types** (a compile-time switch, ``PAGE_TYPE``): ``PAGE_BF16`` (the block holds bf16 values)
+  and ``PAGE_FP8`` (e4m3 codes with one fp32 scale per KV head, value = ``fp32(code) * scale``). One
+  step, ``_load_page_tile``, loads and dequantizes a tile of ``BLOCK_N`` tokens (``BLOCK_N / 16``
+  pages); everything else is shared.
+* **Transformed domain.** A format may store pages in a transformed domain: the true key is ``y @ A_k
+  + mu_k`` and the true value ``y @ A_v + mu_v``, ``y`` the dequantized page value, ``A`` a ``[head_dim,
+  head_dim]`` matrix per KV head. Then ``q . k = (q @ A_k^T) . y + q . mu_k``: the split kernel gets
+  the transformed query ``q'`` and a per-head logit bias ``b``, computes ``(q' . y + b) * sm_scale`` and
+  sums ``p * y`` in the transformed domain; the merge applies ``A_v`` once to the merged page part and
+  adds ``mu_v`` times the page part's softmax mass, then adds the side tokens (in the true domain).
+  bf16 and fp8 pages use the identity (no transform, no bias, no mean); tests run the whole path with
+  a random transform on bf16 pages.
+* **Numerics.** Products on the tensor cores with bf16 operands (q, page values, and the softmax
+  weights rounded to bf16, as flash attention does), every sum in fp32, the softmax in base 2 with the
+  running maximum (log-sum-exp merge of the splits). fp8 codes convert to bf16 exactly; the fp8 scale
+  multiplies the fp32 logits and the fp32 output sum. The stated tolerance against the fp64 reference
+  (``paged_decode_ref``) is in ``tests/test_kernels_paged_decode.py``.
+* **Schedule.** ``plan()`` cuts each sequence's paged range into splits of ``split_tokens`` tokens
+  (a multiple of ``BLOCK_N``; chosen so that the grid fills the GPU a few times over) and lays out one
+  work item per split; the split kernel runs a program per (work item, KV head), all the query heads
+  of that KV head together (GQA); the merge kernel runs a program per (sequence, KV head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from weightszip.errors import InvalidArgumentError
+
+from ._interpreter_compat import apply as _interpreter_compat
+
+_interpreter_compat()
+
+PAGE_BF16 = 0
+PAGE_FP8 = 1
+PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8}
+PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn}
+PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
+LOG2E = 1.4426950408889634
+NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the split kernel.
+
+    ``block_n``: tokens per loop step (a multiple of 16: ``block_n / 16`` pages per tile).
+    ``num_warps``/``num_stages``: Triton's. ``waves``: the planner aims at ``waves`` programs per
+    multiprocessor in all; ``min_split_tokens``: no split is shorter (fewer, longer splits cost less
+    merging). Defaults chosen on the H200 (see BENCHMARKS.md, "Paged decode attention").
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: int = 4
+    min_split_tokens: int = 512
+
+
+DEFAULT_CONFIGS = {
+    PAGE_BF16: KernelConfig(),
+    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3),
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_page_tile(pages_ptr, blk, slot, head, stride_blk, stride_head, stride_slot, valid,
+                    HEAD_DIM: tl.constexpr, PAGE_TYPE: tl.constexpr):
+    """Load and dequantize ``BLOCK_N`` tokens of one KV head (``blk``/``slot``: per token) as a bf16
+    tile ``[BLOCK_N, HEAD_DIM]``. fp8 codes convert exactly; the per-head scale is applied by the
+    caller to the fp32 products."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = (pages_ptr + blk.to(tl.int64)[:, None] * stride_blk + head * stride_head
+            + slot[:, None] * stride_slot + offs_d[None, :])
+    x = tl.load(ptrs, mask=valid[:, None], other=0.0)
+    if PAGE_TYPE == 1:
+        x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
+def _paged_split_kernel(
+    q_ptr, bias_ptr, k_pages_ptr, v_pages_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+    work_seq_ptr, work_start_ptr, work_end_ptr,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_bt,
+    num_kv_heads,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_TYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """One split: attention of the GROUP query heads of one KV head over page tokens
+    ``[start, end)`` of one sequence. Writes the running max (base 2), the softmax mass and the
+    unnormalized fp32 sum of p * y (transformed domain) to the workspace."""
+    item = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(work_seq_ptr + item)
+    t0 = tl.load(work_start_ptr + item)
+    t1 = tl.load(work_end_ptr + item)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_valid = offs_g < GROUP
+    q_rows = seq.to(tl.int64) * stride_qb + (head * GROUP + offs_g) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=g_valid[:, None], other=0.0)
+    q = q.to(tl.bfloat16)
+
+    scale = qk_scale
+    if PAGE_TYPE == 1:
+        scale = scale * tl.load(k_scale_ptr + head)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + seq * (num_kv_heads * GROUP) + head * GROUP + offs_g,
+                       mask=g_valid, other=0.0) * qk_scale
+    else:
+        bias = tl.zeros([BLOCK_G], dtype=tl.float32)
+
+    m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    lo = t0 - t0 % BLOCK_N  # tiles stay aligned to BLOCK_N, so a tile is whole pages
+    for start in range(lo, t1, BLOCK_N):
+        tok = start + offs_n
+        valid = (tok >= t0) & (tok < t1)
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0)
+        slot = tok % BLOCK_SIZE
+        k = _load_page_tile(k_pages_ptr, blk, slot, head, stride_kb, stride_kh, stride_kt, valid,
+                            HEAD_DIM, PAGE_TYPE)
+        v = _load_page_tile(v_pages_ptr, blk, slot, head, stride_vb, stride_vh, stride_vt, valid,
+                            HEAD_DIM, PAGE_TYPE)
+        s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+        m_i = m_new
+
+    if PAGE_TYPE == 1:
+        acc = acc * tl.load(v_scale_ptr + head)
+    ws_row = item * num_kv_heads * GROUP + head * GROUP + offs_g
+    tl.store(ws_m_ptr + ws_row, m_i, mask=g_valid)
+    tl.store(ws_l_ptr + ws_row, l_i, mask=g_valid)
+    tl.store(ws_acc_ptr + ws_row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=g_valid[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    q_ptr, k_side_ptr, v_side_ptr, seq_lens_ptr, item_indptr_ptr,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr, v_inv_ptr, v_mean_ptr, out_ptr,
+    qk_scale,
+    stride_qb, stride_qh,
+    stride_sb, stride_st, stride_sh,
+    stride_ob, stride_oh,
+    num_kv_heads,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SINKS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+    HAS_V_TRANSFORM: tl.constexpr, HAS_V_MEAN: tl.constexpr,
+):
+    """Per (sequence, KV head): log-sum-exp merge of the page splits, the inverse transform and mean
+    of the page part, then the side tokens (sinks and recent window, bf16) in the same softmax."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_valid = offs_g < GROUP
+
+    m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    i0 = tl.load(item_indptr_ptr + seq)
+    i1 = tl.load(item_indptr_ptr + seq + 1)
+    offs_i = tl.arange(0, BLOCK_I)
+    # BLOCK_I splits per step, so that a (sequence, head) with many splits is not a chain of
+    # dependent small loads.
+    for c0 in range(i0, i1, BLOCK_I):
+        it = c0 + offs_i
+        ok = (it < i1)[:, None] & g_valid[None, :]
+        row = it[:, None] * (num_kv_heads * GROUP) + head * GROUP + offs_g[None, :]
+        m_s = tl.load(ws_m_ptr + row, mask=ok, other=NEG_BIG)
+        l_s = tl.load(ws_l_ptr + row, mask=ok, other=0.0)
+        a_s = tl.load(ws_acc_ptr + row.to(tl.int64)[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=ok[:, :, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m_s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(l_s * beta, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(a_s * beta[:, :, None], axis=0)
+        m_i = m_new
+
+    if HAS_V_TRANSFORM:
+        a_ptrs = v_inv_ptr + head * HEAD_DIM * HEAD_DIM + offs_d[:, None] * HEAD_DIM + offs_d[None, :]
+        acc = tl.dot(acc, tl.load(a_ptrs), input_precision="ieee")
+    if HAS_V_MEAN:
+        mu = tl.load(v_mean_ptr + head * HEAD_DIM + offs_d)
+        acc = acc + l_i[:, None] * mu[None, :]
+
+    if SINKS + WINDOW > 0:
+        length = tl.load(seq_lens_ptr + seq)
+        q_rows = seq.to(tl.int64) * stride_qb + (head * GROUP + offs_g) * stride_qh
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=g_valid[:, None], other=0.0)
+        q = q.to(tl.bfloat16)
+        win_lo = tl.maximum(length - WINDOW, SINKS)  # window positions [win_lo, length)
+        n_win = length - win_lo
+        offs_s = tl.arange(0, BLOCK_S)
+        for s0 in range(0, SINKS + WINDOW, BLOCK_S):
+            slot = s0 + offs_s
+            is_sink = (slot < SINKS) & (slot < length)
+            if WINDOW > 0:
+                r = slot - SINKS
+                is_win = (slot >= SINKS) & (slot < SINKS + WINDOW) & (((r - win_lo % WINDOW) + WINDOW) % WINDOW < n_win)
+                ok = is_sink | is_win
+            else:
+                ok = is_sink
+            offs = (seq.to(tl.int64) * stride_sb + slot[:, None] * stride_st + head * stride_sh
+                    + offs_d[None, :])
+            k = tl.load(k_side_ptr + offs, mask=ok[:, None], other=0.0)
+            v = tl.load(v_side_ptr + offs, mask=ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+            m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only in padding rows (g >= GROUP)
+    o_rows = seq.to(tl.int64) * stride_ob + (head * GROUP + offs_g) * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=g_valid[:, None])
+
+
+@triton.jit
+def _dequantize_pages_kernel(pages_ptr, scale_ptr, out_ptr, stride_blk, stride_head, stride_slot,
+                             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_TYPE: tl.constexpr):
+    """The values the attention kernel reads, as fp32 ``[num_blocks, kv_heads, block_size, head_dim]``
+    (through the same ``_load_page_tile`` step): for testing that they equal the reference decoder's."""
+    blk_id = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    slot = tl.program_id(2) * 16 + tl.arange(0, 16)  # one 16-token page per program
+    blk = tl.zeros([16], dtype=tl.int32) + blk_id
+    valid = slot < BLOCK_SIZE
+    x = _load_page_tile(pages_ptr, blk, slot, head, stride_blk, stride_head, stride_slot, valid,
+                        HEAD_DIM, PAGE_TYPE).to(tl.float32)
+    if PAGE_TYPE == 1:
+        x = x * tl.load(scale_ptr + head)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (blk_id.to(tl.int64) * num_heads + head) * BLOCK_SIZE + slot
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side: plan once per step, run per layer
+# ----------------------------------------------------------------------------------------------------
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvalidArgumentError(msg)
+
+
+def transform_query(q: torch.Tensor, k_inv_transform: torch.Tensor | None, k_mean: torch.Tensor | None,
+                    num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``q'`` and the logit bias ``b`` for pages in a transformed domain (true key = ``y @ A_k + mu_k``):
+    ``q' = q @ A_k^T`` and ``b = q . mu_k`` per query head, in fp32.
+
+    q: [num_seqs, num_q_heads, head_dim]; k_inv_transform ``A_k``: [num_kv_heads, head_dim, head_dim] or
+    None (identity); k_mean ``mu_k``: [num_kv_heads, head_dim] or None (zero).
+    Returns q' [num_seqs, num_q_heads, head_dim] fp32 and b [num_seqs, num_q_heads] fp32 (or None).
+    """
+    b_, hq, d = q.shape
+    g = hq // num_kv_heads
+    qf = q.float().view(b_, num_kv_heads, g, d)
+    qt = qf if k_inv_transform is None else torch.einsum("bhgd,hed->bhge", qf, k_inv_transform.float())
+    bias = None if k_mean is None else torch.einsum("bhgd,hd->bhg", qf, k_mean.float()).reshape(b_, hq)
+    return qt.reshape(b_, hq, d), bias
+
+
+class PagedDecodeAttention:
+    """Decode attention over a paged KV cache (see the module docstring for layout and numerics).
+
+    ``plan()`` once per decode step (the batch's lengths and block tables: it computes the split
+    schedule and allocates the workspace), then ``run()`` per layer::
+
+        attn = PagedDecodeAttention(num_q_heads=32, num_kv_heads=8, head_dim=128, page_type="fp8",
+                                    device="cuda")
+        attn.plan(seq_lens, block_tables)          # seq_lens: ints; block_tables: int32 [B, max_blocks]
+        for layer in range(num_layers):
+            out = attn.run(q[layer], k_pages[layer], v_pages[layer],
+                           k_scale=k_scale[layer], v_scale=v_scale[layer])   # [B, 32, 128] bf16
+
+    q: [num_seqs, num_q_heads, head_dim] (bf16); pages: [num_blocks, num_kv_heads, block_size,
+    head_dim] (bf16 or float8_e4m3fn as ``page_type``); k_scale/v_scale (fp8): fp32 [num_kv_heads].
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, page_type: str = "bf16",
+                 block_size: int = 16, sink_tokens: int = 0, window: int = 0,
+                 sm_scale: float | None = None, config: KernelConfig | None = None,
+                 device: str | torch.device = "cuda"):
+        _check(page_type in PAGE_TYPES, f"page_type must be one of {sorted(PAGE_TYPES)}, not {page_type!r}")
+        _check(num_q_heads > 0 and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
+               f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        _check(head_dim in (16, 32, 64, 128, 256), f"head_dim must be 16, 32, 64, 128 or 256, not {head_dim}")
+        _check(block_size > 0 and block_size % PAGE_TOKENS == 0,
+               f"block_size must be a positive multiple of {PAGE_TOKENS}, not {block_size}")
+        _check(sink_tokens >= 0 and window >= 0, "sink_tokens and window must be >= 0")
+        self.page_type = PAGE_TYPES[page_type]
+        self.page_type_name = page_type
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.group = num_q_heads // num_kv_heads
+        self.block_size, self.sink_tokens, self.window = block_size, sink_tokens, window
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        self.config = config or DEFAULT_CONFIGS[self.page_type]
+        _check(self.config.block_n % PAGE_TOKENS == 0 and self.config.block_n & (self.config.block_n - 1) == 0,
+               f"config.block_n must be a power of two and a multiple of {PAGE_TOKENS}")
+        self.device = torch.device(device)
+        self._plan = None
+
+    # -- plan ------------------------------------------------------------------------------------------
+    def _num_sms(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_properties(self.device).multi_processor_count
+        return 4
+
+    def plan(self, seq_lens, block_tables: torch.Tensor, *, split_tokens: int | None = None) -> dict:
+        """Split schedule and workspace for one decode step.
+
+        seq_lens: the total length ``L`` of each sequence (side tokens included), ints >= 1, on the host
+        (a list, numpy array or tensor). block_tables: int32 [num_seqs, max_blocks] on the device.
+        split_tokens: tokens per split (a multiple of ``config.block_n``); default: enough splits to
+        fill the GPU ``config.waves`` programs per multiprocessor. Returns a summary (items, split size).
+        """
+        lens = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, dtype=np.int64)
+        _check(lens.ndim == 1 and lens.size > 0, "seq_lens must be a non-empty 1-D sequence")
+        _check(bool((lens >= 1).all()), "every sequence needs at least one token")
+        _check(isinstance(block_tables, torch.Tensor) and block_tables.dtype == torch.int32
+               and block_tables.dim() == 2 and block_tables.shape[0] == lens.size,
+               f"block_tables must be int32 [num_seqs={lens.size}, max_blocks]")
+        _check(block_tables.device == self.device or block_tables.device.type == self.device.type,
+               "block_tables must be on the kernel's device")
+        bn = self.config.block_n
+        S, W = self.sink_tokens, self.window
+        lo = S
+        hi = lens - W
+        n_paged = np.maximum(hi - lo, 0)
+        need_blocks = np.where(n_paged > 0, -(-hi // self.block_size), 0)
+        _check(int(need_blocks.max()) <= block_tables.shape[1],
+               f"block_tables has {block_tables.shape[1]} blocks per sequence; the longest needs "
+               f"{int(need_blocks.max())}")
+        if split_tokens is None:
+            target_items = max(1, self._num_sms() * self.config.waves // self.num_kv_heads)
+            split_tokens = -(-int(n_paged.sum()) // target_items)
+            split_tokens = max(split_tokens, self.config.min_split_tokens)
+        _check(split_tokens > 0, "split_tokens must be positive")
+        split_tokens = -(-int(split_tokens) // bn) * bn
+        a0 = (lo // bn) * bn
+        n_items = np.where(n_paged > 0, -(-(hi - a0) // split_tokens), 0)
+        seq_of = np.repeat(np.arange(lens.size), n_items)
+        first = np.repeat(np.cumsum(n_items) - n_items, n_items)
+        k = np.arange(seq_of.size) - first
+        starts = np.maximum(a0 + k * split_tokens, lo)
+        ends = np.minimum(a0 + (k + 1) * split_tokens, hi[seq_of])
+        indptr = np.concatenate([[0], np.cumsum(n_items)])
+        # Blocks the schedule reads, to check against the pool size in run() without a device sync there.
+        max_block = -1
+        if seq_of.size:
+            cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+            used = cols[None, :] < torch.as_tensor(need_blocks, device=block_tables.device)[:, None]
+            vals = block_tables[used]
+            _check(bool((vals >= 0).all()), "block_tables holds a negative block id in a used position")
+            max_block = int(vals.max())
+        dev = self.device
+        n_tot = max(int(seq_of.size), 1)
+        g = self.group
+        self._plan = dict(
+            num_seqs=int(lens.size),
+            seq_lens=torch.as_tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables,
+            work_seq=torch.as_tensor(seq_of, dtype=torch.int32, device=dev),
+            work_start=torch.as_tensor(starts, dtype=torch.int32, device=dev),
+            work_end=torch.as_tensor(ends, dtype=torch.int32, device=dev),
+            item_indptr=torch.as_tensor(indptr, dtype=torch.int32, device=dev),
+            n_items=int(seq_of.size),
+            split_tokens=split_tokens,
+            max_block=max_block,
+            ws_m=torch.empty(n_tot * self.num_kv_heads * g, dtype=torch.float32, device=dev),
+            ws_l=torch.empty(n_tot * self.num_kv_heads * g, dtype=torch.float32, device=dev),
+            ws_acc=torch.empty(n_tot * self.num_kv_heads * g * self.head_dim, dtype=torch.float32, device=dev),
+        )
+        return {"items": int(seq_of.size), "split_tokens": split_tokens,
+                "paged_tokens": int(n_paged.sum())}
+
+    # -- run -------------------------------------------------------------------------------------------
+    def _check_pages(self, name: str, pages: torch.Tensor) -> None:
+        want = PAGE_DTYPES[self.page_type]
+        _check(isinstance(pages, torch.Tensor) and pages.dtype == want,
+               f"{name} must be a {want} tensor for page_type {self.page_type_name!r}")
+        _check(pages.dim() == 4 and tuple(pages.shape[1:]) == (self.num_kv_heads, self.block_size, self.head_dim),
+               f"{name} must be [num_blocks, {self.num_kv_heads}, {self.block_size}, {self.head_dim}], "
+               f"not {list(pages.shape)}")
+        _check(pages.stride(3) == 1, f"{name}: head_dim must be contiguous")
+        _check(self._plan["max_block"] < pages.shape[0],
+               f"block_tables reference block {self._plan['max_block']} but {name} has {pages.shape[0]}")
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, *,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+            k_side: torch.Tensor | None = None, v_side: torch.Tensor | None = None,
+            q_transformed: torch.Tensor | None = None, logit_bias: torch.Tensor | None = None,
+            v_inv_transform: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output [num_seqs, num_q_heads, head_dim] (q's dtype) for one layer.
+
+        k_side/v_side: bf16 [num_seqs, sink_tokens + window, num_kv_heads, head_dim] (required when the
+        format keeps side tokens). q_transformed [num_seqs, num_q_heads, head_dim] and logit_bias
+        [num_seqs, num_q_heads] (fp32; see ``transform_query``) replace q and 0 for page tokens;
+        v_inv_transform [num_kv_heads, head_dim, head_dim] and v_mean [num_kv_heads, head_dim] (fp32)
+        map the page part of the output back (identity and zero when None).
+        """
+        _check(self._plan is not None, "call plan() before run()")
+        pl = self._plan
+        B, Hq, Hkv, D, G = pl["num_seqs"], self.num_q_heads, self.num_kv_heads, self.head_dim, self.group
+        _check(isinstance(q, torch.Tensor) and tuple(q.shape) == (B, Hq, D) and q.stride(2) == 1,
+               f"q must be [{B}, {Hq}, {D}] with head_dim contiguous")
+        _check(q.dtype in (torch.bfloat16, torch.float16, torch.float32), "q must be bf16, fp16 or fp32")
+        self._check_pages("k_pages", k_pages)
+        self._check_pages("v_pages", v_pages)
+        fp8 = self.page_type == PAGE_FP8
+        if fp8:
+            for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+                _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == Hkv,
+                       f"{name} must be fp32 [{Hkv}] for fp8 pages")
+        side = self.sink_tokens + self.window
+        if side:
+            for name, t in (("k_side", k_side), ("v_side", v_side)):
+                _check(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+                       and tuple(t.shape) == (B, side, Hkv, D) and t.is_contiguous(),
+                       f"{name} must be contiguous bf16 [{B}, {side}, {Hkv}, {D}]")
+        qp = q if q_transformed is None else q_transformed
+        _check(tuple(qp.shape) == (B, Hq, D) and qp.stride(2) == 1, f"q_transformed must be [{B}, {Hq}, {D}]")
+        if logit_bias is not None:
+            _check(tuple(logit_bias.shape) == (B, Hq), f"logit_bias must be [{B}, {Hq}]")
+            logit_bias = logit_bias.float().contiguous()
+        if v_inv_transform is not None:
+            _check(tuple(v_inv_transform.shape) == (Hkv, D, D), f"v_inv_transform must be [{Hkv}, {D}, {D}]")
+            v_inv_transform = v_inv_transform.float().contiguous()
+        if v_mean is not None:
+            _check(tuple(v_mean.shape) == (Hkv, D), f"v_mean must be [{Hkv}, {D}]")
+            v_mean = v_mean.float().contiguous()
+        if out is None:
+            out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
+        _check(tuple(out.shape) == (B, Hq, D) and out.stride(2) == 1, f"out must be [{B}, {Hq}, {D}]")
+
+        cfg = self.config
+        block_g = _pow2_at_least(G, 16)
+        qk_scale = self.sm_scale * LOG2E
+        dummy = pl["ws_m"]
+        if pl["n_items"]:
+            _paged_split_kernel[(pl["n_items"], Hkv)](
+                qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages,
+                k_scale if fp8 else dummy, v_scale if fp8 else dummy, pl["block_tables"],
+                pl["work_seq"], pl["work_start"], pl["work_end"],
+                pl["ws_m"], pl["ws_l"], pl["ws_acc"],
+                qk_scale,
+                qp.stride(0), qp.stride(1),
+                k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+                v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+                pl["block_tables"].stride(0),
+                Hkv,
+                GROUP=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=self.block_size, BLOCK_N=cfg.block_n,
+                PAGE_TYPE=self.page_type, HAS_BIAS=logit_bias is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+        ks = k_side if side else q
+        vs = v_side if side else q
+        _merge_kernel[(B, Hkv)](
+            q, ks, vs, pl["seq_lens"], pl["item_indptr"],
+            pl["ws_m"], pl["ws_l"], pl["ws_acc"],
+            v_inv_transform if v_inv_transform is not None else dummy,
+            v_mean if v_mean is not None else dummy, out,
+            qk_scale,
+            q.stride(0), q.stride(1),
+            ks.stride(0) if side else 0, ks.stride(1) if side else 0, ks.stride(2) if side else 0,
+            out.stride(0), out.stride(1),
+            Hkv,
+            GROUP=G, BLOCK_G=block_g, HEAD_DIM=D,
+            SINKS=self.sink_tokens, WINDOW=self.window, BLOCK_S=_pow2_at_least(min(side, 64), 16),
+            BLOCK_I=max(1, 64 // block_g),
+            HAS_V_TRANSFORM=v_inv_transform is not None, HAS_V_MEAN=v_mean is not None,
+            num_warps=4,
+        )
+        return out
+
+    def bytes_read(self, kv_bytes_per_token: float) -> int:
+        """Bytes the split kernel must read for the planned batch: every page token's K and V
+        (``kv_bytes_per_token`` for one KV head, K and V together), the block-table entries each KV
+        head reads, and q. The workspace round trip is not counted."""
+        pl = self._plan
+        ends = pl["work_end"].cpu().numpy().astype(np.int64)
+        starts = pl["work_start"].cpu().numpy().astype(np.int64)
+        tokens = int((ends - starts).sum())
+        bt = 0
+        bn = self.config.block_n
+        for s, e in zip(starts, ends):
+            bt += (-(-e // bn) - s // bn) * bn  # one int32 per token slot in each visited tile
+        q_bytes = pl["num_seqs"] * self.num_q_heads * self.head_dim * 2
+        return int(tokens * self.num_kv_heads * kv_bytes_per_token + bt * 4 * self.num_kv_heads + q_bytes)
+
+
+def dequantize_pages(pages: torch.Tensor, page_type: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values the attention kernel reads from ``pages`` [num_blocks, kv_heads, block_size,
+    head_dim], through the kernel's own tile loader (for bit-exact comparison with the reference)."""
+    _check(page_type in PAGE_TYPES, f"page_type must be one of {sorted(PAGE_TYPES)}")
+    pt = PAGE_TYPES[page_type]
+    _check(pages.dtype == PAGE_DTYPES[pt] and pages.dim() == 4 and pages.stride(3) == 1,
+           "pages must be [num_blocks, kv_heads, block_size, head_dim] of the page type's dtype")
+    nb, h, bs, d = pages.shape
+    if pt == PAGE_FP8:
+        _check(scale is not None and scale.dtype == torch.float32 and scale.numel() == h,
+               f"fp8 pages need an fp32 scale per KV head ([{h}])")
+    out = torch.empty((nb, h, bs, d), dtype=torch.float32, device=pages.device)
+    _dequantize_pages_kernel[(nb, h, bs // PAGE_TOKENS)](pages, scale if scale is not None else out, out,
+                                      pages.stride(0), pages.stride(1), pages.stride(2),
+                                      BLOCK_SIZE=bs, HEAD_DIM=d, PAGE_TYPE=pt)
+    return out

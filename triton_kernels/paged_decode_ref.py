@@ -1,0 +1,94 @@
+"""Plain-PyTorch reference of ``paged_decode``: the same math, one sequence at a time, in fp64.
+
+Layout, side tokens and the transformed domain are as in ``paged_decode``'s docstring. The reference
+gathers each sequence's page tokens through its block table, dequantizes them (``dequantize_pages_ref``:
+the values a decoder must produce, bit for bit), and computes one softmax over page tokens and side
+tokens with no splitting and no rounding of the softmax weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dequantize_pages_ref(pages: torch.Tensor, page_type: str, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values of pages [num_blocks, kv_heads, block_size, head_dim]: bf16 as is; fp8 e4m3 as
+    ``fp32(code) * scale[kv_head]``."""
+    x = pages.float()
+    if page_type == "fp8":
+        x = x * scale.float().view(1, -1, 1, 1)
+    elif page_type != "bf16":
+        raise ValueError(f"unknown page type {page_type!r}")
+    return x
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """bf16 [..., kv_heads, head_dim] -> e4m3 codes with one fp32 scale per KV head: round to nearest
+    even of ``fp32(x) / scale``, saturated to +-448."""
+    y = x.float() / scale.float().view(*([1] * (x.dim() - 2)), -1, 1)
+    return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def side_slots(length: int, sink_tokens: int, window: int) -> list[tuple[int, int]]:
+    """(slot, position) of the side tokens a sequence of ``length`` tokens holds."""
+    out = [(p, p) for p in range(min(sink_tokens, length))]
+    for p in range(max(sink_tokens, length - window), length):
+        out.append((sink_tokens + p % window, p))
+    return out
+
+
+def paged_positions(length: int, sink_tokens: int, window: int) -> range:
+    """Positions a sequence of ``length`` tokens holds in its pages: ``[S, L - W)``."""
+    return range(sink_tokens, max(sink_tokens, length - window))
+
+
+def paged_decode_ref(q, k_pages, v_pages, block_tables, seq_lens, *, page_type="bf16", block_size=16,
+                     k_scale=None, v_scale=None, sink_tokens=0, window=0, k_side=None, v_side=None,
+                     q_transformed=None, logit_bias=None, v_inv_transform=None, v_mean=None,
+                     sm_scale=None) -> torch.Tensor:
+    """Attention output [num_seqs, num_q_heads, head_dim] in fp64 (arguments as ``PagedDecodeAttention``).
+
+    Page tokens: logit = (q' . y + b) * sm_scale with y the dequantized page keys; their values are
+    summed as y, mapped through ``v_inv_transform`` and offset by ``v_mean`` times their softmax mass.
+    Side tokens: logit = q . k * sm_scale, value v, as stored (bf16).
+    """
+    B, Hq, D = q.shape
+    Hkv = k_pages.shape[1]
+    G = Hq // Hkv
+    sm_scale = D ** -0.5 if sm_scale is None else sm_scale
+    kd = dequantize_pages_ref(k_pages, page_type, k_scale).double()
+    vd = dequantize_pages_ref(v_pages, page_type, v_scale).double()
+    qp = (q if q_transformed is None else q_transformed).double()
+    out = torch.zeros((B, Hq, D), dtype=torch.float64, device=q.device)
+    lens = [int(x) for x in seq_lens]
+    for b in range(B):
+        L = lens[b]
+        pos = torch.tensor(list(paged_positions(L, sink_tokens, window)), dtype=torch.long, device=q.device)
+        blk = block_tables[b].long()[pos // block_size] if pos.numel() else pos
+        slot = pos % block_size
+        sides = side_slots(L, sink_tokens, window)
+        sidx = torch.tensor([s for s, _ in sides], dtype=torch.long, device=q.device)
+        for h in range(Hkv):
+            yk = kd[blk, h, slot]  # [n, D]
+            yv = vd[blk, h, slot]
+            for g in range(G):
+                hq = h * G + g
+                lp = (yk @ qp[b, hq]) * sm_scale
+                if logit_bias is not None:
+                    lp = lp + float(logit_bias[b, hq]) * sm_scale
+                if sides:
+                    ks = k_side[b, sidx, h].double()
+                    vs = v_side[b, sidx, h].double()
+                    ls = (ks @ q[b, hq].double()) * sm_scale
+                else:
+                    ls = lp.new_zeros(0)
+                    vs = yv.new_zeros((0, D))
+                w = torch.softmax(torch.cat([lp, ls]), dim=0)
+                wp, ws = w[: lp.numel()], w[lp.numel():]
+                page_part = wp @ yv
+                if v_inv_transform is not None:
+                    page_part = page_part @ v_inv_transform[h].double()
+                if v_mean is not None:
+                    page_part = page_part + wp.sum() * v_mean[h].double()
+                out[b, hq] = page_part + ws @ vs
+    return out
