@@ -64,6 +64,9 @@ class Store:
         write_through: bool,
         promote: bool,
         max_chunk_bytes: int,
+        redis_url: str | None = None,
+        redis_prefix: str = "wz:",
+        redis_timeout_ms: int = 5000,
     ) -> None: ...
     def put(self, key: bytes, addr: int, len: int, tag: int) -> None: ...
     def get(self, key: bytes) -> Chunk | None: ...

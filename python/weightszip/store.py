@@ -97,6 +97,13 @@ class StoreConfig:
     promote: bool = True
     #: Largest chunk accepted (and believed in a file header).
     max_chunk_bytes: int = 1 << 30
+    #: Remote tier: a Redis server (``redis://host:port/db``). Every put is stored there too
+    #: (the put fails if it cannot be), and a local miss is looked up there.
+    redis_url: str | None = None
+    #: Prefix of the Redis keys: one namespace per model or deployment.
+    redis_prefix: str = "wz:"
+    #: Connect, read and write timeout of the remote tier, in milliseconds.
+    redis_timeout_ms: int = 5000
 
 
 class ChunkStore:
@@ -110,7 +117,7 @@ class ChunkStore:
 
     def __init__(self, path: str | os.PathLike | None = None, **kwargs: Any):
         cfg = StoreConfig(path=path, **kwargs)
-        for name in ("ram_bytes", "disk_bytes", "io_threads", "max_chunk_bytes"):
+        for name in ("ram_bytes", "disk_bytes", "io_threads", "max_chunk_bytes", "redis_timeout_ms"):
             v = getattr(cfg, name)
             if not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, got {v!r}")
@@ -124,6 +131,9 @@ class ChunkStore:
             bool(cfg.write_through),
             bool(cfg.promote),
             cfg.max_chunk_bytes,
+            cfg.redis_url,
+            cfg.redis_prefix,
+            cfg.redis_timeout_ms,
         )
 
     # -- bytes --------------------------------------------------------------------------------

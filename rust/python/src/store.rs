@@ -34,7 +34,7 @@ fn chunk_to_py(py: Python<'_>, c: Option<Chunk>) -> PyObject {
 #[pymethods]
 impl Store {
     #[new]
-    #[pyo3(signature = (dir, ram_bytes, disk_bytes, io_threads, durable, write_through, promote, max_chunk_bytes))]
+    #[pyo3(signature = (dir, ram_bytes, disk_bytes, io_threads, durable, write_through, promote, max_chunk_bytes, redis_url=None, redis_prefix="wz:".to_string(), redis_timeout_ms=5000))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -46,6 +46,9 @@ impl Store {
         write_through: bool,
         promote: bool,
         max_chunk_bytes: u64,
+        redis_url: Option<String>,
+        redis_prefix: String,
+        redis_timeout_ms: u64,
     ) -> PyResult<Store> {
         let cfg = StoreConfig {
             dir,
@@ -56,6 +59,9 @@ impl Store {
             write_through,
             promote,
             max_chunk_bytes,
+            redis_url,
+            redis_prefix,
+            redis_timeout_ms,
         };
         let inner = py.allow_threads(|| ChunkStore::open(cfg)).map_err(to_py)?;
         Ok(Store { inner })
@@ -131,10 +137,11 @@ impl Store {
             .iter()
             .map(|(k, m, a, l)| Ok((k.as_bytes().to_vec(), meta_of(m.clone())?, *a, *l)))
             .collect::<PyResult<_>>()?;
-        // One thread per tensor: the batch is the parallelism.
+        // threads 0: the codec's chunks run on the pool this closure is installed on (the store's
+        // I/O pool), beside the other tensors of the batch.
         let o = EncodeOptions {
             chunk_bytes,
-            threads: 1,
+            threads: 0,
             lanes_log2,
         };
         let results: Vec<weightszip_core::Result<usize>> = py.allow_threads(|| {
@@ -194,6 +201,7 @@ impl Store {
             ("puts", s.puts),
             ("hits_ram", s.hits_ram),
             ("hits_disk", s.hits_disk),
+            ("hits_remote", s.hits_remote),
             ("misses", s.misses),
             ("evicted_to_disk", s.evicted_to_disk),
             ("dropped", s.dropped),

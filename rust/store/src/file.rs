@@ -51,10 +51,7 @@ pub fn parse_name(name: &str) -> Option<(u128, u64)> {
     if h.len() != 32 || s.len() != 16 {
         return None;
     }
-    Some((
-        u128::from_str_radix(h, 16).ok()?,
-        u64::from_str_radix(s, 16).ok()?,
-    ))
+    Some((u128::from_str_radix(h, 16).ok()?, u64::from_str_radix(s, 16).ok()?))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,10 +118,7 @@ impl Header {
             payload_xxh3: u64at(48),
         };
         if h.key_len == 0 || h.key_len as usize > MAX_KEY_LEN {
-            return Err(Error::Corrupt(format!(
-                "chunk file key length {}",
-                h.key_len
-            )));
+            return Err(Error::Corrupt(format!("chunk file key length {}", h.key_len)));
         }
         if h.payload_len > max_payload {
             return Err(Error::LimitExceeded(format!(
@@ -158,20 +152,10 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 
 /// Write a chunk file atomically: `final.tmp`, write, fsync (when `durable`), rename, fsync the
 /// folder (when `durable`). On any error the temporary file is removed and no file appears.
-pub fn write_chunk(
-    final_path: &Path,
-    header: &Header,
-    key: &[u8],
-    payload: &[u8],
-    durable: bool,
-) -> Result<()> {
+pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8], durable: bool) -> Result<()> {
     let tmp = final_path.with_extension(TMP_SUFFIX);
     let res = (|| -> Result<()> {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)?;
+        let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
         f.write_all(&header.encode(key))?;
         f.write_all(payload)?;
         if durable {
@@ -210,15 +194,9 @@ fn read_header_from(f: &mut File, file_len: u64, max_payload: u64) -> Result<(He
     let (h, sum) = Header::decode(&hb, max_payload)?;
     if h.file_len() != file_len {
         return Err(if h.file_len() > file_len {
-            Error::Truncated(format!(
-                "chunk file has {file_len} bytes, its header declares {}",
-                h.file_len()
-            ))
+            Error::Truncated(format!("chunk file has {file_len} bytes, its header declares {}", h.file_len()))
         } else {
-            Error::Corrupt(format!(
-                "chunk file has {file_len} bytes, its header declares {}",
-                h.file_len()
-            ))
+            Error::Corrupt(format!("chunk file has {file_len} bytes, its header declares {}", h.file_len()))
         });
     }
     let mut key = vec![0u8; h.key_len as usize];
@@ -254,11 +232,41 @@ pub fn read_chunk(path: &Path, max_payload: u64) -> Result<Option<FileChunk>> {
     if xxh3_64(&payload) != header.payload_xxh3 {
         return Err(Error::ChecksumMismatch("chunk file payload".into()));
     }
-    Ok(Some(FileChunk {
-        header,
-        key,
-        payload,
-    }))
+    Ok(Some(FileChunk { header, key, payload }))
+}
+
+/// A whole chunk (header, key, payload) in one buffer: what the remote tier stores as a value.
+pub fn encode_chunk(header: &Header, key: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut out = header.encode(key);
+    out.extend_from_slice(payload);
+    out
+}
+
+/// Parse and verify a buffer made by `encode_chunk`, with the checks `read_chunk` makes.
+pub fn parse_chunk(buf: &[u8], max_payload: u64) -> Result<FileChunk> {
+    let Some(hb) = buf.first_chunk::<HEADER_LEN>() else {
+        return Err(Error::Truncated(format!("chunk of {} bytes", buf.len())));
+    };
+    let (header, sum) = Header::decode(hb, max_payload)?;
+    if header.file_len() != buf.len() as u64 {
+        return Err(Error::Truncated(format!(
+            "chunk has {} bytes, its header declares {}",
+            buf.len(),
+            header.file_len()
+        )));
+    }
+    let key = &buf[HEADER_LEN..HEADER_LEN + header.key_len as usize];
+    if header_sum(&buf[..56], key) != sum {
+        return Err(Error::ChecksumMismatch("chunk header".into()));
+    }
+    if key_hash(key) != header.key_hash {
+        return Err(Error::ChecksumMismatch("chunk key hash".into()));
+    }
+    let payload = &buf[HEADER_LEN + key.len()..];
+    if xxh3_64(payload) != header.payload_xxh3 {
+        return Err(Error::ChecksumMismatch("chunk payload".into()));
+    }
+    Ok(FileChunk { header, key: key.to_vec(), payload: payload.to_vec() })
 }
 
 #[cfg(test)]
@@ -272,11 +280,7 @@ mod tests {
         assert_eq!(p.components().count(), 2);
         let name = p.file_name().unwrap().to_str().unwrap();
         assert_eq!(parse_name(name), Some((h, 7)));
-        assert!(name.chars().all(|c| c.is_ascii_hexdigit()
-            || c == '-'
-            || c == '.'
-            || c == 'w'
-            || c == 'z'));
+        assert!(name.chars().all(|c| c.is_ascii_hexdigit() || c == '-' || c == '.' || c == 'w' || c == 'z'));
         assert_eq!(parse_name("0123.wzc"), None);
         assert_eq!(parse_name(&format!("{h:032x}-zz.wzc")), None);
     }
@@ -284,36 +288,20 @@ mod tests {
     #[test]
     fn header_round_trip_and_rejections() {
         let key = b"k1";
-        let h = Header {
-            tag: 3,
-            key_len: 2,
-            payload_len: 10,
-            seq: 9,
-            key_hash: key_hash(key),
-            payload_xxh3: 5,
-        };
+        let h = Header { tag: 3, key_len: 2, payload_len: 10, seq: 9, key_hash: key_hash(key), payload_xxh3: 5 };
         let enc = h.encode(key);
         let hb: [u8; 64] = enc[..64].try_into().unwrap();
         let (d, _) = Header::decode(&hb, 100).unwrap();
         assert_eq!(d, h);
-        assert!(matches!(
-            Header::decode(&hb, 9),
-            Err(Error::LimitExceeded(_))
-        ));
+        assert!(matches!(Header::decode(&hb, 9), Err(Error::LimitExceeded(_))));
         let mut bad = hb;
         bad[0] ^= 1;
         assert!(matches!(Header::decode(&bad, 100), Err(Error::BadMagic)));
         let mut bad = hb;
         bad[4] = 2;
-        assert!(matches!(
-            Header::decode(&bad, 100),
-            Err(Error::UnsupportedVersion(2, 1))
-        ));
+        assert!(matches!(Header::decode(&bad, 100), Err(Error::UnsupportedVersion(2, 1))));
         let mut bad = hb;
         bad[6] = 1;
-        assert!(matches!(
-            Header::decode(&bad, 100),
-            Err(Error::Unsupported(_))
-        ));
+        assert!(matches!(Header::decode(&bad, 100), Err(Error::Unsupported(_))));
     }
 }

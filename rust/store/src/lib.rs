@@ -12,6 +12,7 @@
 //!   returned.
 
 pub mod file;
+pub mod remote;
 mod store;
 
 pub use store::{Chunk, ChunkStore, Stats, StoreConfig};

@@ -11,6 +11,7 @@ use weightszip_core::{Error, Result};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::file::{self, key_hash, rel_path, Header, MAX_KEY_LEN};
+use crate::remote::RedisTier;
 
 /// Bytes a RAM entry costs beyond its key and payload (maps, LRU node, Arcs): counted in the
 /// budget so that a store of many tiny chunks stays bounded too.
@@ -36,6 +37,13 @@ pub struct StoreConfig {
     pub promote: bool,
     /// Largest payload accepted by put and believed in a file header.
     pub max_chunk_bytes: u64,
+    /// A Redis server for the remote tier (`redis://host:port/db`): every put is also stored
+    /// there, and a local miss is looked up there.
+    pub redis_url: Option<String>,
+    /// Prefix of the Redis keys (one namespace per model / deployment).
+    pub redis_prefix: String,
+    /// Connect, read and write timeout of the remote tier, in milliseconds.
+    pub redis_timeout_ms: u64,
 }
 
 impl Default for StoreConfig {
@@ -49,6 +57,9 @@ impl Default for StoreConfig {
             write_through: false,
             promote: true,
             max_chunk_bytes: 1 << 30,
+            redis_url: None,
+            redis_prefix: "wz:".into(),
+            redis_timeout_ms: 5_000,
         }
     }
 }
@@ -70,6 +81,7 @@ pub struct Stats {
     pub puts: u64,
     pub hits_ram: u64,
     pub hits_disk: u64,
+    pub hits_remote: u64,
     pub misses: u64,
     /// Chunks written to disk because the RAM tier evicted them.
     pub evicted_to_disk: u64,
@@ -148,15 +160,7 @@ impl State {
         let tick = self.tick();
         self.ram_used += v.cost();
         self.ram_lru.insert(tick, h);
-        self.ram.insert(
-            h,
-            RamEntry {
-                v,
-                seq,
-                tick,
-                dirty,
-            },
-        );
+        self.ram.insert(h, RamEntry { v, seq, tick, dirty });
     }
 
     fn touch_ram(&mut self, h: u128) {
@@ -195,25 +199,15 @@ impl State {
 
     /// The newest version of `h` anywhere in the store.
     fn current_seq(&self, h: u128) -> Option<u64> {
-        [
-            self.ram.get(&h).map(|e| e.seq),
-            self.flushing.get(&h).map(|f| f.1),
-            self.disk.get(&h).map(|e| e.seq),
-        ]
-        .into_iter()
-        .flatten()
-        .max()
+        [self.ram.get(&h).map(|e| e.seq), self.flushing.get(&h).map(|f| f.1), self.disk.get(&h).map(|e| e.seq)]
+            .into_iter()
+            .flatten()
+            .max()
     }
 
     /// Evict least recently used RAM entries until the budget holds: dirty ones become flushes
     /// (when there is a disk tier), clean ones are dropped (their file is on disk already).
-    fn evict_ram(
-        &mut self,
-        budget: u64,
-        has_disk: bool,
-        flushes: &mut Vec<Flush>,
-        dropped: &mut u64,
-    ) {
+    fn evict_ram(&mut self, budget: u64, has_disk: bool, flushes: &mut Vec<Flush>, dropped: &mut u64) {
         while self.ram_used > budget {
             let Some((_, &h)) = self.ram_lru.iter().next() else {
                 break;
@@ -221,11 +215,7 @@ impl State {
             let e = self.remove_ram(h).expect("LRU and map agree");
             if e.dirty && has_disk {
                 self.flushing.insert(h, (e.v.clone(), e.seq));
-                flushes.push(Flush {
-                    hash: h,
-                    v: e.v,
-                    seq: e.seq,
-                });
+                flushes.push(Flush { hash: h, v: e.v, seq: e.seq });
             } else if !self.disk.contains_key(&h) {
                 *dropped += 1;
             }
@@ -254,6 +244,7 @@ struct Counters {
     puts: AtomicU64,
     hits_ram: AtomicU64,
     hits_disk: AtomicU64,
+    hits_remote: AtomicU64,
     misses: AtomicU64,
     evicted_to_disk: AtomicU64,
     dropped: AtomicU64,
@@ -266,6 +257,7 @@ pub struct ChunkStore {
     state: Mutex<State>,
     counters: Counters,
     pool: rayon::ThreadPool,
+    remote: Option<RedisTier>,
     /// Held for the store's life: one process per folder.
     _lock: Option<File>,
 }
@@ -292,21 +284,14 @@ impl ChunkStore {
         if cfg.max_chunk_bytes == 0 {
             return Err(Error::InvalidArgument("max_chunk_bytes must be > 0".into()));
         }
-        let threads = if cfg.io_threads == 0 {
-            4
-        } else {
-            cfg.io_threads
-        };
+        let threads = if cfg.io_threads == 0 { 4 } else { cfg.io_threads };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("wz-store-io-{i}"))
             .build()
             .map_err(|e| Error::InvalidArgument(format!("I/O pool: {e}")))?;
         let counters = Counters::default();
-        let mut state = State {
-            next_seq: 1,
-            ..State::default()
-        };
+        let mut state = State { next_seq: 1, ..State::default() };
         let mut lock = None;
         if let Some(dir) = &cfg.dir {
             fs::create_dir_all(dir)?;
@@ -340,26 +325,25 @@ impl ChunkStore {
             for (h, seq) in stale {
                 let _ = fs::remove_file(dir.join(rel_path(h, seq)));
             }
-            let mut order: Vec<(u64, u128, u64)> =
-                newest.into_iter().map(|(h, (s, b))| (s, h, b)).collect();
+            let mut order: Vec<(u64, u128, u64)> = newest.into_iter().map(|(h, (s, b))| (s, h, b)).collect();
             order.sort_unstable();
             for (seq, h, bytes) in order {
                 state.insert_disk(h, seq, bytes);
                 state.next_seq = state.next_seq.max(seq + 1);
             }
         }
-        let store = ChunkStore {
-            cfg,
-            state: Mutex::new(state),
-            counters,
-            pool,
-            _lock: lock,
+        let remote = match &cfg.redis_url {
+            Some(url) => Some(RedisTier::connect(
+                url,
+                &cfg.redis_prefix,
+                std::time::Duration::from_millis(cfg.redis_timeout_ms.max(1)),
+            )?),
+            None => None,
         };
+        let store = ChunkStore { cfg, state: Mutex::new(state), counters, pool, remote, _lock: lock };
         let mut unlink = Vec::new();
         let mut dropped = 0;
-        store
-            .lock()
-            .evict_disk(store.cfg.disk_bytes, &mut unlink, &mut dropped);
+        store.lock().evict_disk(store.cfg.disk_bytes, &mut unlink, &mut dropped);
         store.counters.dropped.fetch_add(dropped, Relaxed);
         store.unlink(&unlink);
         Ok(store)
@@ -389,10 +373,7 @@ impl ChunkStore {
 
     fn check_put(&self, key: &[u8], data: &[u8]) -> Result<()> {
         if key.is_empty() || key.len() > MAX_KEY_LEN {
-            return Err(Error::InvalidArgument(format!(
-                "key of {} bytes (1..={MAX_KEY_LEN})",
-                key.len()
-            )));
+            return Err(Error::InvalidArgument(format!("key of {} bytes (1..={MAX_KEY_LEN})", key.len())));
         }
         if data.len() as u64 > self.cfg.max_chunk_bytes {
             return Err(Error::LimitExceeded(format!(
@@ -484,12 +465,8 @@ impl ChunkStore {
         self.check_put(key, &data)?;
         let h = key_hash(key);
         let xxh = xxh3_64(&data);
-        let v = Value {
-            key: Arc::from(key),
-            data: Arc::new(data),
-            tag,
-            xxh,
-        };
+        let v = Value { key: Arc::from(key), data: Arc::new(data), tag, xxh };
+        let remote_value = self.remote.as_ref().map(|_| v.clone());
         self.counters.puts.fetch_add(1, Relaxed);
         let has_disk = self.cfg.dir.is_some();
         let mut flushes = Vec::new();
@@ -528,7 +505,19 @@ impl ChunkStore {
         }
         self.counters.dropped.fetch_add(dropped, Relaxed);
         self.unlink(&unlink);
-        self.run_flushes(flushes, Some((h, seq)))
+        self.run_flushes(flushes, Some((h, seq)))?;
+        if let (Some(remote), Some(v)) = (&self.remote, remote_value) {
+            let header = Header {
+                tag: v.tag,
+                key_len: v.key.len() as u32,
+                payload_len: v.data.len() as u64,
+                seq,
+                key_hash: h,
+                payload_xxh3: v.xxh,
+            };
+            remote.put(h, &file::encode_chunk(&header, &v.key, &v.data))?;
+        }
+        Ok(())
     }
 
     /// The chunk stored under `key`, verified; Ok(None) when absent. A chunk that fails its
@@ -555,15 +544,13 @@ impl ChunkStore {
                 match st.disk.get(&h) {
                     Some(e) => disk_seq = e.seq,
                     None => {
-                        self.counters.misses.fetch_add(1, Relaxed);
-                        return Ok(None);
+                        drop(st);
+                        return self.get_remote(h, key);
                     }
                 }
                 st.touch_disk(h);
             }
-            let path = self
-                .path(h, disk_seq)
-                .expect("disk entries exist only with a folder");
+            let path = self.path(h, disk_seq).expect("disk entries exist only with a folder");
             match file::read_chunk(&path, self.cfg.max_chunk_bytes) {
                 Ok(None) => continue,
                 Ok(Some(fc)) => {
@@ -577,10 +564,7 @@ impl ChunkStore {
                     if self.cfg.promote {
                         self.promote(h, disk_seq, fc.key, data.clone(), fc.header);
                     }
-                    return Ok(Some(Chunk {
-                        tag: fc.header.tag,
-                        data,
-                    }));
+                    return Ok(Some(Chunk { tag: fc.header.tag, data }));
                 }
                 Err(e) if is_damage(&e) => {
                     {
@@ -598,6 +582,55 @@ impl ChunkStore {
         }
         self.counters.misses.fetch_add(1, Relaxed);
         Ok(None)
+    }
+
+    fn get_remote(&self, h: u128, key: &[u8]) -> Result<Option<Chunk>> {
+        let Some(remote) = &self.remote else {
+            self.counters.misses.fetch_add(1, Relaxed);
+            return Ok(None);
+        };
+        let Some(buf) = remote.get(h)? else {
+            self.counters.misses.fetch_add(1, Relaxed);
+            return Ok(None);
+        };
+        let fc = match file::parse_chunk(&buf, self.cfg.max_chunk_bytes) {
+            Ok(fc) => fc,
+            Err(e) => {
+                let _ = remote.delete(h);
+                self.counters.corrupt_evicted.fetch_add(1, Relaxed);
+                return Err(e);
+            }
+        };
+        if fc.key != key {
+            self.counters.misses.fetch_add(1, Relaxed);
+            return Ok(None);
+        }
+        self.counters.hits_remote.fetch_add(1, Relaxed);
+        let data = Arc::new(fc.payload);
+        if self.cfg.promote {
+            // Kept locally under a sequence number of this store (the remote one is another
+            // store's); dirty, so that eviction keeps it on this store's disk.
+            let v =
+                Value { key: Arc::from(fc.key), data: data.clone(), tag: fc.header.tag, xxh: fc.header.payload_xxh3 };
+            // With a disk tier it lands there even when it does not fit the RAM budget.
+            if v.cost() <= self.cfg.ram_bytes || self.cfg.dir.is_some() {
+                let mut flushes = Vec::new();
+                let mut dropped = 0;
+                {
+                    let mut st = self.lock();
+                    if st.current_seq(h).is_none() {
+                        let seq = st.next_seq;
+                        st.next_seq += 1;
+                        let has_disk = self.cfg.dir.is_some();
+                        st.insert_ram(h, v, seq, has_disk);
+                        st.evict_ram(self.cfg.ram_bytes, has_disk, &mut flushes, &mut dropped);
+                    }
+                }
+                self.counters.dropped.fetch_add(dropped, Relaxed);
+                let _ = self.run_flushes(flushes, None);
+            }
+        }
+        Ok(Some(Chunk { tag: fc.header.tag, data }))
     }
 
     fn check_mem(&self, h: u128, key: &[u8], v: Value, seq: u64) -> Result<Option<Chunk>> {
@@ -619,19 +652,11 @@ impl ChunkStore {
             return Err(Error::ChecksumMismatch("chunk in the RAM tier".into()));
         }
         self.counters.hits_ram.fetch_add(1, Relaxed);
-        Ok(Some(Chunk {
-            tag: v.tag,
-            data: v.data,
-        }))
+        Ok(Some(Chunk { tag: v.tag, data: v.data }))
     }
 
     fn promote(&self, h: u128, seq: u64, key: Vec<u8>, data: Arc<Vec<u8>>, header: Header) {
-        let v = Value {
-            key: Arc::from(key),
-            data,
-            tag: header.tag,
-            xxh: header.payload_xxh3,
-        };
+        let v = Value { key: Arc::from(key), data, tag: header.tag, xxh: header.payload_xxh3 };
         if v.cost() > self.cfg.ram_bytes {
             return;
         }
@@ -652,8 +677,11 @@ impl ChunkStore {
     /// Whether `key` is stored (without reading or verifying it).
     pub fn contains(&self, key: &[u8]) -> bool {
         let h = key_hash(key);
-        let st = self.lock();
-        st.ram.contains_key(&h) || st.flushing.contains_key(&h) || st.disk.contains_key(&h)
+        let local = {
+            let st = self.lock();
+            st.ram.contains_key(&h) || st.flushing.contains_key(&h) || st.disk.contains_key(&h)
+        };
+        local || self.remote.as_ref().is_some_and(|r| r.exists(h).unwrap_or(false))
     }
 
     /// Remove `key` from every tier. Returns whether it was stored.
@@ -669,7 +697,8 @@ impl ChunkStore {
             found = a || b || c;
         }
         self.unlink(&unlink);
-        found
+        let remote = self.remote.as_ref().is_some_and(|r| r.delete(h).unwrap_or(false));
+        found || remote
     }
 
     /// Write every chunk that is only in RAM to disk (no-op without a disk tier), on the I/O pool.
@@ -685,35 +714,23 @@ impl ChunkStore {
                 if e.dirty {
                     e.dirty = false;
                     st.flushing.insert(h, (e.v.clone(), e.seq));
-                    out.push(Flush {
-                        hash: h,
-                        v: e.v.clone(),
-                        seq: e.seq,
-                    });
+                    out.push(Flush { hash: h, v: e.v.clone(), seq: e.seq });
                 }
             }
             out
         };
-        let results: Vec<Result<()>> = self
-            .pool
-            .install(|| flushes.into_par_iter().map(|f| self.flush(f)).collect());
+        let results: Vec<Result<()>> = self.pool.install(|| flushes.into_par_iter().map(|f| self.flush(f)).collect());
         results.into_iter().collect()
     }
 
     /// `put` of many chunks on the I/O pool; one result per item, in order.
     pub fn put_many(&self, items: Vec<(Vec<u8>, Vec<u8>, u32)>) -> Vec<Result<()>> {
-        self.pool.install(|| {
-            items
-                .into_par_iter()
-                .map(|(k, d, t)| self.put(&k, d, t))
-                .collect()
-        })
+        self.pool.install(|| items.into_par_iter().map(|(k, d, t)| self.put(&k, d, t)).collect())
     }
 
     /// `get` of many keys on the I/O pool; one result per key, in order.
     pub fn get_many(&self, keys: &[Vec<u8>]) -> Vec<Result<Option<Chunk>>> {
-        self.pool
-            .install(|| keys.par_iter().map(|k| self.get(k)).collect())
+        self.pool.install(|| keys.par_iter().map(|k| self.get(k)).collect())
     }
 
     /// Run `f` on the I/O pool (for callers that batch their own work, e.g. compression).
@@ -733,6 +750,7 @@ impl ChunkStore {
             puts: c.puts.load(Relaxed),
             hits_ram: c.hits_ram.load(Relaxed),
             hits_disk: c.hits_disk.load(Relaxed),
+            hits_remote: c.hits_remote.load(Relaxed),
             misses: c.misses.load(Relaxed),
             evicted_to_disk: c.evicted_to_disk.load(Relaxed),
             dropped: c.dropped.load(Relaxed),
@@ -760,11 +778,7 @@ impl ChunkStore {
             };
             if e.dirty && self.cfg.dir.is_some() {
                 st.flushing.insert(h, (e.v.clone(), e.seq));
-                flushes.push(Flush {
-                    hash: h,
-                    v: e.v,
-                    seq: e.seq,
-                });
+                flushes.push(Flush { hash: h, v: e.v, seq: e.seq });
             } else if !st.disk.contains_key(&h) {
                 self.counters.dropped.fetch_add(1, Relaxed);
             }
@@ -796,9 +810,7 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, 
                     continue;
                 };
                 match file::read_header(&path, max_payload) {
-                    Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => {
-                        out.push((h, seq, hd.file_len()))
-                    }
+                    Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => out.push((h, seq, hd.file_len())),
                     Ok(_) => {
                         let _ = fs::remove_file(&path);
                         counters.corrupt_evicted.fetch_add(1, Relaxed);

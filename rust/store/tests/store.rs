@@ -9,8 +9,7 @@ use weightszip_store::{file, ChunkStore, Error, StoreConfig};
 /// A value that names its key and version and is checkable on its own: 16 bytes of id and
 /// version, then bytes drawn from them, of a length drawn from them.
 fn value(id: u64, version: u64) -> Vec<u8> {
-    let mut s =
-        id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
+    let mut s = id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD1B5_4A32_D192_ED03) | 1;
     let len = 16 + (s % 1500) as usize;
     let mut v = Vec::with_capacity(len);
     v.extend_from_slice(&id.to_le_bytes());
@@ -27,11 +26,7 @@ fn value(id: u64, version: u64) -> Vec<u8> {
 fn check_value(v: &[u8]) -> (u64, u64) {
     let id = u64::from_le_bytes(v[..8].try_into().unwrap());
     let version = u64::from_le_bytes(v[8..16].try_into().unwrap());
-    assert_eq!(
-        v,
-        value(id, version).as_slice(),
-        "bytes of ({id}, {version}) damaged"
-    );
+    assert_eq!(v, value(id, version).as_slice(), "bytes of ({id}, {version}) damaged");
     (id, version)
 }
 
@@ -40,12 +35,7 @@ fn key(id: u64) -> Vec<u8> {
 }
 
 fn cfg(dir: Option<&Path>, ram: u64) -> StoreConfig {
-    StoreConfig {
-        dir: dir.map(|d| d.to_path_buf()),
-        ram_bytes: ram,
-        durable: false,
-        ..StoreConfig::default()
-    }
+    StoreConfig { dir: dir.map(|d| d.to_path_buf()), ram_bytes: ram, durable: false, ..StoreConfig::default() }
 }
 
 fn chunk_files(dir: &Path) -> Vec<std::path::PathBuf> {
@@ -67,10 +57,7 @@ fn ram_tier_keeps_the_budget_and_drops_least_recently_used() {
     for id in 0..20 {
         s.put(&key(id), vec![id as u8; 1000], 0).unwrap();
         if id >= 1 {
-            assert!(
-                s.get(&key(0)).unwrap().is_some(),
-                "key 0 is used all the time, so it stays"
-            );
+            assert!(s.get(&key(0)).unwrap().is_some(), "key 0 is used all the time, so it stays");
         }
     }
     let st = s.stats();
@@ -106,22 +93,15 @@ fn evicted_chunks_go_to_disk_and_come_back() {
     let s = ChunkStore::open(cfg(Some(dir.path()), 8_000)).unwrap();
     assert_eq!(s.stats().disk_chunks, 50);
     for id in 0..50 {
-        assert_eq!(
-            check_value(&s.get(&key(id)).unwrap().unwrap().data),
-            (id, 0)
-        );
+        assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data), (id, 0));
     }
 }
 
 #[test]
 fn write_through_puts_are_on_disk_when_put_returns() {
     let dir = tempfile::tempdir().unwrap();
-    let s = ChunkStore::open(StoreConfig {
-        write_through: true,
-        durable: true,
-        ..cfg(Some(dir.path()), 1 << 20)
-    })
-    .unwrap();
+    let s =
+        ChunkStore::open(StoreConfig { write_through: true, durable: true, ..cfg(Some(dir.path()), 1 << 20) }).unwrap();
     for id in 0..10 {
         s.put(&key(id), value(id, 1), 0).unwrap();
         assert!(s.file_of(&key(id)).unwrap().exists());
@@ -134,10 +114,7 @@ fn write_through_puts_are_on_disk_when_put_returns() {
     let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
     for id in 0..10 {
         let want = if id == 3 { 2 } else { 1 };
-        assert_eq!(
-            check_value(&s.get(&key(id)).unwrap().unwrap().data),
-            (id, want)
-        );
+        assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data), (id, want));
     }
     assert_eq!(chunk_files(dir.path()).len(), 10);
 }
@@ -145,11 +122,7 @@ fn write_through_puts_are_on_disk_when_put_returns() {
 #[test]
 fn a_damaged_file_is_reported_and_evicted_never_returned() {
     let dir = tempfile::tempdir().unwrap();
-    let s = ChunkStore::open(StoreConfig {
-        write_through: true,
-        ..cfg(Some(dir.path()), 0)
-    })
-    .unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap();
     for id in 0..4 {
         s.put(&key(id), value(id, 0), 0).unwrap();
     }
@@ -171,10 +144,7 @@ fn a_damaged_file_is_reported_and_evicted_never_returned() {
     assert!(matches!(s.get(&key(1)), Err(Error::Truncated(_))));
     assert!(matches!(s.get(&key(2)), Err(Error::ChecksumMismatch(_))));
     for id in 0..3 {
-        assert!(
-            s.get(&key(id)).unwrap().is_none(),
-            "evicted after the failed read"
-        );
+        assert!(s.get(&key(id)).unwrap().is_none(), "evicted after the failed read");
         assert!(!s.contains(&key(id)));
     }
     assert!(!p0.exists() && !p1.exists() && !p2.exists());
@@ -185,11 +155,7 @@ fn a_damaged_file_is_reported_and_evicted_never_returned() {
 #[test]
 fn open_removes_temporaries_damaged_and_superseded_files() {
     let dir = tempfile::tempdir().unwrap();
-    let s = ChunkStore::open(StoreConfig {
-        write_through: true,
-        ..cfg(Some(dir.path()), 0)
-    })
-    .unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap();
     s.put(&key(1), value(1, 0), 0).unwrap();
     let older = s.file_of(&key(1)).unwrap();
     let older_bytes = fs::read(&older).unwrap();
@@ -202,11 +168,7 @@ fn open_removes_temporaries_damaged_and_superseded_files() {
     // version of key 1 back beside the newer one (a crash between rename and unlink).
     let tmp = p1.with_extension("tmp");
     fs::write(&tmp, b"partial").unwrap();
-    fs::write(
-        &p2,
-        b"not a chunk file at all, longer than sixty-four bytes ............",
-    )
-    .unwrap();
+    fs::write(&p2, b"not a chunk file at all, longer than sixty-four bytes ............").unwrap();
     fs::write(&older, &older_bytes).unwrap();
     let (_, seq1) = file::parse_name(p1.file_name().unwrap().to_str().unwrap()).unwrap();
     let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
@@ -220,26 +182,14 @@ fn open_removes_temporaries_damaged_and_superseded_files() {
     // New versions get sequence numbers above every file found.
     s.put(&key(5), value(5, 0), 0).unwrap();
     s.flush_all().unwrap();
-    let (_, seq5) = file::parse_name(
-        s.file_of(&key(5))
-            .unwrap()
-            .file_name()
-            .unwrap()
-            .to_str()
-            .unwrap(),
-    )
-    .unwrap();
+    let (_, seq5) = file::parse_name(s.file_of(&key(5)).unwrap().file_name().unwrap().to_str().unwrap()).unwrap();
     assert!(seq5 > seq1);
 }
 
 #[test]
 fn disk_budget_evicts_oldest_files() {
     let dir = tempfile::tempdir().unwrap();
-    let s = ChunkStore::open(StoreConfig {
-        disk_bytes: 20_000,
-        ..cfg(Some(dir.path()), 0)
-    })
-    .unwrap();
+    let s = ChunkStore::open(StoreConfig { disk_bytes: 20_000, ..cfg(Some(dir.path()), 0) }).unwrap();
     for id in 0..40 {
         s.put(&key(id), vec![1u8; 1000], 0).unwrap();
     }
@@ -248,10 +198,7 @@ fn disk_budget_evicts_oldest_files() {
     assert!(st.dropped > 0);
     assert!(s.contains(&key(39)));
     assert!(!s.contains(&key(0)));
-    let on_disk: u64 = chunk_files(dir.path())
-        .iter()
-        .map(|p| fs::metadata(p).unwrap().len())
-        .sum();
+    let on_disk: u64 = chunk_files(dir.path()).iter().map(|p| fs::metadata(p).unwrap().len()).sum();
     assert_eq!(on_disk, st.disk_bytes);
 }
 
@@ -259,50 +206,24 @@ fn disk_budget_evicts_oldest_files() {
 fn keys_cannot_name_paths_outside_the_folder() {
     let dir = tempfile::tempdir().unwrap();
     let inner = dir.path().join("store");
-    let s = ChunkStore::open(StoreConfig {
-        write_through: true,
-        ..cfg(Some(&inner), 0)
-    })
-    .unwrap();
-    for k in [
-        &b"../../escape"[..],
-        b"/etc/passwd",
-        b"a/../../b",
-        b"\0\xff",
-        b".",
-    ] {
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(&inner), 0) }).unwrap();
+    for k in [&b"../../escape"[..], b"/etc/passwd", b"a/../../b", b"\0\xff", b"."] {
         s.put(k, b"x".to_vec(), 0).unwrap();
         assert_eq!(*s.get(k).unwrap().unwrap().data, b"x");
         assert!(s.file_of(k).unwrap().starts_with(&inner));
     }
-    let names: Vec<_> = fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
+    let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names, vec![std::ffi::OsString::from("store")]);
 }
 
 #[test]
 fn bad_arguments_and_lying_headers_are_typed_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let s = ChunkStore::open(StoreConfig {
-        max_chunk_bytes: 4096,
-        write_through: true,
-        ..cfg(Some(dir.path()), 0)
-    })
-    .unwrap();
-    assert!(matches!(
-        s.put(b"", vec![1], 0),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        s.put(&vec![b'k'; 70_000], vec![1], 0),
-        Err(Error::InvalidArgument(_))
-    ));
-    assert!(matches!(
-        s.put(b"big", vec![0; 4097], 0),
-        Err(Error::LimitExceeded(_))
-    ));
+    let s = ChunkStore::open(StoreConfig { max_chunk_bytes: 4096, write_through: true, ..cfg(Some(dir.path()), 0) })
+        .unwrap();
+    assert!(matches!(s.put(b"", vec![1], 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.put(&vec![b'k'; 70_000], vec![1], 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.put(b"big", vec![0; 4097], 0), Err(Error::LimitExceeded(_))));
     s.put(b"k", vec![0; 100], 0).unwrap();
     // A header that declares a payload far beyond the limit must fail before allocating it.
     let p = s.file_of(b"k").unwrap();
@@ -312,10 +233,7 @@ fn bad_arguments_and_lying_headers_are_typed_errors() {
     assert!(matches!(s.get(b"k"), Err(Error::LimitExceeded(_))));
     assert!(s.get(b"k").unwrap().is_none());
     // One process per folder.
-    assert!(matches!(
-        ChunkStore::open(cfg(Some(dir.path()), 0)),
-        Err(Error::InvalidArgument(_))
-    ));
+    assert!(matches!(ChunkStore::open(cfg(Some(dir.path()), 0)), Err(Error::InvalidArgument(_))));
     drop(s);
     ChunkStore::open(cfg(Some(dir.path()), 0)).unwrap();
 }
@@ -351,14 +269,8 @@ fn delete_and_replace_across_tiers() {
 #[test]
 fn batched_put_and_get_keep_order() {
     let dir = tempfile::tempdir().unwrap();
-    let s = ChunkStore::open(StoreConfig {
-        io_threads: 3,
-        ..cfg(Some(dir.path()), 20_000)
-    })
-    .unwrap();
-    let items: Vec<_> = (0..64)
-        .map(|id| (key(id), value(id, 0), id as u32))
-        .collect();
+    let s = ChunkStore::open(StoreConfig { io_threads: 3, ..cfg(Some(dir.path()), 20_000) }).unwrap();
+    let items: Vec<_> = (0..64).map(|id| (key(id), value(id, 0), id as u32)).collect();
     assert!(s.put_many(items).into_iter().all(|r| r.is_ok()));
     let mut keys: Vec<_> = (0..64).map(key).collect();
     keys.push(b"absent".to_vec());
@@ -383,13 +295,7 @@ fn eight_threads_of_mixed_operations_lose_nothing() {
     const KEYS_PER_THREAD: u64 = 40;
     const OPS: u64 = 6_000;
     let dir = tempfile::tempdir().unwrap();
-    let s = Arc::new(
-        ChunkStore::open(StoreConfig {
-            disk_bytes: 0,
-            ..cfg(Some(dir.path()), 60_000)
-        })
-        .unwrap(),
-    );
+    let s = Arc::new(ChunkStore::open(StoreConfig { disk_bytes: 0, ..cfg(Some(dir.path()), 60_000) }).unwrap());
     let handles: Vec<_> = (0..THREADS)
         .map(|t| {
             let s = s.clone();
@@ -429,10 +335,7 @@ fn eight_threads_of_mixed_operations_lose_nothing() {
         .collect();
     let lasts: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     let st = s.stats();
-    assert!(
-        st.evicted_to_disk > 0 && st.hits_disk > 0,
-        "both tiers used: {st:?}"
-    );
+    assert!(st.evicted_to_disk > 0 && st.hits_disk > 0, "both tiers used: {st:?}");
     assert_eq!(st.flush_errors, 0);
     assert_eq!(st.corrupt_evicted, 0);
     for (t, last) in lasts.iter().enumerate() {
@@ -444,9 +347,5 @@ fn eight_threads_of_mixed_operations_lose_nothing() {
     }
     s.flush_all().unwrap();
     let stored = lasts.iter().flatten().filter(|v| v.is_some()).count();
-    assert_eq!(
-        chunk_files(dir.path()).len(),
-        stored,
-        "one file per stored key, no leftovers"
-    );
+    assert_eq!(chunk_files(dir.path()).len(), stored, "one file per stored key, no leftovers");
 }

@@ -1,0 +1,119 @@
+"""The chunk store's remote tier on a real Redis (Debian's redis-server). Uses the server named by
+WEIGHTSZIP_REDIS_URL (`.ci/run` starts one), else starts a private one on a free port. Without
+either these tests skip, unless WEIGHTSZIP_REQUIRE_REDIS=1 (CI), where they fail."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import weightszip
+from weightszip.store import ChunkStore
+
+from test_store import real_kv, value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _start_private() -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    p = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    for _ in range(400):
+        if _ping(port):
+            return p, f"redis://127.0.0.1:{port}/"
+        time.sleep(0.05)
+    p.kill()
+    raise RuntimeError("redis-server did not answer PING")
+
+
+def _missing(why: str):
+    if os.environ.get("WEIGHTSZIP_REQUIRE_REDIS") == "1":
+        pytest.fail(f"WEIGHTSZIP_REQUIRE_REDIS=1 but {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    url = os.environ.get("WEIGHTSZIP_REDIS_URL")
+    if url:
+        yield url
+        return
+    if shutil.which("redis-server") is None:
+        _missing("redis-server is not installed (apt-get install redis-server)")
+    p, url = _start_private()
+    try:
+        yield url
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
+def prefix():
+    return f"test-{uuid.uuid4().hex[:8]}:"
+
+
+def test_a_second_store_reads_chunks_from_redis(tmp_path, redis_url, prefix):
+    kv = real_kv()
+    a = ChunkStore(None, redis_url=redis_url, redis_prefix=prefix)
+    n = a.put_tensor("layer-chunk-0", kv)
+    a.put("raw", value(3))
+    b = ChunkStore(tmp_path / "b", ram_bytes=0, redis_url=redis_url, redis_prefix=prefix)
+    assert "layer-chunk-0" in b and "absent" not in b
+    back = b.get_tensor("layer-chunk-0")
+    assert back.dtype == ml_dtypes.bfloat16 and (back.view(np.uint16) == kv.view(np.uint16)).all()
+    assert b.get("raw") == value(3)
+    st = b.stats()
+    assert st["hits_remote"] == 2 and st["disk_chunks"] == 2, "promoted onto b's own disk tier"
+    assert os.path.getsize(b.file_of("layer-chunk-0")) == 64 + len("layer-chunk-0") + n
+    # A namespace is a prefix: another prefix does not see these chunks.
+    assert "raw" not in ChunkStore(None, redis_url=redis_url, redis_prefix=prefix + "other:")
+    assert a.delete("raw") and "raw" not in ChunkStore(None, redis_url=redis_url, redis_prefix=prefix)
+
+
+def test_batched_ops_through_redis(redis_url, prefix):
+    a = ChunkStore(None, ram_bytes=0, redis_url=redis_url, redis_prefix=prefix, io_threads=3)
+    a.put_many({f"k{i}": value(i) for i in range(40)})
+    b = ChunkStore(None, ram_bytes=0, redis_url=redis_url, redis_prefix=prefix, io_threads=3)
+    assert b.get_many([f"k{i}" for i in range(40)] + ["x"]) == [value(i) for i in range(40)] + [None]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server to stop one")
+def test_a_server_that_goes_away_is_an_io_error_not_a_hang(tmp_path):
+    p, url = _start_private()
+    try:
+        s = ChunkStore(tmp_path, redis_url=url, redis_timeout_ms=1000, write_through=True)
+        s.put("before", b"x")
+    finally:
+        p.kill()
+        p.wait()
+    with pytest.raises(weightszip.WeightszipIOError, match="redis"):
+        s.put("after", b"y")
+    # The local tiers still hold both (a put's remote failure comes after the local write).
+    assert s.get("before") == b"x" and s.get("after") == b"y"
+    with pytest.raises(weightszip.WeightszipIOError):
+        ChunkStore(None, redis_url=url, redis_timeout_ms=500)
