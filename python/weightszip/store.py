@@ -122,7 +122,7 @@ class ChunkStore:
             if not isinstance(v, int) or v < 0:
                 raise InvalidArgumentError(f"{name} must be an int >= 0, got {v!r}")
         self.config = cfg
-        self._s = _core.Store(
+        self._inner: _core.Store | None = _core.Store(
             None if cfg.path is None else os.fspath(cfg.path),
             cfg.ram_bytes,
             cfg.disk_bytes,
@@ -135,6 +135,12 @@ class ChunkStore:
             cfg.redis_prefix,
             cfg.redis_timeout_ms,
         )
+
+    @property
+    def _s(self) -> _core.Store:
+        if self._inner is None:
+            raise InvalidArgumentError("the store is closed")
+        return self._inner
 
     # -- bytes --------------------------------------------------------------------------------
     def put(self, key: str | bytes, data: Any, tag: int = TAG_RAW) -> None:
@@ -259,11 +265,11 @@ class ChunkStore:
 
     def close(self) -> None:
         """Flush to disk and release the folder (its lock) once nothing else holds the store."""
-        if self._s is not None:
+        if self._inner is not None:
             try:
                 self.flush()
             finally:
-                self._s = None
+                self._inner = None
 
     def __enter__(self) -> "ChunkStore":
         return self

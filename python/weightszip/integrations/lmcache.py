@@ -1,0 +1,202 @@
+"""LMCache integration: a lossless `weightszip` serde for the multi-process (MP) server, and a
+remote-storage plugin for the in-process mode backed by `weightszip.store.ChunkStore`.
+
+Importing this module imports LMCache (``pip install lmcache``). docs/STORE.md gives the exact
+configuration; in short:
+
+MP mode (serde on an L2 adapter): start the server through our launcher, which registers the
+serde type ``weightszip`` and then runs LMCache's own server with the same arguments::
+
+    python -m weightszip.integrations.lmcache_server <lmcache server args> \\
+        --l2-adapter '{"type": "fs", "base_path": "/data/kv", "serde": {"type": "weightszip"}}'
+
+(or call `register()` in any process before LMCache parses its L2 adapter config).
+Serde options: ``"mode": "exact"`` (default, bit-exact) or ``"codec"`` with ``"codec":
+"pkg.module:OBJECT"`` naming a `weightszip.store.ChunkCodec` (compact formats) that also has
+``max_encoded_size(shape, dtype) -> int``; ``"threads"`` (codec threads per chunk, 0 = all
+cores) and ``"max_workers"`` (chunks coded at once).
+
+In-process mode (LMCache config YAML)::
+
+    remote_url: "plugin://weightszip"
+    remote_storage_plugins: ["weightszip"]
+    extra_config:
+      remote_storage_plugin.weightszip.module_path: weightszip.integrations.lmcache
+      remote_storage_plugin.weightszip.class_name: WeightszipConnector
+      remote_storage_plugin.weightszip.path: /data/kv            # disk tier (omit: RAM only)
+      remote_storage_plugin.weightszip.ram_bytes: 8589934592     # RAM tier budget
+      remote_storage_plugin.weightszip.redis_url: redis://host:6379/0   # optional remote tier
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from typing import Optional
+
+import torch
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
+from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Serializer
+from lmcache.v1.distributed.serde.factory import get_registered_serde_types, register_serde_factory
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+import weightszip
+from weightszip import _core
+from weightszip._tensors import _torch_maps, bytes_buffer
+from weightszip.errors import InvalidArgumentError
+from weightszip.integrations import kvserde
+from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec
+
+SERDE_NAME = "weightszip"
+
+
+def _load_codec(spec: str):
+    """'pkg.module:OBJECT' -> the object (a ChunkCodec instance, or a class to instantiate)."""
+    mod, _, attr = spec.partition(":")
+    if not mod or not attr:
+        raise InvalidArgumentError(f"codec must be 'module:object', got {spec!r}")
+    obj = getattr(importlib.import_module(mod), attr)
+    return obj() if isinstance(obj, type) else obj
+
+
+class WeightszipSerializer(Serializer):
+    """KV chunk -> bytes: the exact codec (lossless) or a registered ChunkCodec."""
+
+    def __init__(self, codec=None, threads: int = 0):
+        self.codec = codec
+        self.threads = threads
+
+    def serialize(self, src: MemoryObj, dst: MemoryObj, key: Optional[ObjectKey] = None) -> int:
+        if src.tensor is None or dst.tensor is None:
+            raise InvalidArgumentError("the weightszip serde needs src and dst with tensors")
+        return kvserde.serialize_into(src.tensor, dst.tensor, codec=self.codec, threads=self.threads)
+
+    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
+        total = 0
+        for shape, dtype in zip(layout_desc.shapes, layout_desc.dtypes, strict=True):
+            if self.codec is not None:
+                total += kvserde.HEADER_LEN + int(self.codec.max_encoded_size(tuple(shape), dtype))
+            else:
+                total += kvserde.exact_bound(int(torch.Size(shape).numel()) * dtype.itemsize)
+        return total
+
+
+class WeightszipDeserializer(Deserializer):
+    def __init__(self, threads: int = 0):
+        self.threads = threads
+
+    def deserialize(self, src: MemoryObj, dst: MemoryObj, key: Optional[ObjectKey] = None) -> None:
+        if src.tensor is None or dst.tensor is None:
+            raise InvalidArgumentError("the weightszip serde needs src and dst with tensors")
+        kvserde.deserialize_into(src.tensor, dst.tensor, threads=self.threads)
+
+
+def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
+    """LMCache serde factory: the ``"serde"`` dict of an L2 adapter, less its ``type``."""
+    mode = str(kwargs.get("mode", "exact"))
+    codec = None
+    if mode == "codec":
+        if "codec" not in kwargs:
+            raise InvalidArgumentError("serde mode 'codec' needs \"codec\": \"module:object\"")
+        codec = register_codec(_load_codec(str(kwargs["codec"])), replace=True)
+    elif mode != "exact":
+        raise InvalidArgumentError(f"weightszip serde mode must be 'exact' or 'codec', not {mode!r}")
+    threads = int(kwargs.get("threads", 0))  # type: ignore[call-overload]
+    max_workers = int(kwargs.get("max_workers", 2))  # type: ignore[call-overload]
+    return AsyncSerdeProcessor(
+        WeightszipSerializer(codec, threads), WeightszipDeserializer(threads), max_workers=max_workers
+    )
+
+
+def register() -> None:
+    """Register the serde type ``weightszip`` with LMCache (idempotent)."""
+    if SERDE_NAME not in get_registered_serde_types():
+        register_serde_factory(SERDE_NAME, create_serde)
+
+
+class WeightszipConnector(RemoteConnector):
+    """LMCache in-process remote storage on a `ChunkStore` (RAM, disk, Redis tiers), every chunk
+    compressed losslessly by the exact codec off the GIL, and verified on every read.
+
+    LMCache's DynamicConnectorAdapter builds it as ``cls(loop=, local_cpu_backend=, config=)``;
+    options come from ``extra_config`` keys ``remote_storage_plugin.<name>.<option>``.
+    """
+
+    PLUGIN = "weightszip"
+
+    def __init__(self, loop=None, local_cpu_backend=None, config=None, *, store: ChunkStore | None = None):
+        # RemoteConnector.__init__ needs engine metadata that the dynamic adapter does not pass;
+        # nothing here uses what it sets up.
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        if store is None:
+            extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
+
+            def opt(name, default=None):
+                return extra.get(f"remote_storage_plugin.{self.PLUGIN}.{name}", default)
+
+            store = ChunkStore(
+                opt("path"),
+                ram_bytes=int(opt("ram_bytes", 1 << 30)),
+                disk_bytes=int(opt("disk_bytes", 0)),
+                io_threads=int(opt("io_threads", 0)),
+                durable=bool(opt("durable", True)),
+                redis_url=opt("redis_url"),
+                redis_prefix=str(opt("redis_prefix", "wz:")),
+            )
+        self.store = store
+
+    @staticmethod
+    def _key(key) -> str:
+        return key.to_string()
+
+    async def exists(self, key) -> bool:
+        return await asyncio.to_thread(self.store.contains, self._key(key))
+
+    def exists_sync(self, key) -> bool:
+        return self.store.contains(self._key(key))
+
+    def _put(self, key, memory_obj: MemoryObj) -> None:
+        t = memory_obj.tensor
+        if t is None:
+            raise InvalidArgumentError("memory object has no tensor")
+        # The memory format rides in the tag's upper bits, so get() allocates the same kind.
+        tag = TAG_CONTAINER | (int(memory_obj.meta.fmt.value) << 8)
+        self.store.put(self._key(key), weightszip.compress(t.cpu()), tag=tag)
+
+    async def put(self, key, memory_obj: MemoryObj):
+        await asyncio.to_thread(self._put, key, memory_obj)
+
+    def _get(self, key) -> Optional[MemoryObj]:
+        r = self.store.get_with_tag(self._key(key))
+        if r is None:
+            return None
+        tag, data = r
+        if tag & 0xFF != TAG_CONTAINER:
+            raise InvalidArgumentError(f"chunk {self._key(key)!r} has tag {tag}, not a weightszip container")
+        addr, n, keep = bytes_buffer(data)
+        e = _core.buffer_index(addr, n)["entries"][0]
+        obj = self.local_cpu_backend.allocate(torch.Size(e["shape"]), _torch_maps()[1][e["dtype"]], MemoryFormat(tag >> 8))
+        if obj is None:
+            return None  # LMCache's allocator is full: a miss, as its own connectors report it
+        _core.decode_buffer_entry(addr, n, 0, obj.tensor.data_ptr(), e["raw_bytes"], 0)
+        del keep
+        return obj
+
+    async def get(self, key) -> Optional[MemoryObj]:
+        return await asyncio.to_thread(self._get, key)
+
+    async def list(self) -> list[str]:
+        # Files are named by key hash; the store does not enumerate keys.
+        return []
+
+    async def close(self):
+        self.store.close()
+
+    def remove_sync(self, key) -> bool:
+        return self.store.delete(self._key(key))
+
+    def __repr__(self) -> str:
+        return f"WeightszipConnector({self.store!r})"

@@ -1,0 +1,253 @@
+"""The KV-chunk byte format (no LMCache needed), then the LMCache serde and connector against the
+real `lmcache` package. LMCache's wheel requires CUDA packages, so it lives in its own folder
+(scripts/lmcache_site.sh, run by .ci/run) named by WEIGHTSZIP_LMCACHE_SITE; without it the
+LMCache tests skip, unless WEIGHTSZIP_REQUIRE_LMCACHE=1."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+torch = pytest.importorskip("torch")
+
+import weightszip  # noqa: E402
+from weightszip.integrations import kvserde  # noqa: E402
+from weightszip.store import register_codec  # noqa: E402
+
+from test_store import HalfCodec, real_kv  # noqa: E402
+
+
+def real_kv_torch():
+    return torch.from_numpy(real_kv().view(np.int16).copy()).view(torch.bfloat16)
+
+
+def test_kv_chunk_format_round_trips_real_kv_exactly():
+    x = real_kv_torch()
+    buf = torch.empty(kvserde.exact_bound(x.numel() * 2) + 100, dtype=torch.uint8)
+    n = kvserde.serialize_into(x, buf)
+    assert n < 0.85 * x.numel() * 2
+    y = torch.empty_like(x)
+    kvserde.deserialize_into(buf, y)
+    assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    # The decoder reads only the bytes the header declares: trailing garbage is ignored.
+    buf[n:] = 0xAB
+    kvserde.deserialize_into(buf, y)
+    assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.uint8]),
+    seed=st.integers(0, 2**31),
+)
+def test_exact_bound_holds_for_incompressible_chunks(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    x = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+    buf = torch.empty(kvserde.exact_bound(n), dtype=torch.uint8)
+    k = kvserde.serialize_into(x, buf)
+    assert k <= buf.numel()
+    y = torch.empty_like(x)
+    kvserde.deserialize_into(buf[:k], y)
+    assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+def test_kv_chunk_format_rejects_bad_input():
+    x = real_kv_torch()
+    buf = torch.empty(kvserde.exact_bound(x.numel() * 2), dtype=torch.uint8)
+    n = kvserde.serialize_into(x, buf)
+    with pytest.raises(weightszip.InvalidArgumentError, match="needs"):
+        kvserde.serialize_into(x, torch.empty(100, dtype=torch.uint8))
+    with pytest.raises(weightszip.TruncatedError):
+        kvserde.deserialize_into(buf[: n - 1], torch.empty_like(x))
+    with pytest.raises(weightszip.TruncatedError):
+        kvserde.deserialize_into(buf[:5], torch.empty_like(x))
+    bad = buf.clone()
+    bad[0] ^= 1
+    with pytest.raises(weightszip.BadMagicError):
+        kvserde.deserialize_into(bad, torch.empty_like(x))
+    bad = buf.clone()
+    bad[n - 3] ^= 0x20
+    with pytest.raises(weightszip.CorruptDataError):
+        kvserde.deserialize_into(bad, torch.empty_like(x))
+    with pytest.raises(weightszip.InvalidArgumentError, match="destination"):
+        kvserde.deserialize_into(buf, torch.empty(x.shape, dtype=torch.float16))
+    with pytest.raises(weightszip.InvalidArgumentError, match="destination"):
+        kvserde.deserialize_into(buf, torch.empty(x.numel(), dtype=torch.bfloat16))
+
+
+def test_kv_chunk_format_codec_mode():
+    codec = register_codec(HalfCodec(), replace=True)
+    x = real_kv_torch()
+    buf = torch.empty(x.numel() * 2, dtype=torch.uint8)
+    n = kvserde.serialize_into(real_kv(), buf, codec=codec)
+    assert n == kvserde.HEADER_LEN + 32 + x.numel()
+    y = torch.empty_like(x)
+    kvserde.deserialize_into(buf, y)
+    assert torch.equal(y.view(torch.int16), x.view(torch.int16) & ~0xFF)
+
+
+# --- the real LMCache ----------------------------------------------------------------------------
+
+
+def _lmcache():
+    site = os.environ.get("WEIGHTSZIP_LMCACHE_SITE")
+    if site and site not in sys.path:
+        sys.path.append(site)
+    try:
+        import lmcache.v1.distributed.serde  # noqa: F401
+
+        from weightszip.integrations import lmcache as wl
+    except ImportError as e:
+        if os.environ.get("WEIGHTSZIP_REQUIRE_LMCACHE") == "1":
+            pytest.fail(f"WEIGHTSZIP_REQUIRE_LMCACHE=1 but lmcache does not import: {e}")
+        pytest.skip(f"lmcache not importable (scripts/lmcache_site.sh): {e}")
+    return wl
+
+
+def _memory_obj(shape, dtype, nbytes=None):
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    size = nbytes if nbytes is not None else int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    meta = MemoryObjMetadata(
+        shape=torch.Size(shape), dtype=dtype, address=0, phy_size=size, ref_count=1, fmt=MemoryFormat.KV_2LTD
+    )
+    return TensorMemoryObj(torch.zeros(size, dtype=torch.uint8), meta, None)
+
+
+def _wait(query, task):
+    for _ in range(2000):
+        r = query(task)
+        if r is not None:
+            return r
+        time.sleep(0.005)
+    raise AssertionError("serde task did not finish")
+
+
+def test_lmcache_serde_through_lmcache_factory_and_async_processor():
+    wl = _lmcache()
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.serde import SerdeConfig, create_serde_processor, get_registered_serde_types
+    from lmcache.v1.distributed.serde.utils import serialized_layout_desc
+
+    wl.register()
+    wl.register()  # idempotent
+    assert "weightszip" in get_registered_serde_types()
+    proc = create_serde_processor(SerdeConfig(type="weightszip", kwargs={"max_workers": 2}))
+    kv = real_kv_torch()  # LMCache's KV_2LTD layout [2, layers, tokens, hidden], bf16
+    src = _memory_obj(kv.shape, torch.bfloat16)
+    src.tensor.copy_(kv)
+    layout = MemoryLayoutDesc(shapes=[kv.shape], dtypes=[torch.bfloat16])
+    tmp_layout = serialized_layout_desc(layout, proc)
+    (size,) = tmp_layout.shapes
+    assert size[0] == proc.estimate_serialized_size(layout) >= kv.numel() * 2
+    tmp = _memory_obj(size, torch.uint8)
+    key = ObjectKey(chunk_hash=b"\x01" * 32, model_name="smollm2", kv_rank=0)
+    assert _wait(proc.query_serialize_result, proc.submit_serialize([src], [tmp], [key])) is True
+    # LMCache narrows the buffer to what serialize returned: the L2 adapter stores only that.
+    stored = tmp.get_size()
+    assert stored < 0.85 * kv.numel() * 2
+    assert len(tmp.byte_array) == stored
+    # Load path: the L2 adapter reads the stored bytes into a buffer of the estimated size.
+    loaded = _memory_obj(size, torch.uint8)
+    loaded.raw_data[:stored].copy_(tmp.raw_data[:stored])
+    dst = _memory_obj(kv.shape, torch.bfloat16)
+    assert _wait(proc.query_deserialize_result, proc.submit_deserialize([loaded], [dst], [key])) is True
+    assert torch.equal(dst.tensor.view(torch.int16), kv.view(torch.int16))
+    # A damaged stored chunk fails the task (LMCache reports a failed load), never wrong KV.
+    loaded.raw_data[stored - 5] ^= 0x10
+    dst2 = _memory_obj(kv.shape, torch.bfloat16)
+    assert _wait(proc.query_deserialize_result, proc.submit_deserialize([loaded], [dst2], [key])) is False
+    proc.close()
+    with pytest.raises(weightszip.InvalidArgumentError):
+        wl.create_serde({"mode": "zip"})
+
+
+def test_lmcache_serde_codec_mode_loads_a_codec_by_name():
+    wl = _lmcache()
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    proc = wl.create_serde({"mode": "codec", "codec": "test_lmcache:SizedHalfCodec"})
+    kv = real_kv_torch()
+    layout = MemoryLayoutDesc(shapes=[kv.shape], dtypes=[torch.bfloat16])
+    assert proc.estimate_serialized_size(layout) == kvserde.HEADER_LEN + 32 + kv.numel()
+    src = _memory_obj(kv.shape, torch.bfloat16)
+    src.tensor.copy_(kv)
+    tmp = _memory_obj((proc.estimate_serialized_size(layout),), torch.uint8)
+    assert _wait(proc.query_serialize_result, proc.submit_serialize([src], [tmp], [None])) is True
+    dst = _memory_obj(kv.shape, torch.bfloat16)
+    assert _wait(proc.query_deserialize_result, proc.submit_deserialize([tmp], [dst], [None])) is True
+    assert torch.equal(dst.tensor.view(torch.int16), kv.view(torch.int16) & ~0xFF)
+    proc.close()
+
+
+class SizedHalfCodec(HalfCodec):
+    tag = 41
+
+    def encode(self, x):
+        return super().encode(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16) if isinstance(x, torch.Tensor) else x)
+
+    def decode(self, data):
+        return torch.from_numpy(super().decode(data).view(np.int16).copy()).view(torch.bfloat16)
+
+    def max_encoded_size(self, shape, dtype):
+        return 32 + int(np.prod(shape))
+
+
+class _Allocator:
+    """Stands in for LMCache's LocalCPUBackend.allocate (which needs a running engine)."""
+
+    def allocate(self, shape, dtype, fmt=None):
+        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+        n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        meta = MemoryObjMetadata(shape=torch.Size(shape), dtype=dtype, address=0, phy_size=n, ref_count=1, fmt=fmt)
+        return TensorMemoryObj(torch.empty(n, dtype=torch.uint8), meta, None)
+
+
+def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
+    wl = _lmcache()
+    import asyncio
+
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+    class Config:
+        extra_config = {
+            "remote_storage_plugin.weightszip.path": str(tmp_path),
+            "remote_storage_plugin.weightszip.ram_bytes": 0,
+            "remote_storage_plugin.weightszip.durable": False,
+        }
+
+    conn = wl.WeightszipConnector(loop=None, local_cpu_backend=_Allocator(), config=Config())
+    assert isinstance(conn, RemoteConnector)
+    kv = real_kv_torch()
+    obj = _memory_obj(kv.shape, torch.bfloat16)
+    obj.tensor.copy_(kv)
+    key = CacheEngineKey(model_name="smollm2", world_size=1, worker_id=0, chunk_hash=1234, dtype=torch.bfloat16)
+    other = CacheEngineKey(model_name="smollm2", world_size=1, worker_id=0, chunk_hash=99, dtype=torch.bfloat16)
+
+    async def run():
+        assert not await conn.exists(key)
+        await conn.put(key, obj)
+        assert await conn.exists(key) and conn.exists_sync(key) and not conn.exists_sync(other)
+        # What the connector stored is the compressed chunk.
+        assert 0 < conn.store.stats()["disk_bytes"] < 0.85 * kv.numel() * 2
+        back = await conn.get(key)
+        assert back.meta.fmt == MemoryFormat.KV_2LTD
+        assert torch.equal(back.tensor.view(torch.int16), kv.view(torch.int16))
+        assert await conn.get(other) is None
+        assert conn.remove_sync(key) and not conn.exists_sync(key)
+        await conn.close()
+
+    asyncio.run(run())
+    with pytest.raises(weightszip.InvalidArgumentError, match="closed"):
+        conn.store.get("x")
