@@ -57,7 +57,7 @@ PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8}
 PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn}
 PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
+NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,18 @@ class KernelConfig:
     merging). Defaults chosen on the H200 (see BENCHMARKS.md, "Paged decode attention").
     """
 
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     waves: int = 4
-    min_split_tokens: int = 512
+    min_split_tokens: int = 1024
 
 
+# Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
+# over four grid points among the sweep in that script (benchmarks/results/decode_attention.json).
 DEFAULT_CONFIGS = {
-    PAGE_BF16: KernelConfig(),
-    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3),
+    PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
+    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024),
 }
 
 
@@ -149,10 +151,17 @@ def _paged_split_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     lo = t0 - t0 % BLOCK_N  # tiles stay aligned to BLOCK_N, so a tile is whole pages
+    # The block ids of the next tile are loaded one iteration ahead: with the K/V addresses no longer
+    # depending on a load of the same iteration, Triton's pipeliner keeps num_stages - 1 K/V tiles in
+    # flight (shared memory grows with num_stages); without it, one (and fp8 ran no faster than bf16).
+    tok = lo + offs_n
+    blk_next = tl.load(bt_row + tok // BLOCK_SIZE, mask=(tok >= t0) & (tok < t1), other=0)
     for start in range(lo, t1, BLOCK_N):
         tok = start + offs_n
         valid = (tok >= t0) & (tok < t1)
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=valid, other=0)
+        blk = blk_next
+        tok_next = tok + BLOCK_N
+        blk_next = tl.load(bt_row + tok_next // BLOCK_SIZE, mask=tok_next < t1, other=0)
         slot = tok % BLOCK_SIZE
         k = _load_page_tile(k_pages_ptr, blk, slot, head, stride_kb, stride_kh, stride_kt, valid,
                             HEAD_DIM, PAGE_TYPE)

@@ -1,0 +1,343 @@
+"""Decode attention on the GPU: torch SDPA flash (bf16, dense cache) against our paged kernels
+(bf16 and fp8 e4m3 pages, same code path), over the issue-5 grid.
+
+    python benchmarks/bench_decode_attention.py [--tune] [--check] [--out benchmarks/results/decode_attention]
+
+Shapes: Llama-3.1-8B layer (32 q heads, 8 kv heads, head_dim 128) and a 70B layer under 8-way tensor
+parallelism (8 q heads, 1 kv head); batch 8, 16, 32, 64; context 32k, 64k, 128k (every sequence of a
+batch at the full context). Random data (timing does not depend on the values); pages scattered over
+the pool by a random permutation, as a long-running server's would be.
+
+Time: each kernel call captured in a CUDA graph, replayed under ``triton.testing.do_bench`` (CUDA
+events, L2 flushed before each replay, warm-up, median): GPU time without Python launch overhead.
+``plan()`` runs once per step for all layers and is not timed. Bytes read are counted exactly: every
+K and V byte of the cached tokens, the block-table entries each KV head reads, q, and (fp8) the
+scales; the split workspace (written, then read by the merge) is not counted. Bandwidth efficiency =
+bytes read / time / the read bandwidth of a plain ``sum`` over a 4 GiB tensor measured in the same run.
+
+``--tune`` first sweeps the split kernel's launch parameters (tokens per step, warps, pipeline stages,
+waves) at four grid points and uses, per page type, the one with the best geometric-mean time.
+``--check`` compares the kernels with the fp64 reference at real shapes before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
+KERNELS = ("sdpa", "bf16", "fp8")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--batches", default="8,16,32,64")
+    p.add_argument("--contexts", default="32768,65536,131072")
+    p.add_argument("--tune", action="store_true", help="sweep launch parameters first and use the best")
+    p.add_argument("--check", action="store_true", help="check kernels against the reference at real shapes")
+    p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_attention"),
+                   help="output prefix: writes PREFIX.json, PREFIX.md, PREFIX.png")
+    return p.parse_args(argv)
+
+
+def bench(fn, rep, graph=True):
+    """Median seconds of one call. With ``graph``, the call is captured in a CUDA graph first and
+    the graph is replayed, so that Python and launch overhead (our run() validates its arguments and
+    launches two kernels) is not timed: a server replays decode steps as graphs too."""
+    import triton.testing
+
+    if not graph:
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e-3
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    t = triton.testing.do_bench(g.replay, warmup=25, rep=rep, return_mode="median") * 1e-3
+    del g
+    return t
+
+
+def read_bandwidth(rep):
+    x = torch.ones(1 << 30, dtype=torch.float32, device="cuda")  # 4 GiB
+    t = bench(lambda: x.sum(), rep, graph=False)
+    bw = x.numel() * 4 / t
+    del x
+    return bw
+
+
+def make_paged(B, L, Hkv, D, dtype, gen):
+    """Pool of B * L / 16 blocks [n, Hkv, 16, D], block table = a random permutation of the pool."""
+    nblk = B * L // 16
+    if dtype == torch.bfloat16:
+        k = torch.randn(nblk, Hkv, 16, D, dtype=dtype, device="cuda", generator=gen)
+        v = torch.randn(nblk, Hkv, 16, D, dtype=dtype, device="cuda", generator=gen)
+    else:  # fp8 e4m3: random finite codes (0x00..0x7d, random sign)
+        def codes():
+            c = torch.randint(0, 0x7E, (nblk, Hkv, 16, D), dtype=torch.uint8, device="cuda", generator=gen)
+            return (c | (torch.randint(0, 2, c.shape, dtype=torch.uint8, device="cuda", generator=gen) << 7)).view(dtype)
+        k, v = codes(), codes()
+    bt = torch.randperm(nblk, device="cuda", generator=gen).to(torch.int32).view(B, L // 16)
+    return k, v, bt
+
+
+def time_sdpa(B, L, Hq, Hkv, D, rep, gen):
+    """torch SDPA with the flash backend on a dense bf16 cache [B, Hkv, L, D]; the faster of two ways
+    to run GQA decode: enable_gqa=True with one query row, or the G query heads of a KV head as G
+    query rows of one head (same math, no mask)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    G = Hq // Hkv
+    k = torch.randn(B, Hkv, L, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    v = torch.randn(B, Hkv, L, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    qg = q.view(B, Hkv, G, D)
+    times = {}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        try:
+            times["enable_gqa"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep)
+        except RuntimeError as e:  # flash may refuse GQA in some builds
+            print(f"sdpa enable_gqa: {e}", file=sys.stderr)
+        times["rows"] = bench(lambda: F.scaled_dot_product_attention(qg, k, v), rep)
+    del k, v
+    best = min(times, key=times.get)
+    return times[best], best, 2 * B * Hkv * L * D * 2 + B * Hq * D * 2
+
+
+def time_paged(kind, B, L, Hq, Hkv, D, rep, gen, config):
+    from weightszip.kernels import PagedDecodeAttention
+
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
+    k, v, bt = make_paged(B, L, Hkv, D, dtype, gen)
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    attn = PagedDecodeAttention(Hq, Hkv, D, page_type=kind, config=config, device="cuda")
+    info = attn.plan([L] * B, bt)
+    kw = {}
+    if kind == "fp8":
+        kw = dict(k_scale=torch.full((Hkv,), 1 / 64, device="cuda"), v_scale=torch.full((Hkv,), 1 / 64, device="cuda"))
+    out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
+    t = bench(lambda: attn.run(q, k, v, out=out, **kw), rep)
+    per_tok = 2 * D * (2 if kind == "bf16" else 1)
+    nbytes = attn.bytes_read(per_tok) + (2 * Hkv * 4 if kind == "fp8" else 0)
+    del k, v
+    return t, nbytes, info
+
+
+def check(shapes):
+    """Kernel vs fp64 reference at real shapes (a few sequences of mixed length, side tokens too)."""
+    from weightszip.kernels import (PagedDecodeAttention, dequantize_pages, dequantize_pages_ref,
+                                    paged_decode_ref, quantize_fp8_ref)
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for (name, (Hq, Hkv, D)), kind, (S, W) in itertools.product(shapes.items(), ("bf16", "fp8"), ((0, 0), (4, 128))):
+        lens = [32768 + 3, 1, 5000, 200]
+        nblk = sum(-(-L // 16) for L in lens) + 8
+        k = torch.randn(nblk, Hkv, 16, D, device="cuda", generator=gen).to(torch.bfloat16)
+        v = torch.randn(nblk, Hkv, 16, D, device="cuda", generator=gen).to(torch.bfloat16)
+        ks = vs = None
+        if kind == "fp8":
+            ks = torch.full((Hkv,), 4 / 448, device="cuda")
+            vs = torch.full((Hkv,), 3 / 448, device="cuda")
+            k = quantize_fp8_ref(k.transpose(1, 2), ks).transpose(1, 2).contiguous()
+            v = quantize_fp8_ref(v.transpose(1, 2), vs).transpose(1, 2).contiguous()
+        perm = torch.randperm(nblk, device="cuda", generator=gen).to(torch.int32)
+        bt = torch.zeros(len(lens), max(-(-L // 16) for L in lens), dtype=torch.int32, device="cuda")
+        o = 0
+        for i, L in enumerate(lens):
+            n = -(-L // 16)
+            bt[i, :n] = perm[o:o + n]
+            o += n
+        side = dict(k_side=None, v_side=None)
+        if S + W:
+            side = {n: torch.randn(len(lens), S + W, Hkv, D, device="cuda", generator=gen).to(torch.bfloat16)
+                    for n in ("k_side", "v_side")}
+        q = torch.randn(len(lens), Hq, D, device="cuda", generator=gen).to(torch.bfloat16)
+        attn = PagedDecodeAttention(Hq, Hkv, D, page_type=kind, sink_tokens=S, window=W, device="cuda")
+        attn.plan(lens, bt)
+        out = attn.run(q, k, v, k_scale=ks, v_scale=vs, out=torch.empty(len(lens), Hq, D, device="cuda"), **side)
+        ref = paged_decode_ref(q, k, v, bt, lens, page_type=kind, k_scale=ks, v_scale=vs, sink_tokens=S,
+                               window=W, **side)
+        vmax = dequantize_pages_ref(v, kind, vs).abs().max().item()
+        err = (out.double() - ref).abs().max().item() / vmax
+        exact = torch.equal(dequantize_pages(k, kind, ks).view(torch.int32),
+                            dequantize_pages_ref(k, kind, ks).view(torch.int32))
+        ok = err <= 2.0**-8 and exact
+        rows.append(dict(shape=name, kind=kind, sinks=S, window=W, err_over_vmax=err, dequant_bit_exact=exact, ok=ok))
+        print(f"check {name} {kind} S={S} W={W}: max err / max|v| = {err:.2e}, dequant bit-exact {exact}: "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
+    return rows
+
+
+def tune(shapes, rep):
+    from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+    from weightszip.kernels.paged_decode import PAGE_TYPES
+
+    points = [("llama8b", 8, 32768), ("llama8b", 64, 131072), ("llama70b-tp8", 8, 32768),
+              ("llama70b-tp8", 64, 131072)]
+    points = [p for p in points if p[0] in shapes]
+    # Chosen from the resources ptxas reports for sm_90 (registers and shared memory bound the
+    # programs per multiprocessor, hence the bytes in flight): 8 warps never paid.
+    sweeps = {"bf16": [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (32, 4, 5), (64, 2, 3)],
+              "fp8": [(128, 4, 3), (128, 4, 4), (64, 4, 6), (64, 4, 4), (256, 4, 2), (128, 2, 3)]}
+    import triton
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    result, best = [], {}
+    from tqdm import tqdm
+
+    for kind in ("bf16", "fp8"):
+        def sweep(configs, label):
+            scores = {}
+            for cfg in tqdm(configs, desc=f"tune {kind} {label}", file=sys.stdout):
+                ts = []
+                for name, B, L in points:
+                    Hq, Hkv, D = shapes[name]
+                    try:
+                        t, _, _ = time_paged(kind, B, L, Hq, Hkv, D, rep // 2, gen, cfg)
+                    except triton.runtime.errors.OutOfResources as e:  # too much shared memory: skipped
+                        print(f"  {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                        t = math.inf
+                    ts.append(t)
+                    result.append(dict(kind=kind, config=cfg.__dict__, shape=name, batch=B, context=L, time_s=t))
+                scores[cfg] = math.exp(sum(math.log(t) for t in ts) / len(ts))
+            return min(scores, key=scores.get)
+
+        b = sweep([KernelConfig(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in sweeps[kind]], "launch")
+        waves = [KernelConfig(**{**b.__dict__, "waves": w, "min_split_tokens": m})
+                 for w, m in itertools.product((2, 4, 8), (512, 1024))]
+        best[kind] = sweep(waves, "split")
+        DEFAULT_CONFIGS[PAGE_TYPES[kind]] = best[kind]
+        print(f"tuned {kind}: {best[kind]}", flush=True)
+    return result, {k: v.__dict__ for k, v in best.items()}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from tqdm import tqdm
+
+    from weightszip.kernels import DEFAULT_CONFIGS
+    from weightszip.kernels.paged_decode import PAGE_TYPES
+
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    dev = torch.cuda.get_device_properties(0)
+    meta = dict(date=datetime.date.today().isoformat(), gpu=dev.name, sms=dev.multi_processor_count,
+                torch=torch.__version__, cmd=" ".join(sys.argv), random_data=True)
+    import triton
+
+    meta["triton"] = triton.__version__
+    res = dict(meta=meta)
+    if args.tune:
+        res["tune"], res["tuned"] = tune(shapes, args.rep)
+    if args.check:  # after tuning: the configurations the grid uses are the ones checked
+        res["check"] = check(shapes)
+    torch.cuda.empty_cache()
+    res["configs"] = {k: DEFAULT_CONFIGS[v].__dict__ for k, v in PAGE_TYPES.items()}
+    bw0 = read_bandwidth(args.rep)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    grid = list(itertools.product(shapes.items(), batches, contexts))
+    free = torch.cuda.mem_get_info()[0]
+    for (name, (Hq, Hkv, D)), B, L in tqdm(grid, desc="grid", file=sys.stdout):
+        kv_bytes = 2 * B * Hkv * L * D * 2
+        row = dict(shape=name, q_heads=Hq, kv_heads=Hkv, head_dim=D, batch=B, context=L)
+        if kv_bytes * 1.5 > free:
+            row["skipped"] = f"bf16 K+V {kv_bytes / 2**30:.0f} GiB does not fit"
+            rows.append(row)
+            continue
+        t, how, nb = time_sdpa(B, L, Hq, Hkv, D, args.rep, gen)
+        row["sdpa"] = dict(time_s=t, bytes=nb, variant=how)
+        for kind in ("bf16", "fp8"):
+            t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)
+            row[kind] = dict(time_s=t, bytes=nb, splits=info["items"], split_tokens=info["split_tokens"])
+        torch.cuda.empty_cache()
+        rows.append(row)
+    bw1 = read_bandwidth(args.rep)
+    bw = max(bw0, bw1)
+    res["read_bandwidth"] = dict(start=bw0, end=bw1, used=bw)
+    for row in rows:
+        if "skipped" in row:
+            continue
+        best_bf16 = min(row["sdpa"]["time_s"], row["bf16"]["time_s"])
+        for k in KERNELS:
+            r = row[k]
+            r["gbps"] = r["bytes"] / r["time_s"] / 1e9
+            r["efficiency"] = r["bytes"] / r["time_s"] / bw
+            r["speedup_vs_best_bf16"] = best_bf16 / r["time_s"]
+    res["rows"] = rows
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    md = table(res)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    plot(res, out.with_suffix(".png"))
+
+
+def table(res):
+    bw = res["read_bandwidth"]["used"]
+    lines = [f"read bandwidth (sum over 4 GiB): {bw / 1e12:.2f} TB/s; {res['meta']['gpu']}, "
+             f"torch {res['meta']['torch']}, triton {res['meta']['triton']}, {res['meta']['date']}", "",
+             "| shape | batch | context | SDPA flash ms | eff | bf16 paged ms | eff | fp8 paged ms | eff "
+             "| fp8 speedup vs best bf16 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['context'] // 1024}k | skipped: {r['skipped']} |||||||")
+            continue
+        cells = []
+        for k in KERNELS:
+            cells += [f"{r[k]['time_s'] * 1e3:.3f}", f"{r[k]['efficiency']:.2f}"]
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['context'] // 1024}k | " + " | ".join(cells)
+                     + f" | {r['fp8']['speedup_vs_best_bf16']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    rows = [r for r in res["rows"] if "skipped" not in r]
+    shapes = sorted({r["shape"] for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
+    for ax, s in zip(axes[0], shapes):
+        rs = [r for r in rows if r["shape"] == s]
+        x = range(len(rs))
+        for k, lab in (("sdpa", "torch SDPA flash (bf16)"), ("bf16", "ours, bf16 pages"), ("fp8", "ours, fp8 pages")):
+            ax.plot(x, [r[k]["efficiency"] for r in rs], marker="o", label=lab)
+        ax.set_xticks(list(x), [f"b{r['batch']}\n{r['context'] // 1024}k" for r in rs], fontsize=7)
+        ax.set_ylabel("bytes read / time / read bandwidth")
+        ax.set_title(s)
+        ax.axhline(0.8, color="grey", lw=0.5, ls="--")
+        ax.set_ylim(0, 1.2)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"decode attention, {res['meta']['gpu']}, {res['meta']['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
