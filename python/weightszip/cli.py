@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_parser(sub)
     from weightszip.eval import cli as eval_cli
     eval_cli.add_parsers(sub)
+    from weightszip.compact import cli as compact_cli
+    compact_cli.add_parser(sub)
     return p
 
 

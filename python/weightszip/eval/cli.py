@@ -35,6 +35,18 @@ def _load(spec: str, threads: int | None):
     return load_causal_lm(spec, verbose=False)
 
 
+def _use_calibration(path) -> None:
+    """--calibration FILE: bind the compact formats (q4, q3.5, q3) to a model's calibration."""
+    if path:
+        from weightszip.compact.formats import use_calibration
+
+        use_calibration(path)
+
+
+def _add_calibration_arg(p) -> None:
+    p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
+
+
 def _cmd_eval_kl(a) -> int:
     import torch
     import transformers
@@ -45,9 +57,10 @@ def _cmd_eval_kl(a) -> int:
 
     names = _split_formats(a.format)
     try:
+        _use_calibration(a.calibration)
         fmts = [F.get_format(n) for n in names]
-    except (KeyError, F.FormatUnavailable) as e:
-        print(f"weightszip: error: {e.args[0]}", file=sys.stderr)
+    except (KeyError, F.FormatUnavailable, ValueError, OSError) as e:
+        print(f"weightszip: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     if a.window < 2:
         print("weightszip: error: --window must be at least 2 tokens", file=sys.stderr)
@@ -190,6 +203,7 @@ def add_parsers(subparsers) -> None:
     k.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     k.add_argument("--buckets", type=int, default=8, help="position buckets in the report (default 8)")
     k.add_argument("--chunk", type=int, default=512, help="queries per block in the windowed attention")
+    _add_calibration_arg(k)
     k.add_argument(
         "--chunked", action="store_true", help="run every format through the windowed fp32 attention (bf16 then shows its floor)"
     )
@@ -207,6 +221,7 @@ def add_parsers(subparsers) -> None:
     f.add_argument("--context", type=int, default=8192, help="context length for bits per value (default 8192)")
     f.add_argument("--head-dim", type=int, default=64)
     f.add_argument("--kv-heads", type=int, default=3)
+    _add_calibration_arg(f)
     f.set_defaults(fn=_cmd_eval_formats)
 
     v = subparsers.add_parser("kv", help="capture real KV caches")
@@ -229,6 +244,7 @@ def add_parsers(subparsers) -> None:
 def _cmd_eval_formats(a) -> int:
     from weightszip.eval import formats as F
 
+    _use_calibration(a.calibration)
     status = F.available_formats()
     print(f"{'format':10s} {'bits/value':>10s}  {'kept bf16':>9s}  description (bits at {a.context} tokens, head_dim {a.head_dim})")
     for name, fmt in F.FORMATS.items():

@@ -392,8 +392,8 @@ def available_formats() -> dict[str, str | None]:
         try:
             get_format(name)
             out[name] = None
-        except FormatUnavailable:
-            out[name] = UNAVAILABLE.get(name, "unavailable")
+        except FormatUnavailable as e:
+            out[name] = UNAVAILABLE.get(name) or str(e) or "unavailable"
     return out
 
 
@@ -405,3 +405,6 @@ register_format(KIVI(bits=2, group=32, recent_window=32, name="kivi-2"))
 register_format(Quanto("quanto"))
 register_format(HQQ("hqq"))
 register_format(TransformersFP8Cache())
+
+# The compact formats (q4, q3.5, q3) register themselves; they need a model's calibration.
+import weightszip.compact.formats  # noqa: E402,F401

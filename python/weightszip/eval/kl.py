@@ -139,6 +139,9 @@ def _kv_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise RuntimeError("weightszip KV attention called outside weightszip.eval.kl.kv_format()")
     fmt, layer = st.fmt, getattr(module, "layer_idx", None)
     st.calls += 1
+    observe = getattr(fmt, "observe", None)
+    if observe is not None:  # calibration: sees the layer's queries, keys and values
+        observe(module, query, key, value)
     key_q = fmt.roundtrip(key, "k", layer)
     value_q = fmt.roundtrip(value, "v", layer)
     if not (fmt.keeps_bf16 or st.force_chunked):

@@ -728,6 +728,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="bf16 pilot accuracy a variant needs (default 0.8)")
     p.add_argument("--max-new", type=_positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (per-prompt details included)")
     p.add_argument("-o", "--output", help="also write the JSON report to this file (updated after each prompt)")
     p.set_defaults(fn=run_cli)
@@ -745,10 +746,14 @@ def run_cli(args) -> int:
     formats = [s.strip() for s in args.formats.split(",") if s.strip()]
     try:
         ladder = [parse_variant(s) for s in args.variants.split(",") if s.strip()]
+        if args.calibration:
+            from weightszip.compact.formats import use_calibration
+
+            use_calibration(args.calibration)
         for name in formats:
             get_format(name)
-    except (KeyError, FormatUnavailable, ValueError) as e:
-        return fail(e.args[0])
+    except (KeyError, FormatUnavailable, ValueError, OSError) as e:
+        return fail(e.args[0] if e.args else e)
     if not ladder:
         return fail("--variants names no variant")
     if args.threads:

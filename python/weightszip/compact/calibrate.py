@@ -1,0 +1,496 @@
+"""Calibration of the compact KV formats: one offline pass of a model over two windows of text.
+
+The model is only run (teacher-forced, no training; its weights are read, never changed). From
+every attention layer it takes the post-RoPE queries, keys and values, and per (layer, K or V,
+kv head) it derives:
+
+* ``mu``: the channel means (over the non-sink tokens). Subtracting a constant vector from every
+  key changes each query's logits by the same amount, so softmax ignores it; for V it is added
+  back (times the softmax mass) after the sum.
+* ``mult``: a per-channel scaling before the rotation. Quantization noise after a random rotation
+  is spread evenly over the rotated coordinates; undone by the scaling, channel c's error is
+  proportional to s_c, while the noise level is proportional to sum_c b_c / s_c^2 (b_c: the
+  channel's variance). What matters for K is the error in q . k, weighted by a_c = E[q_c^2]
+  (over the KV head's query heads), for V the error after the output projection, weighted by
+  a_c = the squared norms of W_o's columns for that channel. (sum a_c s_c^2)(sum b_c / s_c^2) is
+  smallest for s_c = (b_c / a_c)^(1/4). K statistics are pooled over RoPE's channel pairs
+  (c, c + d/2), which a position's rotation mixes.
+* ``e0``: the scale grid (16 octaves, 16 steps each) is centred on the median token maximum.
+* codebooks at 2, 3, 4 and 5 bits per (layer, kind): Lloyd's algorithm (k-means in one
+  dimension) on the normalized rotated values of the calibration tokens.
+* a bit width per (layer, kind) for each format (q4, q3.5, q3): from the measured error each
+  layer's K or V at each width causes in the residual stream (attention over sampled queries,
+  sinks and the recent window kept in bf16, through W_o), the widths that minimize the summed
+  error within the format's bit budget at 131072 tokens (greedy on error saved per bit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from weightszip.compact import codec
+from weightszip.compact.codec import BITS_CHOICES, GRID_STEPS_PER_OCTAVE, HeadTables
+
+SINK_TOKENS = 4
+RECENT_WINDOW = 128
+BUDGET_CONTEXT = 131072
+TARGETS = {"q4": 4.0, "q3.5": 3.5, "q3": 3.0}
+CALIBRATION_KIND = "weightszip-compact-calibration"
+CALIBRATION_VERSION = 1
+KINDS = ("k", "v")
+
+
+class CalibrationError(ValueError):
+    """A calibration file that is not one, or does not fit the model it is used with."""
+
+
+# ----------------------------------------------------------------------------- the calibration
+
+
+@dataclass
+class Calibration:
+    """Everything the compact formats need for one model (see ``save``/``load`` for the file)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    mu: torch.Tensor  # int64 [L, 2, H, d]
+    mult: torch.Tensor  # int64 [L, 2, H, d]
+    signs: torch.Tensor  # int64 [d]
+    e0: torch.Tensor  # int64 [L, 2, H]
+    codebooks: dict[int, torch.Tensor]  # bits -> float32 [L, 2, 2**bits]
+    allocation: dict[str, list[list[int]]]  # format -> [layer][kind] bits
+    sink_tokens: int = SINK_TOKENS
+    recent_window: int = RECENT_WINDOW
+    meta: dict = field(default_factory=dict)
+
+    def tables(self, layer: int, kind: str, bits: int) -> list[HeadTables]:
+        if not 0 <= layer < self.layers:
+            raise CalibrationError(f"layer {layer} is outside the calibration's {self.layers} layers")
+        ki = KINDS.index(kind)
+        return [
+            HeadTables(
+                mu=self.mu[layer, ki, h],
+                mult=self.mult[layer, ki, h],
+                signs=self.signs,
+                e0=int(self.e0[layer, ki, h]),
+                codebook=self.codebooks[bits][layer, ki],
+                bits=bits,
+            )
+            for h in range(self.kv_heads)
+        ]
+
+    def table_bits(self, fmt: str) -> int:
+        """Bits of the tables a format reads (mu, mult, e0, signs, its codebooks), for the
+        bits-per-value count: mu int64, mult u32, e0 one byte, signs one bit, codebooks float32."""
+        alloc = self.allocation[fmt]
+        per_head = self.head_dim * (64 + 32) + 8
+        total = self.head_dim
+        for layer in range(self.layers):
+            for ki in range(2):
+                total += self.kv_heads * per_head + 32 * 2 ** alloc[layer][ki]
+        return total
+
+    def bits_per_value(self, fmt: str, context_len: int) -> float:
+        """Exact bits per cached value with ``context_len`` tokens: codes, scale indices, the kept
+        bf16 tokens and the tables, over all layers, K and V."""
+        alloc = self.allocation[fmt]
+        kept = min(context_len, self.sink_tokens + self.recent_window)
+        stored = context_len - kept
+        values_per_token = self.head_dim * self.kv_heads
+        total = 0
+        for layer in range(self.layers):
+            for ki in range(2):
+                b = alloc[layer][ki]
+                total += kept * values_per_token * 16
+                total += stored * self.kv_heads * (b * self.head_dim + 8)
+        total += self.table_bits(fmt)
+        return total / (2 * self.layers * context_len * values_per_token)
+
+    def check_model(self, layers: int, kv_heads: int, head_dim: int) -> None:
+        if (layers, kv_heads, head_dim) != (self.layers, self.kv_heads, self.head_dim):
+            raise CalibrationError(
+                f"the calibration is for {self.layers} layers x {self.kv_heads} kv heads x head_dim "
+                f"{self.head_dim}, the model has {layers} x {kv_heads} x {head_dim}"
+            )
+
+    # --------------------------------------------------------------------------- file
+
+    def save(self, path) -> None:
+        """A weightszip container (checksummed) of named tensors: ``meta`` (UTF-8 JSON as uint8),
+        ``mu``, ``mult``, ``signs``, ``e0`` and ``codebook_2`` .. ``codebook_5``."""
+        import weightszip
+
+        meta = dict(self.meta)
+        meta.update(
+            kind=CALIBRATION_KIND,
+            version=CALIBRATION_VERSION,
+            layers=self.layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            sink_tokens=self.sink_tokens,
+            recent_window=self.recent_window,
+            allocation=self.allocation,
+        )
+        tensors = {
+            "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8).copy(),
+            "mu": self.mu.numpy(),
+            "mult": self.mult.numpy(),
+            "signs": self.signs.numpy(),
+            "e0": self.e0.numpy(),
+        }
+        for b, cb in self.codebooks.items():
+            tensors[f"codebook_{b}"] = cb.numpy()
+        weightszip.save_file(tensors, path)
+
+    @classmethod
+    def load(cls, path) -> "Calibration":
+        import weightszip
+
+        t = weightszip.load_file(path)
+        try:
+            meta = json.loads(bytes(np.asarray(t["meta"], dtype=np.uint8)).decode())
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            raise CalibrationError(f"{path}: no readable calibration metadata ({e})") from e
+        if meta.get("kind") != CALIBRATION_KIND:
+            raise CalibrationError(f"{path} is not a weightszip compact calibration file")
+        if meta.get("version") != CALIBRATION_VERSION:
+            raise CalibrationError(f"{path}: calibration version {meta.get('version')} is not supported (this reads {CALIBRATION_VERSION})")
+        try:
+            L, H, d = int(meta["layers"]), int(meta["kv_heads"]), int(meta["head_dim"])
+            cal = cls(
+                layers=L,
+                kv_heads=H,
+                head_dim=d,
+                mu=torch.from_numpy(np.asarray(t["mu"], dtype=np.int64)),
+                mult=torch.from_numpy(np.asarray(t["mult"], dtype=np.int64)),
+                signs=torch.from_numpy(np.asarray(t["signs"], dtype=np.int64)),
+                e0=torch.from_numpy(np.asarray(t["e0"], dtype=np.int64)),
+                codebooks={b: torch.from_numpy(np.asarray(t[f"codebook_{b}"], dtype=np.float32)) for b in BITS_CHOICES},
+                allocation={k: [[int(b) for b in lk] for lk in v] for k, v in meta["allocation"].items()},
+                sink_tokens=int(meta["sink_tokens"]),
+                recent_window=int(meta["recent_window"]),
+                meta=meta,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CalibrationError(f"{path}: incomplete calibration ({e!r})") from e
+        cal.validate()
+        return cal
+
+    def validate(self) -> None:
+        L, H, d = self.layers, self.kv_heads, self.head_dim
+        shapes = {"mu": (L, 2, H, d), "mult": (L, 2, H, d), "signs": (d,), "e0": (L, 2, H)}
+        for name, shape in shapes.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise CalibrationError(f"calibration tensor {name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
+        for b in BITS_CHOICES:
+            if tuple(self.codebooks[b].shape) != (L, 2, 2**b):
+                raise CalibrationError(f"codebook_{b} has shape {tuple(self.codebooks[b].shape)}")
+        for fmt, alloc in self.allocation.items():
+            if len(alloc) != L or any(len(a) != 2 or any(b not in BITS_CHOICES for b in a) for a in alloc):
+                raise CalibrationError(f"allocation for {fmt} is not [layers][2] widths in {BITS_CHOICES}")
+        if self.sink_tokens < 0 or self.recent_window < 0:
+            raise CalibrationError("negative sink_tokens or recent_window")
+        try:  # every head's tables are valid (mult range, signs, ascending codebooks, e0)
+            for layer in range(L):
+                for kind in KINDS:
+                    for b in BITS_CHOICES:
+                        self.tables(layer, kind, b)
+        except codec.CompactCodecError as e:
+            raise CalibrationError(f"invalid calibration tables: {e}") from e
+
+
+# ------------------------------------------------------------------------------ observation
+
+
+class _Observer:
+    """A KVFormat-shaped object for ``kl.kv_format``: keeps K/V (bf16) and query statistics."""
+
+    name = "calibration-observer"
+    description = "identity; records queries, keys and values"
+    sink_tokens = 0
+    recent_window = 0
+    keeps_bf16 = False
+
+    def __init__(self, n_query_samples: int, seed: int):
+        self.n_query_samples = n_query_samples
+        self.rng = np.random.default_rng(seed)
+        self.k: dict[int, list] = {}
+        self.v: dict[int, list] = {}
+        self.q_sq: dict[int, torch.Tensor] = {}  # sum of q^2 [Hq, d] (non-sink tokens)
+        self.q_n: dict[int, int] = {}
+        self.q_samples: dict[int, list] = {}  # (positions, q [Hq, n, d]) per window
+        self.o_proj: dict[int, torch.Tensor] = {}
+        self.scaling: dict[int, float] = {}
+
+    def roundtrip(self, x, kind, layer=None):
+        return x
+
+    def observe(self, module, query, key, value):
+        layer = module.layer_idx
+        q = query[0].float()  # [Hq, T, d]
+        t = q.shape[1]
+        s = min(SINK_TOKENS, t)
+        self.q_sq[layer] = self.q_sq.get(layer, 0) + (q[:, s:] ** 2).sum(1)
+        self.q_n[layer] = self.q_n.get(layer, 0) + (t - s)
+        self.k.setdefault(layer, []).append(key[0].transpose(0, 1).to(torch.bfloat16).clone())  # [T, H, d]
+        self.v.setdefault(layer, []).append(value[0].transpose(0, 1).to(torch.bfloat16).clone())
+        lo = min(t - 1, RECENT_WINDOW + SINK_TOKENS)  # queries that see some quantized tokens
+        pos = np.sort(self.rng.choice(np.arange(lo, t), size=min(self.n_query_samples, t - lo), replace=False))
+        self.q_samples.setdefault(layer, []).append((torch.from_numpy(pos), q[:, pos].clone()))
+        if layer not in self.o_proj:
+            self.o_proj[layer] = module.o_proj.weight.detach().float()
+            self.scaling[layer] = float(getattr(module, "scaling", q.shape[-1] ** -0.5))
+
+
+def observe(model, windows: list[torch.Tensor], n_query_samples: int = 256, seed: int = 0, progress=None) -> _Observer:
+    """Run the model over each window of token ids [1, N] and record what calibration needs."""
+    from weightszip.eval import kl
+
+    obs = _Observer(n_query_samples, seed)
+    for ids in windows:
+        with torch.inference_mode(), kl.kv_format(model, obs):  # type: ignore[arg-type]
+            model.model(input_ids=ids, use_cache=False)
+        if progress:
+            progress(1)
+    return obs
+
+
+# ----------------------------------------------------------------------------- the statistics
+
+
+def _pair_pool(x: torch.Tensor) -> torch.Tensor:
+    """Average over RoPE's channel pairs (c, c + d/2) (rotate_half layout) along the last dim."""
+    d = x.shape[-1]
+    h = (x[..., : d // 2] + x[..., d // 2 :]) / 2
+    return torch.cat([h, h], dim=-1)
+
+
+def _scaling(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """s_c = (b_c / a_c)^(1/4) with both floored at 1e-6 of their maximum (per head, [H, d])."""
+    a = torch.maximum(a, a.amax(-1, keepdim=True) * 1e-6 + 1e-30)
+    b = torch.maximum(b, b.amax(-1, keepdim=True) * 1e-6 + 1e-30)
+    return (b / a) ** 0.25
+
+
+def _mult_from_scale(s: torch.Tensor) -> torch.Tensor:
+    """Integer multipliers 2**20 * min(s) / s per head, clamped to [1, 2**24]."""
+    m = torch.round(2.0**20 * s.amin(-1, keepdim=True) / s)
+    return m.clamp(1, codec.MULT_MAX).to(torch.int64)
+
+
+def lloyd(values: np.ndarray, levels: int, iters: int = 40) -> np.ndarray:
+    """1-D k-means (Lloyd's algorithm) from quantile initialization; ascending, strictly
+    increasing levels in [-1, 1]."""
+    v = np.sort(values.astype(np.float64))
+    c = np.quantile(v, (np.arange(levels) + 0.5) / levels)
+    for _ in range(iters):
+        edges = (c[1:] + c[:-1]) / 2
+        idx = np.searchsorted(edges, v)
+        sums = np.bincount(idx, weights=v, minlength=levels)
+        cnt = np.bincount(idx, minlength=levels)
+        new = np.where(cnt > 0, sums / np.maximum(cnt, 1), c)
+        if np.allclose(new, c, atol=1e-9):
+            c = new
+            break
+        c = new
+    c = np.clip(np.sort(c), -1.0, 1.0)
+    for i in range(1, levels):  # strictly increasing in float32
+        if np.float32(c[i]) <= np.float32(c[i - 1]):
+            c[i] = np.nextafter(np.float32(c[i - 1]), np.float32(2)).astype(np.float64)
+    return c.astype(np.float32)
+
+
+def _normalized(y: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Rotated values [T, H, d] (float32) divided by their token's grid step (the encoder's k)."""
+    m = y.abs().amax(-1)
+    k = torch.searchsorted(grid, m.t().contiguous()).t().clamp(max=codec.GRID_SIZE - 1)
+    g = grid[torch.arange(grid.shape[0]).unsqueeze(0), k].unsqueeze(-1)
+    return y / g
+
+
+def _attention_error(q_samples, k_list, v_list, kq_list, vq_list, o_proj, scaling, n_q_heads) -> float:
+    """Mean squared error in the residual stream (after W_o) of attention outputs over sampled
+    queries when K/V are replaced by kq/vq except the sinks and each query's recent window."""
+    total, count = 0.0, 0
+    for (pos, q), k, v, kq, vq in zip(q_samples, k_list, v_list, kq_list, vq_list):
+        hq, n, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [H, T, d]
+        kqf, vqf = kq.float().transpose(0, 1), vq.float().transpose(0, 1)
+        t = kf.shape[1]
+        s_idx = torch.arange(t)
+        causal = s_idx.unsqueeze(0) <= pos.unsqueeze(1)  # [n, T]
+        exact = (s_idx.unsqueeze(0) < SINK_TOKENS) | (s_idx.unsqueeze(0) > pos.unsqueeze(1) - RECENT_WINDOW)
+        qg = q.view(hkv, g, n, d)
+        s_ref = torch.einsum("hgnd,htd->hgnt", qg, kf) * scaling
+        s_q = torch.where(exact, s_ref, torch.einsum("hgnd,htd->hgnt", qg, kqf) * scaling)
+        p_ref = torch.softmax(s_ref.masked_fill(~causal, float("-inf")), -1)
+        p_q = torch.softmax(s_q.masked_fill(~causal, float("-inf")), -1)
+        o_ref = torch.einsum("hgnt,htd->hgnd", p_ref, vf)
+        o_q = torch.einsum("hgnt,htd->hgnd", p_q * exact, vf) + torch.einsum("hgnt,htd->hgnd", p_q * ~exact, vqf)
+        diff = (o_ref - o_q).reshape(hq, n, d).permute(1, 0, 2).reshape(n, hq * d)
+        err = diff @ o_proj.T
+        total += float((err**2).sum())
+        count += n
+    return total / max(count, 1)
+
+
+def fit_tables(body: torch.Tensor, a: torch.Tensor, kind: str, signs: torch.Tensor, rng, lloyd_samples: int = 400_000):
+    """Tables of one (layer, kind) from its calibration tokens ``body`` [T, H, d] (sinks left out)
+    and the channel weights ``a`` [H, d] (E[q_c^2] for K, W_o column norms^2 for V): returns
+    (mu int64 [H, d], mult int64 [H, d], e0 int64 [H], {bits: codebook float32 [2**bits]})."""
+    t, h, d = body.shape
+    if t < 1:
+        raise CalibrationError("no calibration tokens")
+    body = body.float()
+    mean = body.mean(0)  # [H, d]
+    var = ((body - mean) ** 2).mean(0)
+    if kind == "k":
+        a, var = _pair_pool(a), _pair_pool(var)
+    mu = torch.round(mean.double() * 2**codec.FIXED_SHIFT).to(torch.int64)
+    mult = _mult_from_scale(_scaling(a.float(), var))
+    probe = torch.tensor([-1.0, -0.5, 0.5, 1.0])  # any valid codebook: rotate() does not read it
+    heads0 = [HeadTables(mu[i], mult[i], signs, 0, probe, 2) for i in range(h)]
+    y = codec.rotate(body.to(torch.bfloat16), heads0).to(torch.float32)
+    med = y.abs().amax(-1).median(0).values  # [H]
+    e0 = torch.tensor([int(math.floor(math.log2(max(float(m), 1e-30)))) - 8 for m in med], dtype=torch.int64)
+    grids = torch.stack([codec.grid_table(int(e)) for e in e0])
+    u = _normalized(y, grids).reshape(-1).numpy()
+    if u.size > lloyd_samples:
+        u = rng.choice(u, size=lloyd_samples, replace=False)
+    codebooks = {b: torch.from_numpy(lloyd(u, 2**b)) for b in BITS_CHOICES}
+    return mu, mult, e0, codebooks
+
+
+def calibrate(
+    model,
+    windows: list[torch.Tensor],
+    *,
+    n_query_samples: int = 256,
+    seed: int = 0,
+    lloyd_samples: int = 400_000,
+    meta: dict | None = None,
+    log=print,
+) -> Calibration:
+    """Calibrate on token windows [1, N] (at least one; two long ones recommended)."""
+    from tqdm.auto import tqdm
+
+    from weightszip.eval.kl import model_kv_shape
+
+    t0 = time.perf_counter()
+    L, H, d = model_kv_shape(model)
+    if d & (d - 1) or d < 8:
+        raise CalibrationError(f"the compact formats need a power-of-two head_dim, this model has {d}")
+    with tqdm(total=len(windows), desc="calibration forwards", unit="window") as bar:
+        obs = observe(model, windows, n_query_samples=n_query_samples, seed=seed, progress=bar.update)
+    t_forward = time.perf_counter() - t0
+    rng = np.random.default_rng(seed)
+    signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
+    mu = torch.zeros(L, 2, H, d, dtype=torch.int64)
+    mult = torch.zeros(L, 2, H, d, dtype=torch.int64)
+    e0 = torch.zeros(L, 2, H, dtype=torch.int64)
+    codebooks = {b: torch.zeros(L, 2, 2**b, dtype=torch.float32) for b in BITS_CHOICES}
+    dist = np.zeros((L, 2, len(BITS_CHOICES)))
+    for layer in tqdm(range(L), desc="calibration layers", unit="layer"):
+        ks, vs = obs.k[layer], obs.v[layer]
+        o_proj = obs.o_proj[layer]  # [hidden, Hq*d]
+        hq = o_proj.shape[1] // d
+        g = hq // H
+        q_mean_sq = (obs.q_sq[layer] / obs.q_n[layer]).view(H, g, d).mean(1)  # [H, d]
+        wo_sq = (o_proj**2).sum(0).view(hq, d).view(H, g, d).sum(1)  # [H, d]
+        for ki, (kind, xs) in enumerate((("k", ks), ("v", vs))):
+            body = torch.cat([x[SINK_TOKENS:] for x in xs]).float()  # [T, H, d]
+            a = q_mean_sq if kind == "k" else wo_sq
+            m_, mult_, e0_, cbs = fit_tables(body, a, kind, signs, rng, lloyd_samples)
+            mu[layer, ki], mult[layer, ki], e0[layer, ki] = m_, mult_, e0_
+            for b in BITS_CHOICES:
+                codebooks[b][layer, ki] = cbs[b]
+        # error each (kind, bits) causes in the residual stream, the other kind exact
+        for ki, kind in enumerate(KINDS):
+            for bi, b in enumerate(BITS_CHOICES):
+                tabs = [
+                    HeadTables(mu[layer, ki, h], mult[layer, ki, h], signs, int(e0[layer, ki, h]), codebooks[b][layer, ki], b)
+                    for h in range(H)
+                ]
+                src = ks if kind == "k" else vs
+                rq = [codec.roundtrip(x, tabs) for x in src]
+                kq = rq if kind == "k" else ks
+                vq = rq if kind == "v" else vs
+                dist[layer, ki, bi] = _attention_error(obs.q_samples[layer], ks, vs, kq, vq, o_proj, obs.scaling[layer], hq)
+    allocation = {name: allocate(dist, target, L, H, d) for name, target in TARGETS.items()}
+    meta = dict(meta or {})
+    meta.update(
+        calibration_seconds=round(time.perf_counter() - t0, 1),
+        forward_seconds=round(t_forward, 1),
+        window_tokens=[int(w.shape[1]) for w in windows],
+        query_samples_per_window=n_query_samples,
+        seed=seed,
+        distortion={"bits": list(BITS_CHOICES), "residual_mse": dist.tolist()},
+        budget_context=BUDGET_CONTEXT,
+    )
+    cal = Calibration(L, H, d, mu, mult, signs, e0, codebooks, allocation, meta=meta)
+    cal.validate()
+    for name in TARGETS:
+        log(f"{name}: {cal.bits_per_value(name, BUDGET_CONTEXT):.4f} bits/value at {BUDGET_CONTEXT} tokens; "
+            f"K widths {[a[0] for a in allocation[name]]}, V widths {[a[1] for a in allocation[name]]}")
+    return cal
+
+
+def allocate(dist: np.ndarray, target: float, layers: int, kv_heads: int, head_dim: int) -> list[list[int]]:
+    """Bit widths per (layer, kind) minimizing the summed error with the format's bits per value
+    at BUDGET_CONTEXT tokens at most ``target`` (greedy: start at the smallest width, repeatedly
+    widen the tensor with the largest error saved per bit while the budget allows)."""
+    kept = SINK_TOKENS + RECENT_WINDOW
+    ctx = BUDGET_CONTEXT
+    overhead = kept * 16 / ctx + (ctx - kept) / ctx * 8 / head_dim
+    # tables, bounded above by their size at 5-bit codebooks
+    table = head_dim + layers * 2 * (kv_heads * (head_dim * 96 + 8) + 32 * 32)
+    overhead += table / (2 * layers * ctx * head_dim * kv_heads)
+    code_budget = (target - overhead) * ctx / (ctx - kept)  # average code width allowed
+    n = layers * 2
+    widths = np.zeros((layers, 2), dtype=int)  # index into BITS_CHOICES
+    if BITS_CHOICES[0] > code_budget:
+        raise CalibrationError(f"{target} bits per value cannot hold {BITS_CHOICES[0]}-bit codes and their overhead")
+    spent = BITS_CHOICES[0] * n
+    while True:
+        best, best_gain = None, 0.0
+        for layer in range(layers):
+            for ki in range(2):
+                w = widths[layer, ki]
+                if w + 1 >= len(BITS_CHOICES):
+                    continue
+                step = BITS_CHOICES[w + 1] - BITS_CHOICES[w]
+                if spent + step > code_budget * n + 1e-9:
+                    continue
+                gain = (dist[layer, ki, w] - dist[layer, ki, w + 1]) / step
+                if best is None or gain > best_gain:
+                    best, best_gain = (layer, ki, step), gain
+        if best is None:
+            break
+        layer, ki, step = best
+        widths[layer, ki] += 1
+        spent += step
+    return [[BITS_CHOICES[widths[layer, ki]] for ki in range(2)] for layer in range(layers)]
+
+
+def text_windows(tok, texts: list[Path], tokens: int) -> tuple[list[torch.Tensor], list[dict]]:
+    """One window of ``tokens`` token ids from the start of each text (BOS as the tokenizer adds)."""
+    from weightszip.models import tokenize_text
+
+    out, info = [], []
+    for p in texts:
+        ids, files = tokenize_text(tok, Path(p), tokens)
+        data = Path(p).read_bytes() if Path(p).is_file() else b"".join(Path(f).read_bytes() for f in files)
+        out.append(ids)
+        info.append({"text": str(p), "tokens": int(ids.shape[1]), "sha256": hashlib.sha256(data).hexdigest()})
+    return out, info

@@ -1,0 +1,84 @@
+"""``weightszip calibrate``: a model's calibration for the compact formats (q4, q3.5, q3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _cmd_calibrate(a) -> int:
+    from weightszip.compact.calibrate import BUDGET_CONTEXT, TARGETS, CalibrationError, calibrate, text_windows
+    from weightszip.models import ModelNotInstalled, load_causal_lm
+
+    def fail(msg) -> int:
+        print(f"weightszip: error: {msg}", file=sys.stderr)
+        return 2
+
+    if len(a.text) < 1:
+        return fail("give at least one --text (two long windows of text are recommended)")
+    if a.tokens < 256:
+        return fail("--tokens must be at least 256")
+    for t in a.text:
+        if not Path(t).exists():
+            return fail(f"{t}: no such file or folder")
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    try:
+        lm = load_causal_lm(a.model, verbose=False)
+    except (ModelNotInstalled, ImportError, ValueError) as e:
+        return fail(e)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        windows, info = text_windows(lm.tokenizer, [Path(t) for t in a.text], a.tokens)
+    except ValueError as e:
+        return fail(e)
+    t0 = time.perf_counter()
+    try:
+        cal = calibrate(lm.model, windows, n_query_samples=a.queries, seed=a.seed,
+                        meta={"model": lm.name, "model_source": lm.source, "texts": info}, log=log)
+    except CalibrationError as e:
+        return fail(e)
+    seconds = time.perf_counter() - t0
+    out = Path(a.output)
+    cal.save(out)
+    size = os.path.getsize(out)
+    summary = {
+        "output": str(out),
+        "bytes": size,
+        "seconds": round(seconds, 1),
+        "model": lm.name,
+        "texts": info,
+        "bits_per_value": {n: round(cal.bits_per_value(n, BUDGET_CONTEXT), 4) for n in TARGETS},
+        "allocation": cal.allocation,
+    }
+    if a.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(f"wrote {out} ({size} bytes) in {seconds:.0f} s")
+        for n in TARGETS:
+            print(f"  {n:5s} {summary['bits_per_value'][n]:.4f} bits/value at {BUDGET_CONTEXT} tokens")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="calibrate the compact KV formats (q4, q3.5, q3) for a model on text",
+        description="One teacher-forced pass of the model over one window of each --text (two long windows "
+        "recommended; never the text you evaluate on). The weights are read, not changed. Writes a small "
+        ".wzcal file (a weightszip container) that `eval kl/niah --calibration` and the cache load.",
+    )
+    p.add_argument("--model", required=True, help="smollm2 | qwen2.5 | a model folder | a .gguf file")
+    p.add_argument("--text", action="append", required=True, help="a text file or folder of .txt (repeat: one window each)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per window (default 4096)")
+    p.add_argument("-o", "--output", required=True, help="the calibration file (M.wzcal)")
+    p.add_argument("--queries", type=int, default=256, help="queries sampled per window for the error estimates (default 256)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(fn=_cmd_calibrate)

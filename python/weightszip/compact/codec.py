@@ -1,0 +1,305 @@
+"""Reference codec of the compact KV formats (q4, q3.5, q3): plain PyTorch, deterministic.
+
+READY FOR KERNELS. The bytes are specified in docs/FORMAT.md ("Compact KV pages"); this module is
+their reference implementation, and the GPU kernels must reproduce ``encode_tokens`` (codes and
+scale indices) and ``dequantize`` (the values attention reads) bit for bit.
+
+One token of one KV head (``head_dim`` values x, bf16, post-RoPE) of layer l, K or V, becomes
+``head_dim`` b-bit codes and one u8 scale index, using that (layer, kind, head)'s calibrated
+tables (``HeadTables``):
+
+1. fixed point (exact integer arithmetic from here on)::
+
+       xi = trunc(clamp(nan_to_0(float32(x)), -2**20, 2**20) * 2**16)            int64
+       z  = ((xi - mu) * mult) >> 16              (arithmetic shift; |mult| in [1, 2**24])
+
+   ``mu`` (int64, per channel) is a calibrated offset, ``mult`` (int64, per channel) a calibrated
+   per-channel scaling (2**16 / s_c up to a constant).
+2. rotation: ``y = H(signs * z)`` with H the unnormalized Sylvester-Hadamard matrix of order
+   head_dim (a power of two) and ``signs`` a calibrated +-1 vector; still exact in int64
+   (|y| < 2**53).
+3. ``yf = float32(y)`` (round to nearest even), ``m = max |yf|``.
+4. scale index ``k = #{i : grid[i] < m}`` clamped to 255, with ``grid[i] = ldexp(FRAC[i % 16],
+   e0 + i // 16)`` (``FRAC[j]`` = float32(2**(j/16)), ``e0`` calibrated): the smallest grid step
+   at or above the token's largest rotated value.
+5. code of each value: ``#{j : yf > float32(thr[j] * grid[k])}`` over the 2**b - 1 ascending
+   thresholds ``thr`` of the (layer, kind) codebook at b bits (products rounded to float32).
+
+Decoding (what attention reads): ``yhat = float32(codebook[code] * grid[k])``, in the rotated
+domain. The value in the model's own basis is ``xhat = inv(yhat)``::
+
+    z_hat = signs * (H yhat) / head_dim ;  xhat = (z_hat * 2**16 / mult + mu) * 2**-16
+
+which is linear: attention computes q . xhat as ``q' . yhat + q . mu'`` with
+``q' = H(signs * q * w) / head_dim``, ``w = 2**16 / mult * 2**-16``, ``mu' = mu * 2**-16``
+(``query_transform``), and sums V in the rotated domain, turning them back once per output
+(``inverse_matrix``).
+
+Only multiplications, comparisons and integer operations are rounded, each exactly once, so the
+codes do not depend on summation order or FMA contraction: the CPU reference and a GPU kernel
+agree bit for bit.
+
+A page holds 16 tokens of one (layer, kv head, kind): ``b`` bit planes of [16 tokens][head_dim/8
+bytes] (bit j of byte i of plane p is bit p of the code of channel 8i + j) followed by the 16
+scale indices: ``16 * (b * head_dim / 8 + 1)`` bytes (``page_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PAGE_TOKENS = 16
+FIXED_SHIFT = 16  # xi = trunc(x * 2**16)
+MULT_SHIFT = 16  # z = ((xi - mu) * mult) >> 16
+X_CLAMP = float(2**20)
+MULT_MAX = 2**24
+GRID_SIZE = 256
+GRID_STEPS_PER_OCTAVE = 16
+BITS_CHOICES = (2, 3, 4, 5)
+# float32(2 ** (j / 16)), j = 0..15: the fractional steps of the scale grid (exact values in FORMAT.md)
+FRAC = np.array([2.0 ** (j / GRID_STEPS_PER_OCTAVE) for j in range(GRID_STEPS_PER_OCTAVE)], dtype=np.float32)
+
+
+class CompactCodecError(ValueError):
+    """Inputs the compact codec cannot encode or decode (wrong shapes, tables or page bytes)."""
+
+
+def _check_pow2(head_dim: int) -> None:
+    if head_dim < 8 or head_dim & (head_dim - 1):
+        raise CompactCodecError(f"head_dim must be a power of two >= 8, not {head_dim}")
+
+
+def grid_table(e0: int) -> torch.Tensor:
+    """The 256 scale steps of a head: float32 ``ldexp(FRAC[i % 16], e0 + i // 16)``, ascending."""
+    i = np.arange(GRID_SIZE)
+    g = np.ldexp(FRAC[i % GRID_STEPS_PER_OCTAVE].astype(np.float64), e0 + i // GRID_STEPS_PER_OCTAVE)
+    with np.errstate(over="ignore", under="ignore"):
+        g32 = g.astype(np.float32)
+    if not np.all(np.isfinite(g32)) or not np.all(g32 > 0) or not np.all(g32.astype(np.float64) == g):
+        raise CompactCodecError(f"scale grid exponent e0={e0} leaves float32's normal range")
+    return torch.from_numpy(g32)
+
+
+def thresholds(codebook: torch.Tensor) -> torch.Tensor:
+    """float32 midpoints between consecutive (ascending) codebook entries, computed in float64."""
+    cb = codebook.double()
+    return ((cb[1:] + cb[:-1]) / 2).float()
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform (Sylvester order) along the last dimension. Exact for
+    integer tensors; for float tensors a fixed butterfly order."""
+    d = x.shape[-1]
+    _check_pow2(d)
+    lead = x.shape[:-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.view(-1, d // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2).view(-1, d)
+        h *= 2
+    return y.view(*lead, d)
+
+
+@dataclass(frozen=True)
+class HeadTables:
+    """The calibrated tables one (layer, kind, kv head) is coded with."""
+
+    mu: torch.Tensor  # int64 [head_dim]
+    mult: torch.Tensor  # int64 [head_dim], in [1, 2**24]
+    signs: torch.Tensor  # int64 [head_dim], +-1
+    e0: int
+    codebook: torch.Tensor  # float32 [2**bits], ascending, within [-1, 1]
+    bits: int
+
+    def __post_init__(self):
+        d = self.mu.shape[-1]
+        _check_pow2(d)
+        if self.bits not in BITS_CHOICES:
+            raise CompactCodecError(f"bits must be one of {BITS_CHOICES}, not {self.bits}")
+        if self.codebook.shape != (2**self.bits,) or self.codebook.dtype != torch.float32:
+            raise CompactCodecError(f"codebook must be float32 [{2**self.bits}]")
+        if not bool(torch.all(self.codebook[1:] > self.codebook[:-1])):
+            raise CompactCodecError("codebook entries must be strictly ascending")
+        for name in ("mu", "mult", "signs"):
+            t = getattr(self, name)
+            if t.shape != (d,) or t.dtype != torch.int64:
+                raise CompactCodecError(f"{name} must be int64 [{d}]")
+        if not bool(torch.all((self.mult >= 1) & (self.mult <= MULT_MAX))):
+            raise CompactCodecError("mult must lie in [1, 2**24]")
+        if not bool(torch.all(self.signs.abs() == 1)):
+            raise CompactCodecError("signs must be +-1")
+        if not bool(torch.all(self.mu.abs() <= 2**37)):
+            raise CompactCodecError("|mu| must be at most 2**37")
+        grid_table(self.e0)  # validates e0
+
+    @property
+    def head_dim(self) -> int:
+        return self.mu.shape[0]
+
+    def grid(self) -> torch.Tensor:
+        return grid_table(self.e0)
+
+    def thresholds(self) -> torch.Tensor:
+        return thresholds(self.codebook)
+
+
+def _stack(tables: list[HeadTables]):
+    """Per-head tables stacked along a head dimension: mu, mult, signs [H, d]; grid [H, 256]."""
+    bits = {t.bits for t in tables}
+    if len(bits) != 1:
+        raise CompactCodecError("all heads of one (layer, kind) must use the same bits")
+    mu = torch.stack([t.mu for t in tables])
+    mult = torch.stack([t.mult for t in tables])
+    signs = torch.stack([t.signs for t in tables])
+    grid = torch.stack([t.grid() for t in tables])
+    cb = torch.stack([t.codebook for t in tables])
+    return mu, mult, signs, grid, cb, bits.pop()
+
+
+def rotate(x: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
+    """Steps 1-2: x [..., H, d] (any float dtype; bf16 in the cache) -> y int64 [..., H, d]."""
+    mu, mult, signs, _, _, _ = _stack(tables)
+    if x.shape[-2:] != mu.shape:
+        raise CompactCodecError(f"expected [..., {mu.shape[0]}, {mu.shape[1]}], got {tuple(x.shape)}")
+    xf = torch.nan_to_num(x.float(), nan=0.0).clamp(-X_CLAMP, X_CLAMP)
+    xi = (xf * float(2**FIXED_SHIFT)).to(torch.int64)  # truncates toward zero
+    z = ((xi - mu) * mult) >> MULT_SHIFT
+    return fwht(z * signs)
+
+
+def encode_tokens(x: torch.Tensor, tables: list[HeadTables], *, block: int = 4096):
+    """Encode tokens: x [T, H, d] -> (codes uint8 [T, H, d], scale index uint8 [T, H])."""
+    if x.ndim != 3:
+        raise CompactCodecError(f"expected [tokens, heads, head_dim], got {tuple(x.shape)}")
+    mu, mult, signs, grid, cb, bits = _stack(tables)
+    thr = torch.stack([thresholds(c) for c in cb])  # [H, 2**b - 1]
+    t = x.shape[0]
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    sidx = torch.empty(x.shape[:2], dtype=torch.uint8)
+    for a in range(0, t, block):
+        yf = rotate(x[a : a + block].cpu(), tables).to(torch.float32)  # int64 -> fp32, round to nearest even
+        m = yf.abs().amax(dim=-1)  # [t, H]
+        # k = #{i : grid[i] < m}: a left search in the ascending grid
+        k = torch.searchsorted(grid, m.t().contiguous()).t().clamp(max=GRID_SIZE - 1)  # [t, H]
+        g = grid[torch.arange(grid.shape[0]).unsqueeze(0), k].unsqueeze(-1)  # [t, H, 1]
+        tk = thr.unsqueeze(0) * g  # float32 products [t, H, 2**b - 1], ascending
+        c = torch.searchsorted(tk.contiguous(), yf.contiguous())  # #{j : tk[j] < y} for each value
+        codes[a : a + block] = c.to(torch.uint8)
+        sidx[a : a + block] = k.to(torch.uint8)
+    return codes, sidx
+
+
+def dequantize(codes: torch.Tensor, sidx: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
+    """The values attention reads, in the rotated domain: float32 codebook[code] * grid[k];
+    codes [T, H, d], sidx [T, H] -> [T, H, d]."""
+    _, _, _, grid, cb, bits = _stack(tables)
+    if codes.ndim != 3 or sidx.shape != codes.shape[:2] or codes.shape[1:] != (grid.shape[0], tables[0].head_dim):
+        raise CompactCodecError("codes must be [T, H, d] and scale indices [T, H] for these tables")
+    if int(codes.max(initial=0) if codes.numel() == 0 else codes.max()) >= 2**bits:
+        raise CompactCodecError(f"a code exceeds {bits} bits")
+    h = torch.arange(grid.shape[0])
+    g = grid[h.unsqueeze(0), sidx.long()]  # [T, H]
+    vals = cb[h.view(1, -1, 1), codes.long()]  # [T, H, d]
+    return vals * g.unsqueeze(-1)
+
+
+def inverse(yhat: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
+    """Rotated-domain values [..., H, d] -> the model's basis (float32): the reference of what the
+    cache's values are, for evaluation and for the attention tolerance tests."""
+    mu, mult, signs, _, _, _ = _stack(tables)
+    d = mu.shape[-1]
+    z = fwht(yhat.double()) / d * signs.double()
+    x = (z * float(2**MULT_SHIFT) / mult.double() + mu.double()) * 2.0**-FIXED_SHIFT
+    return x.float()
+
+
+def roundtrip(x: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
+    """x [T, H, d] -> what the cache hands back, float32 [T, H, d]."""
+    codes, sidx = encode_tokens(x, tables)
+    return inverse(dequantize(codes, sidx, tables), tables)
+
+
+def query_transform(q: torch.Tensor, tables: list[HeadTables]):
+    """For attention in the rotated domain: q [..., H_kv, G, d] (G query heads per KV head) ->
+    (q' [..., H_kv, G, d] float32, bias [..., H_kv, G] float32) with
+    q . inverse(yhat) == q' . yhat + bias up to rounding."""
+    mu, mult, signs, _, _, _ = _stack(tables)
+    d = mu.shape[-1]
+    w = (float(2**MULT_SHIFT) / mult.double()) * 2.0**-FIXED_SHIFT  # [H, d]
+    qd = q.double()
+    qp = fwht(qd * (signs.double() * w).unsqueeze(-2)) / d
+    bias = (qd * (mu.double() * 2.0**-FIXED_SHIFT).unsqueeze(-2)).sum(-1)
+    return qp.float(), bias.float()
+
+
+def inverse_matrix(tables: list[HeadTables]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [H, d, d], mean [H, d]) float32 with inverse(yhat) == yhat @ A[h] + mean[h] (row vectors):
+    a V sum over tokens with weights p turns back as (sum p yhat) @ A + mean * sum p."""
+    mu, mult, signs, _, _, _ = _stack(tables)
+    h, d = mu.shape
+    eye = torch.eye(d, dtype=torch.float64)
+    hy = fwht(eye) / d  # row j = H e_j / d
+    w = (float(2**MULT_SHIFT) / mult.double()) * 2.0**-FIXED_SHIFT
+    a = hy.unsqueeze(0) * (signs.double() * w).unsqueeze(1)  # [H, d, d]
+    return a.float(), (mu.double() * 2.0**-FIXED_SHIFT).float()
+
+
+# ------------------------------------------------------------------------------------- pages
+
+
+def page_bytes(bits: int, head_dim: int) -> int:
+    """Bytes of one page (16 tokens of one layer, kv head and kind)."""
+    if bits not in BITS_CHOICES:
+        raise CompactCodecError(f"bits must be one of {BITS_CHOICES}, not {bits}")
+    _check_pow2(head_dim)
+    return PAGE_TOKENS * (bits * head_dim // 8 + 1)
+
+
+def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes uint8 [16, d], scale indices uint8 [16] -> page bytes uint8 [page_bytes(bits, d)]."""
+    if codes.ndim != 2 or codes.shape[0] != PAGE_TOKENS or sidx.shape != (PAGE_TOKENS,):
+        raise CompactCodecError("a page packs codes [16, head_dim] and 16 scale indices")
+    d = codes.shape[1]
+    c = codes.to(torch.int64)
+    if int(c.max()) >= 2**bits:
+        raise CompactCodecError(f"a code exceeds {bits} bits")
+    weights = (2 ** torch.arange(8, dtype=torch.int64)).view(1, 1, 8)
+    planes = []
+    for p in range(bits):
+        bit = ((c >> p) & 1).view(PAGE_TOKENS, d // 8, 8)
+        planes.append((bit * weights).sum(-1))  # [16, d/8]
+    body = torch.stack(planes).to(torch.uint8).reshape(-1)
+    return torch.cat([body, sidx.to(torch.uint8)])
+
+
+def unpack_page(page: torch.Tensor, bits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page bytes -> (codes uint8 [16, d], scale indices uint8 [16])."""
+    n = page_bytes(bits, head_dim)
+    if page.dtype != torch.uint8 or page.shape != (n,):
+        raise CompactCodecError(f"a {bits}-bit page of head_dim {head_dim} is {n} uint8 bytes, got {page.dtype} {tuple(page.shape)}")
+    body = page[: n - PAGE_TOKENS].to(torch.int64).view(bits, PAGE_TOKENS, head_dim // 8, 1)
+    shifts = torch.arange(8, dtype=torch.int64).view(1, 1, 1, 8)
+    b = ((body >> shifts) & 1).view(bits, PAGE_TOKENS, head_dim)
+    codes = torch.zeros(PAGE_TOKENS, head_dim, dtype=torch.int64)
+    for p in range(bits):
+        codes |= b[p] << p
+    return codes.to(torch.uint8), page[n - PAGE_TOKENS :].clone()
+
+
+def encode_page(x: torch.Tensor, head: HeadTables) -> torch.Tensor:
+    """16 tokens of one kv head, x [16, d] (bf16) -> the page's bytes."""
+    if x.shape != (PAGE_TOKENS, head.head_dim):
+        raise CompactCodecError(f"a page is [16, {head.head_dim}] values, got {tuple(x.shape)}")
+    codes, sidx = encode_tokens(x.unsqueeze(1), [head])
+    return pack_page(codes[:, 0], sidx[:, 0], head.bits)
+
+
+def decode_page(page: torch.Tensor, head: HeadTables) -> torch.Tensor:
+    """A page's bytes -> the rotated-domain values attention reads, float32 [16, d]."""
+    codes, sidx = unpack_page(page, head.bits, head.head_dim)
+    return dequantize(codes.unsqueeze(1), sidx.unsqueeze(1), [head])[:, 0]

