@@ -1,0 +1,142 @@
+"""SGLang HiCache storage backend on `weightszip.store.ChunkStore`: every page stored losslessly
+compressed (exact codec, in Rust off the GIL), verified on every read, in RAM / disk / Redis tiers.
+
+Load it with SGLang's dynamic backend (``pip install sglang``)::
+
+    python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "weightszip",
+            "module_path": "weightszip.integrations.sglang", "class_name": "WeightszipHiCacheStorage",
+            "path": "/data/hicache", "ram_bytes": 8589934592}'
+
+Options in the extra config: ``path`` (disk tier; omit for RAM only), ``ram_bytes``,
+``disk_bytes``, ``io_threads``, ``durable``, ``redis_url``, ``redis_prefix``. The backend uses
+SGLang's generic page path (``batch_get`` / ``batch_set`` of flat host pages), not the zero-copy
+``interface_v1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from weightszip import _core
+from weightszip._tensors import as_buffer, bytes_buffer
+from weightszip.errors import WeightszipError
+from weightszip.store import TAG_CONTAINER, ChunkStore
+
+logger = logging.getLogger(__name__)
+
+
+class WeightszipHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *, store=None):
+        extra = dict(storage_config.extra_config or {})
+        model = "-".join((storage_config.model_name or "").split("/"))
+        # Same sharing rule as SGLang's file backend: MLA pages are shared by the TP ranks,
+        # MHA pages are per rank.
+        if storage_config.is_mla_model:
+            self.suffix = f"_{model}"
+        else:
+            self.suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
+        if storage_config.pp_size > 1:
+            self.suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
+        self.store = store or ChunkStore(
+            extra.get("path"),
+            ram_bytes=int(extra.get("ram_bytes", 1 << 30)),
+            disk_bytes=int(extra.get("disk_bytes", 0)),
+            io_threads=int(extra.get("io_threads", 0)),
+            durable=bool(extra.get("durable", True)),
+            redis_url=extra.get("redis_url"),
+            redis_prefix=str(extra.get("redis_prefix", "wz:")),
+        )
+
+    def _k(self, key: str) -> str:
+        return key + self.suffix
+
+    def _row(self, n: int) -> int:
+        """Elements per token row of a page (heads x head_dim), when the host pool says: the codec
+        models each channel against the same channel of the previous token."""
+        pool = getattr(self, "mem_pool_host", None)
+        row = int(getattr(pool, "head_num", 0) or 0) * int(getattr(pool, "head_dim", 0) or 0)
+        if getattr(pool, "kv_lora_rank", None) is not None:  # MLA: one latent row per token
+            row = int(pool.kv_lora_rank) + int(getattr(pool, "qk_rope_head_dim", 0) or 0)
+        return row if row > 0 and n % row == 0 else 0
+
+    def _encode(self, value: torch.Tensor) -> Any:
+        v = value.detach().cpu().contiguous().reshape(-1)
+        row = self._row(v.numel())
+        return v.view(-1, row) if row else v
+
+    # -- generic page interface ---------------------------------------------------------------
+    def set(self, key: str, value: Optional[Any] = None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations=None, target_sizes=None) -> bool:
+        if values is None or len(values) != len(keys):
+            return False
+        try:
+            self.store.put_tensors([(self._k(k), self._encode(v)) for k, v in zip(keys, values)])
+            return True
+        except WeightszipError as e:
+            logger.error("weightszip HiCache: storing %d pages failed: %s", len(keys), e)
+            return False
+
+    def _decode_into(self, data: bytes, target: torch.Tensor) -> Optional[torch.Tensor]:
+        addr, n, keep = bytes_buffer(data)
+        e = _core.buffer_index(addr, n)["entries"][0]
+        t = target.view(-1)
+        if e["raw_bytes"] != t.numel() * t.element_size() or e["dtype"] != as_buffer(t[:0]).dtype:
+            logger.error("weightszip HiCache: stored page is %s %s, target %s %s", e["dtype"], e["shape"], t.dtype, t.numel())
+            return None
+        _core.decode_buffer_entry(addr, n, 0, t.data_ptr(), e["raw_bytes"], 0)
+        del keep
+        return target
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes=None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes=None) -> List[torch.Tensor | None]:
+        if target_locations is None:
+            target_locations = [None] * len(keys)
+        out: List[torch.Tensor | None] = []
+        # A damaged page comes back as a miss (it is removed from the store and logged).
+        for key, r, target in zip(keys, self.store._s.get_many([self._k(k).encode() for k in keys]), target_locations):
+            if r is None or isinstance(r, BaseException):
+                if isinstance(r, BaseException):
+                    logger.warning("weightszip HiCache: page %s failed verification: %s", key, r)
+                out.append(None)
+                continue
+            tag, data = r
+            if tag != TAG_CONTAINER:
+                out.append(None)
+                continue
+            if target is None or target.numel() == 0:
+                import weightszip
+
+                out.append(weightszip.decompress(data, out="torch").reshape(-1))
+            else:
+                out.append(self._decode_into(data, target))
+        return out
+
+    def exists(self, key: str) -> bool:
+        return self.store.contains(self._k(key))
+
+    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+        for i, k in enumerate(keys):
+            if not self.store.contains(self._k(k)):
+                return i
+        return len(keys)
+
+    def clear(self) -> None:
+        # Chunk files are named by key hash, so the store cannot list what it holds; deleting the
+        # store's folder (with the server stopped) clears it.
+        logger.warning("weightszip HiCache: clear() is not supported; remove the store folder instead")
+
+    def get_stats(self):
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,133 @@
+"""The SGLang HiCache backend, loaded by SGLang's own StorageBackendFactory ('dynamic'). SGLang
+lives in its own folder (scripts/sglang_site.sh, run by .ci/run) named by WEIGHTSZIP_SGLANG_SITE;
+without it these tests skip, unless WEIGHTSZIP_REQUIRE_SGLANG=1."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_store import real_kv  # noqa: E402
+
+
+def _sglang():
+    site = os.environ.get("WEIGHTSZIP_SGLANG_SITE")
+    if site and site not in sys.path:
+        sys.path.append(site)
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    except ImportError as e:
+        if os.environ.get("WEIGHTSZIP_REQUIRE_SGLANG") == "1":
+            pytest.fail(f"WEIGHTSZIP_REQUIRE_SGLANG=1 but sglang does not import: {e}")
+        pytest.skip(f"sglang not importable (scripts/sglang_site.sh): {e}")
+    return HiCacheStorageConfig, StorageBackendFactory
+
+
+class HostPool:
+    """Stands in for SGLang's MHA host pool (which needs a device KV pool): the attributes the
+    backend reads."""
+
+    head_num = 3
+    head_dim = 64
+
+
+def _pages(n_pages: int, page_tokens: int = 16) -> list:
+    """Flat host pages of real SmolLM2 KV ([layers, 2, tokens, heads*dim] per page), bf16."""
+    kv = torch.from_numpy(real_kv().view(np.int16).copy()).view(torch.bfloat16)  # [2, L, T, H]
+    pages = []
+    for p in range(n_pages):
+        page = kv[:, :, p * page_tokens : (p + 1) * page_tokens, :].permute(1, 0, 2, 3).contiguous()
+        pages.append(page.reshape(-1))
+    return pages
+
+
+def _backend(tmp_path: Path, **extra):
+    Config, Factory = _sglang()
+    cfg = Config(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="HuggingFaceTB/SmolLM2-135M",
+        extra_config={
+            "backend_name": "weightszip",
+            "module_path": "weightszip.integrations.sglang",
+            "class_name": "WeightszipHiCacheStorage",
+            "path": str(tmp_path),
+            "ram_bytes": 0,
+            "durable": False,
+            **extra,
+        },
+    )
+    backend = Factory.create_backend("dynamic", cfg, None)
+    backend.register_mem_pool_host(HostPool())
+    return backend
+
+
+def test_sglang_dynamic_backend_round_trips_pages(tmp_path):
+    b = _backend(tmp_path)
+    from weightszip.integrations.sglang import WeightszipHiCacheStorage
+
+    assert isinstance(b, WeightszipHiCacheStorage)
+    pages = _pages(4)
+    keys = [f"hash{i}" for i in range(4)]
+    assert b.batch_set(keys, pages)
+    assert b.exists("hash0") and not b.exists("other")
+    assert b.batch_exists(keys[:2] + ["other"] + keys[2:]) == 2, "longest existing prefix"
+    targets = [torch.zeros_like(p) for p in pages] + [torch.zeros_like(pages[0])]
+    got = b.batch_get(keys + ["other"], targets)
+    for g, p, t in zip(got, pages, targets):
+        assert g is t and torch.equal(g.view(torch.int16), p.view(torch.int16))
+    assert got[-1] is None
+    st = b.get_stats()
+    raw = sum(p.numel() * 2 for p in pages)
+    assert st["disk_chunks"] == 4 and st["disk_bytes"] < 0.85 * raw, "pages are stored compressed"
+    # One page, the single-key API, and a target of the wrong size is a miss, not a crash.
+    assert b.set("one", pages[0]) and torch.equal(b.get("one", torch.empty_like(pages[0])), pages[0])
+    assert b.get("one", torch.empty(10, dtype=torch.bfloat16)) is None
+
+
+def test_sglang_backend_reports_a_damaged_page_as_a_miss(tmp_path):
+    b = _backend(tmp_path)
+    pages = _pages(2)
+    assert b.batch_set(["a", "b"], pages)
+    path = Path(b.store.file_of("a" + b.suffix))
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x04
+    path.write_bytes(bytes(data))
+    got = b.batch_get(["a", "b"], [torch.empty_like(p) for p in pages])
+    assert got[0] is None and torch.equal(got[1], pages[1])
+    assert not b.exists("a"), "the damaged page was removed"
+    b.close()
+
+
+def test_sglang_ranks_do_not_share_mha_pages(tmp_path):
+    Config, Factory = _sglang()
+    from weightszip.integrations.sglang import WeightszipHiCacheStorage
+    from weightszip.store import ChunkStore
+
+    store = ChunkStore(None)
+
+    def rank(r, mla=False):
+        cfg = Config(
+            tp_rank=r, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+            enable_storage_metrics=False, is_page_first_layout=True, model_name="m", extra_config={},
+        )
+        return WeightszipHiCacheStorage(cfg, {}, store=store)
+
+    p = _pages(1)
+    assert rank(0).batch_set(["k"], p)
+    assert not rank(1).exists("k")
+    assert rank(0, mla=True).batch_set(["z"], p) and rank(1, mla=True).exists("z")
