@@ -367,6 +367,30 @@ pub fn page_len(cb: &PageCodebook, page: &[u8]) -> Result<usize> {
 /// Decode one page of exactly `page.len()` bytes into `out` (16 x channels values, little endian).
 /// Every rule of the format is checked; a violation is an error, never a panic.
 pub fn decode_page(cb: &PageCodebook, page: &[u8], out: &mut [u8]) -> Result<()> {
+    decode_page_with(cb, None, page, out)
+}
+
+/// The decoder's lookup table: entry `(channel << max_len) + next max_len bits` holds
+/// `symbol << 4 | length`. None when it would exceed 2^24 entries (32 MiB).
+pub fn lookup_table(cb: &PageCodebook) -> Option<Vec<u16>> {
+    let ml = cb.max_len as usize;
+    if cb.channels << ml > 1 << 24 {
+        return None;
+    }
+    let mut t = vec![0u16; cb.channels << ml];
+    for c in 0..cb.channels {
+        for sym in 0..NSYM {
+            let l = cb.lengths[c * NSYM + sym] as usize;
+            if l > 0 {
+                let lo = (c << ml) + ((cb.code(c, sym) as usize) << (ml - l));
+                t[lo..lo + (1 << (ml - l))].fill(((sym as u16) << 4) | l as u16);
+            }
+        }
+    }
+    Some(t)
+}
+
+fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &mut [u8]) -> Result<()> {
     let c_n = cb.channels;
     if out.len() != cb.page_raw_len() {
         return Err(Error::BufferTooSmall { need: cb.page_raw_len() as u64, have: out.len() as u64 });
@@ -408,17 +432,24 @@ pub fn decode_page(cb: &PageCodebook, page: &[u8], out: &mut [u8]) -> Result<()>
             for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
                 let lens = &cb.lengths[c * NSYM..(c + 1) * NSYM];
                 let x = peek(bitpos, ml);
-                // Canonical decode: find the symbol whose code is the prefix of x (linear in the
-                // alphabet; the reference favours obviousness over speed).
-                let mut found = None;
-                for (sym, &l) in lens.iter().enumerate() {
-                    if l > 0 && (x >> (ml - l as u32)) as u16 == cb.code(c, sym) {
-                        found = Some((sym, l as u32));
-                        break;
+                let (mut sym, l) = match lut {
+                    Some(t) => {
+                        let e = t[(c << ml) + x as usize];
+                        ((e >> 4) as usize, (e & 15) as u32)
                     }
-                }
-                // A complete code always matches.
-                let (mut sym, l) = found.ok_or_else(|| Error::Corrupt("no code matched".into()))?;
+                    None => {
+                        // Canonical decode without a table: the symbol whose code prefixes x.
+                        let mut found = None;
+                        for (sym, &l) in lens.iter().enumerate() {
+                            if l > 0 && (x >> (ml - l as u32)) as u16 == cb.code(c, sym) {
+                                found = Some((sym, l as u32));
+                                break;
+                            }
+                        }
+                        // A complete code always matches.
+                        found.ok_or_else(|| Error::Corrupt("no code matched".into()))?
+                    }
+                };
                 bitpos += l as usize;
                 if sym == ESC {
                     sym = peek(bitpos, 8) as usize;
@@ -472,6 +503,7 @@ pub fn encode_pages(cb: &PageCodebook, values: &[u8], align: usize) -> Result<(V
 pub fn decode_pages(cb: &PageCodebook, buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
     let pr = cb.page_raw_len();
     let n = offsets.len().saturating_sub(1);
+    let lut = if n > 1 { lookup_table(cb) } else { None };
     if out.len() != n * pr {
         return Err(Error::BufferTooSmall { need: (n * pr) as u64, have: out.len() as u64 });
     }
@@ -485,7 +517,7 @@ pub fn decode_pages(cb: &PageCodebook, buf: &[u8], offsets: &[u64], out: &mut [u
         if len > region.len() {
             return Err(Error::Truncated(format!("page {i} of {len} bytes does not fit its {} byte slot", region.len())));
         }
-        decode_page(cb, &region[..len], &mut out[i * pr..(i + 1) * pr])?;
+        decode_page_with(cb, lut.as_deref(), &region[..len], &mut out[i * pr..(i + 1) * pr])?;
     }
     Ok(())
 }
@@ -526,6 +558,12 @@ mod tests {
         let mut out = vec![0u8; data.len()];
         decode_pages(&cb, &buf, &offs, &mut out).unwrap();
         assert_eq!(out, data);
+        // The table-free decoder (one page at a time) agrees.
+        let pr = cb.page_raw_len();
+        let mut one = vec![0u8; pr];
+        let len = page_len(&cb, &buf[offs[1] as usize..]).unwrap();
+        decode_page(&cb, &buf[offs[1] as usize..offs[1] as usize + len], &mut one).unwrap();
+        assert_eq!(one, data[pr..2 * pr]);
     }
 
     #[test]

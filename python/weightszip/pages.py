@@ -1,0 +1,118 @@
+"""The exact page profile on the CPU (docs/FORMAT.md, "Exact page profile"): calibrate a codebook
+for one (layer, K or V), encode and decode 16-token pages with the Rust reference codec.
+
+Values are 16-bit patterns (bf16 or fp16) as a numpy ``uint16`` array (or anything
+``np.asarray`` takes, torch tensors included via ``.view(torch.int16)``), shaped
+``[n_pages, 16, channels]`` for pages and ``[tokens, channels]`` for calibration samples.
+
+>>> import numpy as np
+>>> rng = np.random.default_rng(0)
+>>> x = (rng.standard_normal((64, 32)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+>>> cb = calibrate(x, "bfloat16")
+>>> buf, offsets = encode_pages(cb, x.reshape(4, 16, 32))
+>>> bool((decode_pages(cb, buf, offsets) == x.reshape(4, 16, 32)).all())
+True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from weightszip import _core
+from weightszip.errors import InvalidArgumentError
+
+PAGE_TOKENS = _core.PAGE_TOKENS
+STREAM_CHANNELS = _core.PAGE_STREAM_CHANNELS
+DTYPE_CODES = {"bfloat16": 1, "float16": 2}
+ESC = 256
+NSYM = 257
+
+
+def _u16(x) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor: reinterpret as int16 bits without a float conversion
+        import torch
+
+        x = x.detach().cpu().contiguous().view(torch.int16).numpy()
+    a = np.ascontiguousarray(np.asarray(x))
+    if a.dtype.itemsize != 2 or a.dtype.kind not in "uif":
+        raise InvalidArgumentError(f"expected 16-bit values (uint16 bit patterns), got {a.dtype}")
+    return a.view(np.uint16)
+
+
+def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8) -> bytes:
+    """A codebook (bytes) from ``[tokens, channels]`` sample values of one (layer, K or V)."""
+    if dtype not in DTYPE_CODES:
+        raise InvalidArgumentError(f"page profile dtype {dtype!r}: only {sorted(DTYPE_CODES)}")
+    a = _u16(samples)
+    if a.ndim != 2:
+        raise InvalidArgumentError(f"samples must be [tokens, channels], got shape {a.shape}")
+    return _core.page_calibrate(DTYPE_CODES[dtype], a.shape[1], a.ctypes.data, a.nbytes, max_len)
+
+
+def codebook_info(codebook: bytes) -> tuple[str, int, int, np.ndarray]:
+    """(dtype, max_len, channels, lengths [channels, 257] uint8) of a checked codebook."""
+    code, max_len, channels, lengths = _core.page_codebook_info(bytes(codebook))
+    dtype = {v: k for k, v in DTYPE_CODES.items()}[code]
+    return dtype, max_len, channels, np.frombuffer(lengths, np.uint8).reshape(channels, NSYM)
+
+
+def encode_pages(codebook: bytes, values, align: int = 8) -> tuple[bytes, np.ndarray]:
+    """Encode ``[n, 16, channels]`` values; returns (pages back to back, int64 offsets [n + 1])."""
+    a = _u16(values)
+    _, _, channels, _ = codebook_info(codebook)
+    if a.ndim != 3 or a.shape[1:] != (PAGE_TOKENS, channels):
+        raise InvalidArgumentError(f"pages must be [n, {PAGE_TOKENS}, {channels}], got {a.shape}")
+    buf, offs = _core.page_encode(bytes(codebook), a.ctypes.data, a.nbytes, align)
+    return buf, np.asarray(offs, np.int64)
+
+
+def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
+    """Decode the pages at ``offsets`` (n + 1 entries) of ``buf``; returns uint16 [n, 16, channels]."""
+    _, _, channels, _ = codebook_info(codebook)
+    src = np.frombuffer(buf, np.uint8) if isinstance(buf, (bytes, bytearray, memoryview)) else np.ascontiguousarray(buf).view(np.uint8)
+    offs = [int(o) for o in np.asarray(offsets).reshape(-1)]
+    n = max(len(offs) - 1, 0)
+    out = np.empty((n, PAGE_TOKENS, channels), np.uint16)
+    _core.page_decode(bytes(codebook), src.ctypes.data, src.nbytes, offs, out.ctypes.data, out.nbytes)
+    return out
+
+
+def canonical_codes(lengths: np.ndarray) -> np.ndarray:
+    """Canonical codes [channels, 257] from code lengths (symbols in (length, symbol) order)."""
+    lengths = np.asarray(lengths, np.int64)
+    codes = np.zeros(lengths.shape, np.int64)
+    for c in range(lengths.shape[0]):
+        code, prev = 0, 0
+        order = sorted((int(l), s) for s, l in enumerate(lengths[c]) if l > 0)
+        for i, (l, s) in enumerate(order):
+            if i > 0:
+                code = (code + 1) << (l - prev)
+            codes[c, s] = code
+            prev = l
+    return codes
+
+
+def decode_table(codebook: bytes) -> tuple[np.ndarray, int]:
+    """The decoder's lookup table: [channels, 2**max_len] int16 entries ``symbol << 4 | length``
+    indexed by the next ``max_len`` bits of the stream; and max_len."""
+    _, max_len, channels, lengths = codebook_info(codebook)
+    codes = canonical_codes(lengths)
+    lut = np.zeros((channels, 1 << max_len), np.int16)
+    for c in range(channels):
+        for s in np.nonzero(lengths[c])[0]:
+            l = int(lengths[c, s])
+            lo = int(codes[c, s]) << (max_len - l)
+            lut[c, lo : lo + (1 << (max_len - l))] = (int(s) << 4) | l
+    return lut, max_len
+
+
+def encode_table(codebook: bytes) -> np.ndarray:
+    """The encoder's table: [channels, 257] int32 entries ``code << 5 | length`` (0: no code)."""
+    _, _, _, lengths = codebook_info(codebook)
+    codes = canonical_codes(lengths)
+    return ((codes << 5) | lengths.astype(np.int64)).astype(np.int32)
+
+
+def header_len(channels: int) -> int:
+    """Bytes of a page header: one u16 per stream, zero-padded to a multiple of 8."""
+    return (2 * (channels // STREAM_CHANNELS) + 7) // 8 * 8

@@ -1,0 +1,308 @@
+"""Triton encoder and decoder of the exact page profile (docs/FORMAT.md, "Exact page profile"):
+the same bytes as the Rust codec (weightszip.pages); reference in ``exact_page_ref``.
+
+One GPU thread per (page, stream): a stream is 16 tokens x 32 channels = 512 symbols with its
+own word count in the page header, so threads never wait on each other. A program takes one
+stream index ``s`` for ``BLOCK_PAGES`` pages, so at every step all its threads read the same
+channel's table (a few cache lines) and differ only in the page.
+
+    tables = PageTables.from_codebook(codebook, device="cuda")
+    buf, offsets = encode_pages(values, tables)        # values: [n, 16, C] bf16/fp16/int16
+    out = decode_pages(buf, offsets, tables)           # int16 [n, 16, C], bit-identical
+
+The decoder trusts its input (pages it or the Rust encoder wrote, e.g. its own GPU pool): it
+does not validate; untrusted bytes go through the Rust decoder (weightszip.pages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from weightszip.errors import InvalidArgumentError
+
+from ._interpreter_compat import apply as _interpreter_compat
+
+_interpreter_compat()
+
+PAGE_TOKENS = 16
+STREAM_CHANNELS = 32
+
+
+def header_len(channels: int) -> int:
+    return (2 * (channels // STREAM_CHANNELS) + 7) // 8 * 8
+
+
+@dataclass
+class PageTables:
+    """Codebook tables on a device: ``lut`` int16 [G, C, 2**max_len] (decode), ``enc`` int32
+    [G, C, 257] (encode) for G codebooks (e.g. every layer's K and V) of one dtype, max_len and
+    channel count; a page names its codebook by a table id (default 0)."""
+
+    lut: torch.Tensor
+    enc: torch.Tensor
+    max_len: int
+    channels: int
+    is_bf16: bool
+
+    @classmethod
+    def from_codebook(cls, codebook: bytes, device="cpu") -> "PageTables":
+        from weightszip.pages import codebook_info, decode_table, encode_table
+
+        dtype, max_len, channels, _ = codebook_info(codebook)
+        lut, _ = decode_table(codebook)
+        return cls(
+            lut=torch.from_numpy(lut)[None].to(device),
+            enc=torch.from_numpy(encode_table(codebook))[None].to(device),
+            max_len=max_len,
+            channels=channels,
+            is_bf16=dtype == "bfloat16",
+        )
+
+    @classmethod
+    def stack(cls, tables: list["PageTables"]) -> "PageTables":
+        t0 = tables[0]
+        if any((t.max_len, t.channels, t.is_bf16) != (t0.max_len, t0.channels, t0.is_bf16) for t in tables):
+            raise InvalidArgumentError("stacked codebooks must share dtype, max_len and channels")
+        return cls(torch.cat([t.lut for t in tables]), torch.cat([t.enc for t in tables]), t0.max_len, t0.channels, t0.is_bf16)
+
+
+@triton.jit
+def _split(v, IS_BF16: tl.constexpr):
+    # v: 16-bit patterns in a wider unsigned int -> (symbol, raw byte)
+    if IS_BF16:
+        return (v >> 7) & 0xFF, ((v >> 8) & 0x80) | (v & 0x7F)
+    else:
+        return (v >> 8) & 0xFF, v & 0xFF
+
+
+@triton.jit
+def _stream_bits_kernel(
+    vals_ptr,  # int16 [n, 16, C]
+    enc_ptr,  # int32 [C, 257]
+    bits_ptr,  # int32 [n, S]
+    tid_ptr,  # int32 [n] codebook of each page
+    C: tl.constexpr,
+    S: tl.constexpr,
+    SP: tl.constexpr,  # next power of two >= S
+    IS_BF16: tl.constexpr,
+):
+    # One program per page: bits of every stream = sum of its code lengths.
+    p = tl.program_id(0).to(tl.int64)
+    enc_ptr += tl.load(tid_ptr + p).to(tl.int64) * (C * 257)
+    t = tl.arange(0, 16)[:, None, None]
+    s = tl.arange(0, SP)[None, :, None]
+    j = tl.arange(0, 32)[None, None, :]
+    c = s * 32 + j
+    m = s < S
+    v = tl.load(vals_ptr + p * 16 * C + t * C + c, mask=m, other=0).to(tl.int32) & 0xFFFF
+    sym, _ = _split(v, IS_BF16)
+    e = tl.load(enc_ptr + c * 257 + sym, mask=m, other=0)
+    esc = tl.load(enc_ptr + c * 257 + 256, mask=m, other=0)
+    ln = tl.where((e & 31) == 0, (esc & 31) + 8, e & 31)
+    ln = tl.where(m, ln, 0)
+    bits = tl.sum(tl.sum(ln, axis=2), axis=0)
+    sv = tl.arange(0, SP)
+    tl.store(bits_ptr + p * S + sv, bits, mask=sv < S)
+
+
+@triton.jit
+def _encode_kernel(
+    vals_ptr,  # int64 view of int16 [n, 16, C] (4 values per element)
+    enc_ptr,  # int32 [C, 257]
+    buf32_ptr,  # int32 view of the output buffer
+    off_ptr,  # int64 [n + 1] page offsets in bytes (multiples of 8)
+    wstart_ptr,  # int32 [n, S] first word of each stream, relative to the page's code region
+    tid_ptr,  # int32 [n] codebook of each page
+    n_pages,
+    C: tl.constexpr,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK_PAGES: tl.constexpr,
+):
+    s = tl.program_id(1)
+    p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
+    ok = p < n_pages
+    p64 = p.to(tl.int64)
+    off = tl.load(off_ptr + p64, mask=ok, other=0)
+    tab = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64) * (C * 257)
+    raw_w = (off + H) // 4  # word index of the page's raw bytes
+    wpos = (off + H + 16 * C) // 4 + tl.load(wstart_ptr + p64 * S + s, mask=ok, other=0)
+    acc = tl.zeros([BLOCK_PAGES], dtype=tl.uint64)
+    nacc = tl.zeros([BLOCK_PAGES], dtype=tl.int32)
+    for t in range(16):
+        for q in tl.static_range(8):
+            c0 = s * 32 + q * 4
+            x = tl.load(vals_ptr + (p64 * 16 + t) * (C // 4) + c0 // 4, mask=ok, other=0).to(tl.uint64, bitcast=True)
+            raws = tl.zeros([BLOCK_PAGES], dtype=tl.uint32)
+            for j in tl.static_range(4):
+                v = ((x >> (16 * j)) & 0xFFFF).to(tl.uint32)
+                sym, raw = _split(v, IS_BF16)
+                raws = raws | (raw << (8 * j))
+                e = tl.load(enc_ptr + tab + (c0 + j) * 257 + sym.to(tl.int32))
+                esc = tl.load(enc_ptr + tab + (c0 + j) * 257 + 256)
+                escaped = (e & 31) == 0
+                ln = tl.where(escaped, (esc & 31) + 8, e & 31)
+                code = tl.where(escaped, ((esc >> 5) << 8) | sym.to(tl.int32), e >> 5)
+                # Append MSB-first; nacc < 32 before, so nacc + ln <= 51 < 64.
+                acc = acc | (code.to(tl.uint64) << (64 - nacc - ln).to(tl.uint64))
+                nacc = nacc + ln
+                full = nacc >= 32
+                tl.store(buf32_ptr + wpos, (acc >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=ok & full)
+                acc = tl.where(full, acc << 32, acc)
+                nacc = tl.where(full, nacc - 32, nacc)
+                wpos = tl.where(full, wpos + 1, wpos)
+            tl.store(buf32_ptr + raw_w + (t * C + c0) // 4, raws.to(tl.int32, bitcast=True), mask=ok)
+    tl.store(buf32_ptr + wpos, (acc >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=ok & (nacc > 0))
+
+
+@triton.jit
+def _decode_kernel(
+    buf32_ptr,  # int32 view of the page buffer
+    buf16_ptr,  # int16 view of the same buffer (headers)
+    off_ptr,  # int64 [n + 1] page offsets in bytes (multiples of 8)
+    lut_ptr,  # int16 [C, 2**L]
+    out_ptr,  # int64 view of int16 [n, 16, C]
+    tid_ptr,  # int32 [n] codebook of each page
+    n_pages,
+    C: tl.constexpr,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK_PAGES: tl.constexpr,
+):
+    s = tl.program_id(1)
+    p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
+    ok = p < n_pages
+    p64 = p.to(tl.int64)
+    off = tl.load(off_ptr + p64, mask=ok, other=0)
+    tab = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64) * (C << L)
+    # Words per stream from the header; this stream starts after the streams before it.
+    sj = tl.arange(0, SP)[None, :]
+    hdr = tl.load(buf16_ptr + off[:, None] // 2 + sj, mask=ok[:, None] & (sj < S), other=0).to(tl.int32) & 0xFFFF
+    start = tl.sum(tl.where(sj < s, hdr, 0), axis=1)
+    nw = tl.sum(tl.where(sj == s, hdr, 0), axis=1)
+    wbase = (off + H + 16 * C) // 4 + start
+    raw_w = (off + H) // 4
+    w0 = tl.load(buf32_ptr + wbase, mask=ok & (nw > 0), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    w1 = tl.load(buf32_ptr + wbase + 1, mask=ok & (nw > 1), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    buf = (w0 << 32) | w1
+    nbits = tl.full([BLOCK_PAGES], 64, tl.int32)
+    wnext = tl.full([BLOCK_PAGES], 2, tl.int32)
+    for t in range(16):
+        for q in tl.static_range(8):
+            c0 = s * 32 + q * 4
+            raws = tl.load(buf32_ptr + raw_w + (t * C + c0) // 4, mask=ok, other=0).to(tl.uint32, bitcast=True)
+            acc = tl.zeros([BLOCK_PAGES], dtype=tl.uint64)
+            for j in tl.static_range(4):
+                # Refill first: afterwards nbits > 32, and a symbol takes at most 12 + 8 bits.
+                need = nbits <= 32
+                w = tl.load(buf32_ptr + wbase + wnext, mask=ok & need & (wnext < nw), other=0)
+                w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
+                buf = buf | (w << tl.where(need, 32 - nbits, 0).to(tl.uint64))
+                nbits = tl.where(need, nbits + 32, nbits)
+                wnext = tl.where(need, wnext + 1, wnext)
+                e = tl.load(lut_ptr + tab + (c0 + j) * (1 << L) + (buf >> (64 - L)).to(tl.int32)).to(tl.int32)
+                ln = e & 15
+                sym = e >> 4
+                escaped = sym == 256
+                esym = ((buf << ln.to(tl.uint64)) >> 56).to(tl.int32)
+                sym = tl.where(escaped, esym, sym)
+                used = tl.where(escaped, ln + 8, ln)
+                buf = buf << used.to(tl.uint64)
+                nbits = nbits - used
+                raw = ((raws >> (8 * j)) & 0xFF).to(tl.int32)
+                if IS_BF16:
+                    v = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
+                else:
+                    v = (sym << 8) | raw
+                acc = acc | (v.to(tl.uint64) << (16 * j))
+            tl.store(out_ptr + (p64 * 16 + t) * (C // 4) + c0 // 4, acc.to(tl.int64, bitcast=True), mask=ok)
+
+
+def _table_ids(table_ids, n, tables, device) -> torch.Tensor:
+    if table_ids is None:
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    if table_ids.shape != (n,):
+        raise InvalidArgumentError(f"table_ids must be [{n}], got {tuple(table_ids.shape)}")
+    if n and (int(table_ids.min()) < 0 or int(table_ids.max()) >= tables.lut.shape[0]):
+        raise InvalidArgumentError(f"table ids must lie in [0, {tables.lut.shape[0]})")
+    return table_ids.to(device=device, dtype=torch.int32).contiguous()
+
+
+def stream_bits(values: torch.Tensor, tables: PageTables, table_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [n, S]: coded bits of every stream of every page (pass 1 of the encoder)."""
+    n, C = values.shape[0], tables.channels
+    S = C // STREAM_CHANNELS
+    bits = torch.empty(n, S, dtype=torch.int32, device=values.device)
+    tids = _table_ids(table_ids, n, tables, values.device)
+    if n:
+        _stream_bits_kernel[(n,)](values, tables.enc, bits, tids, C=C, S=S, SP=triton.next_power_of_2(S), IS_BF16=tables.is_bf16)
+    return bits
+
+
+def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tensor | None = None, block_pages: int = 128, align: int = 8):
+    """Encode ``[n, 16, C]`` 16-bit values (bf16, fp16 or their int16 bits) into pages, page i
+    with codebook ``table_ids[i]`` (default 0); returns (uint8 buffer, int64 offsets [n + 1]),
+    the bytes the Rust encoder writes with the same align."""
+    C = tables.channels
+    if values.dim() != 3 or values.shape[1:] != (PAGE_TOKENS, C) or values.element_size() != 2:
+        raise InvalidArgumentError(f"values must be 16-bit [n, {PAGE_TOKENS}, {C}], got {tuple(values.shape)} {values.dtype}")
+    if align % 8:
+        raise InvalidArgumentError("align must be a multiple of 8 (pages are read as 8-byte words)")
+    values = values.contiguous().view(torch.int16)
+    n, S, H = values.shape[0], C // STREAM_CHANNELS, header_len(C)
+    dev = values.device
+    tids = _table_ids(table_ids, n, tables, dev)
+    bits = stream_bits(values, tables, tids)
+    words = (bits + 31) // 32
+    sizes = H + 16 * C + 4 * words.sum(1, dtype=torch.int64)
+    padded = (sizes + align - 1) // align * align
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(padded, 0)
+    wstart = (torch.cumsum(words, 1) - words).to(torch.int32).contiguous()
+    total = int(offsets[-1]) if n else 0
+    buf = torch.zeros(total, dtype=torch.uint8, device=dev)
+    if n:
+        # Headers: u16 word counts at each page's start.
+        hidx = (offsets[:-1, None] // 2 + torch.arange(S, device=dev)[None, :]).reshape(-1)
+        buf.view(torch.int16)[hidx] = words.reshape(-1).to(torch.int16)
+        grid = (triton.cdiv(n, block_pages), S)
+        _encode_kernel[grid](
+            values.view(torch.int64), tables.enc, buf.view(torch.int32), offsets, wstart, tids, n,
+            C=C, S=S, H=H, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
+        )
+    return buf, offsets
+
+
+def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor | None = None,
+                 table_ids: torch.Tensor | None = None, block_pages: int = 128) -> torch.Tensor:
+    """Decode the pages at ``offsets`` (int64 [n + 1], multiples of 8) of ``buf`` (uint8, its
+    length a multiple of 8), page i with codebook ``table_ids[i]`` (default 0), into int16
+    [n, 16, C] (``out`` if given)."""
+    C = tables.channels
+    n = offsets.numel() - 1
+    if buf.dtype != torch.uint8 or buf.numel() % 8:
+        raise InvalidArgumentError("buf must be uint8 with a length that is a multiple of 8")
+    if out is None:
+        out = torch.empty(n, PAGE_TOKENS, C, dtype=torch.int16, device=buf.device)
+    tids = _table_ids(table_ids, n, tables, buf.device)
+    if n:
+        S = C // STREAM_CHANNELS
+        grid = (triton.cdiv(n, block_pages), S)
+        _decode_kernel[grid](
+            buf.view(torch.int32), buf.view(torch.int16), offsets, tables.lut, out.view(torch.int64), tids, n,
+            C=C, S=S, SP=triton.next_power_of_2(S), H=header_len(C), L=tables.max_len,
+            IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
+        )
+    return out
+
+
+__all__ = ["PageTables", "encode_pages", "decode_pages", "stream_bits", "header_len"]
