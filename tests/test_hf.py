@@ -111,3 +111,10 @@ def test_bad_arguments():
         cfg = LlamaConfig(num_hidden_layers=2)
         cfg.layer_types = ["full_attention", "sliding_attention"]
         WeightszipCache(cfg)
+
+
+def test_transformers_example_runs(smollm2):
+    import runpy
+
+    ex = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "transformers_offload.py"))
+    assert ex["main"](["--prompt-tokens", "200", "--new-tokens", "4", "--page-tokens", "64"]) == 0

@@ -251,3 +251,18 @@ def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
     asyncio.run(run())
     with pytest.raises(weightszip.InvalidArgumentError, match="closed"):
         conn.store.get("x")
+
+
+def test_lmcache_example_runs():
+    _lmcache()
+    pytest.importorskip("gguf")
+    import runpy
+    from pathlib import Path
+
+    from weightszip.models import ModelNotInstalled
+
+    ex = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "lmcache_serde.py"))
+    try:
+        assert ex["main"]() == 0
+    except ModelNotInstalled as e:
+        pytest.skip(str(e))
