@@ -348,7 +348,7 @@ def test_calibrate_and_evaluate_on_smollm2(smollm2, tmp_path):
     tok = smollm2.tokenizer
     haystack = sorted((DATA / "text" / "haystack").glob("*.txt"))
     windows = [tokenize_text(tok, haystack[0], 320)[0], tokenize_text(tok, haystack[1], 320)[0]]
-    cal = C.calibrate(smollm2.model, windows, n_query_samples=32, log=lambda m: None)
+    cal = C.calibrate(smollm2.model, windows, n_query_samples=16, lloyd_samples=20_000, log=lambda m: None)
     cal.check_model(30, 3, 64)
     p = tmp_path / "smollm2.wzcal"
     cal.save(p)
