@@ -1,7 +1,16 @@
 """Decode attention on the GPU: torch SDPA flash (bf16, dense cache) against our paged kernels
-(bf16 and fp8 e4m3 pages, same code path), over the issue-5 grid.
+(bf16 and fp8 e4m3 pages, and the compact formats q4, q3.5, q3; one code path), over the issue-5 grid.
 
-    python benchmarks/bench_decode_attention.py [--tune] [--check] [--out benchmarks/results/decode_attention]
+    python benchmarks/bench_decode_attention.py [--tune] [--tune-compact] [--check] [--write]
+        [--out benchmarks/results/decode_attention]
+
+Compact formats: bit widths per layer as in COMPACT below, the same in every layer (q4: K 4 + V 4
+bits; q3.5: K 4 + V 3; q3: K 3 + V 3; head_dim 128: (bits * 16 + 1) bytes per token, KV head and
+kind); random page bytes (every byte pattern is a valid page), random codebooks and scale grids,
+and the transformed-domain path the formats use (q', logit bias, inverse V transform and mean).
+``--tune-compact`` sweeps the compact kernel's launch parameters (tensor-core or CUDA-core
+products, tokens per step, warps, stages) on q4 at four grid points; ``--write`` times the cache-write
+kernel (one decode step's tokens and an 8k-token prefill, per layer and kind).
 
 Shapes: Llama-3.1-8B layer (32 q heads, 8 kv heads, head_dim 128) and a 70B layer under 8-way tensor
 parallelism (8 q heads, 1 kv head); batch 8, 16, 32, 64; context 32k, 64k, 128k (every sequence of a
@@ -35,7 +44,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
-KERNELS = ("sdpa", "bf16", "fp8")
+KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3")
+COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 
 
 def parse_args(argv=None):
@@ -45,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,65536,131072")
     p.add_argument("--tune", action="store_true", help="sweep launch parameters first and use the best")
     p.add_argument("--check", action="store_true", help="check kernels against the reference at real shapes")
+    p.add_argument("--tune-compact", action="store_true", help="sweep the compact kernel's launch parameters")
+    p.add_argument("--write", action="store_true", help="time the compact cache-write kernel")
+    p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_attention"),
                    help="output prefix: writes PREFIX.json, PREFIX.md, PREFIX.png")
@@ -137,6 +150,102 @@ def time_paged(kind, B, L, Hq, Hkv, D, rep, gen, config):
     nbytes = attn.bytes_read(per_tok) + (2 * Hkv * 4 if kind == "fp8" else 0)
     del k, v
     return t, nbytes, info
+
+
+def compact_inputs(name, B, L, Hq, Hkv, D, gen):
+    """Random compact pages (block size 16) and tables for format ``name``."""
+    kb, vb = COMPACT[name]
+    nblk = B * L // 16
+    kp = torch.randint(0, 256, (nblk, Hkv, 1, 16 * (kb * D // 8 + 1)), dtype=torch.uint8, device="cuda", generator=gen)
+    vp = torch.randint(0, 256, (nblk, Hkv, 1, 16 * (vb * D // 8 + 1)), dtype=torch.uint8, device="cuda", generator=gen)
+    bt = torch.randperm(nblk, device="cuda", generator=gen).to(torch.int32).view(B, L // 16)
+
+    def cb(bits):
+        return torch.sort(torch.rand(Hkv, 2**bits, device="cuda", generator=gen) * 2 - 1, dim=1)[0].contiguous()
+
+    grid = (2.0 ** (torch.arange(256, device="cuda") / 16 - 12)).float().expand(Hkv, 256).contiguous()
+    tabs = dict(k_codebook=cb(kb).to(torch.bfloat16), v_codebook=cb(vb).to(torch.bfloat16), k_grid=grid, v_grid=grid)
+    extra = dict(q_transformed=torch.randn(B, Hq, D, device="cuda", generator=gen),
+                 logit_bias=torch.randn(B, Hq, device="cuda", generator=gen),
+                 v_inv_transform=torch.randn(Hkv, D, D, device="cuda", generator=gen) / D,
+                 v_mean=torch.randn(Hkv, D, device="cuda", generator=gen))
+    return kp, vp, bt, tabs, extra
+
+
+def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config):
+    from weightszip.kernels import PagedDecodeAttention
+
+    kb, vb = COMPACT[name]
+    kp, vp, bt, tabs, extra = compact_inputs(name, B, L, Hq, Hkv, D, gen)
+    if config is not None and config.cuda_dot:
+        tabs = {**tabs, "k_codebook": tabs["k_codebook"].float(), "v_codebook": tabs["v_codebook"].float()}
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, config=config, device="cuda")
+    info = attn.plan([L] * B, bt)
+    out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
+    t = bench(lambda: attn.run(q, kp, vp, out=out, **tabs, **extra), rep)
+    per_tok = (kb * D // 8 + 1) + (vb * D // 8 + 1)
+    # + the tables each program reads (codebooks, grids) and q' (fp32) instead of a bf16 q
+    nbytes = attn.bytes_read(per_tok) + Hkv * (2**kb + 2**vb) * 2 + 2 * Hkv * 256 * 4 + B * Hq * (D * 2 + 4)
+    del kp, vp
+    return t, nbytes, info
+
+
+def time_write(shapes, rep):
+    """Cache-write kernel: seconds per call and per token for one layer and kind."""
+    from weightszip.compact import codec
+    from weightszip.kernels.compact_write import compact_write
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for (name, (Hq, Hkv, D)), bits, n in itertools.product(shapes.items(), (3, 4), (8, 64, 8192)):
+        x = torch.randn(n, Hkv, D, device="cuda", generator=gen).to(torch.bfloat16)
+        nblk = n // 16 + 64
+        pages = torch.zeros(nblk, Hkv, 1, 16 * (bits * D // 8 + 1), dtype=torch.uint8, device="cuda")
+        slots = torch.randperm(nblk * 16, device="cuda", generator=gen)[:n]
+        cb = torch.sort(torch.rand(2**bits, generator=torch.Generator().manual_seed(0)) * 2 - 1)[0]
+        tables = dict(mu=torch.zeros(Hkv, D, dtype=torch.int64, device="cuda"),
+                      mult=torch.full((Hkv, D), 2**16, dtype=torch.int64, device="cuda"),
+                      signs=(torch.randint(0, 2, (Hkv, D), device="cuda", generator=gen) * 2 - 1).long(),
+                      grid=codec.grid_table(4).expand(Hkv, 256).contiguous().cuda(),
+                      thr=codec.thresholds(cb).expand(Hkv, -1).contiguous().cuda(), bits=bits)
+        t = bench(lambda: compact_write(x, slots, pages, tables, check_slots=False), rep)
+        rows.append(dict(shape=name, bits=bits, tokens=n, time_s=t, ns_per_token=t / n * 1e9))
+        print(f"write {name} {bits}-bit x {n} tokens: {t * 1e6:.1f} us, {t / n * 1e9:.1f} ns/token", flush=True)
+    return rows
+
+
+def tune_compact(shapes, rep):
+    from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+    from weightszip.kernels.paged_decode import PAGE_COMPACT
+    import triton
+    from tqdm import tqdm
+
+    points = [("llama8b", 8, 32768), ("llama8b", 64, 131072), ("llama70b-tp8", 8, 32768),
+              ("llama70b-tp8", 64, 131072)]
+    points = [p for p in points if p[0] in shapes]
+    sweep = [KernelConfig(block_n=bn, num_warps=w, num_stages=st, cuda_dot=cd)
+             for cd, bn, w, st in [(False, 64, 4, 2), (False, 64, 4, 3), (False, 128, 4, 2), (False, 32, 4, 3),
+                                   (False, 64, 8, 2), (True, 16, 4, 3), (True, 32, 4, 2), (True, 32, 8, 2)]]
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    result, scores = [], {}
+    for cfg in tqdm(sweep, desc="tune compact", file=sys.stdout):
+        ts = []
+        for name, B, L in points:
+            Hq, Hkv, D = shapes[name]
+            try:
+                t, _, _ = time_compact("q4", B, L, Hq, Hkv, D, rep // 2, gen, cfg)
+            except Exception as e:  # out of resources or a compile failure: this configuration is skipped
+                print(f"  {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                t = math.inf
+            ts.append(t)
+            result.append(dict(config=cfg.__dict__, shape=name, batch=B, context=L, time_s=t))
+        scores[cfg] = math.exp(sum(math.log(t) for t in ts) / len(ts))
+        print(f"  {cfg}: geomean {scores[cfg] * 1e3:.3f} ms", flush=True)
+    best = min(scores, key=scores.get)
+    DEFAULT_CONFIGS[PAGE_COMPACT] = best
+    print(f"tuned compact: {best}", flush=True)
+    return result, best.__dict__
 
 
 def check(shapes):
@@ -247,10 +356,16 @@ def main(argv=None):
     res = dict(meta=meta)
     if args.tune:
         res["tune"], res["tuned"] = tune(shapes, args.rep)
+    if args.tune_compact:
+        res["tune_compact"], res["tuned_compact"] = tune_compact(shapes, args.rep)
     if args.check:  # after tuning: the configurations the grid uses are the ones checked
         res["check"] = check(shapes)
+    if args.write:
+        res["write"] = time_write(shapes, args.rep)
     torch.cuda.empty_cache()
     res["configs"] = {k: DEFAULT_CONFIGS[v].__dict__ for k, v in PAGE_TYPES.items()}
+    kernels = [k for k in args.kernels.split(",") if k in KERNELS]
+    res["meta"]["kernels"] = kernels
     bw0 = read_bandwidth(args.rep)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -263,25 +378,35 @@ def main(argv=None):
             row["skipped"] = f"bf16 K+V {kv_bytes / 2**30:.0f} GiB does not fit"
             rows.append(row)
             continue
-        t, how, nb = time_sdpa(B, L, Hq, Hkv, D, args.rep, gen)
-        row["sdpa"] = dict(time_s=t, bytes=nb, variant=how)
-        for kind in ("bf16", "fp8"):
-            t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)
+        if "sdpa" in kernels:
+            t, how, nb = time_sdpa(B, L, Hq, Hkv, D, args.rep, gen)
+            row["sdpa"] = dict(time_s=t, bytes=nb, variant=how)
+        for kind in [k for k in kernels if k != "sdpa"]:
+            if kind in COMPACT:
+                t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, None)
+            else:
+                t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)
             row[kind] = dict(time_s=t, bytes=nb, splits=info["items"], split_tokens=info["split_tokens"])
+            torch.cuda.empty_cache()
         torch.cuda.empty_cache()
         rows.append(row)
+        partial = pathlib.Path(args.out).with_suffix(".partial.json")
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(dict(res, rows=rows), indent=1))
     bw1 = read_bandwidth(args.rep)
     bw = max(bw0, bw1)
     res["read_bandwidth"] = dict(start=bw0, end=bw1, used=bw)
     for row in rows:
         if "skipped" in row:
             continue
-        best_bf16 = min(row["sdpa"]["time_s"], row["bf16"]["time_s"])
-        for k in KERNELS:
+        best_bf16 = min(row[k]["time_s"] for k in ("sdpa", "bf16") if k in row)
+        for k in kernels:
             r = row[k]
             r["gbps"] = r["bytes"] / r["time_s"] / 1e9
             r["efficiency"] = r["bytes"] / r["time_s"] / bw
             r["speedup_vs_best_bf16"] = best_bf16 / r["time_s"]
+            if "fp8" in row:
+                r["speedup_vs_fp8"] = row["fp8"]["time_s"] / r["time_s"]
     res["rows"] = rows
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -294,20 +419,28 @@ def main(argv=None):
 
 def table(res):
     bw = res["read_bandwidth"]["used"]
+    kernels = res["meta"].get("kernels", list(KERNELS[:3]))
+    comp = [k for k in kernels if k in COMPACT]
     lines = [f"read bandwidth (sum over 4 GiB): {bw / 1e12:.2f} TB/s; {res['meta']['gpu']}, "
              f"torch {res['meta']['torch']}, triton {res['meta']['triton']}, {res['meta']['date']}", "",
-             "| shape | batch | context | SDPA flash ms | eff | bf16 paged ms | eff | fp8 paged ms | eff "
-             "| fp8 speedup vs best bf16 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| shape | batch | context | " + " | ".join(f"{k} ms | eff" for k in kernels)
+             + "".join(f" | {k} vs fp8" for k in comp if "fp8" in kernels) + " |",
+             "|---|---:|---:|" + "---:|---:|" * len(kernels) + "---:|" * (len(comp) if "fp8" in kernels else 0)]
     for r in res["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['batch']} | {r['context'] // 1024}k | skipped: {r['skipped']} |||||||")
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['context'] // 1024}k | skipped: {r['skipped']} |")
             continue
         cells = []
-        for k in KERNELS:
+        for k in kernels:
             cells += [f"{r[k]['time_s'] * 1e3:.3f}", f"{r[k]['efficiency']:.2f}"]
-        lines.append(f"| {r['shape']} | {r['batch']} | {r['context'] // 1024}k | " + " | ".join(cells)
-                     + f" | {r['fp8']['speedup_vs_best_bf16']:.2f}x |")
+        if "fp8" in kernels:
+            cells += [f"{r[k]['speedup_vs_fp8']:.2f}x" for k in comp]
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['context'] // 1024}k | " + " | ".join(cells) + " |")
+    if res.get("write"):
+        lines += ["", "| write kernel | bits | tokens | us per call | ns per token (one layer, one kind, all KV heads) |",
+                  "|---|---:|---:|---:|---:|"]
+        for w in res["write"]:
+            lines.append(f"| {w['shape']} | {w['bits']} | {w['tokens']} | {w['time_s'] * 1e6:.1f} | {w['ns_per_token']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -326,8 +459,10 @@ def plot(res, path):
     for ax, s in zip(axes[0], shapes):
         rs = [r for r in rows if r["shape"] == s]
         x = range(len(rs))
-        for k, lab in (("sdpa", "torch SDPA flash (bf16)"), ("bf16", "ours, bf16 pages"), ("fp8", "ours, fp8 pages")):
-            ax.plot(x, [r[k]["efficiency"] for r in rs], marker="o", label=lab)
+        labels = {"sdpa": "torch SDPA flash (bf16)", "bf16": "ours, bf16 pages", "fp8": "ours, fp8 pages",
+                  "q4": "ours, q4 (K4 V4)", "q3.5": "ours, q3.5 (K4 V3)", "q3": "ours, q3 (K3 V3)"}
+        for k in res["meta"].get("kernels", list(KERNELS[:3])):
+            ax.plot(x, [r[k]["efficiency"] for r in rs], marker="o", label=labels[k])
         ax.set_xticks(list(x), [f"b{r['batch']}\n{r['context'] // 1024}k" for r in rs], fontsize=7)
         ax.set_ylabel("bytes read / time / read bandwidth")
         ax.set_title(s)

@@ -7,19 +7,26 @@ as ``weightszip.kernels``, never as a top-level ``triton_kernels`` (a PyPI packa
 GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before importing this).
 
 * ``paged_decode``: decode attention over a paged KV cache (bf16 and fp8 e4m3 pages, side tokens,
-  transformed-domain pages), split-K with a log-sum-exp merge, ``plan()``/``run()``;
-  reference in ``paged_decode_ref``.
+  transformed-domain pages, and the compact formats' bit-plane pages: ``page_type="compact"``),
+  split-K with a log-sum-exp merge, ``plan()``/``run()``; reference in ``paged_decode_ref``.
+* ``compact_write``: new bf16 K/V tokens into compact pages, the reference encoder's bytes bit for
+  bit; reference in ``compact_write_ref``.
 """
 
+from .compact_write import compact_write, compact_write_tables
+from .compact_write_ref import compact_write_ref
 from .paged_decode import (
     DEFAULT_CONFIGS,
     PAGE_TOKENS,
     KernelConfig,
     PagedDecodeAttention,
+    compact_page_bytes,
+    compact_tables,
+    dequantize_compact_pages,
     dequantize_pages,
     transform_query,
 )
-from .paged_decode_ref import dequantize_pages_ref, paged_decode_ref, quantize_fp8_ref
+from .paged_decode_ref import dequantize_compact_pages_ref, dequantize_pages_ref, paged_decode_ref, quantize_fp8_ref
 
 __all__ = [
     "PagedDecodeAttention",
@@ -31,4 +38,11 @@ __all__ = [
     "paged_decode_ref",
     "dequantize_pages_ref",
     "quantize_fp8_ref",
+    "compact_tables",
+    "compact_page_bytes",
+    "dequantize_compact_pages",
+    "dequantize_compact_pages_ref",
+    "compact_write",
+    "compact_write_tables",
+    "compact_write_ref",
 ]

@@ -53,8 +53,11 @@ _interpreter_compat()
 
 PAGE_BF16 = 0
 PAGE_FP8 = 1
-PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8}
-PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn}
+PAGE_COMPACT = 2
+PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT}
+PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8}
+COMPACT_BITS = (2, 3, 4, 5)
+GRID_SIZE = 256  # scale steps per head of a compact format (codec.GRID_SIZE)
 PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
@@ -75,6 +78,7 @@ class KernelConfig:
     num_stages: int = 2
     waves: int = 4
     min_split_tokens: int = 1024
+    cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
 
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
@@ -82,6 +86,8 @@ class KernelConfig:
 DEFAULT_CONFIGS = {
     PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024),
+    # Not tuned yet on the GPU (see BENCHMARKS.md, compact pages).
+    PAGE_COMPACT: KernelConfig(block_n=64, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
 }
 
 
@@ -106,10 +112,46 @@ def _load_page_tile(pages_ptr, blk, slot, head, stride_blk, stride_head, stride_
 
 
 @triton.jit
+def _load_compact_tile(pages_ptr, cb_ptr, grid_ptr, blk, slot, head, stride_blk, stride_head, valid,
+                       HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Load ``BLOCK_N`` tokens of one KV head from compact pages: returns the codebook values
+    ``codebook[head, code]`` ``[BLOCK_N, HEAD_DIM]`` (the codebook's dtype) and each token's scale
+    ``grid[head, k]`` ``[BLOCK_N]`` fp32; the value attention reads is their float32 product
+    (codec.dequantize).
+
+    Page layout (codec.pack_page): ``BITS`` bit planes of [16 tokens][HEAD_DIM / 8 bytes], bit j of
+    byte i of plane p = bit p of the code of channel 8 i + j; then the 16 scale indices (u8). The
+    planes of a token are re-assembled 4 channels at a time: a nibble n (channels 8i+4h .. +3) of
+    plane p is spread to one bit per byte by ``(n * 0x00204081) & 0x01010101`` (n * (1 + 2**7 +
+    2**14 + 2**21) puts bit j at bit 8j; the four shifted copies do not overlap, so no carries) and
+    shifted to bit p: four codes per int32 in one multiply, one and, one or per plane."""
+    ROW: tl.constexpr = HEAD_DIM // 8
+    PLANE: tl.constexpr = 16 * ROW
+    PAGE_BYTES: tl.constexpr = 16 * (BITS * ROW + 1)
+    page = blk.to(tl.int64) * stride_blk + head * stride_head + (slot // 16) * PAGE_BYTES
+    row = page + (slot % 16) * ROW
+    offs_r = tl.arange(0, ROW)
+    w = tl.zeros([BLOCK_N, ROW, 2], dtype=tl.int32)
+    for p in tl.static_range(BITS):
+        b = tl.load(pages_ptr + row[:, None] + p * PLANE + offs_r[None, :], mask=valid[:, None], other=0)
+        b = b.to(tl.int32)
+        nib = tl.join(b & 15, b >> 4)  # [BLOCK_N, ROW, 2]: channels 8i + 4h + (0..3)
+        w = w | (((nib * 0x00204081) & 0x01010101) << p)
+    sh = tl.arange(0, 4) * 8
+    codes = (w[:, :, :, None] >> sh[None, None, None, :]) & 0xFF  # [BLOCK_N, ROW, 2, 4]
+    codes = tl.reshape(codes, [BLOCK_N, HEAD_DIM])
+    vals = tl.load(cb_ptr + head * (1 << BITS) + codes)
+    sidx = tl.load(pages_ptr + page + BITS * PLANE + slot % 16, mask=valid, other=0).to(tl.int32)
+    g = tl.load(grid_ptr + head * 256 + sidx)
+    return vals, g
+
+
+@triton.jit
 def _paged_split_kernel(
     q_ptr, bias_ptr, k_pages_ptr, v_pages_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
     work_seq_ptr, work_start_ptr, work_end_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    k_cb_ptr, v_cb_ptr, k_grid_ptr, v_grid_ptr,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -118,6 +160,7 @@ def _paged_split_kernel(
     num_kv_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_TYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS_K: tl.constexpr, BITS_V: tl.constexpr, CUDA_DOT: tl.constexpr,
 ):
     """One split: attention of the GROUP query heads of one KV head over page tokens
     ``[start, end)`` of one sequence. Writes the running max (base 2), the softmax mass and the
@@ -134,7 +177,10 @@ def _paged_split_kernel(
     g_valid = offs_g < GROUP
     q_rows = seq.to(tl.int64) * stride_qb + (head * GROUP + offs_g) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=g_valid[:, None], other=0.0)
-    q = q.to(tl.bfloat16)
+    if CUDA_DOT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(tl.bfloat16)
 
     scale = qk_scale
     if PAGE_TYPE == 1:
@@ -163,17 +209,37 @@ def _paged_split_kernel(
         tok_next = tok + BLOCK_N
         blk_next = tl.load(bt_row + tok_next // BLOCK_SIZE, mask=tok_next < t1, other=0)
         slot = tok % BLOCK_SIZE
-        k = _load_page_tile(k_pages_ptr, blk, slot, head, stride_kb, stride_kh, stride_kt, valid,
-                            HEAD_DIM, PAGE_TYPE)
-        v = _load_page_tile(v_pages_ptr, blk, slot, head, stride_vb, stride_vh, stride_vt, valid,
-                            HEAD_DIM, PAGE_TYPE)
-        s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
+        if PAGE_TYPE == 2:
+            # Compact pages: value = codebook[code] * grid[k]; the per-token scale multiplies the
+            # fp32 logits (K) and the softmax weights (V), so the products see codebook values only.
+            k, k_g = _load_compact_tile(k_pages_ptr, k_cb_ptr, k_grid_ptr, blk, slot, head, stride_kb,
+                                        stride_kh, valid, HEAD_DIM, BITS_K, BLOCK_N)
+            v, v_g = _load_compact_tile(v_pages_ptr, v_cb_ptr, v_grid_ptr, blk, slot, head, stride_vb,
+                                        stride_vh, valid, HEAD_DIM, BITS_V, BLOCK_N)
+            if CUDA_DOT:
+                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * (k_g * scale)[None, :] + bias[:, None]
+        else:
+            k = _load_page_tile(k_pages_ptr, blk, slot, head, stride_kb, stride_kh, stride_kt, valid,
+                                HEAD_DIM, PAGE_TYPE)
+            v = _load_page_tile(v_pages_ptr, blk, slot, head, stride_vb, stride_vh, stride_vt, valid,
+                                HEAD_DIM, PAGE_TYPE)
+            s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
+        if PAGE_TYPE == 2:
+            pv = p * v_g[None, :]
+            if CUDA_DOT:
+                acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * v[None, :, :], axis=1)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pv.to(tl.bfloat16), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
         m_i = m_new
 
     if PAGE_TYPE == 1:
@@ -292,6 +358,25 @@ def _dequantize_pages_kernel(pages_ptr, scale_ptr, out_ptr, stride_blk, stride_h
     tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x)
 
 
+@triton.jit
+def _dequantize_compact_kernel(pages_ptr, cb_ptr, grid_ptr, out_ptr, stride_blk, stride_head,
+                               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+    """The values the attention kernel reads from compact pages, fp32 ``codebook[code] * grid[k]``
+    through the same ``_load_compact_tile`` step, as ``[num_blocks, kv_heads, block_size, head_dim]``."""
+    blk_id = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    slot = tl.program_id(2) * 16 + tl.arange(0, 16)
+    blk = tl.zeros([16], dtype=tl.int32) + blk_id
+    valid = slot < BLOCK_SIZE
+    vals, g = _load_compact_tile(pages_ptr, cb_ptr, grid_ptr, blk, slot, head, stride_blk, stride_head,
+                                 valid, HEAD_DIM, BITS, 16)
+    x = vals.to(tl.float32) * g[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (blk_id.to(tl.int64) * num_heads + head) * BLOCK_SIZE + slot
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Host side: plan once per step, run per layer
 # ----------------------------------------------------------------------------------------------------
@@ -343,8 +428,14 @@ class PagedDecodeAttention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, page_type: str = "bf16",
                  block_size: int = 16, sink_tokens: int = 0, window: int = 0,
                  sm_scale: float | None = None, config: KernelConfig | None = None,
-                 device: str | torch.device = "cuda"):
+                 device: str | torch.device = "cuda", k_bits: int | None = None, v_bits: int | None = None):
         _check(page_type in PAGE_TYPES, f"page_type must be one of {sorted(PAGE_TYPES)}, not {page_type!r}")
+        if page_type == "compact":
+            _check(k_bits in COMPACT_BITS and v_bits in COMPACT_BITS,
+                   f"compact pages need k_bits and v_bits in {COMPACT_BITS}, not {k_bits}, {v_bits}")
+        else:
+            _check(k_bits is None and v_bits is None, "k_bits/v_bits are for page_type 'compact' only")
+        self.k_bits, self.v_bits = k_bits, v_bits
         _check(num_q_heads > 0 and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         _check(head_dim in (16, 32, 64, 128, 256), f"head_dim must be 16, 32, 64, 128 or 256, not {head_dim}")
@@ -442,6 +533,17 @@ class PagedDecodeAttention:
         want = PAGE_DTYPES[self.page_type]
         _check(isinstance(pages, torch.Tensor) and pages.dtype == want,
                f"{name} must be a {want} tensor for page_type {self.page_type_name!r}")
+        if self.page_type == PAGE_COMPACT:
+            bits = self.k_bits if name == "k_pages" else self.v_bits
+            nbytes = compact_page_bytes(bits, self.head_dim)
+            shape = (self.num_kv_heads, self.block_size // PAGE_TOKENS, nbytes)
+            _check(pages.dim() == 4 and tuple(pages.shape[1:]) == shape,
+                   f"{name} ({bits}-bit compact) must be uint8 [num_blocks, {shape[0]}, {shape[1]}, {shape[2]}], "
+                   f"not {list(pages.shape)}")
+            _check(pages.stride(3) == 1 and pages.stride(2) == nbytes, f"{name}: each block's pages must be contiguous")
+            _check(self._plan["max_block"] < pages.shape[0],
+                   f"block_tables reference block {self._plan['max_block']} but {name} has {pages.shape[0]}")
+            return
         _check(pages.dim() == 4 and tuple(pages.shape[1:]) == (self.num_kv_heads, self.block_size, self.head_dim),
                f"{name} must be [num_blocks, {self.num_kv_heads}, {self.block_size}, {self.head_dim}], "
                f"not {list(pages.shape)}")
@@ -454,6 +556,8 @@ class PagedDecodeAttention:
             k_side: torch.Tensor | None = None, v_side: torch.Tensor | None = None,
             q_transformed: torch.Tensor | None = None, logit_bias: torch.Tensor | None = None,
             v_inv_transform: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
+            k_codebook: torch.Tensor | None = None, v_codebook: torch.Tensor | None = None,
+            k_grid: torch.Tensor | None = None, v_grid: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output [num_seqs, num_q_heads, head_dim] (q's dtype) for one layer.
 
@@ -462,6 +566,11 @@ class PagedDecodeAttention:
         [num_seqs, num_q_heads] (fp32; see ``transform_query``) replace q and 0 for page tokens;
         v_inv_transform [num_kv_heads, head_dim, head_dim] and v_mean [num_kv_heads, head_dim] (fp32)
         map the page part of the output back (identity and zero when None).
+
+        Compact pages (``page_type="compact"``, see ``compact_tables``): k_codebook/v_codebook
+        [num_kv_heads, 2**bits] (fp32, or bf16 for the tensor-core path) and k_grid/v_grid fp32
+        [num_kv_heads, 256]; the pages hold rotated-domain values, so q_transformed, logit_bias,
+        v_inv_transform and v_mean carry the codec's transform (``compact_tables`` gives them).
         """
         _check(self._plan is not None, "call plan() before run()")
         pl = self._plan
@@ -476,6 +585,20 @@ class PagedDecodeAttention:
             for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == Hkv,
                        f"{name} must be fp32 [{Hkv}] for fp8 pages")
+        compact = self.page_type == PAGE_COMPACT
+        cuda_dot = compact and self.config.cuda_dot
+        if compact:
+            for name, t, bits in (("k_codebook", k_codebook, self.k_bits), ("v_codebook", v_codebook, self.v_bits)):
+                _check(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16)
+                       and tuple(t.shape) == (Hkv, 2**bits) and t.is_contiguous(),
+                       f"{name} must be contiguous fp32 or bf16 [{Hkv}, {2**bits}]")
+            for name, t in (("k_grid", k_grid), ("v_grid", v_grid)):
+                _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                       and tuple(t.shape) == (Hkv, GRID_SIZE) and t.is_contiguous(),
+                       f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
+            if not cuda_dot:  # tensor-core operands are bf16
+                k_codebook = k_codebook.to(torch.bfloat16)
+                v_codebook = v_codebook.to(torch.bfloat16)
         side = self.sink_tokens + self.window
         if side:
             for name, t in (("k_side", k_side), ("v_side", v_side)):
@@ -499,6 +622,7 @@ class PagedDecodeAttention:
 
         cfg = self.config
         block_g = _pow2_at_least(G, 16)
+        split_block_g = _pow2_at_least(G, 1) if cuda_dot else block_g
         qk_scale = self.sm_scale * LOG2E
         dummy = pl["ws_m"]
         if pl["n_items"]:
@@ -507,14 +631,17 @@ class PagedDecodeAttention:
                 k_scale if fp8 else dummy, v_scale if fp8 else dummy, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"],
                 pl["ws_m"], pl["ws_l"], pl["ws_acc"],
+                k_codebook if compact else dummy, v_codebook if compact else dummy,
+                k_grid if compact else dummy, v_grid if compact else dummy,
                 qk_scale,
                 qp.stride(0), qp.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
                 v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
                 pl["block_tables"].stride(0),
                 Hkv,
-                GROUP=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=self.block_size, BLOCK_N=cfg.block_n,
+                GROUP=G, BLOCK_G=split_block_g, HEAD_DIM=D, BLOCK_SIZE=self.block_size, BLOCK_N=cfg.block_n,
                 PAGE_TYPE=self.page_type, HAS_BIAS=logit_bias is not None,
+                BITS_K=self.k_bits or 0, BITS_V=self.v_bits or 0, CUDA_DOT=cuda_dot,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         ks = k_side if side else q
@@ -553,10 +680,58 @@ class PagedDecodeAttention:
         return int(tokens * self.num_kv_heads * kv_bytes_per_token + bt * 4 * self.num_kv_heads + q_bytes)
 
 
+def compact_page_bytes(bits: int, head_dim: int) -> int:
+    """Bytes of one compact page (16 tokens of one KV head): codec.page_bytes."""
+    return PAGE_TOKENS * (bits * head_dim // 8 + 1)
+
+
+def compact_tables(k_tables, v_tables, device="cpu") -> dict:
+    """The per-layer tensors the kernels need for compact pages, from the codec's tables of one layer
+    (``k_tables``/``v_tables``: a ``codec.HeadTables`` per KV head): ``k_codebook``/``v_codebook`` fp32
+    [H, 2**bits], ``k_grid``/``v_grid`` fp32 [H, 256] (for ``run``), the K transform ``k_inv_transform``
+    [H, d, d] and ``k_mean`` [H, d] (for ``transform_query``: true key = y @ A_k + mu_k), and
+    ``v_inv_transform``/``v_mean`` (for ``run``), all from ``codec.inverse_matrix``."""
+    from weightszip.compact import codec
+
+    out = {}
+    for kind, tables in (("k", k_tables), ("v", v_tables)):
+        _check(len(tables) > 0 and len({t.bits for t in tables}) == 1,
+               f"{kind}_tables: one HeadTables per KV head, all of one bit width")
+        a, mean = codec.inverse_matrix(tables)
+        out[f"{kind}_codebook"] = torch.stack([t.codebook for t in tables]).contiguous().to(device)
+        out[f"{kind}_grid"] = torch.stack([t.grid() for t in tables]).contiguous().to(device)
+        out[f"{kind}_inv_transform"] = a.contiguous().to(device)
+        out[f"{kind}_mean"] = mean.contiguous().to(device)
+        out[f"{kind}_bits"] = tables[0].bits
+    return out
+
+
+def dequantize_compact_pages(pages: torch.Tensor, bits: int, codebook: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """The fp32 rotated-domain values the attention kernel reads from compact ``pages`` uint8
+    [num_blocks, kv_heads, block_size / 16, page_bytes], through its tile loader, as
+    [num_blocks, kv_heads, block_size, head_dim] (for bit-exact comparison with codec.decode_page)."""
+    _check(bits in COMPACT_BITS, f"bits must be one of {COMPACT_BITS}")
+    _check(pages.dtype == torch.uint8 and pages.dim() == 4 and pages.stride(3) == 1, "pages must be uint8 [nb, H, P, bytes]")
+    nb, h, npg, nbytes = pages.shape
+    d = (nbytes // PAGE_TOKENS - 1) * 8 // bits
+    _check(compact_page_bytes(bits, d) == nbytes and d >= 16 and d & (d - 1) == 0,
+           f"{nbytes} bytes is not a {bits}-bit page of a power-of-two head_dim >= 16")
+    _check(pages.stride(2) == nbytes, "pages of a block must be contiguous")
+    _check(codebook.dtype == torch.float32 and tuple(codebook.shape) == (h, 2**bits) and codebook.is_contiguous(),
+           f"codebook must be contiguous fp32 [{h}, {2**bits}]")
+    _check(grid.dtype == torch.float32 and tuple(grid.shape) == (h, GRID_SIZE) and grid.is_contiguous(),
+           f"grid must be contiguous fp32 [{h}, {GRID_SIZE}]")
+    bs = npg * PAGE_TOKENS
+    out = torch.empty((nb, h, bs, d), dtype=torch.float32, device=pages.device)
+    _dequantize_compact_kernel[(nb, h, npg)](pages, codebook, grid, out, pages.stride(0), pages.stride(1),
+                                             BLOCK_SIZE=bs, HEAD_DIM=d, BITS=bits)
+    return out
+
+
 def dequantize_pages(pages: torch.Tensor, page_type: str, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 values the attention kernel reads from ``pages`` [num_blocks, kv_heads, block_size,
     head_dim], through the kernel's own tile loader (for bit-exact comparison with the reference)."""
-    _check(page_type in PAGE_TYPES, f"page_type must be one of {sorted(PAGE_TYPES)}")
+    _check(page_type in ("bf16", "fp8"), "page_type must be 'bf16' or 'fp8' (compact: dequantize_compact_pages)")
     pt = PAGE_TYPES[page_type]
     _check(pages.dtype == PAGE_DTYPES[pt] and pages.dim() == 4 and pages.stride(3) == 1,
            "pages must be [num_blocks, kv_heads, block_size, head_dim] of the page type's dtype")

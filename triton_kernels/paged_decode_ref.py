@@ -22,6 +22,29 @@ def dequantize_pages_ref(pages: torch.Tensor, page_type: str, scale: torch.Tenso
     return x
 
 
+def dequantize_compact_pages_ref(pages: torch.Tensor, bits: int, codebook: torch.Tensor,
+                                 grid: torch.Tensor) -> torch.Tensor:
+    """fp32 rotated-domain values of compact pages uint8 [num_blocks, kv_heads, block_size / 16,
+    page_bytes] as [num_blocks, kv_heads, block_size, head_dim]: each page unpacked by
+    ``codec.unpack_page`` and valued ``float32(codebook[head, code] * grid[head, k])``
+    (``codec.dequantize``)."""
+    from weightszip.compact import codec
+
+    nb, h, npg, nbytes = pages.shape
+    d = (nbytes // 16 - 1) * 8 // bits
+    flat = pages.reshape(-1, nbytes).cpu()
+    codes = torch.empty(flat.shape[0], 16, d, dtype=torch.uint8)
+    sidx = torch.empty(flat.shape[0], 16, dtype=torch.uint8)
+    for i in range(flat.shape[0]):
+        codes[i], sidx[i] = codec.unpack_page(flat[i], bits, d)
+    codes = codes.view(nb, h, npg * 16, d).long()
+    sidx = sidx.view(nb, h, npg * 16).long()
+    cb, gr = codebook.float().cpu(), grid.float().cpu()
+    hh = torch.arange(h).view(1, h, 1)
+    vals = cb[hh.unsqueeze(-1), codes] * gr[hh, sidx].unsqueeze(-1)
+    return vals.to(pages.device)
+
+
 def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """bf16 [..., kv_heads, head_dim] -> e4m3 codes with one fp32 scale per KV head: round to nearest
     even of ``fp32(x) / scale``, saturated to +-448."""
@@ -45,10 +68,12 @@ def paged_positions(length: int, sink_tokens: int, window: int) -> range:
 def paged_decode_ref(q, k_pages, v_pages, block_tables, seq_lens, *, page_type="bf16", block_size=16,
                      k_scale=None, v_scale=None, sink_tokens=0, window=0, k_side=None, v_side=None,
                      q_transformed=None, logit_bias=None, v_inv_transform=None, v_mean=None,
-                     sm_scale=None) -> torch.Tensor:
+                     sm_scale=None, k_bits=None, v_bits=None, k_codebook=None, v_codebook=None,
+                     k_grid=None, v_grid=None) -> torch.Tensor:
     """Attention output [num_seqs, num_q_heads, head_dim] in fp64 (arguments as ``PagedDecodeAttention``).
 
-    Page tokens: logit = (q' . y + b) * sm_scale with y the dequantized page keys; their values are
+    Page tokens: logit = (q' . y + b) * sm_scale with y the dequantized page keys (compact pages:
+    ``k_bits``/``v_bits``, ``k_codebook``/``v_codebook``, ``k_grid``/``v_grid`` as in ``run``); their values are
     summed as y, mapped through ``v_inv_transform`` and offset by ``v_mean`` times their softmax mass.
     Side tokens: logit = q . k * sm_scale, value v, as stored (bf16).
     """
@@ -56,8 +81,12 @@ def paged_decode_ref(q, k_pages, v_pages, block_tables, seq_lens, *, page_type="
     Hkv = k_pages.shape[1]
     G = Hq // Hkv
     sm_scale = D ** -0.5 if sm_scale is None else sm_scale
-    kd = dequantize_pages_ref(k_pages, page_type, k_scale).double()
-    vd = dequantize_pages_ref(v_pages, page_type, v_scale).double()
+    if page_type == "compact":
+        kd = dequantize_compact_pages_ref(k_pages, k_bits, k_codebook, k_grid).double()
+        vd = dequantize_compact_pages_ref(v_pages, v_bits, v_codebook, v_grid).double()
+    else:
+        kd = dequantize_pages_ref(k_pages, page_type, k_scale).double()
+        vd = dequantize_pages_ref(v_pages, page_type, v_scale).double()
     qp = (q if q_transformed is None else q_transformed).double()
     out = torch.zeros((B, Hq, D), dtype=torch.float64, device=q.device)
     lens = [int(x) for x in seq_lens]

@@ -1,0 +1,1 @@
+../../../triton_kernels/compact_write_ref.py

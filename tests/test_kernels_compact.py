@@ -1,0 +1,328 @@
+"""Compact pages (q4, q3.5, q3) in the paged decode kernel and the cache-write kernel, against the
+reference codec (weightszip.compact.codec) on real SmolLM2 KV.
+
+On a machine without a GPU the kernels run in Triton's interpreter (set before triton is imported).
+
+Stated tolerances (attention output, fp32, against the fp64 reference over the same dequantized
+pages, |error| / max|v| with v the true-domain values, decoded pages and side tokens alike):
+* CUDA-core path (``cuda_dot``): products and sums in fp32: 2**-16 without side tokens; with side
+  tokens the merge's bf16 softmax weights for them (as for every page type) bring it to 2**-8.
+* tensor-core path: q', the codebook values and the scaled softmax weights are rounded to bf16
+  (2**-9 relative each) before the products: 2**-6.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from weightszip.compact import calibrate as C  # noqa: E402
+from weightszip.compact import codec  # noqa: E402
+from weightszip.errors import InvalidArgumentError  # noqa: E402
+from weightszip.kernels import KernelConfig, PagedDecodeAttention, paged_decode_ref, transform_query  # noqa: E402
+from weightszip.kernels.compact_write import compact_write, compact_write_tables  # noqa: E402
+from weightszip.kernels.compact_write_ref import compact_write_ref  # noqa: E402
+from weightszip.kernels.paged_decode import compact_tables, dequantize_compact_pages  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def real_kv():
+    """Real SmolLM2 K and V (bf16, post-RoPE): [2 (K, V), 3 layers, 64 tokens, 3 heads, 64]."""
+    a = np.load(DATA / "kv_smollm2_64tok.npy")
+    return torch.from_numpy(a.astype(np.int16)).view(torch.bfloat16).view(2, 3, 64, 3, 64)
+
+
+def tables_for(x, kind, bits, seed=0):
+    h, d = x.shape[1], x.shape[2]
+    rng = np.random.default_rng(seed)
+    signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
+    mu, mult, e0, cbs = C.fit_tables(x.float(), torch.ones(h, d), kind, signs, rng)
+    return [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits) for i in range(h)]
+
+
+KV = real_kv()
+
+
+def pool(nb, h, block_size, bits, d):
+    return torch.zeros(nb, h, block_size // 16, codec.page_bytes(bits, d), dtype=torch.uint8, device=DEVICE)
+
+
+# -- the tile loader ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+def test_dequantized_tile_equals_decode_page(bits):
+    """Pages built by the reference (encode_page): the kernel's tile loader gives codec.decode_page's
+    values bit for bit, every head with its own tables, pages of a 32-token block in any order."""
+    kind = "k" if bits % 2 else "v"
+    x = KV[0 if kind == "k" else 1, 2]  # [64, 3, 64]
+    tabs = tables_for(x, kind, bits, seed=bits)
+    h, d = 3, 64
+    pages = pool(2, h, 32, bits, d).cpu()
+    order = [3, 0, 2, 1]  # token page i goes to pool page order[i]
+    for i, j in enumerate(order):
+        for hh in range(h):
+            pages[j // 2, hh, j % 2] = codec.encode_page(x[16 * i: 16 * (i + 1), hh], tabs[hh])
+    ct = compact_tables(tabs, tabs, DEVICE)
+    got = dequantize_compact_pages(pages.to(DEVICE), bits, ct["k_codebook"], ct["k_grid"]).cpu()
+    for i, j in enumerate(order):
+        for hh in range(h):
+            want = codec.decode_page(pages[j // 2, hh, j % 2], tabs[hh])
+            assert torch.equal(got[j // 2, hh, 16 * (j % 2): 16 * (j % 2) + 16].view(torch.int32), want.view(torch.int32))
+
+
+# -- the write kernel ---------------------------------------------------------------------------------
+
+
+def hostile(x):
+    x = x.clone()
+    x[3, 0, 5] = float("nan")
+    x[4, 1, :] = float("inf")
+    x[5, 2, 0] = -float("inf")
+    x[6, 0, :] = 0.0
+    x[7, 1, 3] = 3e38
+    x[8, 2, :7] = -2.5e6
+    x[9, 0, :] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("bits,kind", [(2, "k"), (3, "v"), (4, "k"), (5, "v")])
+def test_write_kernel_bytes_equal_the_reference(bits, kind):
+    x = KV[0 if kind == "k" else 1, 1]
+    tabs = tables_for(x, kind, bits)
+    xs = hostile(x[:48])
+    g = torch.Generator().manual_seed(bits)
+    nb, bs = 4, 32
+    slots = torch.randperm(nb * bs, generator=g)[:48]
+    slots[11] = -1  # padding: writes nothing
+    got = pool(nb, 3, bs, bits, 64)
+    want = got.clone().cpu()
+    compact_write(xs.to(DEVICE), slots.to(DEVICE), got, compact_write_tables(tabs, DEVICE))
+    compact_write_ref(xs, slots, want, tabs)
+    assert torch.equal(got.cpu(), want)
+    # Independent of compact_write_ref: whole pages against codec.encode_page.
+    full = pool(1, 3, 16, bits, 64)
+    compact_write(xs[16:32].to(DEVICE), torch.arange(16, device=DEVICE), full, compact_write_tables(tabs, DEVICE))
+    for hh in range(3):
+        assert torch.equal(full[0, hh, 0].cpu(), codec.encode_page(xs[16:32, hh], tabs[hh]))
+
+
+def test_write_kernel_bad_input():
+    tabs = tables_for(KV[0, 0], "k", 4)
+    t = compact_write_tables(tabs, DEVICE)
+    x = KV[0, 0, :4].to(DEVICE)
+    pages = pool(2, 3, 16, 4, 64)
+    ok = torch.arange(4, device=DEVICE)
+    with pytest.raises(InvalidArgumentError, match="beyond the pool"):
+        compact_write(x, ok + 30, pages, t)
+    with pytest.raises(InvalidArgumentError, match="slot_mapping"):
+        compact_write(x, ok[:3], pages, t)
+    with pytest.raises(InvalidArgumentError, match="pages must be"):
+        compact_write(x, ok, pool(2, 3, 16, 3, 64), t)
+    with pytest.raises(InvalidArgumentError, match="mult"):
+        compact_write(x, ok, pages, {**t, "mult": t["mult"].int()})
+    with pytest.raises(InvalidArgumentError, match="bits"):
+        compact_write(x, ok, pages, {**t, "bits": 6})
+    with pytest.raises(InvalidArgumentError, match="head_dim"):
+        compact_write(x[:, :, :48], ok, pages, t)
+
+
+# -- attention -----------------------------------------------------------------------------------------
+
+
+def make_case(*, lens, group, kb, vb, S, W, block_size=32, seed=0):
+    """A paged compact cache of real KV tokens (drawn from the fixture's 3 layers x 64 tokens),
+    written by the write kernel; side tokens and q random."""
+    h, d = 3, 64
+    ktab = tables_for(KV[0, 1], "k", kb, seed)
+    vtab = tables_for(KV[1, 1], "v", vb, seed)
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    per = max(-(-L // block_size) for L in lens)
+    nb = B * per + 2
+    bt = torch.randperm(nb, generator=g)[: B * per].view(B, per).to(torch.int32)
+    kall, vall = KV[0].reshape(-1, h, d), KV[1].reshape(-1, h, d)
+    idx, slots = [], []
+    for b, L in enumerate(lens):
+        for p in range(S, max(S, L - W)):  # the positions the pages hold
+            idx.append(int(torch.randint(0, kall.shape[0], (1,), generator=g)))
+            slots.append(int(bt[b, p // block_size]) * block_size + p % block_size)
+    kp, vp = pool(nb, h, block_size, kb, d), pool(nb, h, block_size, vb, d)
+    slots_t = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    compact_write(kall[idx].to(DEVICE), slots_t, kp, compact_write_tables(ktab, DEVICE))
+    compact_write(vall[idx].to(DEVICE), slots_t, vp, compact_write_tables(vtab, DEVICE))
+    ks = vs = None
+    if S + W:
+        ks = (torch.randn(B, S + W, h, d, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+        vs = torch.randn(B, S + W, h, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(B, h * group, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    ct = compact_tables(ktab, vtab, DEVICE)
+    qt, bias = transform_query(q, ct["k_inv_transform"], ct["k_mean"], h)
+    return dict(q=q, kp=kp, vp=vp, bt=bt.to(DEVICE), lens=lens, S=S, W=W, bs=block_size, kb=kb, vb=vb,
+                ks=ks, vs=vs, ct=ct, qt=qt, bias=bias, ktab=ktab, vtab=vtab)
+
+
+def run(c, cuda_dot, split_tokens=64, block_n=32):
+    B, Hq, D = c["q"].shape
+    ct = c["ct"]
+    attn = PagedDecodeAttention(Hq, 3, D, page_type="compact", block_size=c["bs"], sink_tokens=c["S"],
+                                window=c["W"], device=DEVICE, k_bits=c["kb"], v_bits=c["vb"],
+                                config=KernelConfig(block_n=block_n, cuda_dot=cuda_dot))
+    attn.plan(c["lens"], c["bt"], split_tokens=split_tokens)
+    return attn.run(c["q"], c["kp"], c["vp"], k_side=c["ks"], v_side=c["vs"], q_transformed=c["qt"],
+                    logit_bias=c["bias"], v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"],
+                    k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"],
+                    v_grid=ct["v_grid"], out=torch.empty(B, Hq, D, device=DEVICE))
+
+
+def reference(c):
+    ct = c["ct"]
+    return paged_decode_ref(c["q"], c["kp"], c["vp"], c["bt"], c["lens"], page_type="compact", block_size=c["bs"],
+                            sink_tokens=c["S"], window=c["W"], k_side=c["ks"], v_side=c["vs"],
+                            q_transformed=c["qt"], logit_bias=c["bias"], v_inv_transform=ct["v_inv_transform"],
+                            v_mean=ct["v_mean"], k_bits=c["kb"], v_bits=c["vb"], k_codebook=ct["k_codebook"],
+                            v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
+
+
+def true_attention(c):
+    """Attention over the reference-decoded cache in the model's basis: codec.inverse of
+    codec.decode_page of every page, plain softmax with the side tokens (fp64): independent of the
+    kernel's transformed-domain algebra and of paged_decode_ref."""
+    q, S, W, bs = c["q"], c["S"], c["W"], c["bs"]
+    B, Hq, D = q.shape
+    G = Hq // 3
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    vmax = 0.0
+    for b, L in enumerate(c["lens"]):
+        pos = list(range(S, max(S, L - W)))
+        sl = list(range(min(S, L))) + [S + p % W for p in range(max(S, L - W), L)] if W else list(range(min(S, L)))
+        for h in range(3):
+            def dec(pages, tab):
+                rows = []
+                for p in pos:
+                    page = pages[int(c["bt"][b, p // bs]), h, (p % bs) // 16].cpu()
+                    rows.append(codec.decode_page(page, tab[h])[p % 16])
+                y = torch.stack(rows) if rows else torch.zeros(0, D)
+                return codec.inverse(y.unsqueeze(1), [tab[h]])[:, 0].double()
+            kt, vt = dec(c["kp"], c["ktab"]), dec(c["vp"], c["vtab"])
+            if sl:
+                kt = torch.cat([kt, c["ks"][b, sl, h].double().cpu()])
+                vt = torch.cat([vt, c["vs"][b, sl, h].double().cpu()])
+            vmax = max(vmax, vt.abs().max().item())
+            for gi in range(G):
+                w = torch.softmax(kt @ q[b, h * G + gi].double().cpu() * D**-0.5, 0)
+                out[b, h * G + gi] = w @ vt
+    return out, vmax
+
+
+CASES = {
+    # id: (lens, group, k bits, v bits, sinks, window)
+    "q4-gqa4-sinks-window": ([70, 130, 5], 4, 4, 4, 4, 8),
+    "k4v3-gqa2-no-side": ([45, 100], 2, 4, 3, 0, 0),
+    "k3v3-mha-window": ([33, 97, 20], 1, 3, 3, 0, 16),
+    "k5v2-gqa8-sinks": ([64, 81], 8, 5, 2, 2, 0),
+}
+
+
+@pytest.mark.parametrize("cuda_dot", [False, True], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_attention_matches_reference(case, cuda_dot):
+    lens, group, kb, vb, S, W = CASES[case]
+    c = make_case(lens=lens, group=group, kb=kb, vb=vb, S=S, W=W, seed=len(case))
+    out = run(c, cuda_dot).double().cpu()
+    ref = reference(c).cpu()
+    true, vmax = true_attention(c)
+    # The reference's algebra (q', bias, A_v, mean; fp32 tables) equals attention over the decoded cache.
+    assert (ref - true).abs().max().item() <= 1e-4 * vmax
+    tol = (2.0**-8 if S + W else 2.0**-16) if cuda_dot else 2.0**-6
+    err = (out - ref).abs().max().item()
+    assert err <= tol * vmax, f"max error {err:.3g} > {tol:.3g} * max|v| {vmax:.3g}"
+
+
+def test_split_schedule_does_not_matter():
+    c = make_case(lens=[150, 40], group=4, kb=3, vb=4, S=0, W=0, seed=9)
+    one = run(c, True, split_tokens=4096, block_n=64)
+    many = run(c, True, split_tokens=32, block_n=16)
+    _, vmax = true_attention(c)
+    assert (one - many).abs().max().item() <= 2.0**-16 * vmax
+
+
+def test_compact_bad_input():
+    c = make_case(lens=[20, 40], group=2, kb=4, vb=3, S=0, W=0)
+    with pytest.raises(InvalidArgumentError, match="k_bits"):
+        PagedDecodeAttention(6, 3, 64, page_type="compact", device=DEVICE, k_bits=4, v_bits=6)
+    with pytest.raises(InvalidArgumentError, match="are for page_type"):
+        PagedDecodeAttention(6, 3, 64, page_type="bf16", device=DEVICE, k_bits=4)
+    attn = PagedDecodeAttention(6, 3, 64, page_type="compact", device=DEVICE, k_bits=4, v_bits=3, block_size=32)
+    attn.plan(c["lens"], c["bt"])
+    ct = c["ct"]
+    tabs = dict(k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
+    with pytest.raises(InvalidArgumentError, match="v_pages"):
+        attn.run(c["q"], c["kp"], c["kp"], **tabs)
+    with pytest.raises(InvalidArgumentError, match="k_codebook"):
+        attn.run(c["q"], c["kp"], c["vp"], **{**tabs, "k_codebook": ct["v_codebook"]})
+    with pytest.raises(InvalidArgumentError, match="v_grid"):
+        attn.run(c["q"], c["kp"], c["vp"], **{**tabs, "v_grid": None})
+    with pytest.raises(InvalidArgumentError, match="not a 4-bit page"):
+        dequantize_compact_pages(c["kp"][:, :, :, :-3], 4, ct["k_codebook"], ct["k_grid"])
+
+
+# -- real shapes, GPU only -----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need the GPU")
+@pytest.mark.parametrize("cuda_dot", [False, True], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
+def test_real_shapes_gpu(shape, cuda_dot):
+    """Llama shapes, head_dim 128, tables fitted on synthetic heavy-tailed KV; pages written by the
+    write kernel (bytes checked against the reference on a slice), attention against the reference."""
+    Hq, Hkv, D = shape
+    g = torch.Generator().manual_seed(1)
+    calib = torch.randn(512, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g)) + torch.randn(D, generator=g)
+    rng = np.random.default_rng(0)
+    signs = torch.from_numpy(rng.choice([-1, 1], size=D)).to(torch.int64)
+    tabs = {}
+    for kind, bits in (("k", 4), ("v", 3)):
+        mu, mult, e0, cbs = C.fit_tables(calib, torch.ones(Hkv, D), kind, signs, rng)
+        tabs[kind] = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits) for i in range(Hkv)]
+    lens, S, W = [3000, 1, 777, 4100], 4, 128
+    per = max(-(-L // 16) for L in lens)
+    nb = len(lens) * per + 4
+    bt = torch.randperm(nb, generator=g)[: len(lens) * per].view(len(lens), per).to(torch.int32)
+    slots = torch.cat([bt[b, torch.arange(L) // 16].long() * 16 + torch.arange(L) % 16 for b, L in enumerate(lens)])
+    n = slots.numel()
+    x = {k: (torch.randn(n, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g))).to(torch.bfloat16) for k in "kv"}
+    pages = {}
+    for kind, bits in (("k", 4), ("v", 3)):
+        pages[kind] = pool(nb, Hkv, 16, bits, D)
+        compact_write(x[kind].cuda(), slots.cuda(), pages[kind], compact_write_tables(tabs[kind], "cuda"))
+        want = pool(nb, Hkv, 16, bits, D).cpu()
+        compact_write_ref(x[kind][:256], slots[:256], want, tabs[kind])
+        blocks = bt[0, :16].long()
+        assert torch.equal(pages[kind].cpu()[blocks], want[blocks])
+    ct = compact_tables(tabs["k"], tabs["v"], "cuda")
+    q = torch.randn(len(lens), Hq, D, generator=g).to(torch.bfloat16).cuda()
+    qt, bias = transform_query(q, ct["k_inv_transform"], ct["k_mean"], Hkv)
+    side = {k: torch.randn(len(lens), S + W, Hkv, D, generator=g).to(torch.bfloat16).cuda() for k in ("k_side", "v_side")}
+    tables = dict(k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
+    common = dict(q_transformed=qt, logit_bias=bias, v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"], **side)
+    attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=4, v_bits=3,
+                                config=KernelConfig(block_n=32 if cuda_dot else 64, cuda_dot=cuda_dot))
+    attn.plan(lens, bt.cuda())
+    out = attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables, **common)
+    ref = paged_decode_ref(q, pages["k"], pages["v"], bt.cuda(), lens, page_type="compact", sink_tokens=S, window=W,
+                           k_bits=4, v_bits=3, **tables, **common)
+    vals = codec.inverse(dequantize_compact_pages(pages["v"], 3, ct["v_codebook"], ct["v_grid"]).permute(0, 2, 1, 3).cpu(), tabs["v"])
+    vmax = max(vals.abs().max().item(), side["v_side"].float().abs().max().item())
+    tol = 2.0**-8 if cuda_dot else 2.0**-6
+    assert (out.double() - ref).abs().max().item() <= tol * vmax
