@@ -266,3 +266,21 @@ def test_lmcache_example_runs():
         assert ex["main"]() == 0
     except ModelNotInstalled as e:
         pytest.skip(str(e))
+
+
+def test_lmcache_builds_the_connector_from_the_example_config(tmp_path):
+    """LMCache's own config loader and ConnectorManager, on examples/lmcache_inprocess.yaml."""
+    wl = _lmcache()
+    from pathlib import Path
+
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.storage_backend.connector import ConnectorManager
+
+    text = (Path(__file__).parent.parent / "examples" / "lmcache_inprocess.yaml").read_text()
+    cfg_path = tmp_path / "lmcache.yaml"
+    cfg_path.write_text(text.replace("/data/wz-kv", str(tmp_path / "kv")))
+    cfg = LMCacheEngineConfig.from_file(str(cfg_path))
+    conn = ConnectorManager(cfg.remote_url, None, _Allocator(), cfg).create_connector()
+    assert isinstance(conn, wl.WeightszipConnector)
+    assert Path(conn.store.config.path) == tmp_path / "kv" and conn.store.config.ram_bytes == 8589934592
+    conn.store.close()

@@ -182,6 +182,11 @@ class ChunkStore:
                 out.append(None if r is None else r[1])
         return out
 
+    def get_many_with_tags(self, keys: Iterable[str | bytes]) -> list:
+        """Like `get_many`, one entry per key: (tag, bytes), None (missing) or the exception of a
+        damaged chunk (already removed), for callers that decide per chunk."""
+        return self._s.get_many([_key(k) for k in keys])
+
     # -- tensors ------------------------------------------------------------------------------
     def put_tensor(self, key: str | bytes, x: Any, *, codec: ChunkCodec | None = None, axis: int = -1) -> int:
         """Store a tensor (numpy or CPU torch); returns the bytes stored. Without `codec`, the

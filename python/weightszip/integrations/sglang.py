@@ -103,7 +103,7 @@ class WeightszipHiCacheStorage(HiCacheStorage):
             target_locations = [None] * len(keys)
         out: List[torch.Tensor | None] = []
         # A damaged page comes back as a miss (it is removed from the store and logged).
-        for key, r, target in zip(keys, self.store._s.get_many([self._k(k).encode() for k in keys]), target_locations):
+        for key, r, target in zip(keys, self.store.get_many_with_tags([self._k(k) for k in keys]), target_locations):
             if r is None or isinstance(r, BaseException):
                 if isinstance(r, BaseException):
                     logger.warning("weightszip HiCache: page %s failed verification: %s", key, r)
