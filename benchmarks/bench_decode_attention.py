@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--check", action="store_true", help="check kernels against the reference at real shapes")
     p.add_argument("--tune-compact", action="store_true", help="sweep the compact kernel's launch parameters")
     p.add_argument("--write", action="store_true", help="time the compact cache-write kernel")
+    p.add_argument("--compact-sweep", default=COMPACT_SWEEP,
+                   help="--tune-compact's configurations: block_n:warps:stages:cuda_dot,...")
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_attention"),
@@ -215,7 +217,10 @@ def time_write(shapes, rep):
     return rows
 
 
-def tune_compact(shapes, rep):
+COMPACT_SWEEP = "64:4:2:0,64:4:3:0,128:4:2:0,32:4:3:0,64:8:2:0,16:4:3:1,32:4:2:1,32:8:2:1"
+
+
+def tune_compact(shapes, rep, spec=COMPACT_SWEEP):
     from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
     from weightszip.kernels.paged_decode import PAGE_COMPACT
     import triton
@@ -224,9 +229,8 @@ def tune_compact(shapes, rep):
     points = [("llama8b", 8, 32768), ("llama8b", 64, 131072), ("llama70b-tp8", 8, 32768),
               ("llama70b-tp8", 64, 131072)]
     points = [p for p in points if p[0] in shapes]
-    sweep = [KernelConfig(block_n=bn, num_warps=w, num_stages=st, cuda_dot=cd)
-             for cd, bn, w, st in [(False, 64, 4, 2), (False, 64, 4, 3), (False, 128, 4, 2), (False, 32, 4, 3),
-                                   (False, 64, 8, 2), (True, 16, 4, 3), (True, 32, 4, 2), (True, 32, 8, 2)]]
+    sweep = [KernelConfig(block_n=bn, num_warps=w, num_stages=st, cuda_dot=bool(cd))
+             for bn, w, st, cd in (map(int, c.split(":")) for c in spec.split(","))]
     gen = torch.Generator(device="cuda").manual_seed(4)
     result, scores = [], {}
     for cfg in tqdm(sweep, desc="tune compact", file=sys.stdout):
@@ -357,7 +361,7 @@ def main(argv=None):
     if args.tune:
         res["tune"], res["tuned"] = tune(shapes, args.rep)
     if args.tune_compact:
-        res["tune_compact"], res["tuned_compact"] = tune_compact(shapes, args.rep)
+        res["tune_compact"], res["tuned_compact"] = tune_compact(shapes, args.rep, args.compact_sweep)
     if args.check:  # after tuning: the configurations the grid uses are the ones checked
         res["check"] = check(shapes)
     if args.write:

@@ -15,7 +15,13 @@ Read me first:
 * **Page types** (a compile-time switch, ``PAGE_TYPE``): ``PAGE_BF16`` (the block holds bf16 values)
   and ``PAGE_FP8`` (e4m3 codes with one fp32 scale per KV head, value = ``fp32(code) * scale``). One
   step, ``_load_page_tile``, loads and dequantizes a tile of ``BLOCK_N`` tokens (``BLOCK_N / 16``
-  pages); everything else is shared.
+  pages); everything else is shared. ``PAGE_COMPACT``: the compact formats' pages (q4, q3.5, q3;
+  ``codec.pack_page``), a pool ``uint8 [num_blocks, kv_heads, block_size / 16, page_bytes]`` per K
+  and V with their own widths (``k_bits``/``v_bits``, constexprs); ``_load_compact_tile`` unpacks
+  the bit planes and returns ``codebook[code]`` and the token's ``grid[k]``, whose fp32 product is
+  ``codec.dequantize`` bit for bit (``dequantize_compact_pages``); the scale multiplies the fp32
+  logits (K) and the softmax weights (V). Products on the tensor cores (bf16 codebook values, q'
+  and scaled weights) or, with ``KernelConfig.cuda_dot``, in fp32 on the CUDA cores.
 * **Transformed domain.** A format may store pages in a transformed domain: the true key is ``y @ A_k
   + mu_k`` and the true value ``y @ A_v + mu_v``, ``y`` the dequantized page value, ``A`` a ``[head_dim,
   head_dim]`` matrix per KV head. Then ``q . k = (q @ A_k^T) . y + q . mu_k``: the split kernel gets
@@ -86,8 +92,9 @@ class KernelConfig:
 DEFAULT_CONFIGS = {
     PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024),
-    # Not tuned yet on the GPU (see BENCHMARKS.md, compact pages).
-    PAGE_COMPACT: KernelConfig(block_n=64, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
+    # `bench_decode_attention.py --tune-compact` (2026-11-30, two sweeps of 8 and 6 configurations):
+    # 128 tokens/step, 4 warps, 2 stages, tensor-core products (CUDA-core products 6-11x slower).
+    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
 }
 
 
