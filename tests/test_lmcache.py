@@ -284,3 +284,56 @@ def test_lmcache_builds_the_connector_from_the_example_config(tmp_path):
     assert isinstance(conn, wl.WeightszipConnector)
     assert Path(conn.store.config.path) == tmp_path / "kv" and conn.store.config.ram_bytes == 8589934592
     conn.store.close()
+
+
+def _server(module: str, tmp_path, timeout: float = 90.0) -> tuple[bool, str]:
+    """Start LMCache's MP server (through `module`) on CPU with an fs L2 adapter using our serde;
+    return (came up, log). Stopped with SIGINT once up."""
+    import json
+    import signal
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
+    site = os.environ.get("WEIGHTSZIP_LMCACHE_SITE")
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site) if p)
+    adapter = {"type": "fs", "base_path": str(tmp_path / "l2"), "serde": {"type": "weightszip"}}
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", "0.25",
+             "--eviction-policy", "LRU", "--l2-adapter", json.dumps(adapter), "--disable-observability"],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+        up = False
+        try:
+            deadline = time.time() + timeout
+            while time.time() < deadline and p.poll() is None:
+                if "Supported transfer mode" in log.read_text():
+                    up = True
+                    break
+                time.sleep(0.2)
+        finally:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    return up, log.read_text()
+
+
+def test_lmcache_server_starts_with_the_weightszip_serde_through_the_launcher(tmp_path):
+    """The real MP server (CPU) builds its fs L2 adapter with "serde": {"type": "weightszip"}
+    when started through our launcher, and refuses the config without it."""
+    _lmcache()
+    (tmp_path / "l2").mkdir()
+    up, log = _server("weightszip.integrations.lmcache_server", tmp_path)
+    assert up and "Initialized FSL2Adapter" in log, log[-3000:]
+    up, log = _server("lmcache.v1.multiprocess.server", tmp_path)
+    assert not up and "Unknown serde type 'weightszip'" in log, log[-3000:]
