@@ -363,3 +363,32 @@ def test_calibrate_and_evaluate_on_smollm2(smollm2, tmp_path):
     assert q4.top1 >= 0.8
     # the first 132 positions see only bf16 tokens (4 sinks + 128 recent): KL there is the floor
     assert q3.kl[:132].mean() < q3.kl[132:].mean()
+
+
+def test_capacity_counts_the_exact_bits_of_a_calibration(tmp_path, capsys):
+    from fractions import Fraction
+
+    from weightszip.cli import main
+    from weightszip.eval import capacity
+
+    cal = _small_calibration()
+    p = tmp_path / "m.wzcal"
+    cal.save(p)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 3, "num_attention_heads": 9, "num_key_value_heads": 3,
+                               "head_dim": 64, "hidden_size": 576, "num_parameters": 135_000_000}))
+    saved = dict(capacity.FORMATS)
+    try:
+        assert main(["capacity", "--model", str(cfg), "--gpu", "h100-80gb", "--calibration", str(p), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        rows = {f["name"]: f for f in out["formats"]}
+        want = cal.bits_fraction("q3", 131072)
+        assert want < 3 and rows["q3"]["bits_per_value"] == float(want)
+        assert capacity.FORMATS["q3"].bits_per_value == Fraction(want)
+        other = tmp_path / "other.json"
+        other.write_text(cfg.read_text().replace('"num_hidden_layers": 3', '"num_hidden_layers": 30'))
+        assert main(["capacity", "--model", str(other), "--gpu", "h100-80gb", "--calibration", str(p)]) != 0
+        assert "3 layers" in capsys.readouterr().err
+    finally:
+        capacity.FORMATS.clear()
+        capacity.FORMATS.update(saved)

@@ -31,6 +31,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -100,8 +101,15 @@ class Calibration:
         return total
 
     def bits_per_value(self, fmt: str, context_len: int) -> float:
-        """Exact bits per cached value with ``context_len`` tokens: codes, scale indices, the kept
-        bf16 tokens and the tables, over all layers, K and V."""
+        """Bits per cached value with ``context_len`` tokens: codes, scale indices, the kept bf16
+        tokens and the tables, over all layers, K and V (``bits_fraction`` exactly)."""
+        return float(self.bits_fraction(fmt, context_len))
+
+    def bits_fraction(self, fmt: str, context_len: int) -> Fraction:
+        if fmt not in self.allocation:
+            raise CalibrationError(f"the calibration has no allocation for {fmt!r} ({', '.join(self.allocation)})")
+        if context_len < 1:
+            raise CalibrationError("context_len must be positive")
         alloc = self.allocation[fmt]
         kept = min(context_len, self.sink_tokens + self.recent_window)
         stored = context_len - kept
@@ -113,7 +121,7 @@ class Calibration:
                 total += kept * values_per_token * 16
                 total += stored * self.kv_heads * (b * self.head_dim + 8)
         total += self.table_bits(fmt)
-        return total / (2 * self.layers * context_len * values_per_token)
+        return Fraction(total, 2 * self.layers * context_len * values_per_token)
 
     def check_model(self, layers: int, kv_heads: int, head_dim: int) -> None:
         if (layers, kv_heads, head_dim) != (self.layers, self.kv_heads, self.head_dim):

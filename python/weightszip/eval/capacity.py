@@ -732,8 +732,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--price-on-demand", type=_number, default=PRICE_ON_DEMAND, help="$ per GPU-hour on demand (default 3.61)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write a bar chart (needs matplotlib)")
+    p.add_argument("--calibration", metavar="M.wzcal", help="count q4, q3.5, q3 at the exact bits per value of this "
+                   "model's calibration (from `weightszip calibrate`) at --context, instead of their stated bits")
     p.set_defaults(fn=run)
     return p
+
+
+def _use_calibration(path: str, model: str, context: int) -> None:
+    """Register q4, q3.5 and q3 at the exact bits the calibration gives them for ``model``."""
+    from weightszip.compact.calibrate import Calibration, CalibrationError
+    from weightszip.errors import WeightszipError
+
+    spec = resolve_model(model)
+    try:
+        cal = Calibration.load(path)
+        cal.check_model(spec.layers, spec.kv_heads, spec.head_dim)
+    except (CalibrationError, WeightszipError, OSError) as e:
+        raise CapacityError(f"--calibration {path}: {e}") from e
+    for name in cal.allocation:
+        register_format(name, cal.bits_fraction(name, context),
+                        f"weightszip compact format, exact bits per value at {context} tokens from {path}")
 
 
 def run(args) -> int:
@@ -742,6 +760,8 @@ def run(args) -> int:
         formats = [s.strip() for s in args.formats.split(",") if s.strip()]
     if args.plot:
         _import_pyplot()  # fail before printing anything
+    if getattr(args, "calibration", None):
+        _use_calibration(args.calibration, args.model, args.context)
     r = compute(
         args.model, args.gpu, gpus=args.gpus, context=args.context, formats=formats, sessions=args.sessions,
         gpu_memory_gb=args.gpu_memory_gb, params=args.params, weights_gb=args.weights_gb,
