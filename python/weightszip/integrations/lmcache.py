@@ -11,7 +11,8 @@ serde type ``weightszip`` and then runs LMCache's own server with the same argum
         --l2-adapter '{"type": "fs", "base_path": "/data/kv", "serde": {"type": "weightszip"}}'
 
 (or call `register()` in any process before LMCache parses its L2 adapter config).
-Serde options: ``"mode": "exact"`` (default, bit-exact) or ``"codec"`` with ``"codec":
+Serde options: ``"mode": "exact"`` (default, bit-exact); ``"q4"``, ``"q3.5"`` or ``"q3"`` with
+``"calibration": "/path/model.wzcal"`` (the compact formats, lossy); or ``"codec"`` with ``"codec":
 "pkg.module:OBJECT"`` naming a `weightszip.store.ChunkCodec` (compact formats) that also has
 ``max_encoded_size(shape, dtype) -> int``; ``"threads"`` (codec threads per chunk, 0 = all
 cores) and ``"max_workers"`` (chunks coded at once).
@@ -97,12 +98,19 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     """LMCache serde factory: the ``"serde"`` dict of an L2 adapter, less its ``type``."""
     mode = str(kwargs.get("mode", "exact"))
     codec = None
-    if mode == "codec":
+    if mode in ("q4", "q3.5", "q3"):
+        if "calibration" not in kwargs:
+            raise InvalidArgumentError(f"serde mode {mode!r} needs \"calibration\": the model's .wzcal file")
+        from weightszip.compact.calibrate import Calibration
+        from weightszip.integrations.compact_chunks import CompactChunkCodec
+
+        codec = register_codec(CompactChunkCodec(Calibration.load(str(kwargs["calibration"])), mode), replace=True)
+    elif mode == "codec":
         if "codec" not in kwargs:
             raise InvalidArgumentError("serde mode 'codec' needs \"codec\": \"module:object\"")
         codec = register_codec(_load_codec(str(kwargs["codec"])), replace=True)
     elif mode != "exact":
-        raise InvalidArgumentError(f"weightszip serde mode must be 'exact' or 'codec', not {mode!r}")
+        raise InvalidArgumentError(f"weightszip serde mode must be exact, q4, q3.5, q3 or codec, not {mode!r}")
     threads = int(kwargs.get("threads", 0))  # type: ignore[call-overload]
     max_workers = int(kwargs.get("max_workers", 2))  # type: ignore[call-overload]
     return AsyncSerdeProcessor(

@@ -1,0 +1,127 @@
+"""The compact KV formats (q4, q3.5, q3; `weightszip.compact`) as a `ChunkCodec` for the chunk
+store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
+[2, layers, tokens, kv_heads * head_dim] becomes the formats' 16-token pages.
+
+    >>> from weightszip.compact.calibrate import Calibration                   # doctest: +SKIP
+    >>> codec = CompactChunkCodec(Calibration.load("smollm2.wzcal"), "q4")
+    >>> store.put_tensor("chunk-key", kv_chunk, codec=codec)                   # ~0.28 of bf16
+    >>> store.get_tensor("chunk-key")                                          # what q4 hands back
+
+Bytes: a 24-byte header (magic ``WZQC``, version 1, format index, then u32 kinds, layers, tokens,
+hidden, little-endian) and, for K then V, each layer, each kv head, each 16 tokens, one page of
+``weightszip.compact.codec.page_bytes(bits, head_dim)`` bytes (docs/FORMAT.md, "Compact KV pages"),
+bits from the calibration's allocation for that layer and kind. Every token of the chunk is coded:
+a chunk does not know where it sits in the sequence, so the sink and recent-window tokens that the
+paged cache keeps in bf16 are the caller's to keep out of offloaded chunks.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+from weightszip.compact import codec as cc
+from weightszip.compact.calibrate import TARGETS
+from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
+
+MAGIC = b"WZQC"
+VERSION = 1
+_HEAD = struct.Struct("<4sBB2xIIII")  # 24 bytes
+_FORMATS = tuple(TARGETS)
+
+
+def _as_bf16_torch(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    a = np.ascontiguousarray(x)
+    if a.dtype.itemsize != 2:
+        raise InvalidArgumentError(f"compact chunks take bf16 KV, got {a.dtype}")
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+
+class CompactChunkCodec:
+    """q4 / q3.5 / q3 pages for whole KV chunks, with one model's calibration."""
+
+    def __init__(self, calibration, fmt: str = "q4", tag: int = 32 + 0):
+        if fmt not in _FORMATS:
+            raise InvalidArgumentError(f"compact format must be one of {', '.join(_FORMATS)}, not {fmt!r}")
+        self.cal = calibration
+        self.fmt = fmt
+        self.tag = tag + _FORMATS.index(fmt)
+
+    def _bits(self, layer: int, ki: int) -> int:
+        return self.cal.allocation[self.fmt][layer][ki]
+
+    def _check(self, kinds: int, layers: int, tokens: int, hidden: int) -> int:
+        cal = self.cal
+        if kinds != 2 or layers != cal.layers or hidden != cal.kv_heads * cal.head_dim:
+            raise InvalidArgumentError(
+                f"chunk [{kinds}, {layers}, {tokens}, {hidden}] does not fit the calibration "
+                f"([2, {cal.layers}, T, {cal.kv_heads} x {cal.head_dim}])"
+            )
+        if tokens % cc.PAGE_TOKENS:
+            raise InvalidArgumentError(f"chunk tokens must be a multiple of {cc.PAGE_TOKENS}, got {tokens}")
+        return tokens // cc.PAGE_TOKENS
+
+    def max_encoded_size(self, shape, dtype=None) -> int:
+        kinds, layers, tokens, hidden = (int(s) for s in shape)
+        pages = self._check(kinds, layers, tokens, hidden)
+        heads, d = self.cal.kv_heads, self.cal.head_dim
+        body = sum(
+            pages * heads * cc.page_bytes(self._bits(layer, ki), d) for layer in range(layers) for ki in range(2)
+        )
+        return _HEAD.size + body
+
+    def encode(self, x: Any) -> bytes:
+        t = _as_bf16_torch(x)
+        if t.ndim != 4:
+            raise InvalidArgumentError(f"a KV chunk is [2, layers, tokens, hidden], got {tuple(t.shape)}")
+        kinds, layers, tokens, hidden = t.shape
+        pages = self._check(kinds, layers, tokens, hidden)
+        heads, d = self.cal.kv_heads, self.cal.head_dim
+        out = [_HEAD.pack(MAGIC, VERSION, _FORMATS.index(self.fmt), kinds, layers, tokens, hidden)]
+        for ki, kind in enumerate("kv"):
+            for layer in range(layers):
+                bits = self._bits(layer, ki)
+                tables = self.cal.tables(layer, kind, bits)
+                codes, sidx = cc.encode_tokens(t[ki, layer].reshape(tokens, heads, d), tables)
+                for h in range(heads):
+                    for p in range(pages):
+                        sl = slice(p * cc.PAGE_TOKENS, (p + 1) * cc.PAGE_TOKENS)
+                        out.append(cc.pack_page(codes[sl, h], sidx[sl, h], bits).numpy().tobytes())
+        return b"".join(out)
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        if len(data) < _HEAD.size:
+            raise TruncatedError(f"compact chunk of {len(data)} bytes")
+        magic, version, fi, kinds, layers, tokens, hidden = _HEAD.unpack_from(data)
+        if magic != MAGIC or version != VERSION:
+            raise CorruptDataError("not a compact KV chunk (magic or version)")
+        if fi >= len(_FORMATS) or _FORMATS[fi] != self.fmt:
+            raise InvalidArgumentError(f"chunk is {_FORMATS[fi] if fi < len(_FORMATS) else fi}, this codec {self.fmt}")
+        pages = self._check(kinds, layers, tokens, hidden)
+        if len(data) != self.max_encoded_size((kinds, layers, tokens, hidden)):
+            raise TruncatedError(f"compact chunk has {len(data)} bytes, its header implies {self.max_encoded_size((kinds, layers, tokens, hidden))}")
+        heads, d = self.cal.kv_heads, self.cal.head_dim
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(kinds, layers, tokens, hidden, dtype=torch.bfloat16)
+        pos = _HEAD.size
+        for ki, kind in enumerate("kv"):
+            for layer in range(layers):
+                bits = self._bits(layer, ki)
+                tables = self.cal.tables(layer, kind, bits)
+                n = cc.page_bytes(bits, d)
+                codes = torch.empty(tokens, heads, d, dtype=torch.uint8)
+                sidx = torch.empty(tokens, heads, dtype=torch.uint8)
+                for h in range(heads):
+                    for p in range(pages):
+                        c, s = cc.unpack_page(buf[pos : pos + n], bits, d)
+                        sl = slice(p * cc.PAGE_TOKENS, (p + 1) * cc.PAGE_TOKENS)
+                        codes[sl, h], sidx[sl, h] = c, s
+                        pos += n
+                x = cc.inverse(cc.dequantize(codes, sidx, tables), tables)
+                out[ki, layer] = x.reshape(tokens, hidden).to(torch.bfloat16)
+        return out

@@ -1,0 +1,107 @@
+"""Compact formats (q4, q3.5, q3) as a ChunkCodec: through the chunk store and the KV serde
+format, on real SmolLM2 KV, with a small calibration made as test_compact makes it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weightszip  # noqa: E402
+from weightszip.compact import codec as cc  # noqa: E402
+from weightszip.integrations import kvserde  # noqa: E402
+from weightszip.integrations.compact_chunks import CompactChunkCodec  # noqa: E402
+from weightszip.store import ChunkStore, register_codec  # noqa: E402
+
+from test_compact import _small_calibration  # noqa: E402
+from test_store import real_kv  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cal():
+    return _small_calibration(layers=3)
+
+
+def _kv():
+    return torch.from_numpy(real_kv().view(np.int16).copy()).view(torch.bfloat16)  # [2, 3, 64, 192]
+
+
+def _expected(kv, cal, fmt):
+    """What the format hands back, token by token, from the reference codec."""
+    out = torch.empty_like(kv)
+    for ki, kind in enumerate("kv"):
+        for layer in range(3):
+            bits = cal.allocation[fmt][layer][ki]
+            x = kv[ki, layer].reshape(64, cal.kv_heads, cal.head_dim)
+            out[ki, layer] = cc.roundtrip(x, cal.tables(layer, kind, bits)).reshape(64, -1).to(torch.bfloat16)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q3.5", "q3"])
+def test_compact_chunks_decode_to_what_the_format_hands_back(cal, fmt):
+    kv = _kv()
+    codec = CompactChunkCodec(cal, fmt)
+    blob = codec.encode(kv)
+    assert len(blob) == codec.max_encoded_size(kv.shape)
+    assert len(blob) < 0.4 * kv.numel() * 2
+    back = codec.decode(blob)
+    assert torch.equal(back.view(torch.int16), _expected(kv, cal, fmt).view(torch.int16))
+    assert not torch.equal(back, kv)
+
+
+def test_compact_chunks_through_the_store_and_the_serde_format(cal, tmp_path):
+    kv = _kv()
+    codec = register_codec(CompactChunkCodec(cal, "q4"), replace=True)
+    with ChunkStore(tmp_path, ram_bytes=0) as s:
+        (n,) = s.put_tensors({"c": kv}, codec=codec)
+        assert s.get_with_tag("c")[0] == codec.tag
+        assert torch.equal(s.get_tensor("c").view(torch.int16), _expected(kv, cal, "q4").view(torch.int16))
+    buf = torch.empty(kvserde.HEADER_LEN + codec.max_encoded_size(kv.shape), dtype=torch.uint8)
+    assert kvserde.serialize_into(kv, buf, codec=codec) == buf.numel()
+    dst = torch.empty_like(kv)
+    kvserde.deserialize_into(buf, dst)
+    assert torch.equal(dst.view(torch.int16), _expected(kv, cal, "q4").view(torch.int16))
+
+
+def test_compact_chunks_reject_bad_input(cal):
+    codec = CompactChunkCodec(cal, "q3")
+    kv = _kv()
+    with pytest.raises(weightszip.InvalidArgumentError, match="calibration"):
+        codec.encode(kv[:, :2])
+    with pytest.raises(weightszip.InvalidArgumentError, match="multiple of 16"):
+        codec.encode(kv[:, :, :40])
+    with pytest.raises(weightszip.InvalidArgumentError):
+        CompactChunkCodec(cal, "q5")
+    blob = codec.encode(kv)
+    with pytest.raises(weightszip.TruncatedError):
+        codec.decode(blob[:-1])
+    with pytest.raises(weightszip.CorruptDataError):
+        codec.decode(b"XXXX" + blob[4:])
+    with pytest.raises(weightszip.InvalidArgumentError, match="q3"):
+        CompactChunkCodec(cal, "q4").decode(blob)
+
+
+def test_lmcache_serde_in_a_compact_mode(cal, tmp_path):
+    from test_lmcache import _lmcache, _memory_obj, _wait
+
+    wl = _lmcache()
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    path = tmp_path / "small.wzcal"
+    cal.save(path)
+    with pytest.raises(weightszip.InvalidArgumentError, match="calibration"):
+        wl.create_serde({"mode": "q4"})
+    proc = wl.create_serde({"mode": "q3.5", "calibration": str(path)})
+    kv = _kv()
+    size = proc.estimate_serialized_size(MemoryLayoutDesc(shapes=[kv.shape], dtypes=[torch.bfloat16]))
+    assert size == kvserde.HEADER_LEN + CompactChunkCodec(cal, "q3.5").max_encoded_size(kv.shape)
+    src = _memory_obj(kv.shape, torch.bfloat16)
+    src.tensor.copy_(kv)
+    tmp = _memory_obj((size,), torch.uint8)
+    assert _wait(proc.query_serialize_result, proc.submit_serialize([src], [tmp], [None])) is True
+    assert tmp.get_size() == size
+    dst = _memory_obj(kv.shape, torch.bfloat16)
+    assert _wait(proc.query_deserialize_result, proc.submit_deserialize([tmp], [dst], [None])) is True
+    assert torch.equal(dst.tensor.view(torch.int16), _expected(kv, cal, "q3.5").view(torch.int16))
+    proc.close()
