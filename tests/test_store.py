@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import weightszip
-from weightszip.store import TAG_CONTAINER, TAG_RAW, ChunkStore, register_codec
+from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec
 
 DATA = Path(__file__).parent / "data"
 
