@@ -454,7 +454,7 @@ def calibrate(
     return cal
 
 
-def allocate(dist: np.ndarray, target: float, layers: int, kv_heads: int, head_dim: int) -> list[list[int]]:
+def allocate(dist: np.ndarray, target: float, layers: int, kv_heads: int, head_dim: int, min_bits: int = BITS_CHOICES[0]) -> list[list[int]]:
     """Bit widths per (layer, kind) minimizing the summed error with the format's bits per value
     at BUDGET_CONTEXT tokens at most ``target`` (greedy: start at the smallest width, repeatedly
     widen the tensor with the largest error saved per bit while the budget allows)."""
@@ -466,10 +466,11 @@ def allocate(dist: np.ndarray, target: float, layers: int, kv_heads: int, head_d
     overhead += table / (2 * layers * ctx * head_dim * kv_heads)
     code_budget = (target - overhead) * ctx / (ctx - kept)  # average code width allowed
     n = layers * 2
-    widths = np.zeros((layers, 2), dtype=int)  # index into BITS_CHOICES
-    if BITS_CHOICES[0] > code_budget:
-        raise CalibrationError(f"{target} bits per value cannot hold {BITS_CHOICES[0]}-bit codes and their overhead")
-    spent = BITS_CHOICES[0] * n
+    lo = BITS_CHOICES.index(min_bits)
+    widths = np.full((layers, 2), lo, dtype=int)  # index into BITS_CHOICES
+    if min_bits > code_budget:
+        raise CalibrationError(f"{target} bits per value cannot hold {min_bits}-bit codes and their overhead")
+    spent = min_bits * n
     while True:
         best, best_gain = None, 0.0
         for layer in range(layers):

@@ -68,11 +68,35 @@ class CompactFormat(KVFormat):
             raise ValueError(f"K/V of {h} heads x {d} does not fit the calibration ({cal.kv_heads} x {cal.head_dim})")
         bits = self.widths(layer)[KINDS.index(kind)]
         tables = cal.tables(layer, kind, bits)
+        if b == 1:
+            return self._roundtrip_memo(x, kind, layer, tables)
         out = torch.empty_like(x)
         for i in range(b):
             xt = x[i].transpose(0, 1)  # [T, H, d]
             out[i] = codec.roundtrip(xt, tables).transpose(0, 1).to(x.dtype)
         return out
+
+    def _roundtrip_memo(self, x, kind, layer, tables):
+        """Each token is coded on its own, so when a forward's K/V start with the previous call's
+        tokens (greedy decoding re-running a growing sequence) only the new tokens are coded."""
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (layer, kind)
+        xt = x[0].transpose(0, 1)  # [T, H, d]
+        prev = memo.get(key)
+        n = 0
+        if prev is not None:
+            px, py = prev
+            n = min(px.shape[0], xt.shape[0])
+            if not torch.equal(px[:n], xt[:n]):
+                n = 0
+        if n == xt.shape[0]:
+            y = py[:n]
+        elif n:
+            y = torch.cat([py[:n], codec.roundtrip(xt[n:], tables).to(x.dtype)])
+        else:
+            y = codec.roundtrip(xt, tables).to(x.dtype)
+        memo[key] = (xt.clone(), y)
+        return y.transpose(0, 1).unsqueeze(0)
 
     def stored_bits(self, n_quantized, head_dim, kv_heads, kind):  # per layer: averaged in bits_per_value
         raise NotImplementedError("compact formats count bits over all layers: use bits_per_value")
