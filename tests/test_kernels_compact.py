@@ -81,6 +81,36 @@ def test_dequantized_tile_equals_decode_page(bits):
             assert torch.equal(got[j // 2, hh, 16 * (j % 2): 16 * (j % 2) + 16].view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_pair_table_tile_equals_decode_page_in_bf16(bits):
+    """The tensor-core path's loader (one gather of a packed pair of bf16 codebook values per two
+    channels): every value is float32(bf16(codebook[code])) * grid[k], codec.decode_page's value with
+    the codebook rounded to bf16, bit for bit; and the pair table packs (a, b) as the low/high half."""
+    from weightszip.kernels.paged_decode import compact_pair_table
+
+    kind = "v" if bits % 2 else "k"
+    x = KV[0 if kind == "k" else 1, 1]  # [64, 3, 64]
+    tabs = tables_for(x, kind, bits, seed=10 + bits)
+    h, d = 3, 64
+    pages = pool(2, h, 32, bits, d).cpu()
+    for i in range(4):
+        for hh in range(h):
+            pages[i // 2, hh, i % 2] = codec.encode_page(x[16 * i: 16 * (i + 1), hh], tabs[hh])
+    ct = compact_tables(tabs, tabs, DEVICE)
+    got = dequantize_compact_pages(pages.to(DEVICE), bits, ct["k_codebook"], ct["k_grid"], pairs=True).cpu()
+    n = 2**bits
+    pt = compact_pair_table(ct["k_codebook"].cpu())
+    cb16 = ct["k_codebook"].cpu().to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    a, b = 3 % n, n - 1
+    assert int(pt[1, a | b << bits]) & 0xFFFFFFFF == int(cb16[1, a]) | int(cb16[1, b]) << 16
+    for i in range(4):
+        for hh in range(h):
+            codes, sidx = codec.unpack_page(pages[i // 2, hh, i % 2], bits, d)
+            cb = tabs[hh].codebook.to(torch.bfloat16).float()
+            want = cb[codes.long()] * tabs[hh].grid()[sidx.long()][:, None]
+            assert torch.equal(got[i // 2, hh, 16 * (i % 2): 16 * (i % 2) + 16].view(torch.int32), want.view(torch.int32))
+
+
 # -- the write kernel ---------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ Read me first:
   step, ``_load_page_tile``, loads and dequantizes a tile of ``BLOCK_N`` tokens (``BLOCK_N / 16``
   pages); everything else is shared. ``PAGE_COMPACT``: the compact formats' pages (q4, q3.5, q3;
   ``codec.pack_page``), a pool ``uint8 [num_blocks, kv_heads, block_size / 16, page_bytes]`` per K
-  and V with their own widths (``k_bits``/``v_bits``, constexprs); ``_load_compact_tile`` unpacks
+  and V with their own widths (``k_bits``/``v_bits``, constexprs); ``_compact_planes``/``_compact_values`` unpack
   the bit planes and returns ``codebook[code]`` and the token's ``grid[k]``, whose fp32 product is
   ``codec.dequantize`` bit for bit (``dequantize_compact_pages``); the scale multiplies the fp32
   logits (K) and the softmax weights (V). Products on the tensor cores (bf16 codebook values, q'
@@ -92,9 +92,10 @@ class KernelConfig:
 DEFAULT_CONFIGS = {
     PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024),
-    # `bench_decode_attention.py --tune-compact` (2026-11-30, two sweeps of 8 and 6 configurations):
-    # 128 tokens/step, 4 warps, 2 stages, tensor-core products (CUDA-core products 6-11x slower).
-    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
+    # `bench_decode_attention.py --tune-compact` (2026-11-30): 128 tokens/step, 4 warps, 1 stage (the
+    # next tile's planes are prefetched by hand; 2 stages would stage the codebook gathers through
+    # shared memory), tensor-core products (CUDA-core products 6-11x slower).
+    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024),
 }
 
 
@@ -119,38 +120,85 @@ def _load_page_tile(pages_ptr, blk, slot, head, stride_blk, stride_head, stride_
 
 
 @triton.jit
-def _load_compact_tile(pages_ptr, cb_ptr, grid_ptr, blk, slot, head, stride_blk, stride_head, valid,
-                       HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Load ``BLOCK_N`` tokens of one KV head from compact pages: returns the codebook values
-    ``codebook[head, code]`` ``[BLOCK_N, HEAD_DIM]`` (the codebook's dtype) and each token's scale
-    ``grid[head, k]`` ``[BLOCK_N]`` fp32; the value attention reads is their float32 product
-    (codec.dequantize).
+def _compact_plane(pages_ptr, pbase, valid, p, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr):
+    """Bit plane ``p`` of ``NP`` whole compact pages of one KV head as int32 words [16 NP, HEAD_DIM / 32]
+    (word m of a token row: byte i bit j = bit p of the code of channel 32 m + 8 i + j); ``pbase``
+    [NP]: each page's offset in bytes (a multiple of 16); tokens not ``valid`` read as 0. The address
+    arithmetic is per page, not per token."""
+    ROW_W: tl.constexpr = HEAD_DIM // 32
+    wptr = pages_ptr.to(tl.pointer_type(tl.int32))
+    offs_w = tl.arange(0, 16 * ROW_W)  # token-in-page x word
+    vmask = tl.reshape(tl.broadcast_to(tl.reshape(valid, [NP, 16, 1]), [NP, 16, ROW_W]), [NP, 16 * ROW_W])
+    w = tl.load(wptr + (pbase // 4)[:, None] + p * (16 * ROW_W) + offs_w[None, :], mask=vmask, other=0)
+    return tl.reshape(w, [NP * 16, ROW_W])
 
-    Page layout (codec.pack_page): ``BITS`` bit planes of [16 tokens][HEAD_DIM / 8 bytes], bit j of
-    byte i of plane p = bit p of the code of channel 8 i + j; then the 16 scale indices (u8). The
-    planes of a token are re-assembled 4 channels at a time: a nibble n (channels 8i+4h .. +3) of
-    plane p is spread to one bit per byte by ``(n * 0x00204081) & 0x01010101`` (n * (1 + 2**7 +
-    2**14 + 2**21) puts bit j at bit 8j; the four shifted copies do not overlap, so no carries) and
-    shifted to bit p: four codes per int32 in one multiply, one and, one or per plane."""
-    ROW: tl.constexpr = HEAD_DIM // 8
-    PLANE: tl.constexpr = 16 * ROW
-    PAGE_BYTES: tl.constexpr = 16 * (BITS * ROW + 1)
-    page = blk.to(tl.int64) * stride_blk + head * stride_head + (slot // 16) * PAGE_BYTES
-    row = page + (slot % 16) * ROW
-    offs_r = tl.arange(0, ROW)
-    w = tl.zeros([BLOCK_N, ROW, 2], dtype=tl.int32)
-    for p in tl.static_range(BITS):
-        b = tl.load(pages_ptr + row[:, None] + p * PLANE + offs_r[None, :], mask=valid[:, None], other=0)
-        b = b.to(tl.int32)
-        nib = tl.join(b & 15, b >> 4)  # [BLOCK_N, ROW, 2]: channels 8i + 4h + (0..3)
-        w = w | (((nib * 0x00204081) & 0x01010101) << p)
-    sh = tl.arange(0, 4) * 8
-    codes = (w[:, :, :, None] >> sh[None, None, None, :]) & 0xFF  # [BLOCK_N, ROW, 2, 4]
-    codes = tl.reshape(codes, [BLOCK_N, HEAD_DIM])
-    vals = tl.load(cb_ptr + head * (1 << BITS) + codes)
-    sidx = tl.load(pages_ptr + page + BITS * PLANE + slot % 16, mask=valid, other=0).to(tl.int32)
+
+@triton.jit
+def _compact_sidx(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr):
+    """The u8 scale index of each of the ``16 NP`` tokens of ``NP`` pages, as int32 (0 if not ``valid``)."""
+    offs_t = tl.arange(0, 16)
+    sptr = pages_ptr + pbase[:, None] + BITS * 2 * HEAD_DIM + offs_t[None, :]
+    return tl.load(tl.reshape(sptr, [NP * 16]), mask=valid, other=0).to(tl.int32)
+
+
+@triton.jit
+def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
+                    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    """From the bit planes ``w0..w{BITS-1}`` (``_compact_plane``; the others unused) and scale indices
+    of ``BLOCK_N`` tokens: ``codebook[head, code]`` [BLOCK_N, HEAD_DIM] (bf16 with ``PAIRS``, else the
+    codebook's dtype) and each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is
+    their fp32 product (codec.dequantize).
+
+    For each bit j, ``((P_p >> j) & 0x01010101) << p`` OR-ed over the planes puts the codes of channels
+    j, 8 + j, 16 + j, 24 + j of a word in its four bytes: one shift and one and-or per plane for four
+    codes. With ``PAIRS`` (widths up to 4, bf16 tensor-core operands), ``cb_ptr`` is the int32 pair
+    table of ``compact_pair_table`` (entry a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the
+    two values of channels 2 k, 2 k + 1): one gather per two values."""
+    ROW_W: tl.constexpr = HEAD_DIM // 32
+    jj = tl.arange(0, 8)
+    y = (w0[:, :, None] >> jj[None, None, :]) & 0x01010101
+    if BITS > 1:
+        y = y | (((w1[:, :, None] >> jj[None, None, :]) & 0x01010101) << 1)
+    if BITS > 2:
+        y = y | (((w2[:, :, None] >> jj[None, None, :]) & 0x01010101) << 2)
+    if BITS > 3:
+        y = y | (((w3[:, :, None] >> jj[None, None, :]) & 0x01010101) << 3)
+    if BITS > 4:
+        y = y | (((w4[:, :, None] >> jj[None, None, :]) & 0x01010101) << 4)
+    ii = tl.arange(0, 4) * 8
+    if PAIRS:
+        ya, yb = tl.split(tl.reshape(y, [BLOCK_N, ROW_W, 4, 2]))
+        pc = ya | (yb << BITS)  # byte i: pair code of channels 8 i + 2 k, + 1
+        pcodes = (pc[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 4 (k)]
+        pv = tl.load(cb_ptr + head * (1 << (2 * BITS)) + pcodes)
+        lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+    else:
+        codes = (y[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 8 (j)]
+        vals = tl.load(cb_ptr + head * (1 << BITS) + tl.reshape(codes, [BLOCK_N, HEAD_DIM]))
     g = tl.load(grid_ptr + head * 256 + sidx)
     return vals, g
+
+
+@triton.jit
+def _compact_planes(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr):
+    """All bit planes (up to 5; unused ones are zeros) and the scale indices of ``NP`` pages."""
+    zero = tl.zeros([NP * 16, HEAD_DIM // 32], dtype=tl.int32)
+    w0 = _compact_plane(pages_ptr, pbase, valid, 0, HEAD_DIM, BITS, NP)
+    w1 = zero
+    w2 = zero
+    w3 = zero
+    w4 = zero
+    if BITS > 1:
+        w1 = _compact_plane(pages_ptr, pbase, valid, 1, HEAD_DIM, BITS, NP)
+    if BITS > 2:
+        w2 = _compact_plane(pages_ptr, pbase, valid, 2, HEAD_DIM, BITS, NP)
+    if BITS > 3:
+        w3 = _compact_plane(pages_ptr, pbase, valid, 3, HEAD_DIM, BITS, NP)
+    if BITS > 4:
+        w4 = _compact_plane(pages_ptr, pbase, valid, 4, HEAD_DIM, BITS, NP)
+    return w0, w1, w2, w3, w4, _compact_sidx(pages_ptr, pbase, valid, HEAD_DIM, BITS, NP)
 
 
 @triton.jit
@@ -168,6 +216,7 @@ def _paged_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_TYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BITS_K: tl.constexpr, BITS_V: tl.constexpr, CUDA_DOT: tl.constexpr,
+    PAIRS_K: tl.constexpr = False, PAIRS_V: tl.constexpr = False,
 ):
     """One split: attention of the GROUP query heads of one KV head over page tokens
     ``[start, end)`` of one sequence. Writes the running max (base 2), the softmax mass and the
@@ -207,28 +256,62 @@ def _paged_split_kernel(
     # The block ids of the next tile are loaded one iteration ahead: with the K/V addresses no longer
     # depending on a load of the same iteration, Triton's pipeliner keeps num_stages - 1 K/V tiles in
     # flight (shared memory grows with num_stages); without it, one (and fp8 ran no faster than bf16).
-    tok = lo + offs_n
-    blk_next = tl.load(bt_row + tok // BLOCK_SIZE, mask=(tok >= t0) & (tok < t1), other=0)
+    NP: tl.constexpr = BLOCK_N // 16
+    offs_p = tl.arange(0, NP) * 16
+    PB_K: tl.constexpr = 16 * (BITS_K * HEAD_DIM // 8 + 1)  # bytes of a compact page
+    PB_V: tl.constexpr = 16 * (BITS_V * HEAD_DIM // 8 + 1)
+    if PAGE_TYPE == 2:
+        # Compact: block ids per page (a tile is whole pages). The bit planes and scale indices of
+        # the next tile are loaded one iteration ahead into registers (software pipelining by hand:
+        # Triton's pipeliner would also stage the codebook gathers through shared memory), so the
+        # HBM latency of a tile overlaps the decoding and products of the one before.
+        pg0 = lo + offs_p
+        blk0 = tl.load(bt_row + pg0 // BLOCK_SIZE, mask=(pg0 + 16 > t0) & (pg0 < t1), other=0)
+        tok0 = lo + offs_n
+        valid0 = (tok0 >= t0) & (tok0 < t1)
+        pib = (pg0 % BLOCK_SIZE) // 16
+        kb = blk0.to(tl.int64) * stride_kb + head * stride_kh + pib * PB_K
+        vb = blk0.to(tl.int64) * stride_vb + head * stride_vh + pib * PB_V
+        kw0, kw1, kw2, kw3, kw4, ks = _compact_planes(k_pages_ptr, kb, valid0, HEAD_DIM, BITS_K, NP)
+        vw0, vw1, vw2, vw3, vw4, vs = _compact_planes(v_pages_ptr, vb, valid0, HEAD_DIM, BITS_V, NP)
+        pg1 = lo + BLOCK_N + offs_p
+        blk_next = tl.load(bt_row + pg1 // BLOCK_SIZE, mask=pg1 < t1, other=0)
+    else:
+        tok0 = lo + offs_n
+        blk_next = tl.load(bt_row + tok0 // BLOCK_SIZE, mask=(tok0 >= t0) & (tok0 < t1), other=0)
     for start in range(lo, t1, BLOCK_N):
         tok = start + offs_n
         valid = (tok >= t0) & (tok < t1)
         blk = blk_next
-        tok_next = tok + BLOCK_N
-        blk_next = tl.load(bt_row + tok_next // BLOCK_SIZE, mask=tok_next < t1, other=0)
-        slot = tok % BLOCK_SIZE
         if PAGE_TYPE == 2:
+            # issue the next tile's loads, then the block ids of the one after
+            pgn = start + BLOCK_N + offs_p
+            tokn = tok + BLOCK_N
+            validn = tokn < t1
+            pib = (pgn % BLOCK_SIZE) // 16
+            kb = blk.to(tl.int64) * stride_kb + head * stride_kh + pib * PB_K
+            vb = blk.to(tl.int64) * stride_vb + head * stride_vh + pib * PB_V
+            nk0, nk1, nk2, nk3, nk4, nks = _compact_planes(k_pages_ptr, kb, validn, HEAD_DIM, BITS_K, NP)
+            nv0, nv1, nv2, nv3, nv4, nvs = _compact_planes(v_pages_ptr, vb, validn, HEAD_DIM, BITS_V, NP)
+            pg2 = pgn + BLOCK_N
+            blk_next = tl.load(bt_row + pg2 // BLOCK_SIZE, mask=pg2 < t1, other=0)
             # Compact pages: value = codebook[code] * grid[k]; the per-token scale multiplies the
             # fp32 logits (K) and the softmax weights (V), so the products see codebook values only.
-            k, k_g = _load_compact_tile(k_pages_ptr, k_cb_ptr, k_grid_ptr, blk, slot, head, stride_kb,
-                                        stride_kh, valid, HEAD_DIM, BITS_K, BLOCK_N)
-            v, v_g = _load_compact_tile(v_pages_ptr, v_cb_ptr, v_grid_ptr, blk, slot, head, stride_vb,
-                                        stride_vh, valid, HEAD_DIM, BITS_V, BLOCK_N)
+            k, k_g = _compact_values(kw0, kw1, kw2, kw3, kw4, ks, k_cb_ptr, k_grid_ptr, head,
+                                     HEAD_DIM, BITS_K, BLOCK_N, PAIRS_K)
+            v, v_g = _compact_values(vw0, vw1, vw2, vw3, vw4, vs, v_cb_ptr, v_grid_ptr, head,
+                                     HEAD_DIM, BITS_V, BLOCK_N, PAIRS_V)
+            kw0, kw1, kw2, kw3, kw4, ks = nk0, nk1, nk2, nk3, nk4, nks
+            vw0, vw1, vw2, vw3, vw4, vs = nv0, nv1, nv2, nv3, nv4, nvs
             if CUDA_DOT:
                 s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * (k_g * scale)[None, :] + bias[:, None]
         else:
+            tok_next = tok + BLOCK_N
+            blk_next = tl.load(bt_row + tok_next // BLOCK_SIZE, mask=tok_next < t1, other=0)
+            slot = tok % BLOCK_SIZE
             k = _load_page_tile(k_pages_ptr, blk, slot, head, stride_kb, stride_kh, stride_kt, valid,
                                 HEAD_DIM, PAGE_TYPE)
             v = _load_page_tile(v_pages_ptr, blk, slot, head, stride_vb, stride_vh, stride_vt, valid,
@@ -367,17 +450,20 @@ def _dequantize_pages_kernel(pages_ptr, scale_ptr, out_ptr, stride_blk, stride_h
 
 @triton.jit
 def _dequantize_compact_kernel(pages_ptr, cb_ptr, grid_ptr, out_ptr, stride_blk, stride_head,
-                               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr):
+                               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+                               PAIRS: tl.constexpr):
     """The values the attention kernel reads from compact pages, fp32 ``codebook[code] * grid[k]``
-    through the same ``_load_compact_tile`` step, as ``[num_blocks, kv_heads, block_size, head_dim]``."""
+    through the same ``_compact_planes``/``_compact_values`` steps, as ``[num_blocks, kv_heads, block_size, head_dim]``."""
     blk_id = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    slot = tl.program_id(2) * 16 + tl.arange(0, 16)
-    blk = tl.zeros([16], dtype=tl.int32) + blk_id
+    pg = tl.program_id(2)
+    slot = pg * 16 + tl.arange(0, 16)
     valid = slot < BLOCK_SIZE
-    vals, g = _load_compact_tile(pages_ptr, cb_ptr, grid_ptr, blk, slot, head, stride_blk, stride_head,
-                                 valid, HEAD_DIM, BITS, 16)
+    pbase = (tl.zeros([1], dtype=tl.int64) + blk_id.to(tl.int64) * stride_blk + head * stride_head
+             + pg * (16 * (BITS * HEAD_DIM // 8 + 1)))
+    w0, w1, w2, w3, w4, sidx = _compact_planes(pages_ptr, pbase, valid, HEAD_DIM, BITS, 1)
+    vals, g = _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head, HEAD_DIM, BITS, 16, PAIRS)
     x = vals.to(tl.float32) * g[:, None]
     offs_d = tl.arange(0, HEAD_DIM)
     row = (blk_id.to(tl.int64) * num_heads + head) * BLOCK_SIZE + slot
@@ -446,6 +532,8 @@ class PagedDecodeAttention:
         _check(num_q_heads > 0 and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         _check(head_dim in (16, 32, 64, 128, 256), f"head_dim must be 16, 32, 64, 128 or 256, not {head_dim}")
+        _check(page_type != "compact" or head_dim >= 32,
+               f"compact pages need head_dim >= 32 (bit planes are read as 32-bit words), not {head_dim}")
         _check(block_size > 0 and block_size % PAGE_TOKENS == 0,
                f"block_size must be a positive multiple of {PAGE_TOKENS}, not {block_size}")
         _check(sink_tokens >= 0 and window >= 0, "sink_tokens and window must be >= 0")
@@ -548,6 +636,8 @@ class PagedDecodeAttention:
                    f"{name} ({bits}-bit compact) must be uint8 [num_blocks, {shape[0]}, {shape[1]}, {shape[2]}], "
                    f"not {list(pages.shape)}")
             _check(pages.stride(3) == 1 and pages.stride(2) == nbytes, f"{name}: each block's pages must be contiguous")
+            _check(pages.data_ptr() % 16 == 0 and pages.stride(1) % 16 == 0 and pages.stride(0) % 16 == 0,
+                   f"{name}: pages must start at 16-byte aligned addresses (read as 32-bit words)")
             _check(self._plan["max_block"] < pages.shape[0],
                    f"block_tables reference block {self._plan['max_block']} but {name} has {pages.shape[0]}")
             return
@@ -603,9 +693,9 @@ class PagedDecodeAttention:
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32
                        and tuple(t.shape) == (Hkv, GRID_SIZE) and t.is_contiguous(),
                        f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
-            if not cuda_dot:  # tensor-core operands are bf16
-                k_codebook = k_codebook.to(torch.bfloat16)
-                v_codebook = v_codebook.to(torch.bfloat16)
+            if not cuda_dot:  # tensor-core operands are bf16; widths <= 4 gather packed pairs
+                k_codebook = compact_pair_table(k_codebook) if self.k_bits <= 4 else k_codebook.to(torch.bfloat16)
+                v_codebook = compact_pair_table(v_codebook) if self.v_bits <= 4 else v_codebook.to(torch.bfloat16)
         side = self.sink_tokens + self.window
         if side:
             for name, t in (("k_side", k_side), ("v_side", v_side)):
@@ -649,6 +739,8 @@ class PagedDecodeAttention:
                 GROUP=G, BLOCK_G=split_block_g, HEAD_DIM=D, BLOCK_SIZE=self.block_size, BLOCK_N=cfg.block_n,
                 PAGE_TYPE=self.page_type, HAS_BIAS=logit_bias is not None,
                 BITS_K=self.k_bits or 0, BITS_V=self.v_bits or 0, CUDA_DOT=cuda_dot,
+                PAIRS_K=compact and not cuda_dot and self.k_bits <= 4,
+                PAIRS_V=compact and not cuda_dot and self.v_bits <= 4,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         ks = k_side if side else q
@@ -713,25 +805,43 @@ def compact_tables(k_tables, v_tables, device="cpu") -> dict:
     return out
 
 
-def dequantize_compact_pages(pages: torch.Tensor, bits: int, codebook: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+def compact_pair_table(codebook: torch.Tensor) -> torch.Tensor:
+    """int32 [H, 4**bits] from a codebook [H, 2**bits]: entry ``a | b << bits`` holds the bf16 bits of
+    ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half (channels 2 k and 2 k + 1
+    of a tensor-core operand), so the kernel gathers two values at once (widths up to 4)."""
+    h, n = codebook.shape
+    u = codebook.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    t = u[:, None, :] | (u[:, :, None] << 16)  # [h, b, a]
+    t = torch.where(t >= 2**31, t - 2**32, t)
+    return t.reshape(h, n * n).to(torch.int32).contiguous()
+
+
+def dequantize_compact_pages(pages: torch.Tensor, bits: int, codebook: torch.Tensor, grid: torch.Tensor,
+                             *, pairs: bool = False) -> torch.Tensor:
     """The fp32 rotated-domain values the attention kernel reads from compact ``pages`` uint8
     [num_blocks, kv_heads, block_size / 16, page_bytes], through its tile loader, as
-    [num_blocks, kv_heads, block_size, head_dim] (for bit-exact comparison with codec.decode_page)."""
+    [num_blocks, kv_heads, block_size, head_dim] (for bit-exact comparison with codec.decode_page).
+    ``pairs``: through the tensor-core path's packed pair table (``compact_pair_table``): the
+    codebook is rounded to bf16 first, as the tensor-core products see it (widths up to 4)."""
     _check(bits in COMPACT_BITS, f"bits must be one of {COMPACT_BITS}")
     _check(pages.dtype == torch.uint8 and pages.dim() == 4 and pages.stride(3) == 1, "pages must be uint8 [nb, H, P, bytes]")
     nb, h, npg, nbytes = pages.shape
     d = (nbytes // PAGE_TOKENS - 1) * 8 // bits
-    _check(compact_page_bytes(bits, d) == nbytes and d >= 16 and d & (d - 1) == 0,
-           f"{nbytes} bytes is not a {bits}-bit page of a power-of-two head_dim >= 16")
+    _check(compact_page_bytes(bits, d) == nbytes and d >= 32 and d & (d - 1) == 0,
+           f"{nbytes} bytes is not a {bits}-bit page of a power-of-two head_dim >= 32")
     _check(pages.stride(2) == nbytes, "pages of a block must be contiguous")
+    _check(pages.data_ptr() % 16 == 0 and pages.stride(1) % 16 == 0 and pages.stride(0) % 16 == 0,
+           "pages must start at 16-byte aligned addresses (read as 32-bit words)")
     _check(codebook.dtype == torch.float32 and tuple(codebook.shape) == (h, 2**bits) and codebook.is_contiguous(),
            f"codebook must be contiguous fp32 [{h}, {2**bits}]")
     _check(grid.dtype == torch.float32 and tuple(grid.shape) == (h, GRID_SIZE) and grid.is_contiguous(),
            f"grid must be contiguous fp32 [{h}, {GRID_SIZE}]")
+    _check(not pairs or bits <= 4, "pairs: widths up to 4 bits")
     bs = npg * PAGE_TOKENS
     out = torch.empty((nb, h, bs, d), dtype=torch.float32, device=pages.device)
-    _dequantize_compact_kernel[(nb, h, npg)](pages, codebook, grid, out, pages.stride(0), pages.stride(1),
-                                             BLOCK_SIZE=bs, HEAD_DIM=d, BITS=bits)
+    cb = compact_pair_table(codebook) if pairs else codebook
+    _dequantize_compact_kernel[(nb, h, npg)](pages, cb, grid, out, pages.stride(0), pages.stride(1),
+                                             BLOCK_SIZE=bs, HEAD_DIM=d, BITS=bits, PAIRS=pairs)
     return out
 
 
