@@ -4,17 +4,17 @@ The model is only run (teacher-forced, no training; its weights are read, never 
 every attention layer it takes the post-RoPE queries, keys and values, and per (layer, K or V,
 kv head) it derives:
 
-* ``mu``: the channel means (over the non-sink tokens). Subtracting a constant vector from every
-  key changes each query's logits by the same amount, so softmax ignores it; for V it is added
-  back (times the softmax mass) after the sum.
+* ``mu``: for V, the channel means (over the non-sink tokens), added back (times the softmax
+  mass) after the sum. For K, zero: a constant offset would not change the softmax, but post-RoPE
+  keys turn with position, so a mean over the calibration's positions does not hold at others.
 * ``mult``: a per-channel scaling before the rotation. Quantization noise after a random rotation
   is spread evenly over the rotated coordinates; undone by the scaling, channel c's error is
   proportional to s_c, while the noise level is proportional to sum_c b_c / s_c^2 (b_c: the
   channel's variance). What matters for K is the error in q . k, weighted by a_c = E[q_c^2]
   (over the KV head's query heads), for V the error after the output projection, weighted by
   a_c = the squared norms of W_o's columns for that channel. (sum a_c s_c^2)(sum b_c / s_c^2) is
-  smallest for s_c = (b_c / a_c)^(1/4). K statistics are pooled over RoPE's channel pairs
-  (c, c + d/2), which a position's rotation mixes.
+  smallest for s_c = (b_c / a_c)^(1/4). K statistics (second moments) are pooled over RoPE's
+  channel pairs (c, c + d/2), which a position's rotation mixes.
 * ``e0``: the scale grid (16 octaves, 16 steps each) is centred on the median token maximum.
 * codebooks at 2, 3, 4 and 5 bits per (layer, kind): Lloyd's algorithm (k-means in one
   dimension) on the normalized rotated values of the calibration tokens.
@@ -361,10 +361,16 @@ def fit_tables(body: torch.Tensor, a: torch.Tensor, kind: str, signs: torch.Tens
     if t < 1:
         raise CalibrationError("no calibration tokens")
     body = body.float()
-    mean = body.mean(0)  # [H, d]
-    var = ((body - mean) ** 2).mean(0)
     if kind == "k":
-        a, var = _pair_pool(a), _pair_pool(var)
+        # Post-RoPE keys are not stationary: a pair of channels turns with the position, so a mean
+        # taken over the calibration's positions is wrong at other positions (and contexts longer
+        # than the calibration windows). The pair's second moment is invariant under the turn: keys
+        # get no offset and are scaled by it.
+        mean = torch.zeros(h, d)
+        a, var = _pair_pool(a), _pair_pool((body**2).mean(0))
+    else:
+        mean = body.mean(0)  # [H, d]
+        var = ((body - mean) ** 2).mean(0)
     mu = torch.round(mean.double() * 2**codec.FIXED_SHIFT).to(torch.int64)
     mult = _mult_from_scale(_scaling(a.float(), var))
     probe = torch.tensor([-1.0, -0.5, 0.5, 1.0])  # any valid codebook: rotate() does not read it
