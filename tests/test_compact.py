@@ -392,3 +392,20 @@ def test_capacity_counts_the_exact_bits_of_a_calibration(tmp_path, capsys):
     finally:
         capacity.FORMATS.clear()
         capacity.FORMATS.update(saved)
+
+
+def test_format_memo_codes_only_new_tokens_and_matches_a_fresh_run():
+    from weightszip.compact.formats import CompactFormat
+
+    cal = _small_calibration()
+    kv = _real_kv()
+    x = kv[0, 1].transpose(0, 1).unsqueeze(0)  # [1, H, 64, d]
+    f = CompactFormat("q4", cal)
+    a = f.roundtrip(x[:, :, :40], "k", 1)
+    b = f.roundtrip(x, "k", 1)  # the first 40 tokens come from the memo
+    fresh = CompactFormat("q4", cal).roundtrip(x, "k", 1)
+    assert torch.equal(b, fresh) and torch.equal(a, fresh[:, :, :40])
+    y = x.clone()
+    y[0, 0, 3, 0] += 1  # a changed prefix is coded again
+    assert torch.equal(f.roundtrip(y, "k", 1), CompactFormat("q4", cal).roundtrip(y, "k", 1))
+    assert not torch.equal(f.roundtrip(y, "k", 1), fresh)
