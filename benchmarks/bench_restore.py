@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Restore and offload of a long session's KV as compressed bytes (weightszip.offload) against a
+raw pinned copy of the bf16 cache, in one run on one GPU.
+
+The session: Llama-3.1-8B shape (32 layers x K/V, 8 KV heads x 128 = 1024 channels), 131072
+tokens = 524288 pages of 16 tokens, 17.2 GB of bf16, laid out [layer][K/V][page]. Its values are
+real KV (benchmarks/capture_kv.py captures or the .npz subset of bench_gpu_codec.py), tiled along
+channels (bench_gpu_codec.tile_channels) and along tokens; (layer, K/V) takes the real set
+``layer % sets`` of its kind, with that set's codebook (calibrated on the set's first half, so the
+ratio is in-sample for half the tokens; bench_gpu_codec.py --ratio has held-out ratios).
+
+Measured (wall time around a synchronized call, median of --repeats):
+- raw: one pinned bf16 copy, host -> device and device -> host (the baseline);
+- ours: restore (pinned chunks -> GPU pages, verify on and off) and offload (GPU pages ->
+  pinned chunks), end to end; bytes in transit and ratio;
+- parts: the compressed chunks' copies alone (H2D, D2H; same chunks and buffers), the decode
+  alone and encode alone (chunks resident in GPU memory, so the "copies" are device-to-device);
+- a chunk-size sweep (one run each).
+
+    python benchmarks/bench_restore.py --kv .boxdata/kv_pages_subset.npz --out $OUT
+    # CPU smoke (Triton interpreter, tiny): TRITON_INTERPRET=1 python benchmarks/bench_restore.py \
+    #   --kv tests/data/kv_smollm2_64tok.npy --device cpu --channels 32 --layers 2 --tokens 64 --repeats 1 --sweep 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+try:  # an installed weightszip (the GPU box: wheel + python/ copied over it) comes first
+    import weightszip._core  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(HERE.parents[0] / "python"))
+from weightszip import offload as ol  # noqa: E402
+from weightszip import pages  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from bench_gpu_codec import load_sets, tile_channels  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv", action="append", required=True)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--channels", type=int, default=1024)
+    ap.add_argument("--chunk-pages", type=int, default=8192)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--block-pages", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048, 4096, 16384])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=str(HERE / "results"))
+    args = ap.parse_args()
+
+    import torch
+    from tqdm import tqdm
+
+    dev = torch.device(args.device)
+    is_cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if is_cuda else (lambda: None)
+    C = args.channels
+    res = {"command": " ".join(sys.argv), "date": dt.date.today().isoformat(), "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name() if is_cuda else "cpu (Triton interpreter; not quoted)",
+           "cpu": platform.processor() or platform.machine(), "args": vars(args), "checks": {}}
+    steps = tqdm(total=9, desc="bench_restore")
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+
+    def step(name):
+        steps.set_postfix_str(name)
+        steps.update(1)
+        (outdir / "restore.json").write_text(json.dumps(res, indent=1, default=str))  # partial results survive a timeout
+
+    def timed(fn, reps=args.repeats):
+        ts = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts), ts
+
+    # Real sets -> codebooks (one per set) and the session's pages on the device.
+    sets = {"K": [], "V": []}
+    for model, kind, layer, x in load_sets(args.kv):
+        x = tile_channels(x, C)
+        T = x.shape[0] // 32 * 32
+        sets[kind].append((f"{model}:{kind}:{layer}", x[:T]))
+    names, cbs = [], []
+    for kind in "KV":
+        for name, x in sets[kind]:
+            names.append(name)
+            cbs.append(pages.calibrate(x[: x.shape[0] // 2], "bfloat16"))
+    codec = ol.ExactPageCodec(cbs)
+    per_group = args.tokens // 16
+    n = args.layers * 2 * per_group
+    x = torch.empty(n, 16, C, dtype=torch.int16, device=dev)
+    tids = np.empty(n, np.int32)
+    for layer in range(args.layers):
+        for k, kind in enumerate("KV"):
+            j = layer % len(sets[kind])
+            src = torch.from_numpy(sets[kind][j][1].view(np.int16).reshape(-1, 16, C)).to(dev)
+            g = (2 * layer + k) * per_group
+            for a in range(0, per_group, src.shape[0]):
+                b = min(per_group, a + src.shape[0])
+                x[g + a : g + b] = src[: b - a]
+            tids[g : g + per_group] = (0 if kind == "K" else len(sets["K"])) + j
+    x = x.view(torch.bfloat16)
+    raw = x.numel() * 2
+    res.update(sets=names, n_pages=n, raw_bytes=raw)
+    codec.tables(dev)
+    sync()
+    step("session built")
+
+    # Same bytes as the Rust codec on the session's first pages (also warms the Triton kernels).
+    m = min(n, 600)
+    sg = ol.offload(x[:m], codec, tids[:m], chunk_pages=256, backend="triton", block_pages=args.block_pages)
+    sr = ol.offload(x[:m].cpu(), codec, tids[:m], chunk_pages=256, backend="rust")
+    flat = lambda s: b"".join(bytes(c.host[: c.region_bytes].cpu().numpy()) for c in s.chunks)  # noqa: E731
+    res["checks"]["gpu_session_bytes_equal_rust"] = flat(sg) == flat(sr)
+    res["checks"]["rust_restores_gpu_session"] = bool(torch.equal(ol.restore(sg, backend="rust", device="cpu"), x[:m].cpu()))
+    ol.restore(sg, torch.empty_like(x[:m]), block_pages=args.block_pages)
+    step("checked against Rust")
+
+    # Pinned host memory, allocated once (not timed in the copies).
+    t0 = time.perf_counter()
+    host_raw = torch.empty(raw, dtype=torch.uint8, pin_memory=is_cuda)
+    # The sessions go into the same pinned memory once the raw copies are timed (pinning 30 GB
+    # took 14 s of device time in the first run).
+    arena = ol.HostArena(0, buffer=host_raw)
+    res["pinned_alloc_s"] = time.perf_counter() - t0
+    res["pinned_bytes"] = raw
+    step("pinned allocated")
+
+    xb = x.view(-1).view(torch.uint8)
+    out = torch.empty_like(x)
+    ob = out.view(-1).view(torch.uint8)
+    res["raw_d2h_s"], res["raw_d2h_times"] = timed(lambda: host_raw.copy_(xb, non_blocking=True))
+    res["raw_h2d_s"], res["raw_h2d_times"] = timed(lambda: ob.copy_(host_raw, non_blocking=True))
+    res["checks"]["raw_copy_round_trip"] = bool(torch.equal(out, x))
+    step("raw copies")
+
+    kw = dict(depth=args.depth, block_pages=args.block_pages)
+    holder = {}
+
+    def do_offload(cp=args.chunk_pages, host=arena):
+        host.reset()
+        holder["s"] = ol.offload(x, codec, tids, chunk_pages=cp, host=host, **kw)
+
+    res["offload_s"], res["offload_times"] = timed(do_offload)
+    s = holder["s"]
+    res.update(chunks=len(s.chunks), compressed_bytes=s.nbytes, page_bytes=sum(c.nbytes for c in s.chunks),
+               ratio=s.nbytes / raw, pinned_fallbacks=s.pinned_fallbacks)
+    step("offload")
+    out.zero_()
+    res["restore_s"], res["restore_times"] = timed(lambda: ol.restore(s, out, verify=True, **kw))
+    res["checks"]["restore_bit_exact"] = bool(torch.equal(out, x))
+    res["restore_noverify_s"], res["restore_noverify_times"] = timed(lambda: ol.restore(s, out, verify=False, **kw))
+    step("restore")
+
+    # Parts: the same chunks' copies alone, through a ring of staging buffers on one stream.
+    size = max(c.region_bytes for c in s.chunks)
+    ring = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(args.depth)]
+
+    def h2d_only():
+        for i, c in enumerate(s.chunks):
+            ring[i % len(ring)][: c.region_bytes].copy_(c.host[: c.region_bytes], non_blocking=True)
+
+    res["h2d_compressed_only_s"], _ = timed(h2d_only)
+    # Chunks resident in GPU memory: restore / offload through the same code, copies now D2D.
+    garena = ol.HostArena(int(raw * 0.75), device=dev)
+    do_offload(host=garena)
+    sdev = holder["s"]
+    res["encode_only_s"], _ = timed(lambda: do_offload(host=garena))
+    sdev = holder["s"]
+    res["decode_only_s"], _ = timed(lambda: ol.restore(sdev, out, verify=True, **kw))
+    res["decode_only_noverify_s"], _ = timed(lambda: ol.restore(sdev, out, verify=False, **kw))
+    res["checks"]["decode_only_bit_exact"] = bool(torch.equal(out, x))
+
+    def d2h_only():  # the same bytes at the same places as the session s (same sequence of arena slices)
+        for c in sdev.chunks:
+            host_raw[c.host.data_ptr() - garena.buffer.data_ptr() :][: c.region_bytes].copy_(c.host[: c.region_bytes], non_blocking=True)
+
+    res["d2h_compressed_only_s"], _ = timed(d2h_only)
+    del garena, sdev
+    step("parts")
+
+    sweep = {}
+    for cp in args.sweep:
+        off, _ = timed(lambda: do_offload(cp=cp), 1)
+        rst, _ = timed(lambda: ol.restore(holder["s"], out, verify=True, **kw), 1)
+        sweep[cp] = dict(offload_s=off, restore_s=rst, chunks=len(holder["s"].chunks), ok=bool(torch.equal(out, x)))
+    res["chunk_sweep"] = sweep
+    step("sweep")
+
+    res["restore_speedup_vs_raw_h2d"] = res["raw_h2d_s"] / res["restore_s"]
+    res["restore_noverify_speedup"] = res["raw_h2d_s"] / res["restore_noverify_s"]
+    res["offload_speedup_vs_raw_d2h"] = res["raw_d2h_s"] / res["offload_s"]
+    gb = lambda b, t: b / t / 1e9  # noqa: E731
+    cb = res["compressed_bytes"]
+    rows = [
+        ("raw bf16 pinned copy H2D", raw, res["raw_h2d_s"], gb(raw, res["raw_h2d_s"]), 1.0),
+        ("restore (verify)", cb, res["restore_s"], gb(raw, res["restore_s"]), res["restore_speedup_vs_raw_h2d"]),
+        ("restore (no verify)", cb, res["restore_noverify_s"], gb(raw, res["restore_noverify_s"]), res["restore_noverify_speedup"]),
+        ("  part: H2D of the compressed chunks alone", cb, res["h2d_compressed_only_s"], gb(raw, res["h2d_compressed_only_s"]), None),
+        ("  part: decode alone (verify; chunks in GPU memory)", cb, res["decode_only_s"], gb(raw, res["decode_only_s"]), None),
+        ("raw bf16 pinned copy D2H", raw, res["raw_d2h_s"], gb(raw, res["raw_d2h_s"]), 1.0),
+        ("offload", cb, res["offload_s"], gb(raw, res["offload_s"]), res["offload_speedup_vs_raw_d2h"]),
+        ("  part: D2H of the compressed chunks alone", cb, res["d2h_compressed_only_s"], gb(raw, res["d2h_compressed_only_s"]), None),
+        ("  part: encode alone (chunks to GPU memory)", cb, res["encode_only_s"], gb(raw, res["encode_only_s"]), None),
+    ]
+    lines = ["| path | bytes moved (GB) | seconds | GB/s of bf16 KV | speedup vs raw copy |", "|---|---:|---:|---:|---:|"]
+    for name, b, t, r, sp in rows:
+        lines.append(f"| {name} | {b / 1e9:.2f} | {t:.4f} | {r:.1f} | {'' if sp is None else f'{sp:.2f}x'} |")
+    table = "\n".join(lines)
+    res["table_md"] = table
+    steps.close()
+    print(table)
+    print(json.dumps({k: v for k, v in res.items() if not k.endswith("_times") and k != "table_md"}, indent=1))
+    (outdir / "restore.json").write_text(json.dumps(res, indent=1))
+    (outdir / "restore.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

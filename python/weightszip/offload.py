@@ -1,0 +1,542 @@
+"""Offload and restore of a session's KV cache as compressed bytes between GPU pages and
+pinned host RAM (issue 7, item 3), with the GPU codec overlapped with the copies.
+
+A session's KV is pages of 16 tokens, ``[n, 16, C]`` 16-bit values (bf16 / fp16 or their
+int16 bits; C a multiple of 32), page i coded with codebook ``table_ids[i]`` of an
+:class:`ExactPageCodec` (docs/FORMAT.md, "Exact page profile", e.g. one codebook per
+(layer, K or V)).
+
+    codec = ExactPageCodec([pages.calibrate(sample, "bfloat16") for sample in samples])
+    session = offload(kv_pages, codec, table_ids)   # GPU pages -> compressed bytes in pinned RAM
+    restore(session, kv_pages)                      # back into GPU pages, bit for bit
+
+On a GPU (backend "triton"), pages travel in chunks of ``chunk_pages``:
+
+- offload: chunk i is encoded on a compute stream into a ring of ``depth`` worst-case-sized GPU
+  buffers while the copy stream moves chunk i-1's compressed bytes into pinned host memory
+  (events order the two); the host reads each chunk's size back only after the next chunk's
+  encode is queued, so the read-back (which waits behind the previous copy on the copy engine)
+  never leaves the compute stream idle.
+- restore: the copy stream moves chunk i+1 .. i+depth-1 into a ring of ``depth`` GPU staging
+  buffers while the compute stream decodes chunk i into its pages; a staging buffer is refilled
+  only after the decode that read it (events), so GPU staging memory is bounded by
+  ``depth`` x (largest chunk + slack).
+
+Without CUDA (backend "rust") the Rust codec (weightszip.pages) writes and reads the same bytes,
+so a session offloaded by either backend restores through the other.
+
+One chunk in host memory (little-endian; offsets relative to the chunk's first byte)::
+
+    page bytes (exact page profile, each page padded to 8 bytes) | int64 offsets [n + 1]
+    | int32 table ids [n] | zero padding to 8 bytes
+
+Integrity: every chunk carries a digest of its raw 16-bit pages, taken before encoding and
+checked after decoding (``verify=True``): the sum over 64-bit words x[p, j] of
+x[p, j] * a[j] * b[p] modulo 2**64, with fixed odd weights a, b (splitmix64 of the index, low
+bit set). Any damaged 64-bit word of the decoded pages changes it (odd weights are invertible
+mod 2**64); it is not a cryptographic hash. A mismatch raises ChecksumMismatchError. The Rust
+decoder also rejects damaged structure (CorruptDataError / TruncatedError). The Triton decoder
+does not validate: with ``verify=False`` damaged bytes decode to wrong values, but never read
+or write out of bounds (offsets and table ids are clamped on the GPU; staging buffers carry
+the slack that the largest word counts a page header can claim would reach).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from weightszip import pages as _pages
+from weightszip.errors import (
+    ChecksumMismatchError,
+    CorruptDataError,
+    InvalidArgumentError,
+    TruncatedError,
+)
+
+PAGE_TOKENS = _pages.PAGE_TOKENS
+STREAM_CHANNELS = _pages.STREAM_CHANNELS
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExactPageCodec:
+    """Codebooks of the exact page profile (one per table id) for a session; all share dtype,
+    max_len and channel count. Builds the GPU tables once per device."""
+
+    def __init__(self, codebooks: bytes | Sequence[bytes]):
+        if isinstance(codebooks, (bytes, bytearray)):
+            codebooks = [codebooks]
+        self.codebooks = [bytes(cb) for cb in codebooks]
+        if not self.codebooks:
+            raise InvalidArgumentError("ExactPageCodec needs at least one codebook")
+        infos = [_pages.codebook_info(cb)[:3] for cb in self.codebooks]  # typed errors for bad codebooks
+        if len(set(infos)) != 1:
+            raise InvalidArgumentError(f"codebooks must share dtype, max_len and channels, got {sorted(set(infos))}")
+        self.dtype, self.max_len, self.channels = infos[0]
+        self._tables = {}
+        # Largest page the encoder can write: every symbol at the longest code (an escape is the
+        # escape's code plus 8 bits), each stream rounded up to words, the page to 8 bytes.
+        lens = [_pages.codebook_info(cb)[3] for cb in self.codebooks]
+        maxbits = max(max(int(ln[:, :256].max()), int(ln[:, 256].max()) + 8) for ln in lens)
+        S = self.channels // STREAM_CHANNELS
+        words = -(-PAGE_TOKENS * STREAM_CHANNELS * maxbits // 32)
+        self.page_bound = (_pages.header_len(self.channels) + PAGE_TOKENS * self.channels + 4 * S * words + 7) // 8 * 8
+
+    def __len__(self) -> int:
+        return len(self.codebooks)
+
+    def tables(self, device):
+        """weightszip.kernels.exact_page.PageTables of every codebook on ``device`` (cached)."""
+        from weightszip.kernels.exact_page import PageTables
+
+        key = str(torch.device(device))
+        if key not in self._tables:
+            self._tables[key] = PageTables.stack([PageTables.from_codebook(cb, device) for cb in self.codebooks])
+        return self._tables[key]
+
+
+@dataclass
+class Chunk:
+    """Pages ``start .. start + n_pages`` of a session: ``host`` holds page bytes (``nbytes``),
+    offsets and table ids (module docstring); ``digest`` is the raw pages' digest."""
+
+    start: int
+    n_pages: int
+    nbytes: int
+    host: torch.Tensor
+    digest: int
+
+    @property
+    def region_bytes(self) -> int:
+        return _region_bytes(self.nbytes, self.n_pages)
+
+
+@dataclass
+class CompressedSession:
+    """A session's KV as compressed chunks in host memory (pinned when CUDA is present)."""
+
+    codec: ExactPageCodec
+    n_pages: int
+    dtype: torch.dtype
+    chunks: list[Chunk] = field(default_factory=list)
+    pinned_fallbacks: int = 0  # chunks that did not fit the HostArena and got their own allocation
+
+    @property
+    def channels(self) -> int:
+        return self.codec.channels
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.n_pages * PAGE_TOKENS * self.channels * 2
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in transit: every chunk's page bytes, offsets and table ids."""
+        return sum(c.region_bytes for c in self.chunks)
+
+    @property
+    def ratio(self) -> float:
+        return self.nbytes / self.raw_bytes if self.n_pages else 0.0
+
+
+class HostArena:
+    """One allocation of host memory (pinned when CUDA is present) handed out in 8-byte aligned
+    slices, so offloading allocates nothing per chunk; ``reset()`` makes it reusable (sessions
+    that point into it are then invalid). ``device`` other than cpu makes a GPU-resident arena
+    (benchmarks use it to time the codec without the bus)."""
+
+    def __init__(self, nbytes: int, device="cpu", pin: bool | None = None, buffer: torch.Tensor | None = None):
+        if buffer is not None:  # an existing uint8 buffer (e.g. pinned memory the caller already holds)
+            if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+                raise InvalidArgumentError("an arena buffer must be a 1-D uint8 tensor")
+            self.buffer, self.used = buffer, 0
+            return
+        if nbytes < 0:
+            raise InvalidArgumentError("arena size must be >= 0")
+        device = torch.device(device)
+        if pin is None:
+            pin = device.type == "cpu" and torch.cuda.is_available()
+        self.buffer = torch.empty(int(nbytes), dtype=torch.uint8, device=device, pin_memory=bool(pin))
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        start = (self.used + 7) // 8 * 8
+        if start + nbytes > self.buffer.numel():
+            return None
+        self.used = start + nbytes
+        return self.buffer[start : start + nbytes]
+
+    def reset(self) -> None:
+        self.used = 0
+
+
+def _region_bytes(nbytes: int, n: int) -> int:
+    return nbytes + 8 * (n + 1) + (4 * n + 7) // 8 * 8
+
+
+def _staging_slack(channels: int) -> int:
+    # A damaged header can claim 65535 words for each of the S streams; the decoder then reads up
+    # to the page's header, raw bytes and S * 65535 words past a (clamped) offset <= nbytes.
+    s = channels // STREAM_CHANNELS
+    return _pages.header_len(channels) + PAGE_TOKENS * channels + 4 * s * 65536 + 64
+
+
+def plan_chunks(n_pages: int, chunk_pages: int) -> list[tuple[int, int]]:
+    """(start, stop) page ranges of at most ``chunk_pages``; the first chunk is a quarter of the
+    others, so the offload's copy stream starts after a short encode."""
+    if chunk_pages < 1:
+        raise InvalidArgumentError("chunk_pages must be >= 1")
+    out, a = [], 0
+    first = max(1, chunk_pages // 4)
+    while a < n_pages:
+        b = min(n_pages, a + (first if a == 0 else chunk_pages))
+        out.append((a, b))
+        a = b
+    return out
+
+
+# --- digest ---------------------------------------------------------------------------------
+
+_WEIGHTS: dict = {}
+
+
+def _splitmix_odd(n: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z | np.uint64(1)).view(np.int64)
+
+
+def _weights(n: int, device) -> torch.Tensor:
+    key = str(device)
+    w = _WEIGHTS.get(key)
+    if w is None or w.numel() < n:
+        w = torch.from_numpy(_splitmix_odd(max(n, 1024))).to(device)
+        _WEIGHTS[key] = w
+    return w[:n]
+
+
+def digest(values: torch.Tensor) -> torch.Tensor:
+    """int64 scalar tensor (on values' device): the digest of ``[n, 16, C]`` 16-bit pages,
+    sum of x[p, j] * a[j] * b[p] over the pages' 64-bit words, modulo 2**64."""
+    n = values.shape[0]
+    x = values.contiguous().view(torch.int16).reshape(n, -1).view(torch.int64)
+    rows = (x * _weights(x.shape[1], x.device)).sum(1)
+    return (rows * _weights(n, x.device)).sum()
+
+
+# --- streams --------------------------------------------------------------------------------
+
+
+class _Streams:
+    """A compute and a copy stream on CUDA; no-ops elsewhere (the Triton interpreter, tests)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.cur = torch.cuda.current_stream(device)
+            self.comp = torch.cuda.Stream(device)
+            self.copy = torch.cuda.Stream(device)
+            # Work the caller queued on its stream (the pages, the output) comes first.
+            self.comp.wait_stream(self.cur)
+            self.copy.wait_stream(self.cur)
+
+    def on(self, name: str):
+        return torch.cuda.stream(getattr(self, name)) if self.cuda else contextlib.nullcontext()
+
+    def record(self, name: str):
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(getattr(self, name))
+        return ev
+
+    def wait(self, name: str, ev) -> None:
+        if ev is not None:
+            getattr(self, name).wait_event(ev)
+
+    def finish(self) -> None:
+        if self.cuda:
+            self.cur.wait_stream(self.comp)
+            self.cur.wait_stream(self.copy)
+            self.comp.synchronize()
+            self.copy.synchronize()
+
+
+# --- argument checks ------------------------------------------------------------------------
+
+
+def _check_pages(values, codec: ExactPageCodec, what: str) -> None:
+    if not isinstance(values, torch.Tensor):
+        raise InvalidArgumentError(f"{what} must be a torch tensor, got {type(values).__name__}")
+    C = codec.channels
+    wrong_float = values.is_floating_point() and values.dtype != _TORCH_DTYPES[codec.dtype]
+    if values.dim() != 3 or tuple(values.shape[1:]) != (PAGE_TOKENS, C) or values.element_size() != 2 or wrong_float:
+        raise InvalidArgumentError(
+            f"{what} must be [n, {PAGE_TOKENS}, {C}] {codec.dtype} (or int16 bits), got {tuple(values.shape)} {values.dtype}")
+
+
+def _check_table_ids(table_ids, n: int, codec: ExactPageCodec) -> np.ndarray:
+    if table_ids is None:
+        return np.zeros(n, np.int32)
+    t = table_ids.detach().cpu().numpy() if isinstance(table_ids, torch.Tensor) else np.asarray(table_ids)
+    if t.shape != (n,) or t.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"table_ids must be [{n}] integers, got {t.shape} {t.dtype}")
+    if n and (int(t.min()) < 0 or int(t.max()) >= len(codec)):
+        raise InvalidArgumentError(f"table ids must lie in [0, {len(codec)})")
+    return t.astype(np.int32)
+
+
+def _backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "rust"
+    if backend not in ("triton", "rust"):
+        raise InvalidArgumentError(f"backend must be 'auto', 'triton' or 'rust', got {backend!r}")
+    return backend
+
+
+def _runs(tids: np.ndarray):
+    """(a, b, table id) for every run of equal table ids."""
+    cuts = [0, *(np.flatnonzero(np.diff(tids)) + 1).tolist(), len(tids)]
+    return [(a, b, int(tids[a])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def _host_region(arena: HostArena | None, nbytes: int, session: CompressedSession) -> torch.Tensor:
+    region = arena.take(nbytes) if arena is not None else None
+    if region is None:
+        if arena is not None:
+            session.pinned_fallbacks += 1
+        region = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    return region
+
+
+# --- offload --------------------------------------------------------------------------------
+
+
+def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, chunk_pages: int = 8192,
+            depth: int = 3, host: HostArena | None = None, backend: str = "auto", block_pages: int = 64) -> CompressedSession:
+    """Compress ``[n, 16, C]`` pages into a :class:`CompressedSession` in host memory (slices of
+    ``host`` when given, else pinned allocations per chunk). Returns when every byte has arrived."""
+    _check_pages(pages_gpu, codec, "pages")
+    if depth < 2:
+        raise InvalidArgumentError("depth must be >= 2 (one chunk encoding while one is copied)")
+    n = pages_gpu.shape[0]
+    tids = _check_table_ids(table_ids, n, codec)
+    session = CompressedSession(codec, n, pages_gpu.dtype if pages_gpu.is_floating_point() else _TORCH_DTYPES[codec.dtype])
+    if _backend(backend, pages_gpu.device) == "rust":
+        for a, b in plan_chunks(n, chunk_pages):
+            session.chunks.append(_rust_encode_chunk(codec, pages_gpu[a:b].cpu(), tids[a:b], a, host, session))
+        return session
+
+    dev = pages_gpu.device
+    tables = codec.tables(dev)
+    st = _Streams(dev)
+    plan = plan_chunks(n, chunk_pages)
+    if not plan:
+        return session
+    tids_dev = torch.from_numpy(tids).to(dev)
+    nslots = min(depth, len(plan))
+    with st.on("comp"):  # encoded chunks: a ring of worst-case-sized GPU buffers
+        ring = [torch.empty(max(b - a for a, b in plan) * codec.page_bound, dtype=torch.uint8, device=dev) for _ in range(nslots)]
+    sizes = torch.zeros(len(plan), dtype=torch.int64, pin_memory=st.cuda)
+    enc_done, size_ready, d2h_done, offsets, digests = [], [], [], [], []
+
+    def issue_d2h(i):
+        # The host learns chunk i's size from a small read-back (queued behind the previous
+        # chunk's copy on the copy engine), then sends exactly its bytes.
+        if size_ready[i] is not None:
+            size_ready[i].synchronize()
+        nb, (a, b) = int(sizes[i]), plan[i]
+        region = _host_region(host, _region_bytes(nb, b - a), session)
+        o, t = nb + 8 * (b - a + 1), nb + 8 * (b - a + 1) + 4 * (b - a)
+        with st.on("copy"):
+            st.wait("copy", enc_done[i])
+            region[:nb].copy_(ring[i % nslots][:nb], non_blocking=True)
+            region[nb:o].copy_(offsets[i].view(torch.uint8), non_blocking=True)
+            region[o:t].copy_(tids_dev[a:b].view(torch.uint8), non_blocking=True)
+            region[t:].zero_()
+            d2h_done.append(st.record("copy"))
+        session.chunks.append(Chunk(a, b - a, nb, region, 0))
+
+    for i, (a, b) in enumerate(plan):
+        with st.on("comp"):
+            if i >= nslots:  # the ring buffer's previous chunk has reached the host (issued: nslots >= 2)
+                st.wait("comp", d2h_done[i - nslots])
+            vals = pages_gpu[a:b]
+            offsets.append(_encode_into(vals, tables, tids_dev[a:b], ring[i % nslots], block_pages))
+            enc_done.append(st.record("comp"))
+            sizes[i : i + 1].copy_(offsets[i][-1:], non_blocking=True)
+            size_ready.append(st.record("comp"))
+            digests.append(digest(vals))
+        if i >= 1:  # chunk i is queued on the GPU before the host waits for chunk i-1's size
+            issue_d2h(i - 1)
+    issue_d2h(len(plan) - 1)
+    st.finish()
+    for c, d in zip(session.chunks, torch.stack(digests).cpu().tolist()):
+        c.digest = int(d)
+    return session
+
+
+def _encode_into(vals: torch.Tensor, tables, tids: torch.Tensor, buf: torch.Tensor, block_pages: int) -> torch.Tensor:
+    """The launcher of exact_page.encode_pages without its host reads (sizes and table-id checks),
+    writing into ``buf`` (at least n * page_bound bytes); returns the int64 offsets [n + 1] on the
+    device. Same bytes (tested against the Rust encoder)."""
+    import triton
+
+    from weightszip.kernels import exact_page as ep
+
+    n, C = vals.shape[0], tables.channels
+    S, H = C // STREAM_CHANNELS, ep.header_len(C)
+    v = vals.contiguous().view(torch.int16)
+    dev = v.device
+    bits = torch.empty(n, S, dtype=torch.int32, device=dev)
+    ep._stream_bits_kernel[(n,)](v, tables.enc, bits, tids, C=C, S=S, SP=triton.next_power_of_2(S), IS_BF16=tables.is_bf16)
+    words = (bits + 31) // 32
+    sizes = H + PAGE_TOKENS * C + 4 * words.sum(1, dtype=torch.int64)
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum((sizes + 7) // 8 * 8, 0)
+    wstart = (torch.cumsum(words, 1) - words).to(torch.int32).contiguous()
+    # The kernel writes raw bytes and code words; zero the rest first: the header (its padding)
+    # and each page's last 8 bytes (the up to 4 bytes that pad it to 8; the kernel then writes
+    # any code word among them).
+    b64 = buf.view(torch.int64)
+    b64[(offsets[:-1, None] // 8 + torch.arange(H // 8, device=dev)).reshape(-1)] = 0
+    b64[offsets[1:] // 8 - 1] = 0
+    buf.view(torch.int16)[(offsets[:-1, None] // 2 + torch.arange(S, device=dev)).reshape(-1)] = words.reshape(-1).to(torch.int16)
+    ep._encode_kernel[(triton.cdiv(n, block_pages), S)](
+        v.view(torch.int64), tables.enc, buf.view(torch.int32), offsets, wstart, tids, n,
+        C=C, S=S, H=H, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
+    )
+    return offsets
+
+
+def _rust_encode_chunk(codec, vals: torch.Tensor, tids: np.ndarray, start: int, host, session) -> Chunk:
+    v = vals.contiguous().view(torch.int16).numpy().view(np.uint16)
+    bufs, offs, base = [], [0], 0
+    for a, b, t in _runs(tids):
+        buf, o = _pages.encode_pages(codec.codebooks[t], v[a:b])
+        bufs.append(np.frombuffer(buf, np.uint8))
+        offs.extend((o[1:] + base).tolist())
+        base += len(buf)
+    n = len(tids)
+    region = _host_region(host, _region_bytes(base, n), session)
+    r = region.numpy()
+    r[:base] = np.concatenate(bufs) if bufs else np.zeros(0, np.uint8)
+    r[base : base + 8 * (n + 1)] = np.asarray(offs, "<i8").view(np.uint8)
+    r[base + 8 * (n + 1) : base + 8 * (n + 1) + 4 * n] = tids.astype("<i4").view(np.uint8)
+    r[base + 8 * (n + 1) + 4 * n :] = 0
+    return Chunk(start, n, base, region, int(digest(vals)))
+
+
+# --- restore --------------------------------------------------------------------------------
+
+
+def _chunk_parts(c: Chunk):
+    """(page bytes, offsets int64, table ids int32) views of a chunk region (on its device)."""
+    if c.host.numel() < c.region_bytes:
+        raise TruncatedError(f"chunk at page {c.start}: {c.host.numel()} bytes, expected {c.region_bytes}")
+    o = c.nbytes
+    offs = c.host[o : o + 8 * (c.n_pages + 1)].view(torch.int64)
+    t = o + 8 * (c.n_pages + 1)
+    return c.host[:o], offs, c.host[t : t + 4 * c.n_pages].view(torch.int32)
+
+
+def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = None, *, depth: int = 3,
+            verify: bool = True, backend: str = "auto", device=None, block_pages: int = 64) -> torch.Tensor:
+    """Decode ``session`` into ``out_pages_gpu`` ([n, 16, C], allocated on ``device`` when not
+    given) and return it. Raises ChecksumMismatchError when ``verify`` finds a chunk whose
+    decoded pages differ from what was offloaded; the Rust backend also raises CorruptDataError
+    or TruncatedError for damaged structure."""
+    if not isinstance(session, CompressedSession):
+        raise InvalidArgumentError(f"restore takes a CompressedSession, got {type(session).__name__}")
+    codec = session.codec
+    if out_pages_gpu is None:
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        out_pages_gpu = torch.empty(session.n_pages, PAGE_TOKENS, codec.channels, dtype=session.dtype, device=dev)
+    _check_pages(out_pages_gpu, codec, "out_pages")
+    if out_pages_gpu.shape[0] != session.n_pages:
+        raise InvalidArgumentError(f"out_pages holds {out_pages_gpu.shape[0]} pages, the session {session.n_pages}")
+    if not out_pages_gpu.is_contiguous():
+        raise InvalidArgumentError("out_pages must be contiguous")
+    if depth < 2:
+        raise InvalidArgumentError("restore needs depth >= 2 (one buffer copying while one decodes)")
+    out16 = out_pages_gpu.view(torch.int16)
+    if _backend(backend, out_pages_gpu.device) == "rust":
+        for c in session.chunks:
+            dec = _rust_decode_chunk(codec, c)
+            if verify and int(digest(dec)) != c.digest:
+                raise ChecksumMismatchError(f"chunk of pages {c.start}..{c.start + c.n_pages}: decoded pages differ from the offloaded ones")
+            out16[c.start : c.start + c.n_pages].copy_(dec)
+        return out_pages_gpu
+
+    from weightszip.kernels.exact_page import decode_pages
+
+    dev = out_pages_gpu.device
+    tables = codec.tables(dev)
+    chunks = session.chunks
+    if not chunks:
+        return out_pages_gpu
+    slack = _staging_slack(codec.channels)
+    size = max(c.region_bytes for c in chunks) + slack
+    for c in chunks:
+        _chunk_parts(c)  # region sizes, before anything is queued
+    st = _Streams(dev)
+    with st.on("copy"):  # allocated on the copy stream: its first use
+        staging = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(min(depth, len(chunks)))]
+    nslots = len(staging)
+    copied, decoded, digests = [None] * len(chunks), [None] * len(chunks), []
+
+    def issue_copy(i):
+        with st.on("copy"):
+            if i >= nslots:  # the buffer's previous chunk has been decoded
+                st.wait("copy", decoded[i - nslots])
+            c = chunks[i]
+            staging[i % nslots][: c.region_bytes].copy_(c.host[: c.region_bytes], non_blocking=True)
+            copied[i] = st.record("copy")
+
+    for i in range(nslots - 1):
+        issue_copy(i)
+    G = len(codec)
+    for i, c in enumerate(chunks):
+        if i + nslots - 1 < len(chunks):
+            issue_copy(i + nslots - 1)
+        with st.on("comp"):
+            st.wait("comp", copied[i])
+            buf = staging[i % nslots]
+            o = c.nbytes
+            offs = buf[o : o + 8 * (c.n_pages + 1)].view(torch.int64).clamp(0, o)
+            t = o + 8 * (c.n_pages + 1)
+            tids = buf[t : t + 4 * c.n_pages].view(torch.int32).clamp(0, G - 1)
+            dst = out16[c.start : c.start + c.n_pages]
+            decode_pages(buf, offs, tables, out=dst, table_ids=tids, block_pages=block_pages)
+            if verify:
+                digests.append(digest(dst))
+            decoded[i] = st.record("comp")
+    st.finish()
+    if verify:
+        for c, d in zip(chunks, torch.stack(digests).cpu().tolist()):
+            if int(d) != c.digest:
+                raise ChecksumMismatchError(f"chunk of pages {c.start}..{c.start + c.n_pages}: decoded pages differ from the offloaded ones")
+    return out_pages_gpu
+
+
+def _rust_decode_chunk(codec: ExactPageCodec, c: Chunk) -> torch.Tensor:
+    body, offs, tids = _chunk_parts(c)
+    body, offs, tids = body.cpu().numpy(), offs.cpu().numpy(), tids.cpu().numpy()
+    if c.n_pages and (int(tids.min()) < 0 or int(tids.max()) >= len(codec)):
+        raise CorruptDataError(f"chunk of pages {c.start}..{c.start + c.n_pages}: table id out of range")
+    if int(offs.min()) < 0 or int(offs.max()) > c.nbytes:
+        raise CorruptDataError(f"chunk of pages {c.start}..{c.start + c.n_pages}: page offset outside the chunk")
+    out = np.empty((c.n_pages, PAGE_TOKENS, codec.channels), np.uint16)
+    for a, b, t in _runs(tids):
+        out[a:b] = _pages.decode_pages(codec.codebooks[t], body, offs[a : b + 1])
+    return torch.from_numpy(out.view(np.int16))
+
+
+__all__ = ["ExactPageCodec", "CompressedSession", "Chunk", "HostArena", "offload", "restore", "digest", "plan_chunks"]
