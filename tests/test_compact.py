@@ -409,3 +409,19 @@ def test_format_memo_codes_only_new_tokens_and_matches_a_fresh_run():
     y[0, 0, 3, 0] += 1  # a changed prefix is coded again
     assert torch.equal(f.roundtrip(y, "k", 1), CompactFormat("q4", cal).roundtrip(y, "k", 1))
     assert not torch.equal(f.roundtrip(y, "k", 1), fresh)
+
+
+def test_key_offsets_only_in_rope_pairs_that_barely_turn():
+    # Qwen2.5 (theta 1e6, head_dim 64): pairs 30 and 31 turn by <= pi/8 over 131072 positions
+    assert C.slow_rope_channels(1e6, 64).nonzero().flatten().tolist() == [30, 31, 62, 63]
+    assert not C.slow_rope_channels(1e5, 64).any()  # SmolLM2: none
+    assert not C.slow_rope_channels(None, 64).any()
+    kv = _real_kv()
+    x = kv[0, 1].float() + 5.0  # keys with a large offset in every channel
+    rng = np.random.default_rng(0)
+    signs = torch.ones(64, dtype=torch.int64)
+    mask = C.slow_rope_channels(1e6, 64)
+    mu, _, _, _ = C.fit_tables(x, torch.ones(3, 64), "k", signs, rng, k_offset_channels=mask)
+    assert bool((mu[:, ~mask] == 0).all()) and bool((mu[:, mask] != 0).all())
+    mu_v, _, _, _ = C.fit_tables(x, torch.ones(3, 64), "v", signs, rng)
+    assert bool((mu_v != 0).all())  # values: every channel's mean

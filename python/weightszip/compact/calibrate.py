@@ -5,8 +5,10 @@ every attention layer it takes the post-RoPE queries, keys and values, and per (
 kv head) it derives:
 
 * ``mu``: for V, the channel means (over the non-sink tokens), added back (times the softmax
-  mass) after the sum. For K, zero: a constant offset would not change the softmax, but post-RoPE
-  keys turn with position, so a mean over the calibration's positions does not hold at others.
+  mass) after the sum. For K, the channel means only in the RoPE pairs that turn by at most pi/8
+  over 131072 positions (a constant key offset does not change the softmax; post-RoPE keys in faster
+  pairs turn with position, so a mean over the calibration's positions does not hold at others),
+  zero elsewhere.
 * ``mult``: a per-channel scaling before the rotation. Quantization noise after a random rotation
   is spread evenly over the rotated coordinates; undone by the scaling, channel c's error is
   proportional to s_c, while the noise level is proportional to sum_c b_c / s_c^2 (b_c: the
@@ -353,7 +355,22 @@ def _attention_error(q_samples, k_list, v_list, kq_list, vq_list, o_proj, scalin
     return total / max(count, 1)
 
 
-def fit_tables(body: torch.Tensor, a: torch.Tensor, kind: str, signs: torch.Tensor, rng, lloyd_samples: int = 400_000):
+def slow_rope_channels(rope_theta: float | None, head_dim: int, context: int = BUDGET_CONTEXT) -> torch.Tensor:
+    """bool [head_dim]: the channels of RoPE pairs (c, c + d/2) that turn by at most pi/8 over
+    ``context`` positions (inv_freq_i * context <= pi/8). A key offset (a k_proj bias, say) in them
+    stays nearly fixed at every position, so their calibration mean can be taken off; in faster pairs
+    it turns with position and cannot. None (no RoPE information): no channel."""
+    mask = torch.zeros(head_dim, dtype=torch.bool)
+    if not rope_theta:
+        return mask
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    inv_freq = rope_theta ** (-2 * i / head_dim)
+    slow = inv_freq * context <= math.pi / 8
+    return torch.cat([slow, slow])
+
+
+def fit_tables(body: torch.Tensor, a: torch.Tensor, kind: str, signs: torch.Tensor, rng, lloyd_samples: int = 400_000,
+               k_offset_channels: torch.Tensor | None = None):
     """Tables of one (layer, kind) from its calibration tokens ``body`` [T, H, d] (sinks left out)
     and the channel weights ``a`` [H, d] (E[q_c^2] for K, W_o column norms^2 for V): returns
     (mu int64 [H, d], mult int64 [H, d], e0 int64 [H], {bits: codebook float32 [2**bits]})."""
@@ -364,10 +381,12 @@ def fit_tables(body: torch.Tensor, a: torch.Tensor, kind: str, signs: torch.Tens
     if kind == "k":
         # Post-RoPE keys are not stationary: a pair of channels turns with the position, so a mean
         # taken over the calibration's positions is wrong at other positions (and contexts longer
-        # than the calibration windows). The pair's second moment is invariant under the turn: keys
-        # get no offset and are scaled by it.
-        mean = torch.zeros(h, d)
-        a, var = _pair_pool(a), _pair_pool((body**2).mean(0))
+        # than the calibration windows), except in the pairs that barely turn over a long context
+        # (``slow_rope_channels``), where large key offsets (k_proj biases) tend to sit. The others
+        # get no offset and are scaled by the pair's second moment, which the turn leaves unchanged.
+        keep = torch.zeros(d, dtype=torch.bool) if k_offset_channels is None else k_offset_channels.bool()
+        mean = body.mean(0) * keep
+        a, var = _pair_pool(a), _pair_pool(((body - mean) ** 2).mean(0))
     else:
         mean = body.mean(0)  # [H, d]
         var = ((body - mean) ** 2).mean(0)
@@ -410,6 +429,11 @@ def calibrate(
     t_forward = time.perf_counter() - t0
     rng = np.random.default_rng(seed)
     signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
+    from weightszip.models import _rope_theta
+
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    rope_theta = _rope_theta(cfg)
+    slow = slow_rope_channels(rope_theta, d)
     mu = torch.zeros(L, 2, H, d, dtype=torch.int64)
     mult = torch.zeros(L, 2, H, d, dtype=torch.int64)
     e0 = torch.zeros(L, 2, H, dtype=torch.int64)
@@ -425,7 +449,7 @@ def calibrate(
         for ki, (kind, xs) in enumerate((("k", ks), ("v", vs))):
             body = torch.cat([x[SINK_TOKENS:] for x in xs]).float()  # [T, H, d]
             a = q_mean_sq if kind == "k" else wo_sq
-            m_, mult_, e0_, cbs = fit_tables(body, a, kind, signs, rng, lloyd_samples)
+            m_, mult_, e0_, cbs = fit_tables(body, a, kind, signs, rng, lloyd_samples, k_offset_channels=slow)
             mu[layer, ki], mult[layer, ki], e0[layer, ki] = m_, mult_, e0_
             for b in BITS_CHOICES:
                 codebooks[b][layer, ki] = cbs[b]
@@ -449,6 +473,8 @@ def calibrate(
         window_tokens=[int(w.shape[1]) for w in windows],
         query_samples_per_window=n_query_samples,
         seed=seed,
+        rope_theta=rope_theta,
+        k_offset_channels=[int(c) for c in torch.nonzero(slow).flatten()],
         distortion={"bits": list(BITS_CHOICES), "residual_mse": dist.tolist()},
         budget_context=BUDGET_CONTEXT,
     )
