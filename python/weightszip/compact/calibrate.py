@@ -321,10 +321,7 @@ def lloyd(values: np.ndarray, levels: int, iters: int = 40) -> np.ndarray:
 
 def _normalized(y: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     """Rotated values [T, H, d] (float32) divided by their token's grid step (the encoder's k)."""
-    m = y.abs().amax(-1)
-    k = torch.searchsorted(grid, m.t().contiguous()).t().clamp(max=codec.GRID_SIZE - 1)
-    g = grid[torch.arange(grid.shape[0]).unsqueeze(0), k].unsqueeze(-1)
-    return y / g
+    return y / codec.scale_steps(y, grid)[1]
 
 
 def _attention_error(q_samples, k_list, v_list, kq_list, vq_list, o_proj, scaling, n_q_heads) -> float:

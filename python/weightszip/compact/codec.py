@@ -172,6 +172,15 @@ def rotate(x: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
     return fwht(z * signs)
 
 
+def scale_steps(yf: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 4: rotated float32 values [t, H, d] and the heads' grids [H, 256] -> (scale index
+    k [t, H] = #{i : grid[i] < max |y|} clamped to 255, its grid value [t, H, 1])."""
+    m = yf.abs().amax(dim=-1)  # [t, H]
+    k = torch.searchsorted(grid, m.t().contiguous()).t().clamp(max=GRID_SIZE - 1)  # a left search
+    g = grid[torch.arange(grid.shape[0]).unsqueeze(0), k].unsqueeze(-1)
+    return k, g
+
+
 def encode_tokens(x: torch.Tensor, tables: list[HeadTables], *, block: int = 4096):
     """Encode tokens: x [T, H, d] -> (codes uint8 [T, H, d], scale index uint8 [T, H])."""
     if x.ndim != 3:
@@ -183,10 +192,7 @@ def encode_tokens(x: torch.Tensor, tables: list[HeadTables], *, block: int = 409
     sidx = torch.empty(x.shape[:2], dtype=torch.uint8)
     for a in range(0, t, block):
         yf = rotate(x[a : a + block].cpu(), tables).to(torch.float32)  # int64 -> fp32, round to nearest even
-        m = yf.abs().amax(dim=-1)  # [t, H]
-        # k = #{i : grid[i] < m}: a left search in the ascending grid
-        k = torch.searchsorted(grid, m.t().contiguous()).t().clamp(max=GRID_SIZE - 1)  # [t, H]
-        g = grid[torch.arange(grid.shape[0]).unsqueeze(0), k].unsqueeze(-1)  # [t, H, 1]
+        k, g = scale_steps(yf, grid)
         tk = thr.unsqueeze(0) * g  # float32 products [t, H, 2**b - 1], ascending
         c = torch.searchsorted(tk.contiguous(), yf.contiguous())  # #{j : tk[j] < y} for each value
         codes[a : a + block] = c.to(torch.uint8)
