@@ -411,17 +411,133 @@ def test_format_memo_codes_only_new_tokens_and_matches_a_fresh_run():
     assert not torch.equal(f.roundtrip(y, "k", 1), fresh)
 
 
-def test_key_offsets_only_in_rope_pairs_that_barely_turn():
-    # Qwen2.5 (theta 1e6, head_dim 64): pairs 30 and 31 turn by <= pi/8 over 131072 positions
-    assert C.slow_rope_channels(1e6, 64).nonzero().flatten().tolist() == [30, 31, 62, 63]
-    assert not C.slow_rope_channels(1e5, 64).any()  # SmolLM2: none
-    assert not C.slow_rope_channels(None, 64).any()
-    kv = _real_kv()
-    x = kv[0, 1].float() + 5.0  # keys with a large offset in every channel
+def _scalar_rope_offset(m: list[int], f: list[int], p: int) -> list[int]:
+    """The rotary offset of one head at position p from FORMAT.md's definition, in Python integers
+    (trig tables from ``math``, not numpy)."""
+    d = len(m)
+    out = [0] * d
+    for i in range(d // 2):
+        ph = (p * f[i]) % 2**48
+        hi, lo = ph >> 36, (ph >> 26) & 1023
+        c1, s1 = round(math.cos(2 * math.pi * hi / 4096) * 2**30), round(math.sin(2 * math.pi * hi / 4096) * 2**30)
+        c2, s2 = round(math.cos(2 * math.pi * lo / 2**22) * 2**30), round(math.sin(2 * math.pi * lo / 2**22) * 2**30)
+        c, s_ = (c1 * c2 - s1 * s2) >> 30, (s1 * c2 + c1 * s2) >> 30
+        a, b = m[i], m[i + d // 2]
+        out[i], out[i + d // 2] = (a * c - b * s_) >> 30, (a * s_ + b * c) >> 30
+    return out
+
+
+def _biased_keys(t: int = 256, h: int = 2, d: int = 64, theta: float = 1e6, seed: int = 0):
+    """Keys like Qwen2.5's: a large pre-RoPE bias b plus small content, RoPE applied (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    b = torch.randn(h, d, generator=g, dtype=torch.float64) * 20
+    pre = b + torch.randn(t, h, d, generator=g, dtype=torch.float64) * 0.2
+    ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None]
+    c, s_ = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
+    x1, x2 = pre[..., : d // 2], pre[..., d // 2 :]
+    post = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1)
+    return post.to(torch.bfloat16), inv, b
+
+
+def test_rotary_offsets_match_a_scalar_reference():
+    rng = np.random.default_rng(3)
+    d = 64
+    m = torch.from_numpy(rng.integers(-(2**31) + 1, 2**31 - 1, size=d)).to(torch.int64)
+    f = C.rope_phase_steps(1e6 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
+    t = HeadTables(torch.zeros(d, dtype=torch.int64), torch.ones(d, dtype=torch.int64), torch.ones(d, dtype=torch.int64),
+                   0, C._PROBE_CODEBOOK, 2, rope_m=m, rope_phase=f)
+    pos = torch.tensor([0, 1, 2, 17, 4095, 131071, 2**31 - 1])
+    r = codec.rope_offset(pos, [t])
+    for i, p in enumerate(pos.tolist()):
+        assert r[i, 0].tolist() == _scalar_rope_offset(m.tolist(), f.tolist(), p)
+    assert torch.equal(r[0, 0], m)  # position 0: no turn (up to the floor of cos(0) = 2**30 exactly)
+    with pytest.raises(CompactCodecError, match="positions"):
+        codec.rope_offset(torch.tensor([-1]), [t])
+    with pytest.raises(CompactCodecError, match="positions"):
+        codec.encode_tokens(torch.zeros(4, 1, d), [t])  # K tables with offsets need positions
+
+
+def test_rotary_offsets_take_a_key_bias_off_at_every_position():
+    x, inv, b = _biased_keys()
+    mean = C.pre_rope_mean([x], inv)  # turned back to position 0
+    assert float((mean - b).abs().max()) < 0.2
     rng = np.random.default_rng(0)
-    signs = torch.ones(64, dtype=torch.int64)
-    mask = C.slow_rope_channels(1e6, 64)
-    mu, _, _, _ = C.fit_tables(x, torch.ones(3, 64), "k", signs, rng, k_offset_channels=mask)
-    assert bool((mu[:, ~mask] == 0).all()) and bool((mu[:, mask] != 0).all())
-    mu_v, _, _, _ = C.fit_tables(x, torch.ones(3, 64), "v", signs, rng)
-    assert bool((mu_v != 0).all())  # values: every channel's mean
+    signs = torch.from_numpy(rng.choice([-1, 1], size=64)).to(torch.int64)
+    phase = C.rope_phase_steps(inv)
+    rope_m = C._rope_offsets([x], inv, phase, signs)
+    assert bool((rope_m != 0).all())  # every pair's bias is large against the content
+    pos = torch.arange(x.shape[0])
+    body = x[C.SINK_TOKENS:].float()
+    err = {}
+    for with_offsets in (False, True):
+        kw = dict(rope_m=rope_m, rope_phase=phase, positions=pos[C.SINK_TOKENS:]) if with_offsets else {}
+        mu, mult, e0, cbs = C.fit_tables(body, torch.ones(2, 64), "k", signs, rng, **kw)
+        assert bool((mu == 0).all())  # keys take no per-channel offset
+        tabs = [HeadTables(mu[h], mult[h], signs, int(e0[h]), cbs[4], 4,
+                           **({"rope_m": rope_m[h], "rope_phase": phase} if with_offsets else {})) for h in range(2)]
+        xh = codec.roundtrip(x, tabs, pos)
+        content = x.double() - codec.rope_offset(pos, tabs).double() * 2**-16 if with_offsets else None
+        err[with_offsets] = float(((xh.double() - x.double()) ** 2).mean())
+        if with_offsets:  # the content (what attention tells apart) survives
+            assert float(((xh.double() - x.double()) ** 2).mean() / (content**2).mean()) < 0.05
+    assert err[True] < err[False] / 100
+    # the same bytes decode the same at the same positions; other positions give other keys
+    tabs_o = [HeadTables(torch.zeros(64, dtype=torch.int64), mult[h], signs, int(e0[h]), cbs[4], 4, rope_m=rope_m[h],
+                         rope_phase=phase) for h in range(2)]
+    codes, sidx = codec.encode_tokens(x, tabs_o, pos)
+    y = codec.dequantize(codes, sidx, tabs_o)
+    assert torch.equal(codec.inverse(y, tabs_o, pos), codec.inverse(y, tabs_o, pos))
+    assert not torch.equal(codec.inverse(y, tabs_o, pos), codec.inverse(y, tabs_o, pos + 1000))
+
+
+def test_key_offset_logits_complete_the_rotated_domain_algebra():
+    x, inv, _ = _biased_keys(t=48)
+    rng = np.random.default_rng(1)
+    signs = torch.from_numpy(rng.choice([-1, 1], size=64)).to(torch.int64)
+    phase = C.rope_phase_steps(inv)
+    rope_m = C._rope_offsets([x], inv, phase, signs)
+    pos = torch.arange(48)
+    mu, mult, e0, cbs = C.fit_tables(x[4:].float(), torch.ones(2, 64), "k", signs, rng, rope_m=rope_m,
+                                     rope_phase=phase, positions=pos[4:])
+    tabs = [HeadTables(mu[h], mult[h], signs, int(e0[h]), cbs[3], 3, rope_m=rope_m[h], rope_phase=phase) for h in range(2)]
+    codes, sidx = codec.encode_tokens(x, tabs, pos)
+    yhat = codec.dequantize(codes, sidx, tabs)
+    q = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    want = torch.einsum("hgd,thd->hgt", q.double(), codec.inverse(yhat, tabs, pos).double())
+    qp, bias = codec.query_transform(q, tabs)
+    got = (torch.einsum("hgd,thd->hgt", qp.double(), yhat.double()) + bias.double().unsqueeze(-1)
+           + codec.key_offset_logits(q, pos, tabs).double())
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-3 * float(want.abs().max()))
+
+
+def test_calibration_with_rotary_offsets_roundtrips_and_rejects_bad_ones(tmp_path):
+    import weightszip
+
+    cal = _small_calibration()
+    cal.rope_m = torch.zeros(cal.layers, cal.kv_heads, cal.head_dim, dtype=torch.int64)
+    cal.rope_m[0, 1, 5] = 123456
+    cal.rope_phase = C.rope_phase_steps(1e4 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    cal.validate()
+    assert cal.has_rope_offsets
+    assert cal.tables(0, "k", 4)[1].has_rope_offset and cal.tables(0, "v", 4)[1].rope_m is None
+    p = tmp_path / "r.wzcal"
+    cal.save(p)
+    back = C.Calibration.load(p)
+    assert torch.equal(back.rope_m, cal.rope_m) and torch.equal(back.rope_phase, cal.rope_phase)
+    assert back.bits_per_value("q4", 1000) == cal.bits_per_value("q4", 1000)
+    t = weightszip.load_file(p)
+    t["rope_m"] = t["rope_m"][:1]
+    weightszip.save_file(t, tmp_path / "bad.wzcal")
+    with pytest.raises(C.CalibrationError, match="rope_m"):
+        C.Calibration.load(tmp_path / "bad.wzcal")
+    t = weightszip.load_file(p)
+    t["rope_m"] = np.full_like(t["rope_m"], 2**40)
+    weightszip.save_file(t, tmp_path / "big.wzcal")
+    with pytest.raises(C.CalibrationError, match="rope_m"):
+        C.Calibration.load(tmp_path / "big.wzcal")
+    t = weightszip.load_file(p)
+    del t["rope_phase"]
+    weightszip.save_file(t, tmp_path / "half.wzcal")
+    with pytest.raises(C.CalibrationError, match="together"):
+        C.Calibration.load(tmp_path / "half.wzcal")

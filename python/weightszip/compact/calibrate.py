@@ -5,10 +5,14 @@ every attention layer it takes the post-RoPE queries, keys and values, and per (
 kv head) it derives:
 
 * ``mu``: for V, the channel means (over the non-sink tokens), added back (times the softmax
-  mass) after the sum. For K, the channel means only in the RoPE pairs that turn by at most pi/8
-  over 131072 positions (a constant key offset does not change the softmax; post-RoPE keys in faster
-  pairs turn with position, so a mean over the calibration's positions does not hold at others),
-  zero elsewhere.
+  mass) after the sum; zero for K.
+* ``rope_m`` (K): the pre-RoPE key mean of each KV head (the keys turned back by RoPE to position
+  0 and averaged), kept in the RoPE pairs where it is at least a quarter of the pair's remaining
+  RMS, zero in the others; with ``rope_phase`` (the model's RoPE frequencies as phase steps). The
+  codec turns it to each key's position and takes it off before coding (``codec.rope_offset``). A
+  post-RoPE key mean would be wrong: the pairs turn with position, so a mean over the calibration's
+  positions does not hold at others. Models with a k_proj bias (Qwen2.5) need this: their keys are
+  dominated by the bias (up to 200 times the rest in layer 0) in pairs that turn at every speed.
 * ``mult``: a per-channel scaling before the rotation. Quantization noise after a random rotation
   is spread evenly over the rotated coordinates; undone by the scaling, channel c's error is
   proportional to s_c, while the noise level is proportional to sum_c b_c / s_c^2 (b_c: the
@@ -22,8 +26,12 @@ kv head) it derives:
   dimension) on the normalized rotated values of the calibration tokens.
 * a bit width per (layer, kind) for each format (q4, q3.5, q3): from the measured error each
   layer's K or V at each width causes in the residual stream (attention over sampled queries,
-  sinks and the recent window kept in bf16, through W_o), the widths that minimize the summed
-  error within the format's bit budget at 131072 tokens (greedy on error saved per bit).
+  sinks and the recent window kept in bf16, through W_o), relative to the residual stream it is
+  added to (weighted by the post-attention norm's weights and divided by the stream's mean square
+  at each sampled token: what the next norm reads), the widths that minimize the summed error
+  within the format's bit budget at 131072 tokens (greedy on error saved per bit). The absolute
+  error would rate early layers, whose residual stream is small (Qwen2.5: RMS 0.02 entering layer
+  0, 3 at the last), as cheap and starve them.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ RECENT_WINDOW = 128
 BUDGET_CONTEXT = 131072
 TARGETS = {"q4": 4.0, "q3.5": 3.5, "q3": 3.0}
 CALIBRATION_KIND = "weightszip-compact-calibration"
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # reads 1 too (no rotary offsets)
+ROPE_OFFSET_MIN_RATIO = 0.25
 KINDS = ("k", "v")
 
 
@@ -71,6 +80,8 @@ class Calibration:
     e0: torch.Tensor  # int64 [L, 2, H]
     codebooks: dict[int, torch.Tensor]  # bits -> float32 [L, 2, 2**bits]
     allocation: dict[str, list[list[int]]]  # format -> [layer][kind] bits
+    rope_m: torch.Tensor | None = None  # int64 [L, H, d]: pre-RoPE K means (units of 2**-16); None: none
+    rope_phase: torch.Tensor | None = None  # int64 [d/2]: RoPE phase step per position (2 pi / 2**48)
     sink_tokens: int = SINK_TOKENS
     recent_window: int = RECENT_WINDOW
     meta: dict = field(default_factory=dict)
@@ -87,16 +98,25 @@ class Calibration:
                 e0=int(self.e0[layer, ki, h]),
                 codebook=self.codebooks[bits][layer, ki],
                 bits=bits,
+                rope_m=self.rope_m[layer, h] if (kind == "k" and self.rope_m is not None) else None,
+                rope_phase=self.rope_phase if (kind == "k" and self.rope_m is not None) else None,
             )
             for h in range(self.kv_heads)
         ]
 
+    @property
+    def has_rope_offsets(self) -> bool:
+        return self.rope_m is not None and bool(torch.any(self.rope_m != 0))
+
     def table_bits(self, fmt: str) -> int:
         """Bits of the tables a format reads (mu, mult, e0, signs, its codebooks), for the
-        bits-per-value count: mu int64, mult u32, e0 one byte, signs one bit, codebooks float32."""
+        bits-per-value count: mu int64, mult u32, e0 one byte, signs one bit, codebooks float32;
+        rotary offsets: rope_m 32 bits per K channel, rope_phase 48 bits per pair."""
         alloc = self.allocation[fmt]
         per_head = self.head_dim * (64 + 32) + 8
         total = self.head_dim
+        if self.rope_m is not None:
+            total += self.layers * self.kv_heads * self.head_dim * 32 + self.head_dim // 2 * 48
         for layer in range(self.layers):
             for ki in range(2):
                 total += self.kv_heads * per_head + 32 * 2 ** alloc[layer][ki]
@@ -159,6 +179,9 @@ class Calibration:
         }
         for b, cb in self.codebooks.items():
             tensors[f"codebook_{b}"] = cb.numpy()
+        if self.rope_m is not None:
+            tensors["rope_m"] = self.rope_m.numpy()
+            tensors["rope_phase"] = self.rope_phase.numpy()
         weightszip.save_file(tensors, path)
 
     @classmethod
@@ -172,8 +195,8 @@ class Calibration:
             raise CalibrationError(f"{path}: no readable calibration metadata ({e})") from e
         if meta.get("kind") != CALIBRATION_KIND:
             raise CalibrationError(f"{path} is not a weightszip compact calibration file")
-        if meta.get("version") != CALIBRATION_VERSION:
-            raise CalibrationError(f"{path}: calibration version {meta.get('version')} is not supported (this reads {CALIBRATION_VERSION})")
+        if meta.get("version") not in (1, CALIBRATION_VERSION):
+            raise CalibrationError(f"{path}: calibration version {meta.get('version')} is not supported (this reads 1-{CALIBRATION_VERSION})")
         try:
             L, H, d = int(meta["layers"]), int(meta["kv_heads"]), int(meta["head_dim"])
             cal = cls(
@@ -186,6 +209,8 @@ class Calibration:
                 e0=torch.from_numpy(np.asarray(t["e0"], dtype=np.int64)),
                 codebooks={b: torch.from_numpy(np.asarray(t[f"codebook_{b}"], dtype=np.float32)) for b in BITS_CHOICES},
                 allocation={k: [[int(b) for b in lk] for lk in v] for k, v in meta["allocation"].items()},
+                rope_m=torch.from_numpy(np.asarray(t["rope_m"], dtype=np.int64)) if "rope_m" in t else None,
+                rope_phase=torch.from_numpy(np.asarray(t["rope_phase"], dtype=np.int64)) if "rope_phase" in t else None,
                 sink_tokens=int(meta["sink_tokens"]),
                 recent_window=int(meta["recent_window"]),
                 meta=meta,
@@ -201,6 +226,13 @@ class Calibration:
         for name, shape in shapes.items():
             if tuple(getattr(self, name).shape) != shape:
                 raise CalibrationError(f"calibration tensor {name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
+        if (self.rope_m is None) != (self.rope_phase is None):
+            raise CalibrationError("rope_m and rope_phase come together")
+        if self.rope_m is not None:
+            if tuple(self.rope_m.shape) != (L, H, d) or tuple(self.rope_phase.shape) != (d // 2,):
+                raise CalibrationError(f"rope_m must be [{L}, {H}, {d}] and rope_phase [{d // 2}]")
+            if self.rope_m.dtype != torch.int64 or self.rope_phase.dtype != torch.int64:
+                raise CalibrationError("rope_m and rope_phase must be int64")
         for b in BITS_CHOICES:
             if tuple(self.codebooks[b].shape) != (L, 2, 2**b):
                 raise CalibrationError(f"codebook_{b} has shape {tuple(self.codebooks[b].shape)}")
@@ -240,25 +272,36 @@ class _Observer:
         self.q_samples: dict[int, list] = {}  # (positions, q [Hq, n, d]) per window
         self.o_proj: dict[int, torch.Tensor] = {}
         self.scaling: dict[int, float] = {}
+        # the residual stream attention adds to: per window, the mean square over channels of each
+        # token's stream after the addition (the post-attention norm's input) [T], and that norm's
+        # weights squared [hidden] (absent for models without such a norm)
+        self.stream_ms: dict[int, list] = {}
+        self.norm_w2: dict[int, torch.Tensor] = {}
 
     def roundtrip(self, x, kind, layer=None):
         return x
 
     def observe(self, module, query, key, value):
         layer = module.layer_idx
-        q = query[0].float()  # [Hq, T, d]
+        q = query[0].float().cpu()  # [Hq, T, d]
         t = q.shape[1]
         s = min(SINK_TOKENS, t)
         self.q_sq[layer] = self.q_sq.get(layer, 0) + (q[:, s:] ** 2).sum(1)
         self.q_n[layer] = self.q_n.get(layer, 0) + (t - s)
-        self.k.setdefault(layer, []).append(key[0].transpose(0, 1).to(torch.bfloat16).clone())  # [T, H, d]
-        self.v.setdefault(layer, []).append(value[0].transpose(0, 1).to(torch.bfloat16).clone())
+        self.k.setdefault(layer, []).append(key[0].transpose(0, 1).to(torch.bfloat16).cpu().clone())  # [T, H, d]
+        self.v.setdefault(layer, []).append(value[0].transpose(0, 1).to(torch.bfloat16).cpu().clone())
         lo = min(t - 1, RECENT_WINDOW + SINK_TOKENS)  # queries that see some quantized tokens
         pos = np.sort(self.rng.choice(np.arange(lo, t), size=min(self.n_query_samples, t - lo), replace=False))
         self.q_samples.setdefault(layer, []).append((torch.from_numpy(pos), q[:, pos].clone()))
         if layer not in self.o_proj:
-            self.o_proj[layer] = module.o_proj.weight.detach().float()
+            self.o_proj[layer] = module.o_proj.weight.detach().float().cpu()
             self.scaling[layer] = float(getattr(module, "scaling", q.shape[-1] ** -0.5))
+
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if layers is not None else []
 
 
 def observe(model, windows: list[torch.Tensor], n_query_samples: int = 256, seed: int = 0, progress=None) -> _Observer:
@@ -266,12 +309,67 @@ def observe(model, windows: list[torch.Tensor], n_query_samples: int = 256, seed
     from weightszip.eval import kl
 
     obs = _Observer(n_query_samples, seed)
-    for ids in windows:
-        with torch.inference_mode(), kl.kv_format(model, obs):  # type: ignore[arg-type]
-            model.model(input_ids=ids, use_cache=False)
-        if progress:
-            progress(1)
+    hooks = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if norm is None:
+            continue
+        w = getattr(norm, "weight", None)
+        if w is not None:
+            obs.norm_w2[i] = w.detach().float().cpu() ** 2
+
+        def pre_hook(module, args, i=i):
+            h = args[0][0].float()  # [T, hidden]
+            obs.stream_ms.setdefault(i, []).append((h**2).mean(-1).cpu())
+
+        hooks.append(norm.register_forward_pre_hook(pre_hook))
+    try:
+        for ids in windows:
+            with torch.inference_mode(), kl.kv_format(model, obs):  # type: ignore[arg-type]
+                model.model(input_ids=ids, use_cache=False)
+            if progress:
+                progress(1)
+    finally:
+        for h in hooks:
+            h.remove()
     return obs
+
+
+def rope_inv_freq(model, head_dim: int) -> torch.Tensor | None:
+    """The model's RoPE frequencies (radians per position, float64 [head_dim/2]) from its rotary
+    embedding module, or None when it has none we can read (then no rotary offsets)."""
+    inner = getattr(model, "model", model)
+    rot = getattr(inner, "rotary_emb", None)
+    f = getattr(rot, "inv_freq", None)
+    if f is None or tuple(f.shape) != (head_dim // 2,):
+        return None
+    f = f.detach().double().cpu()
+    if not bool(torch.all(torch.isfinite(f) & (f >= 0) & (f <= 4))):
+        return None
+    return f
+
+
+def rope_phase_steps(inv_freq: torch.Tensor) -> torch.Tensor:
+    """int64 [d/2] phase steps (units of 2 pi / 2**48 per position) of RoPE frequencies."""
+    steps = torch.round(inv_freq.double() / (2 * math.pi) * 2.0**codec.PHASE_BITS).to(torch.int64)
+    return steps % 2**codec.PHASE_BITS
+
+
+def pre_rope_mean(windows: list[torch.Tensor], inv_freq: torch.Tensor, skip: int = SINK_TOKENS) -> torch.Tensor:
+    """Mean of the keys turned back to position 0 (float64 [H, d]): each window [T, H, d] holds
+    positions 0..T-1; the first ``skip`` tokens of each are left out."""
+    d = windows[0].shape[-1]
+    total, n = 0, 0
+    for x in windows:
+        t = x.shape[0]
+        pos = torch.arange(skip, t, dtype=torch.float64)
+        ang = pos[:, None] * inv_freq[None, :]  # [T, d/2]
+        c, s_ = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+        k = x[skip:].double()
+        a, b = k[..., : d // 2], k[..., d // 2 :]
+        total = total + torch.cat([a * c + b * s_, b * c - a * s_], dim=-1).sum(0)
+        n += t - skip
+    return total / max(n, 1)
 
 
 # ----------------------------------------------------------------------------- the statistics
@@ -324,11 +422,16 @@ def _normalized(y: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return y / codec.scale_steps(y, grid)[1]
 
 
-def _attention_error(q_samples, k_list, v_list, kq_list, vq_list, o_proj, scaling, n_q_heads) -> float:
+def _attention_error(q_samples, k_list, v_list, kq_list, vq_list, o_proj, scaling, n_q_heads,
+                     stream_ms=None, norm_w2=None) -> float:
     """Mean squared error in the residual stream (after W_o) of attention outputs over sampled
-    queries when K/V are replaced by kq/vq except the sinks and each query's recent window."""
+    queries when K/V are replaced by kq/vq except the sinks and each query's recent window;
+    relative to the stream when ``stream_ms`` (per window, [T]) is given: each sampled token's
+    error weighted by ``norm_w2`` (the next norm's weights squared) and divided by its stream's
+    mean square."""
     total, count = 0.0, 0
-    for (pos, q), k, v, kq, vq in zip(q_samples, k_list, v_list, kq_list, vq_list):
+    ms_list = stream_ms if stream_ms is not None else [None] * len(q_samples)
+    for (pos, q), k, v, kq, vq, ms in zip(q_samples, k_list, v_list, kq_list, vq_list, ms_list):
         hq, n, d = q.shape
         hkv = k.shape[1]
         g = hq // hkv
@@ -346,52 +449,51 @@ def _attention_error(q_samples, k_list, v_list, kq_list, vq_list, o_proj, scalin
         o_ref = torch.einsum("hgnt,htd->hgnd", p_ref, vf)
         o_q = torch.einsum("hgnt,htd->hgnd", p_q * exact, vf) + torch.einsum("hgnt,htd->hgnd", p_q * ~exact, vqf)
         diff = (o_ref - o_q).reshape(hq, n, d).permute(1, 0, 2).reshape(n, hq * d)
-        err = diff @ o_proj.T
-        total += float((err**2).sum())
+        err = (diff @ o_proj.T) ** 2  # [n, hidden]
+        if norm_w2 is not None:
+            err = err * norm_w2
+        if ms is not None:
+            err = err / (ms[pos].unsqueeze(-1) + 1e-12)
+        total += float(err.sum())
         count += n
     return total / max(count, 1)
 
 
-def slow_rope_channels(rope_theta: float | None, head_dim: int, context: int = BUDGET_CONTEXT) -> torch.Tensor:
-    """bool [head_dim]: the channels of RoPE pairs (c, c + d/2) that turn by at most pi/8 over
-    ``context`` positions (inv_freq_i * context <= pi/8). A key offset (a k_proj bias, say) in them
-    stays nearly fixed at every position, so their calibration mean can be taken off; in faster pairs
-    it turns with position and cannot. None (no RoPE information): no channel."""
-    mask = torch.zeros(head_dim, dtype=torch.bool)
-    if not rope_theta:
-        return mask
-    i = torch.arange(head_dim // 2, dtype=torch.float64)
-    inv_freq = rope_theta ** (-2 * i / head_dim)
-    slow = inv_freq * context <= math.pi / 8
-    return torch.cat([slow, slow])
+_PROBE_CODEBOOK = torch.tensor([-1.0, -0.5, 0.5, 1.0])  # any valid codebook: rotate() does not read it
 
 
 def fit_tables(body: torch.Tensor, a: torch.Tensor, kind: str, signs: torch.Tensor, rng, lloyd_samples: int = 400_000,
-               k_offset_channels: torch.Tensor | None = None):
+               rope_m: torch.Tensor | None = None, rope_phase: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None):
     """Tables of one (layer, kind) from its calibration tokens ``body`` [T, H, d] (sinks left out)
     and the channel weights ``a`` [H, d] (E[q_c^2] for K, W_o column norms^2 for V): returns
-    (mu int64 [H, d], mult int64 [H, d], e0 int64 [H], {bits: codebook float32 [2**bits]})."""
+    (mu int64 [H, d], mult int64 [H, d], e0 int64 [H], {bits: codebook float32 [2**bits]}).
+    K with rotary offsets: ``rope_m`` int64 [H, d], ``rope_phase`` int64 [d/2] and the tokens'
+    ``positions`` [T]."""
     t, h, d = body.shape
     if t < 1:
         raise CalibrationError("no calibration tokens")
     body = body.float()
+    rope = [dict(rope_m=rope_m[i], rope_phase=rope_phase) if rope_m is not None else {} for i in range(h)]
     if kind == "k":
-        # Post-RoPE keys are not stationary: a pair of channels turns with the position, so a mean
-        # taken over the calibration's positions is wrong at other positions (and contexts longer
-        # than the calibration windows), except in the pairs that barely turn over a long context
-        # (``slow_rope_channels``), where large key offsets (k_proj biases) tend to sit. The others
-        # get no offset and are scaled by the pair's second moment, which the turn leaves unchanged.
-        keep = torch.zeros(d, dtype=torch.bool) if k_offset_channels is None else k_offset_channels.bool()
-        mean = body.mean(0) * keep
-        a, var = _pair_pool(a), _pair_pool(((body - mean) ** 2).mean(0))
+        # Post-RoPE keys are not stationary: a pair of channels turns with the position. Their
+        # offset (``rope_m``, turned to each position) is taken off before the statistics; the
+        # channel offset mu stays zero, and the scaling uses the pair's second moment, which the
+        # turn leaves unchanged.
+        mean = torch.zeros(h, d)
+        resid = body
+        if rope_m is not None:
+            probe_tabs = [HeadTables(torch.zeros(d, dtype=torch.int64), torch.ones(d, dtype=torch.int64), signs, 0,
+                                     _PROBE_CODEBOOK, 2, **rope[i]) for i in range(h)]
+            resid = body - codec.rope_offset(positions, probe_tabs).float() * 2.0**-codec.FIXED_SHIFT
+        a, var = _pair_pool(a), _pair_pool((resid**2).mean(0))
     else:
         mean = body.mean(0)  # [H, d]
         var = ((body - mean) ** 2).mean(0)
     mu = torch.round(mean.double() * 2**codec.FIXED_SHIFT).to(torch.int64)
     mult = _mult_from_scale(_scaling(a.float(), var))
-    probe = torch.tensor([-1.0, -0.5, 0.5, 1.0])  # any valid codebook: rotate() does not read it
-    heads0 = [HeadTables(mu[i], mult[i], signs, 0, probe, 2) for i in range(h)]
-    y = codec.rotate(body.to(torch.bfloat16), heads0).to(torch.float32)
+    heads0 = [HeadTables(mu[i], mult[i], signs, 0, _PROBE_CODEBOOK, 2, **rope[i]) for i in range(h)]
+    y = codec.rotate(body.to(torch.bfloat16), heads0, positions).to(torch.float32)
     med = y.abs().amax(-1).median(0).values  # [H]
     e0 = torch.tensor([int(math.floor(math.log2(max(float(m), 1e-30)))) - 8 for m in med], dtype=torch.int64)
     grids = torch.stack([codec.grid_table(int(e)) for e in e0])
@@ -426,16 +528,15 @@ def calibrate(
     t_forward = time.perf_counter() - t0
     rng = np.random.default_rng(seed)
     signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
-    from weightszip.models import _rope_theta
-
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    rope_theta = _rope_theta(cfg)
-    slow = slow_rope_channels(rope_theta, d)
+    inv_freq = rope_inv_freq(model, d)
+    rope_phase = rope_phase_steps(inv_freq) if inv_freq is not None else None
     mu = torch.zeros(L, 2, H, d, dtype=torch.int64)
     mult = torch.zeros(L, 2, H, d, dtype=torch.int64)
     e0 = torch.zeros(L, 2, H, dtype=torch.int64)
+    rope_m = torch.zeros(L, H, d, dtype=torch.int64) if rope_phase is not None else None
     codebooks = {b: torch.zeros(L, 2, 2**b, dtype=torch.float32) for b in BITS_CHOICES}
     dist = np.zeros((L, 2, len(BITS_CHOICES)))
+    rope_kept = []
     for layer in tqdm(range(L), desc="calibration layers", unit="layer"):
         ks, vs = obs.k[layer], obs.v[layer]
         o_proj = obs.o_proj[layer]  # [hidden, Hq*d]
@@ -443,10 +544,15 @@ def calibrate(
         g = hq // H
         q_mean_sq = (obs.q_sq[layer] / obs.q_n[layer]).view(H, g, d).mean(1)  # [H, d]
         wo_sq = (o_proj**2).sum(0).view(hq, d).view(H, g, d).sum(1)  # [H, d]
+        positions = torch.cat([torch.arange(SINK_TOKENS, x.shape[0]) for x in ks])
+        if rope_m is not None:
+            rope_m[layer] = _rope_offsets(ks, inv_freq, rope_phase, signs)
+            rope_kept.append(int((rope_m[layer][..., : d // 2] != 0).logical_or(rope_m[layer][..., d // 2 :] != 0).sum()))
         for ki, (kind, xs) in enumerate((("k", ks), ("v", vs))):
             body = torch.cat([x[SINK_TOKENS:] for x in xs]).float()  # [T, H, d]
             a = q_mean_sq if kind == "k" else wo_sq
-            m_, mult_, e0_, cbs = fit_tables(body, a, kind, signs, rng, lloyd_samples, k_offset_channels=slow)
+            rope_kw = dict(rope_m=rope_m[layer], rope_phase=rope_phase, positions=positions) if (kind == "k" and rope_m is not None) else {}
+            m_, mult_, e0_, cbs = fit_tables(body, a, kind, signs, rng, lloyd_samples, **rope_kw)
             mu[layer, ki], mult[layer, ki], e0[layer, ki] = m_, mult_, e0_
             for b in BITS_CHOICES:
                 codebooks[b][layer, ki] = cbs[b]
@@ -454,14 +560,18 @@ def calibrate(
         for ki, kind in enumerate(KINDS):
             for bi, b in enumerate(BITS_CHOICES):
                 tabs = [
-                    HeadTables(mu[layer, ki, h], mult[layer, ki, h], signs, int(e0[layer, ki, h]), codebooks[b][layer, ki], b)
+                    HeadTables(mu[layer, ki, h], mult[layer, ki, h], signs, int(e0[layer, ki, h]), codebooks[b][layer, ki], b,
+                               **(dict(rope_m=rope_m[layer, h], rope_phase=rope_phase) if (kind == "k" and rope_m is not None) else {}))
                     for h in range(H)
                 ]
                 src = ks if kind == "k" else vs
-                rq = [codec.roundtrip(x, tabs) for x in src]
+                rq = [codec.roundtrip(x, tabs, torch.arange(x.shape[0])) for x in src]
                 kq = rq if kind == "k" else ks
                 vq = rq if kind == "v" else vs
-                dist[layer, ki, bi] = _attention_error(obs.q_samples[layer], ks, vs, kq, vq, o_proj, obs.scaling[layer], hq)
+                dist[layer, ki, bi] = _attention_error(
+                    obs.q_samples[layer], ks, vs, kq, vq, o_proj, obs.scaling[layer], hq,
+                    stream_ms=obs.stream_ms.get(layer), norm_w2=obs.norm_w2.get(layer),
+                )
     allocation = {name: allocate(dist, target, L, H, d) for name, target in TARGETS.items()}
     meta = dict(meta or {})
     meta.update(
@@ -470,17 +580,41 @@ def calibrate(
         window_tokens=[int(w.shape[1]) for w in windows],
         query_samples_per_window=n_query_samples,
         seed=seed,
-        rope_theta=rope_theta,
-        k_offset_channels=[int(c) for c in torch.nonzero(slow).flatten()],
-        distortion={"bits": list(BITS_CHOICES), "residual_mse": dist.tolist()},
+        rope_offset_pairs_per_layer=rope_kept,
+        rope_offset_min_ratio=ROPE_OFFSET_MIN_RATIO,
+        distortion={"bits": list(BITS_CHOICES), "relative_residual_mse": dist.tolist(),
+                    "relative": bool(obs.stream_ms)},
         budget_context=BUDGET_CONTEXT,
     )
-    cal = Calibration(L, H, d, mu, mult, signs, e0, codebooks, allocation, meta=meta)
+    cal = Calibration(L, H, d, mu, mult, signs, e0, codebooks, allocation, rope_m=rope_m, rope_phase=rope_phase, meta=meta)
     cal.validate()
     for name in TARGETS:
         log(f"{name}: {cal.bits_per_value(name, BUDGET_CONTEXT):.4f} bits/value at {BUDGET_CONTEXT} tokens; "
             f"K widths {[a[0] for a in allocation[name]]}, V widths {[a[1] for a in allocation[name]]}")
     return cal
+
+
+def _rope_offsets(ks: list[torch.Tensor], inv_freq: torch.Tensor, rope_phase: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """rope_m int64 [H, d] of one layer from its calibration keys (windows [T, H, d] at positions
+    0..T-1): the pre-RoPE mean in units of 2**-16, kept in the pairs where it is at least
+    ROPE_OFFSET_MIN_RATIO of the RMS that remains once it is taken off (measured with the codec's
+    own integer offsets), zero in the others."""
+    h, d = ks[0].shape[1], ks[0].shape[2]
+    m = pre_rope_mean(ks, inv_freq)  # float64 [H, d]
+    lim = codec.ROPE_M_MAX - 1
+    mi = torch.round(m * 2.0**codec.FIXED_SHIFT).clamp(-lim, lim).to(torch.int64)
+    tabs = [HeadTables(torch.zeros(d, dtype=torch.int64), torch.ones(d, dtype=torch.int64), signs, 0, _PROBE_CODEBOOK, 2,
+                       rope_m=mi[i], rope_phase=rope_phase) for i in range(h)]
+    sq, n = 0, 0
+    for x in ks:
+        pos = torch.arange(SINK_TOKENS, x.shape[0])
+        r = x[SINK_TOKENS:].double() - codec.rope_offset(pos, tabs).double() * 2.0**-codec.FIXED_SHIFT
+        sq = sq + (r**2).sum(0)
+        n += r.shape[0]
+    rms_pair = torch.sqrt((sq[:, : d // 2] + sq[:, d // 2 :]) / max(n, 1))  # [H, d/2]
+    m_pair = torch.sqrt(m[:, : d // 2] ** 2 + m[:, d // 2 :] ** 2)
+    keep = (m_pair >= ROPE_OFFSET_MIN_RATIO * rms_pair).repeat(1, 2)
+    return mi * keep
 
 
 def allocate(dist: np.ndarray, target: float, layers: int, kv_heads: int, head_dim: int, min_bits: int = BITS_CHOICES[0]) -> list[list[int]]:

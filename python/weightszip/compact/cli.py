@@ -32,11 +32,14 @@ def _cmd_calibrate(a) -> int:
         lm = load_causal_lm(a.model, verbose=False)
     except (ModelNotInstalled, ImportError, ValueError) as e:
         return fail(e)
+    if a.device != "cpu":
+        lm.model.to(a.device)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         windows, info = text_windows(lm.tokenizer, [Path(t) for t in a.text], a.tokens)
     except ValueError as e:
         return fail(e)
+    windows = [w.to(lm.model.device) for w in windows]
     t0 = time.perf_counter()
     try:
         cal = calibrate(lm.model, windows, n_query_samples=a.queries, seed=a.seed,
@@ -80,5 +83,6 @@ def add_parser(sub) -> None:
     p.add_argument("--queries", type=int, default=256, help="queries sampled per window for the error estimates (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=_cmd_calibrate)

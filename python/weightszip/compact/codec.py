@@ -11,10 +11,14 @@ tables (``HeadTables``):
 1. fixed point (exact integer arithmetic from here on)::
 
        xi = trunc(clamp(nan_to_0(float32(x)), -2**20, 2**20) * 2**16)            int64
-       z  = ((xi - mu) * mult) >> 16              (arithmetic shift; |mult| in [1, 2**24])
+       z  = ((xi - mu - r(p)) * mult) >> 16       (arithmetic shift; |mult| in [1, 2**24])
 
    ``mu`` (int64, per channel) is a calibrated offset, ``mult`` (int64, per channel) a calibrated
-   per-channel scaling (2**16 / s_c up to a constant).
+   per-channel scaling (2**16 / s_c up to a constant). ``r(p)`` (K only, zero for V and for
+   calibrations without it) is the *rotary offset* of the token's position p: a calibrated
+   pre-RoPE key mean ``rope_m`` turned by RoPE to position p in integer arithmetic
+   (``rope_offset``), so a k_proj bias is taken off at every position, also in the pairs that
+   turn fast.
 2. rotation: ``y = H(signs * z)`` with H the unnormalized Sylvester-Hadamard matrix of order
    head_dim (a power of two) and ``signs`` a calibrated +-1 vector; still exact in int64
    (|y| < 2**53).
@@ -28,9 +32,9 @@ tables (``HeadTables``):
 Decoding (what attention reads): ``yhat = float32(codebook[code] * grid[k])``, in the rotated
 domain. The value in the model's own basis is ``xhat = inv(yhat)``::
 
-    z_hat = signs * (H yhat) / head_dim ;  xhat = (z_hat * 2**16 / mult + mu) * 2**-16
+    z_hat = signs * (H yhat) / head_dim ;  xhat = (z_hat * 2**16 / mult + mu + r(p)) * 2**-16
 
-which is linear: attention computes q . xhat as ``q' . yhat + q . mu'`` with
+which is linear: attention computes q . xhat as ``q' . yhat + q . mu' + q . r(p) * 2**-16`` with
 ``q' = H(signs * q * w) / head_dim``, ``w = 2**16 / mult * 2**-16``, ``mu' = mu * 2**-16``
 (``query_transform``), and sums V in the rotated domain, turning them back once per output
 (``inverse_matrix``).
@@ -59,6 +63,13 @@ MULT_MAX = 2**24
 GRID_SIZE = 256
 GRID_STEPS_PER_OCTAVE = 16
 BITS_CHOICES = (2, 3, 4, 5)
+# Rotary offsets: RoPE pair i (channels i and i + d/2, transformers' rotate_half layout) turns by
+# phase(p) = p * rope_phase[i] mod 2**48 (units of 2*pi / 2**48) at position p; cos and sin come
+# from two integer tables (12 + 10 bits of the phase), values in units of 2**-30.
+PHASE_BITS = 48
+TRIG_SHIFT = 30
+ROPE_M_MAX = 2**31
+POSITION_MAX = 2**31
 # float32(2 ** (j / 16)), j = 0..15: the fractional steps of the scale grid (exact values in FORMAT.md)
 FRAC = np.array([2.0 ** (j / GRID_STEPS_PER_OCTAVE) for j in range(GRID_STEPS_PER_OCTAVE)], dtype=np.float32)
 
@@ -115,6 +126,8 @@ class HeadTables:
     e0: int
     codebook: torch.Tensor  # float32 [2**bits], ascending, within [-1, 1]
     bits: int
+    rope_m: torch.Tensor | None = None  # int64 [head_dim], |.| < 2**31: pre-RoPE key mean (K only)
+    rope_phase: torch.Tensor | None = None  # int64 [head_dim // 2] in [0, 2**48): phase per position
 
     def __post_init__(self):
         d = self.mu.shape[-1]
@@ -136,6 +149,21 @@ class HeadTables:
         if not bool(torch.all(self.mu.abs() <= 2**37)):
             raise CompactCodecError("|mu| must be at most 2**37")
         grid_table(self.e0)  # validates e0
+        if (self.rope_m is None) != (self.rope_phase is None):
+            raise CompactCodecError("rope_m and rope_phase come together")
+        if self.rope_m is not None:
+            if self.rope_m.shape != (d,) or self.rope_m.dtype != torch.int64:
+                raise CompactCodecError(f"rope_m must be int64 [{d}]")
+            if self.rope_phase.shape != (d // 2,) or self.rope_phase.dtype != torch.int64:
+                raise CompactCodecError(f"rope_phase must be int64 [{d // 2}]")
+            if not bool(torch.all(self.rope_m.abs() < ROPE_M_MAX)):
+                raise CompactCodecError("|rope_m| must be below 2**31")
+            if not bool(torch.all((self.rope_phase >= 0) & (self.rope_phase < 2**PHASE_BITS))):
+                raise CompactCodecError("rope_phase must lie in [0, 2**48)")
+
+    @property
+    def has_rope_offset(self) -> bool:
+        return self.rope_m is not None and bool(torch.any(self.rope_m != 0))
 
     @property
     def head_dim(self) -> int:
@@ -161,13 +189,90 @@ def _stack(tables: list[HeadTables]):
     return mu, mult, signs, grid, cb, bits.pop()
 
 
-def rotate(x: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
-    """Steps 1-2: x [..., H, d] (any float dtype; bf16 in the cache) -> y int64 [..., H, d]."""
+def _trig_tables():
+    """(coarse cos, coarse sin [4096], fine cos, fine sin [1024]) int64 in units of 2**-30:
+    round(cos/sin(2 pi j / 2**12) * 2**30) and round(cos/sin(2 pi j / 2**22) * 2**30)."""
+    global _TRIG
+    if _TRIG is None:
+        j = np.arange(4096, dtype=np.float64)
+        f = np.arange(1024, dtype=np.float64)
+        one = float(2**TRIG_SHIFT)
+        _TRIG = tuple(
+            torch.from_numpy(np.rint(v * one).astype(np.int64))
+            for v in (np.cos(2 * np.pi * j / 2**12), np.sin(2 * np.pi * j / 2**12),
+                      np.cos(2 * np.pi * f / 2**22), np.sin(2 * np.pi * f / 2**22))
+        )
+    return _TRIG
+
+
+_TRIG = None
+
+
+def rope_cos_sin(positions: torch.Tensor, rope_phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer cos and sin (units of 2**-30) of each RoPE pair's phase at each position:
+    positions int64 [T] (0 <= p < 2**31), rope_phase int64 [..., d/2] -> two int64 [T, ..., d/2].
+    phase = p * f mod 2**48 (f split in 16-bit halves so no product exceeds 2**63); its top 12 bits
+    index the coarse tables, the next 10 the fine ones; cos(a + b), sin(a + b) by the sum formulas,
+    each product shifted right by 30 (floor)."""
+    ch, sh, cf, sf = (t.to(positions.device) for t in _trig_tables())
+    p = positions.to(torch.int64).reshape(-1, *([1] * rope_phase.ndim))
+    f = rope_phase.to(positions.device)
+    phase = ((((p * (f >> 16)) & (2**32 - 1)) << 16) + p * (f & 0xFFFF)) & (2**PHASE_BITS - 1)
+    hi = phase >> (PHASE_BITS - 12)
+    lo = (phase >> (PHASE_BITS - 22)) & 1023
+    c1, s1, c2, s2 = ch[hi], sh[hi], cf[lo], sf[lo]
+    cos = (c1 * c2 - s1 * s2) >> TRIG_SHIFT
+    sin = (s1 * c2 + c1 * s2) >> TRIG_SHIFT
+    return cos, sin
+
+
+def rope_offset(positions: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
+    """The rotary offsets r(p): int64 [T, H, d] (units of 2**-16) of keys at ``positions`` [T]:
+    rope_m turned by RoPE to each position, pair (i, i + d/2): (a cos - b sin, a sin + b cos), each
+    product of a 2**-16 value and a 2**-30 cosine shifted right by 30 (floor). Zero where the
+    tables carry none (V, or calibrations without them)."""
+    d = tables[0].head_dim
+    positions = torch.as_tensor(positions, dtype=torch.int64)
+    if positions.ndim != 1:
+        raise CompactCodecError("positions must be a 1-D tensor of token positions")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= POSITION_MAX):
+        raise CompactCodecError("token positions must lie in [0, 2**31)")
+    out = torch.zeros(positions.shape[0], len(tables), d, dtype=torch.int64)
+    if not any(t.has_rope_offset for t in tables):
+        return out
+    m = torch.stack([t.rope_m if t.rope_m is not None else torch.zeros(d, dtype=torch.int64) for t in tables])
+    f = torch.stack([t.rope_phase if t.rope_phase is not None else torch.zeros(d // 2, dtype=torch.int64) for t in tables])
+    cos, sin = rope_cos_sin(positions, f)  # [T, H, d/2]
+    a, b = m[:, : d // 2], m[:, d // 2 :]
+    out[..., : d // 2] = (a * cos - b * sin) >> TRIG_SHIFT
+    out[..., d // 2 :] = (a * sin + b * cos) >> TRIG_SHIFT
+    return out
+
+
+def _positions_for(x: torch.Tensor, tables: list[HeadTables], positions) -> torch.Tensor | None:
+    """The rotary offsets [T, H, d] for x [T, H, d] at ``positions``, or None when the tables need
+    none. Positions are required when they do: a key's bytes depend on its position."""
+    if not any(t.has_rope_offset for t in tables):
+        return None
+    if positions is None:
+        raise CompactCodecError("these K tables carry rotary offsets: give the tokens' positions")
+    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    if x.ndim != 3 or positions.shape[0] != x.shape[0]:
+        raise CompactCodecError(f"positions [{positions.shape[0]}] do not match tokens {tuple(x.shape)}")
+    return rope_offset(positions, tables)
+
+
+def rotate(x: torch.Tensor, tables: list[HeadTables], positions=None) -> torch.Tensor:
+    """Steps 1-2: x [T, H, d] (any float dtype; bf16 in the cache) -> y int64 [T, H, d].
+    ``positions`` [T]: the tokens' positions, needed when the tables carry rotary offsets."""
     mu, mult, signs, _, _, _ = _stack(tables)
     if x.shape[-2:] != mu.shape:
         raise CompactCodecError(f"expected [..., {mu.shape[0]}, {mu.shape[1]}], got {tuple(x.shape)}")
     xf = torch.nan_to_num(x.float(), nan=0.0).clamp(-X_CLAMP, X_CLAMP)
     xi = (xf * float(2**FIXED_SHIFT)).to(torch.int64)  # truncates toward zero
+    r = _positions_for(xi, tables, positions)
+    if r is not None:
+        xi = xi - r
     z = ((xi - mu) * mult) >> MULT_SHIFT
     return fwht(z * signs)
 
@@ -181,8 +286,10 @@ def scale_steps(yf: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, tor
     return k, g
 
 
-def encode_tokens(x: torch.Tensor, tables: list[HeadTables], *, block: int = 4096):
-    """Encode tokens: x [T, H, d] -> (codes uint8 [T, H, d], scale index uint8 [T, H])."""
+def encode_tokens(x: torch.Tensor, tables: list[HeadTables], positions=None, *, block: int = 4096):
+    """Encode tokens: x [T, H, d] -> (codes uint8 [T, H, d], scale index uint8 [T, H]).
+    ``positions`` [T] (int): the tokens' positions in their sequence, needed by K tables with
+    rotary offsets (``HeadTables.has_rope_offset``), ignored otherwise."""
     if x.ndim != 3:
         raise CompactCodecError(f"expected [tokens, heads, head_dim], got {tuple(x.shape)}")
     mu, mult, signs, grid, cb, bits = _stack(tables)
@@ -190,8 +297,13 @@ def encode_tokens(x: torch.Tensor, tables: list[HeadTables], *, block: int = 409
     t = x.shape[0]
     codes = torch.empty(x.shape, dtype=torch.uint8)
     sidx = torch.empty(x.shape[:2], dtype=torch.uint8)
+    if positions is not None:
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        if positions.shape[0] != t:
+            raise CompactCodecError(f"{positions.shape[0]} positions for {t} tokens")
     for a in range(0, t, block):
-        yf = rotate(x[a : a + block].cpu(), tables).to(torch.float32)  # int64 -> fp32, round to nearest even
+        pos = None if positions is None else positions[a : a + block]
+        yf = rotate(x[a : a + block].cpu(), tables, pos).to(torch.float32)  # int64 -> fp32, round to nearest even
         k, g = scale_steps(yf, grid)
         tk = thr.unsqueeze(0) * g  # float32 products [t, H, 2**b - 1], ascending
         c = torch.searchsorted(tk.contiguous(), yf.contiguous())  # #{j : tk[j] < y} for each value
@@ -214,20 +326,34 @@ def dequantize(codes: torch.Tensor, sidx: torch.Tensor, tables: list[HeadTables]
     return vals * g.unsqueeze(-1)
 
 
-def inverse(yhat: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
-    """Rotated-domain values [..., H, d] -> the model's basis (float32): the reference of what the
-    cache's values are, for evaluation and for the attention tolerance tests."""
+def inverse(yhat: torch.Tensor, tables: list[HeadTables], positions=None) -> torch.Tensor:
+    """Rotated-domain values [T, H, d] -> the model's basis (float32): the reference of what the
+    cache's values are, for evaluation and for the attention tolerance tests. ``positions`` as
+    for ``encode_tokens``."""
     mu, mult, signs, _, _, _ = _stack(tables)
     d = mu.shape[-1]
     z = fwht(yhat.double()) / d * signs.double()
-    x = (z * float(2**MULT_SHIFT) / mult.double() + mu.double()) * 2.0**-FIXED_SHIFT
+    off = mu.double()
+    r = _positions_for(yhat, tables, positions)
+    if r is not None:
+        off = off + r.double()
+    x = (z * float(2**MULT_SHIFT) / mult.double() + off) * 2.0**-FIXED_SHIFT
     return x.float()
 
 
-def roundtrip(x: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
+def roundtrip(x: torch.Tensor, tables: list[HeadTables], positions=None) -> torch.Tensor:
     """x [T, H, d] -> what the cache hands back, float32 [T, H, d]."""
-    codes, sidx = encode_tokens(x, tables)
-    return inverse(dequantize(codes, sidx, tables), tables)
+    codes, sidx = encode_tokens(x, tables, positions)
+    return inverse(dequantize(codes, sidx, tables), tables, positions)
+
+
+def key_offset_logits(q: torch.Tensor, positions, tables: list[HeadTables]) -> torch.Tensor:
+    """q . r(p) * 2**-16 for attention in the rotated domain with rotary offsets: q [H, G, d],
+    positions [T] -> float32 [H, G, T] (zeros when the tables carry no rotary offsets), so that
+    q . inverse(yhat, p) == q' . yhat + bias + key_offset_logits up to rounding."""
+    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    r = rope_offset(positions, tables).double() * 2.0**-FIXED_SHIFT  # [T, H, d]
+    return torch.einsum("hgd,thd->hgt", q.double(), r).float()
 
 
 def query_transform(q: torch.Tensor, tables: list[HeadTables]):

@@ -32,7 +32,7 @@ class CompactFormat(KVFormat):
     @property
     def description(self):  # type: ignore[override]
         return (
-            f"{self.name}: calibrated per-channel scaling and offset, Hadamard rotation, per-token u8 "
+            f"{self.name}: calibrated per-channel scaling and offsets (K: pre-RoPE, turned to each position), Hadamard rotation, per-token u8 "
             f"scale, Lloyd codebooks (2-5 bits per layer and K/V, {TARGETS[self.name]} bits per value "
             f"at {BUDGET_CONTEXT} tokens all included), {self.sink_tokens} sink + {self.recent_window} "
             f"recent tokens in bf16"
@@ -72,8 +72,8 @@ class CompactFormat(KVFormat):
             return self._roundtrip_memo(x, kind, layer, tables)
         out = torch.empty_like(x)
         for i in range(b):
-            xt = x[i].transpose(0, 1)  # [T, H, d]
-            out[i] = codec.roundtrip(xt, tables).transpose(0, 1).to(x.dtype)
+            xt = x[i].transpose(0, 1).cpu()  # [T, H, d]
+            out[i] = codec.roundtrip(xt, tables, torch.arange(t)).transpose(0, 1).to(x.dtype).to(x.device)
         return out
 
     def _roundtrip_memo(self, x, kind, layer, tables):
@@ -81,7 +81,7 @@ class CompactFormat(KVFormat):
         tokens (greedy decoding re-running a growing sequence) only the new tokens are coded."""
         memo = self.__dict__.setdefault("_memo", {})
         key = (layer, kind)
-        xt = x[0].transpose(0, 1)  # [T, H, d]
+        xt = x[0].transpose(0, 1).cpu()  # [T, H, d] (the reference codec runs on the CPU)
         prev = memo.get(key)
         n = 0
         if prev is not None:
@@ -92,11 +92,11 @@ class CompactFormat(KVFormat):
         if n == xt.shape[0]:
             y = py[:n]
         elif n:
-            y = torch.cat([py[:n], codec.roundtrip(xt[n:], tables).to(x.dtype)])
+            y = torch.cat([py[:n], codec.roundtrip(xt[n:], tables, torch.arange(n, xt.shape[0])).to(x.dtype)])
         else:
-            y = codec.roundtrip(xt, tables).to(x.dtype)
+            y = codec.roundtrip(xt, tables, torch.arange(xt.shape[0])).to(x.dtype)
         memo[key] = (xt.clone(), y)
-        return y.transpose(0, 1).unsqueeze(0)
+        return y.transpose(0, 1).unsqueeze(0).to(x.device)
 
     def stored_bits(self, n_quantized, head_dim, kv_heads, kind):  # per layer: averaged in bits_per_value
         raise NotImplementedError("compact formats count bits over all layers: use bits_per_value")

@@ -25,14 +25,21 @@ def _split_formats(s: str) -> list[str]:
     return names
 
 
-def _load(spec: str, threads: int | None):
+def _load(spec: str, threads: int | None, device: str | None = None):
     import torch
 
     from weightszip.models import load_causal_lm
 
     if threads:
         torch.set_num_threads(threads)
-    return load_causal_lm(spec, verbose=False)
+    lm = load_causal_lm(spec, verbose=False)
+    if device and device != "cpu":
+        lm.model.to(device)
+    return lm
+
+
+def add_device_arg(p) -> None:
+    p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
 
 
 def _use_calibration(path) -> None:
@@ -66,11 +73,12 @@ def _cmd_eval_kl(a) -> int:
         print("weightszip: error: --window must be at least 2 tokens", file=sys.stderr)
         return 2
     try:
-        lm = _load(a.model, a.threads)
+        lm = _load(a.model, a.threads, a.device)
     except (ModelNotInstalled, ImportError, ValueError) as e:
         print(f"weightszip: error: {e}", file=sys.stderr)
         return 2
     ids, files = tokenize_text(lm.tokenizer, Path(a.text), a.window, a.offset)
+    ids = ids.to(lm.model.device)
     layers, kv_heads, head_dim = kl.model_kv_shape(lm.model)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     log(f"{lm.name}: {layers} layers, {kv_heads} kv heads x {head_dim}; {a.window} tokens of {', '.join(files)}")
@@ -98,6 +106,7 @@ def _cmd_eval_kl(a) -> int:
         "head_dim": head_dim,
         "reference_forward_seconds": round(ref_seconds, 2),
         "threads": torch.get_num_threads(),
+        "device": str(lm.model.device),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attention": lm.model.config._attn_implementation,
@@ -204,6 +213,7 @@ def add_parsers(subparsers) -> None:
     k.add_argument("--buckets", type=int, default=8, help="position buckets in the report (default 8)")
     k.add_argument("--chunk", type=int, default=512, help="queries per block in the windowed attention")
     _add_calibration_arg(k)
+    add_device_arg(k)
     k.add_argument(
         "--chunked", action="store_true", help="run every format through the windowed fp32 attention (bf16 then shows its floor)"
     )

@@ -279,7 +279,7 @@ def kl_top1(
         kl = (lp.exp() * (lp - lq)).double().sum(-1)
         kls.append(kl.clamp_min(0.0))  # rounding can leave -1e-9 on near-identical rows
         agree.append(a.argmax(-1) == b.argmax(-1))
-    return torch.cat(kls).numpy(), torch.cat(agree).numpy()
+    return torch.cat(kls).cpu().numpy(), torch.cat(agree).cpu().numpy()
 
 
 def buckets(kl: np.ndarray, agree: np.ndarray, n: int = 8) -> list[dict]:

@@ -499,7 +499,7 @@ def format_predictor(model, fmt):
     n_attn = sum(1 for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj"))
 
     def predict(ids: list[int], keep: int) -> list[int]:
-        x = torch.tensor([ids], dtype=torch.long)
+        x = torch.tensor([ids], dtype=torch.long, device=model.device)
         with torch.inference_mode(), kv_format(model, fmt) as st:
             logits = model(input_ids=x, use_cache=False, logits_to_keep=keep).logits[0]
         if n_attn and st.calls != n_attn:
@@ -729,6 +729,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new", type=_positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
     p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
+    p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (per-prompt details included)")
     p.add_argument("-o", "--output", help="also write the JSON report to this file (updated after each prompt)")
     p.set_defaults(fn=run_cli)
@@ -765,6 +766,9 @@ def run_cli(args) -> int:
         lm = load_causal_lm(args.model, verbose=False)
     except (ModelNotInstalled, ImportError, ValueError) as e:
         return fail(e)
+    if args.device != "cpu":
+        lm.model.to(args.device)
+
     def checkpoint(rep: NiahReport) -> None:  # a long run leaves its results so far in --output
         if args.output:
             Path(args.output).write_text(json.dumps(rep.to_json(), indent=1) + "\n")

@@ -7,12 +7,16 @@ store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
     >>> store.put_tensor("chunk-key", kv_chunk, codec=codec)                   # ~0.28 of bf16
     >>> store.get_tensor("chunk-key")                                          # what q4 hands back
 
-Bytes: a 24-byte header (magic ``WZQC``, version 1, format index, then u32 kinds, layers, tokens,
-hidden, little-endian) and, for K then V, each layer, each kv head, each 16 tokens, one page of
+Bytes: a 32-byte header (magic ``WZQC``, version 2, format index, then u32 kinds, layers, tokens,
+hidden, u64 start: the position of the chunk's first token, little-endian; version 1 had no start
+and a 24-byte header, read as start 0) and, for K then V, each layer, each kv head, each 16 tokens, one page of
 ``weightszip.compact.codec.page_bytes(bits, head_dim)`` bytes (docs/FORMAT.md, "Compact KV pages"),
 bits from the calibration's allocation for that layer and kind. Every token of the chunk is coded:
-a chunk does not know where it sits in the sequence, so the sink and recent-window tokens that the
-paged cache keeps in bf16 are the caller's to keep out of offloaded chunks.
+the sink and recent-window tokens that the paged cache keeps in bf16 are the caller's to keep out of
+offloaded chunks. Keys are coded at their positions (``encode(x, start=...)``): with a calibration
+that carries rotary offsets (``Calibration.has_rope_offsets``) the position decides which offset is
+taken off, so a wrong start costs accuracy (the offset no longer cancels the k_proj bias), never
+consistency: decoding uses the start the chunk records.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from weightszip.compact.calibrate import TARGETS
 from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
 
 MAGIC = b"WZQC"
-VERSION = 1
-_HEAD = struct.Struct("<4sBB2xIIII")  # 24 bytes
+VERSION = 2
+_HEAD = struct.Struct("<4sBB2xIIIIQ")  # 32 bytes
+_HEAD_V1 = struct.Struct("<4sBB2xIIII")  # 24 bytes, start 0
 _FORMATS = tuple(TARGETS)
 
 
@@ -75,19 +80,26 @@ class CompactChunkCodec:
         )
         return _HEAD.size + body
 
-    def encode(self, x: Any) -> bytes:
+    def encode(self, x: Any, start: int = 0) -> bytes:
+        """A chunk [2, layers, tokens, hidden] bf16 whose first token sits at position ``start``."""
+        start = int(start)
+        if not 0 <= start <= cc.POSITION_MAX - 1:
+            raise InvalidArgumentError(f"start must lie in [0, 2**31), got {start}")
         t = _as_bf16_torch(x)
         if t.ndim != 4:
             raise InvalidArgumentError(f"a KV chunk is [2, layers, tokens, hidden], got {tuple(t.shape)}")
         kinds, layers, tokens, hidden = t.shape
         pages = self._check(kinds, layers, tokens, hidden)
         heads, d = self.cal.kv_heads, self.cal.head_dim
-        out = [_HEAD.pack(MAGIC, VERSION, _FORMATS.index(self.fmt), kinds, layers, tokens, hidden)]
+        if start + tokens > cc.POSITION_MAX:
+            raise InvalidArgumentError(f"positions {start}..{start + tokens} exceed 2**31")
+        positions = torch.arange(start, start + tokens)
+        out = [_HEAD.pack(MAGIC, VERSION, _FORMATS.index(self.fmt), kinds, layers, tokens, hidden, start)]
         for ki, kind in enumerate("kv"):
             for layer in range(layers):
                 bits = self._bits(layer, ki)
                 tables = self.cal.tables(layer, kind, bits)
-                codes, sidx = cc.encode_tokens(t[ki, layer].reshape(tokens, heads, d), tables)
+                codes, sidx = cc.encode_tokens(t[ki, layer].reshape(tokens, heads, d), tables, positions)
                 for h in range(heads):
                     for p in range(pages):
                         sl = slice(p * cc.PAGE_TOKENS, (p + 1) * cc.PAGE_TOKENS)
@@ -95,20 +107,28 @@ class CompactChunkCodec:
         return b"".join(out)
 
     def decode(self, data: bytes) -> torch.Tensor:
-        if len(data) < _HEAD.size:
+        if len(data) < _HEAD_V1.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
-        magic, version, fi, kinds, layers, tokens, hidden = _HEAD.unpack_from(data)
-        if magic != MAGIC or version != VERSION:
+        magic, version, fi, kinds, layers, tokens, hidden = _HEAD_V1.unpack_from(data)
+        if magic != MAGIC or version not in (1, VERSION):
             raise CorruptDataError("not a compact KV chunk (magic or version)")
+        head = _HEAD if version == VERSION else _HEAD_V1
+        if len(data) < head.size:
+            raise TruncatedError(f"compact chunk of {len(data)} bytes")
+        start = _HEAD.unpack_from(data)[-1] if version == VERSION else 0
+        if start + tokens > cc.POSITION_MAX:
+            raise CorruptDataError(f"chunk positions {start}..{start + tokens} exceed 2**31")
         if fi >= len(_FORMATS) or _FORMATS[fi] != self.fmt:
             raise InvalidArgumentError(f"chunk is {_FORMATS[fi] if fi < len(_FORMATS) else fi}, this codec {self.fmt}")
         pages = self._check(kinds, layers, tokens, hidden)
-        if len(data) != self.max_encoded_size((kinds, layers, tokens, hidden)):
-            raise TruncatedError(f"compact chunk has {len(data)} bytes, its header implies {self.max_encoded_size((kinds, layers, tokens, hidden))}")
+        want = self.max_encoded_size((kinds, layers, tokens, hidden)) - _HEAD.size + head.size
+        if len(data) != want:
+            raise TruncatedError(f"compact chunk has {len(data)} bytes, its header implies {want}")
+        positions = torch.arange(start, start + tokens)
         heads, d = self.cal.kv_heads, self.cal.head_dim
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = torch.empty(kinds, layers, tokens, hidden, dtype=torch.bfloat16)
-        pos = _HEAD.size
+        pos = head.size
         for ki, kind in enumerate("kv"):
             for layer in range(layers):
                 bits = self._bits(layer, ki)
@@ -122,6 +142,6 @@ class CompactChunkCodec:
                         sl = slice(p * cc.PAGE_TOKENS, (p + 1) * cc.PAGE_TOKENS)
                         codes[sl, h], sidx[sl, h] = c, s
                         pos += n
-                x = cc.inverse(cc.dequantize(codes, sidx, tables), tables)
+                x = cc.inverse(cc.dequantize(codes, sidx, tables), tables, positions)
                 out[ki, layer] = x.reshape(tokens, hidden).to(torch.bfloat16)
         return out
