@@ -44,8 +44,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
-KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3")
+KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
+# "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term)
+COMPACT.update({f"{k}+rope": v for k, v in list(COMPACT.items())})
 
 
 def parse_args(argv=None):
@@ -59,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--write", action="store_true", help="time the compact cache-write kernel")
     p.add_argument("--compact-sweep", default=COMPACT_SWEEP,
                    help="--tune-compact's configurations: block_n:warps:stages:cuda_dot,...")
-    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--kernels", default=",".join(k for k in KERNELS if "+rope" not in k),
+                   help=f"comma-separated, of {', '.join(KERNELS)}")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_attention"),
                    help="output prefix: writes PREFIX.json, PREFIX.md, PREFIX.png")
@@ -171,6 +174,12 @@ def compact_inputs(name, B, L, Hq, Hkv, D, gen):
                  logit_bias=torch.randn(B, Hq, device="cuda", generator=gen),
                  v_inv_transform=torch.randn(Hkv, D, D, device="cuda", generator=gen) / D,
                  v_mean=torch.randn(Hkv, D, device="cuda", generator=gen))
+    if name.endswith("+rope"):
+        from weightszip.compact.calibrate import rope_phase_steps
+
+        inv = 5e5 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # Llama-3's RoPE base
+        extra.update(rope_coef=torch.randn(B, Hq, 2, D // 2, device="cuda", generator=gen),
+                     rope_phase=rope_phase_steps(inv).to("cuda"))
     return kp, vp, bt, tabs, extra
 
 
@@ -466,7 +475,7 @@ def plot(res, path):
         labels = {"sdpa": "torch SDPA flash (bf16)", "bf16": "ours, bf16 pages", "fp8": "ours, fp8 pages",
                   "q4": "ours, q4 (K4 V4)", "q3.5": "ours, q3.5 (K4 V3)", "q3": "ours, q3 (K3 V3)"}
         for k in res["meta"].get("kernels", list(KERNELS[:3])):
-            ax.plot(x, [r[k]["efficiency"] for r in rs], marker="o", label=labels[k])
+            ax.plot(x, [r[k]["efficiency"] for r in rs], marker="o", label=labels.get(k, k))
         ax.set_xticks(list(x), [f"b{r['batch']}\n{r['context'] // 1024}k" for r in rs], fontsize=7)
         ax.set_ylabel("bytes read / time / read bandwidth")
         ax.set_title(s)

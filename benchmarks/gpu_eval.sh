@@ -38,11 +38,11 @@ for stage in "$@"; do
       $WZ eval kl --model "$MODEL" --format "$FORMATS" --calibration "$CAL" --text "$EVAL_TEXT" \
         --window "$w" --device "$DEVICE" --save "$OUT_DIR/kl_${NAME}_${stage#kl}_gpu.json" \
         --plot "$OUT_DIR/kl_${NAME}_${stage#kl}_gpu.png" 2>"$OUT_DIR/kl_${NAME}_${stage#kl}_gpu.log" ;;
-    niah4k|niah8k)
+    niah4k|niah8k|niah16k)
       n=${stage#niah}
       $WZ eval niah --model "$MODEL" --formats "$NIAH_FORMATS" --calibration "$CAL" --length "$n" --n "${NIAH_N:-30}" \
-        --text "$TEXT/paul_graham" --device "$DEVICE" -o "$OUT_DIR/niah_${NAME}_${n}_gpu.json" \
-        2>"$OUT_DIR/niah_${NAME}_${n}_gpu.log" ;;
+        --text "$TEXT/paul_graham" --device "$DEVICE" ${NIAH_ARGS:-} -o "$OUT_DIR/niah_${NAME}_${n}${NIAH_TAG:-}_gpu.json" \
+        2>"$OUT_DIR/niah_${NAME}_${n}${NIAH_TAG:-}_gpu.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

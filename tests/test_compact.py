@@ -353,8 +353,13 @@ def test_calibrate_and_evaluate_on_smollm2(smollm2, tmp_path):
     p = tmp_path / "smollm2.wzcal"
     cal.save(p)
     cal = C.Calibration.load(p)
+    assert cal.has_rope_offsets and cal.meta["distortion"]["relative"]
     for name, target in C.TARGETS.items():
         assert cal.bits_per_value(name, C.BUDGET_CONTEXT) <= target
+    plain = C.calibrate(smollm2.model, windows[:1], n_query_samples=8, lloyd_samples=5_000, log=lambda m: None,
+                        rope_offsets=False)
+    assert plain.rope_m is None and not plain.has_rope_offsets
+    assert all(t.rope_m is None for t in plain.tables(0, "k", 4))
     ids, _ = tokenize_text(tok, text, 320, offset=100)
     fmts = bind_formats(["q4", "q3"], cal)
     results, _ = kl.evaluate(smollm2.model, ids, fmts)

@@ -26,7 +26,13 @@ pytest.importorskip("triton")
 from weightszip.compact import calibrate as C  # noqa: E402
 from weightszip.compact import codec  # noqa: E402
 from weightszip.errors import InvalidArgumentError  # noqa: E402
-from weightszip.kernels import KernelConfig, PagedDecodeAttention, paged_decode_ref, transform_query  # noqa: E402
+from weightszip.kernels import (  # noqa: E402
+    KernelConfig,
+    PagedDecodeAttention,
+    paged_decode_ref,
+    rope_logit_coef,
+    transform_query,
+)
 from weightszip.kernels.compact_write import compact_write, compact_write_tables  # noqa: E402
 from weightszip.kernels.compact_write_ref import compact_write_ref  # noqa: E402
 from weightszip.kernels.paged_decode import compact_tables, dequantize_compact_pages  # noqa: E402
@@ -147,6 +153,45 @@ def test_write_kernel_bytes_equal_the_reference(bits, kind):
         assert torch.equal(full[0, hh, 0].cpu(), codec.encode_page(xs[16:32, hh], tabs[hh]))
 
 
+def rope_tables(x, bits, seed=0):
+    """K tables with rotary offsets fitted on x [T, H, d] (positions 0..T-1)."""
+    h, d = x.shape[1], x.shape[2]
+    rng = np.random.default_rng(seed)
+    signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
+    inv = 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    phase = C.rope_phase_steps(inv)
+    xb = (x.float() + torch.linspace(-3, 3, d)).to(torch.bfloat16)  # give the keys an offset to take off
+    m = C._rope_offsets([xb], inv, phase, signs)
+    pos = torch.arange(x.shape[0])
+    mu, mult, e0, cbs = C.fit_tables(xb.float(), torch.ones(h, d), "k", signs, rng, rope_m=m, rope_phase=phase, positions=pos)
+    tabs = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits, rope_m=m[i], rope_phase=phase)
+            for i in range(h)]
+    assert all(t.has_rope_offset for t in tabs)
+    return tabs, xb
+
+
+def test_write_kernel_bytes_with_rotary_offsets():
+    tabs, xb = rope_tables(KV[0, 1], 4)
+    xs = hostile(xb[:48])
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(4 * 32, generator=g)[:48]
+    positions = torch.randint(0, 2**31 - 1, (48,), generator=g)
+    positions[:8] = torch.arange(8)
+    got = pool(4, 3, 32, 4, 64)
+    want = got.clone().cpu()
+    t = compact_write_tables(tabs, DEVICE)
+    compact_write(xs.to(DEVICE), slots.to(DEVICE), got, t, positions.to(DEVICE))
+    compact_write_ref(xs, slots, want, tabs, positions)
+    assert torch.equal(got.cpu(), want)
+    other = pool(4, 3, 32, 4, 64)
+    compact_write(xs.to(DEVICE), slots.to(DEVICE), other, t, (positions + 1).to(DEVICE))
+    assert not torch.equal(other.cpu(), want)  # the bytes depend on the positions
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        compact_write(xs.to(DEVICE), slots.to(DEVICE), got, t)
+    with pytest.raises(InvalidArgumentError, match="positions"):
+        compact_write(xs.to(DEVICE), slots.to(DEVICE), got, t, (positions - 2**31).to(DEVICE))
+
+
 def test_write_kernel_bad_input():
     tabs = tables_for(KV[0, 0], "k", 4)
     t = compact_write_tables(tabs, DEVICE)
@@ -170,11 +215,11 @@ def test_write_kernel_bad_input():
 # -- attention -----------------------------------------------------------------------------------------
 
 
-def make_case(*, lens, group, kb, vb, S, W, block_size=32, seed=0):
+def make_case(*, lens, group, kb, vb, S, W, block_size=32, seed=0, rope=False):
     """A paged compact cache of real KV tokens (drawn from the fixture's 3 layers x 64 tokens);
-    side tokens and q random."""
+    side tokens and q random. ``rope``: K tables with rotary offsets, keys written at their positions."""
     h, d = 3, 64
-    ktab = tables_for(KV[0, 1], "k", kb, seed)
+    ktab = rope_tables(KV[0, 1], kb, seed)[0] if rope else tables_for(KV[0, 1], "k", kb, seed)
     vtab = tables_for(KV[1, 1], "v", vb, seed)
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
@@ -182,16 +227,17 @@ def make_case(*, lens, group, kb, vb, S, W, block_size=32, seed=0):
     nb = B * per + 2
     bt = torch.randperm(nb, generator=g)[: B * per].view(B, per).to(torch.int32)
     kall, vall = KV[0].reshape(-1, h, d), KV[1].reshape(-1, h, d)
-    idx, slots = [], []
+    idx, slots, positions = [], [], []
     for b, L in enumerate(lens):
         for p in range(S, max(S, L - W)):  # the positions the pages hold
             idx.append(int(torch.randint(0, kall.shape[0], (1,), generator=g)))
             slots.append(int(bt[b, p // block_size]) * block_size + p % block_size)
+            positions.append(p)
     # Pages written by the reference writer (the write kernel has its own tests; in the interpreter
     # it would dominate this test's time).
     kp, vp = pool(nb, h, block_size, kb, d).cpu(), pool(nb, h, block_size, vb, d).cpu()
     slots_t = torch.tensor(slots, dtype=torch.int64)
-    compact_write_ref(kall[idx], slots_t, kp, ktab)
+    compact_write_ref(kall[idx], slots_t, kp, ktab, torch.tensor(positions, dtype=torch.int64))
     compact_write_ref(vall[idx], slots_t, vp, vtab)
     kp, vp = kp.to(DEVICE), vp.to(DEVICE)
     ks = vs = None
@@ -201,8 +247,11 @@ def make_case(*, lens, group, kb, vb, S, W, block_size=32, seed=0):
     q = torch.randn(B, h * group, d, generator=g).to(torch.bfloat16).to(DEVICE)
     ct = compact_tables(ktab, vtab, DEVICE)
     qt, bias = transform_query(q, ct["k_inv_transform"], ct["k_mean"], h)
+    assert rope == ("rope_phase" in ct)
+    rc = rope_logit_coef(q, ct["k_rope_m"], h) if rope else None
     return dict(q=q, kp=kp, vp=vp, bt=bt.to(DEVICE), lens=lens, S=S, W=W, bs=block_size, kb=kb, vb=vb,
-                ks=ks, vs=vs, ct=ct, qt=qt, bias=bias, ktab=ktab, vtab=vtab)
+                ks=ks, vs=vs, ct=ct, qt=qt, bias=bias, ktab=ktab, vtab=vtab, rope_coef=rc,
+                rope_phase=ct.get("rope_phase"))
 
 
 def run(c, cuda_dot, split_tokens=64, block_n=32):
@@ -215,7 +264,8 @@ def run(c, cuda_dot, split_tokens=64, block_n=32):
     return attn.run(c["q"], c["kp"], c["vp"], k_side=c["ks"], v_side=c["vs"], q_transformed=c["qt"],
                     logit_bias=c["bias"], v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"],
                     k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"],
-                    v_grid=ct["v_grid"], out=torch.empty(B, Hq, D, device=DEVICE))
+                    v_grid=ct["v_grid"], rope_coef=c["rope_coef"], rope_phase=c["rope_phase"],
+                    out=torch.empty(B, Hq, D, device=DEVICE))
 
 
 def reference(c):
@@ -224,7 +274,8 @@ def reference(c):
                             sink_tokens=c["S"], window=c["W"], k_side=c["ks"], v_side=c["vs"],
                             q_transformed=c["qt"], logit_bias=c["bias"], v_inv_transform=ct["v_inv_transform"],
                             v_mean=ct["v_mean"], k_bits=c["kb"], v_bits=c["vb"], k_codebook=ct["k_codebook"],
-                            v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
+                            v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"],
+                            rope_coef=c["rope_coef"], rope_phase=c["rope_phase"])
 
 
 def true_attention(c):
@@ -246,7 +297,7 @@ def true_attention(c):
                     page = pages[int(c["bt"][b, p // bs]), h, (p % bs) // 16].cpu()
                     rows.append(codec.decode_page(page, tab[h])[p % 16])
                 y = torch.stack(rows) if rows else torch.zeros(0, D)
-                return codec.inverse(y.unsqueeze(1), [tab[h]])[:, 0].double()
+                return codec.inverse(y.unsqueeze(1), [tab[h]], torch.tensor(pos, dtype=torch.int64))[:, 0].double()
             kt, vt = dec(c["kp"], c["ktab"]), dec(c["vp"], c["vtab"])
             if sl:
                 kt = torch.cat([kt, c["ks"][b, sl, h].double().cpu()])
@@ -280,6 +331,21 @@ def test_attention_matches_reference(case, cuda_dot):
     tol = (2.0**-8 if S + W else 2.0**-16) if cuda_dot else 2.0**-6
     err = (out - ref).abs().max().item()
     assert err <= tol * vmax, f"max error {err:.3g} > {tol:.3g} * max|v| {vmax:.3g}"
+
+
+@pytest.mark.parametrize("case", ["q4-gqa4-sinks-window", "k3v3-mha-window"])
+def test_attention_with_rotary_offsets_matches_reference(case):
+    lens, group, kb, vb, S, W = CASES[case]
+    c = make_case(lens=lens, group=group, kb=kb, vb=vb, S=S, W=W, seed=len(case), rope=True)
+    out = run(c, False).double().cpu()
+    ref = reference(c).cpu()
+    true, vmax = true_attention(c)  # codec.inverse at each key's position: the rotary offset added back
+    assert (ref - true).abs().max().item() <= 1e-4 * vmax
+    err = (out - ref).abs().max().item()
+    assert err <= 2.0**-6 * vmax, f"max error {err:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
+    # without the rotary term the output is wrong: the test can fail
+    c2 = dict(c, rope_coef=None, rope_phase=None)
+    assert (reference(c2).cpu() - true).abs().max().item() > 10 * 2.0**-6 * vmax
 
 
 def test_split_schedule_does_not_matter():

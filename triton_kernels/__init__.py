@@ -24,6 +24,7 @@ from .paged_decode import (
     compact_tables,
     dequantize_compact_pages,
     dequantize_pages,
+    rope_logit_coef,
     transform_query,
 )
 from .paged_decode_ref import dequantize_compact_pages_ref, dequantize_pages_ref, paged_decode_ref, quantize_fp8_ref
@@ -35,6 +36,7 @@ __all__ = [
     "PAGE_TOKENS",
     "dequantize_pages",
     "transform_query",
+    "rope_logit_coef",
     "paged_decode_ref",
     "dequantize_pages_ref",
     "quantize_fp8_ref",

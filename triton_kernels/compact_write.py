@@ -18,6 +18,9 @@ Read me first:
 * **Rotation.** ``H_d = H_{d1} (x) H_{d2}`` (``d = d1 * d2``, Sylvester order, channel ``c = d2 * c1 +
   c0``): the rotation is two small integer matrix products, ``d * (d1 + d2)`` additions per token
   instead of ``d * d``; signs of H from the parity of ``i & j``.
+* **Rotary offsets** (K tables with ``rope_m``, docs/FORMAT.md): the token's position p turns the
+  pre-RoPE key mean to ``r(p)`` in integer arithmetic (48-bit phase, two integer cos/sin tables,
+  shifts) exactly as ``codec.rope_offset``, and ``z = ((xi - mu - r(p)) * mult) >> 16``.
 * **Schedule.** One program per (token, KV head); a token's bytes in a page (its row of each plane
   and its scale byte) belong to it alone, so tokens of one page are written independently.
 """
@@ -51,11 +54,35 @@ def _hadamard_neg(N: tl.constexpr, LOG_N: tl.constexpr):
 
 
 @triton.jit
+def _rope_offset(pos, m_ptr, phase_ptr, trig_ptr, h, HEAD_DIM: tl.constexpr):
+    """r(p) [HEAD_DIM] int64 of one head at position ``pos`` (``codec.rope_offset``): trig_ptr holds
+    the coarse cos, coarse sin (4096 each), fine cos, fine sin (1024 each) int64 tables."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, HEAD_DIM)
+    i = offs % HALF
+    f = tl.load(phase_ptr + i)
+    ph = ((((pos * (f >> 16)) & 0xFFFFFFFF) << 16) + pos * (f & 0xFFFF)) & 0xFFFFFFFFFFFF
+    hi = ph >> 36
+    lo = (ph >> 26) & 1023
+    c1 = tl.load(trig_ptr + hi)
+    s1 = tl.load(trig_ptr + 4096 + hi)
+    c2 = tl.load(trig_ptr + 8192 + lo)
+    s2 = tl.load(trig_ptr + 9216 + lo)
+    cs = (c1 * c2 - s1 * s2) >> 30
+    sn = (s1 * c2 + c1 * s2) >> 30
+    a = tl.load(m_ptr + h * HEAD_DIM + i)
+    b = tl.load(m_ptr + h * HEAD_DIM + HALF + i)
+    return tl.where(offs < HALF, (a * cs - b * sn) >> 30, (a * sn + b * cs) >> 30)
+
+
+@triton.jit
 def _compact_write_kernel(
     x_ptr, slot_ptr, pages_ptr, mu_ptr, mult_ptr, signs_ptr, grid_ptr, thr_ptr,
+    pos_ptr, rope_m_ptr, rope_phase_ptr, trig_ptr,
     stride_xt, stride_xh, stride_blk, stride_head,
     HEAD_DIM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, LOG_D1: tl.constexpr, LOG_D2: tl.constexpr,
     BITS: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_THR: tl.constexpr, BLOCK_THR: tl.constexpr,
+    HAS_ROPE: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -72,6 +99,9 @@ def _compact_write_kernel(
     mu = tl.load(mu_ptr + h * HEAD_DIM + offs)
     mult = tl.load(mult_ptr + h * HEAD_DIM + offs)
     sg = tl.load(signs_ptr + h * HEAD_DIM + offs)
+    if HAS_ROPE:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        xi = xi - _rope_offset(pos, rope_m_ptr, rope_phase_ptr, trig_ptr, h, HEAD_DIM)
     z = (((xi - mu) * mult) >> 16) * sg
 
     # 2. rotation y = H_d z = (H_d1 (x) H_d2) z, in int64
@@ -120,11 +150,25 @@ def _check(cond: bool, msg: str) -> None:
 
 def compact_write_tables(tables, device="cpu") -> dict:
     """The tensors the write kernel needs for one (layer, kind), from a ``codec.HeadTables`` per KV
-    head: mu, mult, signs int64 [H, d]; grid fp32 [H, 256]; thr fp32 [H, 2**bits - 1]; bits."""
+    head: mu, mult, signs int64 [H, d]; grid fp32 [H, 256]; thr fp32 [H, 2**bits - 1]; bits; and
+    for K tables with rotary offsets rope_m int64 [H, d], rope_phase int64 [d/2], trig int64 [10240]
+    (the codec's integer cos/sin tables)."""
     from weightszip.compact import codec
 
     _check(len(tables) > 0 and len({t.bits for t in tables}) == 1, "one HeadTables per KV head, all of one bit width")
+    rope = {}
+    if any(t.has_rope_offset for t in tables):
+        d = tables[0].head_dim
+        rope = dict(
+            rope_m=torch.stack([t.rope_m if t.rope_m is not None else torch.zeros(d, dtype=torch.int64)
+                                for t in tables]).contiguous().to(device),
+            rope_phase=next(t.rope_phase for t in tables if t.rope_phase is not None).contiguous().to(device),
+            trig=torch.cat(codec.trig_tables()).contiguous().to(device),
+        )
+        _check(all(t.rope_phase is None or torch.equal(t.rope_phase, rope["rope_phase"].cpu()) for t in tables),
+               "the KV heads of one layer share one rope_phase")
     return dict(
+        **rope,
         mu=torch.stack([t.mu for t in tables]).contiguous().to(device),
         mult=torch.stack([t.mult for t in tables]).contiguous().to(device),
         signs=torch.stack([t.signs for t in tables]).contiguous().to(device),
@@ -158,15 +202,28 @@ def _check_args(x, slot_mapping, pages, tables):
 
 
 def compact_write(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.Tensor, tables: dict,
-                  *, check_slots: bool = True) -> None:
+                  positions: torch.Tensor | None = None, *, check_slots: bool = True) -> None:
     """Encode ``x`` [n, kv_heads, head_dim] (one layer's new K or V tokens) into ``pages`` in place.
 
     slot_mapping: int [n], ``block * block_size + offset``, negative = skip. tables: from
-    ``compact_write_tables``. ``check_slots`` verifies on the host that every slot lies in the pool
-    (a device sync; pass False inside CUDA graphs once the caller guarantees it)."""
+    ``compact_write_tables``. positions: int [n], each token's position in its sequence (needed when
+    the tables carry rotary offsets: K of a calibration with ``rope_m``). ``check_slots`` verifies
+    on the host that every slot lies in the pool and every position in [0, 2**31) (a device sync;
+    pass False inside CUDA graphs once the caller guarantees it)."""
     n, h, d, bits, block_size, _ = _check_args(x, slot_mapping, pages, tables)
+    rope = "rope_m" in tables
+    if rope:
+        _check(isinstance(positions, torch.Tensor) and positions.dim() == 1 and positions.numel() == n
+               and positions.dtype in (torch.int32, torch.int64) and positions.device == x.device,
+               f"these tables carry rotary offsets: positions must be int32 or int64 [{n}] on x's device")
+        for name, shape in (("rope_m", (h, d)), ("rope_phase", (d // 2,)), ("trig", (10240,))):
+            t = tables[name]
+            _check(isinstance(t, torch.Tensor) and t.dtype == torch.int64 and tuple(t.shape) == shape
+                   and t.is_contiguous() and t.device == x.device, f"tables[{name!r}] must be contiguous int64 {list(shape)}")
     if n == 0:
         return
+    if rope and check_slots:
+        _check(int(positions.min()) >= 0 and int(positions.max()) < 2**31, "positions must lie in [0, 2**31)")
     if check_slots:
         _check(int(slot_mapping.max()) < pages.shape[0] * block_size,
                f"a slot lies beyond the pool ({pages.shape[0]} blocks of {block_size})")
@@ -177,8 +234,10 @@ def compact_write(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.Tens
     n_thr = 2**bits - 1
     _compact_write_kernel[(n, h)](
         x, slot_mapping, pages, tables["mu"], tables["mult"], tables["signs"], tables["grid"], tables["thr"],
+        positions if rope else slot_mapping, tables["rope_m"] if rope else tables["mu"],
+        tables["rope_phase"] if rope else tables["mu"], tables["trig"] if rope else tables["mu"],
         x.stride(0), x.stride(1), pages.stride(0), pages.stride(1),
         HEAD_DIM=d, D1=1 << log1, D2=1 << log2, LOG_D1=log1, LOG_D2=log2, BITS=bits, BLOCK_SIZE=block_size,
-        N_THR=n_thr, BLOCK_THR=1 << (n_thr - 1).bit_length(),
+        N_THR=n_thr, BLOCK_THR=1 << (n_thr - 1).bit_length(), HAS_ROPE=rope,
         num_warps=4,
     )

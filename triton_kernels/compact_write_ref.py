@@ -6,15 +6,18 @@ from __future__ import annotations
 import torch
 
 
-def compact_write_ref(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.Tensor, head_tables) -> None:
+def compact_write_ref(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.Tensor, head_tables,
+                      positions: torch.Tensor | None = None) -> None:
     """x [n, kv_heads, head_dim] -> its codes and scale indices into ``pages`` uint8 [num_blocks,
     kv_heads, block_size / 16, page_bytes] (in place); ``head_tables``: a ``codec.HeadTables`` per
-    KV head; a negative slot writes nothing."""
+    KV head; a negative slot writes nothing; ``positions`` [n]: the tokens' positions (K tables with
+    rotary offsets need them)."""
     from weightszip.compact import codec
 
     n, h, d = x.shape
     bits = head_tables[0].bits
-    codes, sidx = codec.encode_tokens(x.cpu(), head_tables)  # [n, h, d], [n, h]
+    pos = None if positions is None else positions.cpu()
+    codes, sidx = codec.encode_tokens(x.cpu(), head_tables, pos)  # [n, h, d], [n, h]
     row = d // 8
     plane = 16 * row
     block_size = pages.shape[2] * 16

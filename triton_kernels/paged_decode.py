@@ -43,6 +43,8 @@ Read me first:
 
 from __future__ import annotations
 
+import os
+
 import math
 from dataclasses import dataclass
 
@@ -60,6 +62,7 @@ _interpreter_compat()
 PAGE_BF16 = 0
 PAGE_FP8 = 1
 PAGE_COMPACT = 2
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT}
 PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8}
 COMPACT_BITS = (2, 3, 4, 5)
@@ -202,11 +205,59 @@ def _compact_planes(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
+def _bf16_split_dot(x, y):
+    """x [M, K] . y [N, K]^T in fp32 with bf16 tensor-core products at about fp32 accuracy: each
+    operand split as hi + lo (two bf16), three products (hi.hi + hi.lo + lo.hi)."""
+    xh = x.to(tl.bfloat16)
+    xl = (x - xh.to(tl.float32)).to(tl.bfloat16)
+    yh = y.to(tl.bfloat16)
+    yl = (y - yh.to(tl.float32)).to(tl.bfloat16)
+    return tl.dot(xh, tl.trans(yh)) + tl.dot(xh, tl.trans(yl)) + tl.dot(xl, tl.trans(yh))
+
+
+@triton.jit
+def _cos_sin(x, FAST: tl.constexpr):
+    """cos and sin of fp32 angles; FAST: the SFU's approximations (cos.approx / sin.approx, absolute
+    error about 1e-6 near [-pi, pi], growing slowly with |x|); else Triton's (the interpreter's)."""
+    if FAST:
+        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        c = tl.cos(x)
+        s = tl.sin(x)
+    return c, s
+
+
+@triton.jit
+def _rope_logits(coef_ptr, phase_ptr, coef_rows, g_valid, start, offs_n, BLOCK_G: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, FAST: tl.constexpr):
+    """q . r(p) for the tile's keys (rotary offsets), p = start + n: sum over RoPE pairs i of
+    A_i cos(phi_i(p)) + B_i sin(phi_i(p)). The tile start's phase comes exactly from the 48-bit phase
+    start * f_i (int64, HALF values per tile); the angle at start + n adds n * theta_i in fp32
+    (n < BLOCK_N); coef rows hold A then B [2, HALF]."""
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    s64 = tl.zeros([1], dtype=tl.int64) + start
+    nf = offs_n.to(tl.float32)[:, None]
+    for c in tl.static_range(HALF // 16):
+        offs_i = c * 16 + tl.arange(0, 16)
+        f = tl.load(phase_ptr + offs_i)
+        ph = ((((s64 * (f >> 16)) & 0xFFFFFFFF) << 16) + s64 * (f & 0xFFFF)) & 0xFFFFFFFFFFFF
+        base = (ph >> 16).to(tl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
+        theta = f.to(tl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
+        cs, sn = _cos_sin(base[None, :] + nf * theta[None, :], FAST)
+        a = tl.load(coef_ptr + coef_rows[:, None] + offs_i[None, :], mask=g_valid[:, None], other=0.0)
+        b = tl.load(coef_ptr + coef_rows[:, None] + HALF + offs_i[None, :], mask=g_valid[:, None], other=0.0)
+        acc += _bf16_split_dot(a, cs) + _bf16_split_dot(b, sn)
+    return acc
+
+
+@triton.jit
 def _paged_split_kernel(
     q_ptr, bias_ptr, k_pages_ptr, v_pages_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
     work_seq_ptr, work_start_ptr, work_end_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     k_cb_ptr, v_cb_ptr, k_grid_ptr, v_grid_ptr,
+    rope_coef_ptr, rope_phase_ptr,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -216,7 +267,8 @@ def _paged_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_TYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BITS_K: tl.constexpr, BITS_V: tl.constexpr, CUDA_DOT: tl.constexpr,
-    PAIRS_K: tl.constexpr = False, PAIRS_V: tl.constexpr = False,
+    PAIRS_K: tl.constexpr = False, PAIRS_V: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
+    FAST_TRIG: tl.constexpr = False,
 ):
     """One split: attention of the GROUP query heads of one KV head over page tokens
     ``[start, end)`` of one sequence. Writes the running max (base 2), the softmax mass and the
@@ -247,6 +299,7 @@ def _paged_split_kernel(
     else:
         bias = tl.zeros([BLOCK_G], dtype=tl.float32)
 
+    coef_rows = (seq * (num_kv_heads * GROUP) + head * GROUP + offs_g).to(tl.int64) * HEAD_DIM
     m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
@@ -308,6 +361,9 @@ def _paged_split_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * (k_g * scale)[None, :] + bias[:, None]
+            if HAS_ROPE:
+                s += _rope_logits(rope_coef_ptr, rope_phase_ptr, coef_rows, g_valid, start, offs_n, BLOCK_G, BLOCK_N,
+                                  HEAD_DIM // 2, FAST_TRIG) * qk_scale
         else:
             tok_next = tok + BLOCK_N
             blk_next = tl.load(bt_row + tok_next // BLOCK_SIZE, mask=tok_next < t1, other=0)
@@ -362,6 +418,7 @@ def _merge_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     g_valid = offs_g < GROUP
 
+    coef_rows = (seq * (num_kv_heads * GROUP) + head * GROUP + offs_g).to(tl.int64) * HEAD_DIM
     m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
@@ -482,6 +539,22 @@ def _pow2_at_least(n: int, floor: int) -> int:
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidArgumentError(msg)
+
+
+def rope_logit_coef(q: torch.Tensor, k_rope_m: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """The per-query coefficients of the rotary-offset logit term: q . r(p) = sum_i A_i cos(phi_i(p)) +
+    B_i sin(phi_i(p)) with A_i = q_a m_a + q_b m_b and B_i = q_b m_a - q_a m_b over RoPE pairs
+    (a, b) = (i, i + d/2). q [num_seqs, num_q_heads, d]; k_rope_m [num_kv_heads, d] (the pre-RoPE key
+    means in the model's units: ``compact_tables(...)["k_rope_m"]``). Returns fp32 [num_seqs,
+    num_q_heads, 2, d/2] (A then B)."""
+    b_, hq, d = q.shape
+    g = hq // num_kv_heads
+    qf = q.double().view(b_, num_kv_heads, g, 2, d // 2)
+    m = k_rope_m.double().view(num_kv_heads, 1, 2, d // 2)
+    qa, qb = qf[..., 0, :], qf[..., 1, :]
+    ma, mb = m[..., 0, :], m[..., 1, :]
+    coef = torch.stack([qa * ma + qb * mb, qb * ma - qa * mb], dim=-2)  # [b, h, g, 2, d/2]
+    return coef.reshape(b_, hq, 2, d // 2).float().contiguous()
 
 
 def transform_query(q: torch.Tensor, k_inv_transform: torch.Tensor | None, k_mean: torch.Tensor | None,
@@ -655,6 +728,7 @@ class PagedDecodeAttention:
             v_inv_transform: torch.Tensor | None = None, v_mean: torch.Tensor | None = None,
             k_codebook: torch.Tensor | None = None, v_codebook: torch.Tensor | None = None,
             k_grid: torch.Tensor | None = None, v_grid: torch.Tensor | None = None,
+            rope_coef: torch.Tensor | None = None, rope_phase: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output [num_seqs, num_q_heads, head_dim] (q's dtype) for one layer.
 
@@ -668,6 +742,9 @@ class PagedDecodeAttention:
         [num_kv_heads, 2**bits] (fp32, or bf16 for the tensor-core path) and k_grid/v_grid fp32
         [num_kv_heads, 256]; the pages hold rotated-domain values, so q_transformed, logit_bias,
         v_inv_transform and v_mean carry the codec's transform (``compact_tables`` gives them).
+        K tables with rotary offsets (``compact_tables(...)["rope_phase"]``) add ``q . r(p)`` to each page
+        key's logit: rope_coef fp32 [num_seqs, num_q_heads, 2, head_dim / 2] (``rope_logit_coef``) and
+        rope_phase int64 [head_dim / 2]; the page token at position p of its sequence turns by p * f.
         """
         _check(self._plan is not None, "call plan() before run()")
         pl = self._plan
@@ -696,6 +773,15 @@ class PagedDecodeAttention:
             if not cuda_dot:  # tensor-core operands are bf16; widths <= 4 gather packed pairs
                 k_codebook = compact_pair_table(k_codebook) if self.k_bits <= 4 else k_codebook.to(torch.bfloat16)
                 v_codebook = compact_pair_table(v_codebook) if self.v_bits <= 4 else v_codebook.to(torch.bfloat16)
+        has_rope = rope_coef is not None or rope_phase is not None
+        if has_rope:
+            _check(compact and not cuda_dot and D >= 32, "rotary offsets need compact pages, the tensor-core path and head_dim >= 32")
+            _check(isinstance(rope_coef, torch.Tensor) and rope_coef.dtype == torch.float32
+                   and tuple(rope_coef.shape) == (B, Hq, 2, D // 2) and rope_coef.is_contiguous(),
+                   f"rope_coef must be contiguous fp32 [{B}, {Hq}, 2, {D // 2}]")
+            _check(isinstance(rope_phase, torch.Tensor) and rope_phase.dtype == torch.int64
+                   and tuple(rope_phase.shape) == (D // 2,) and rope_phase.is_contiguous(),
+                   f"rope_phase must be contiguous int64 [{D // 2}]")
         side = self.sink_tokens + self.window
         if side:
             for name, t in (("k_side", k_side), ("v_side", v_side)):
@@ -730,6 +816,7 @@ class PagedDecodeAttention:
                 pl["ws_m"], pl["ws_l"], pl["ws_acc"],
                 k_codebook if compact else dummy, v_codebook if compact else dummy,
                 k_grid if compact else dummy, v_grid if compact else dummy,
+                rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
                 qk_scale,
                 qp.stride(0), qp.stride(1),
                 k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
@@ -740,7 +827,8 @@ class PagedDecodeAttention:
                 PAGE_TYPE=self.page_type, HAS_BIAS=logit_bias is not None,
                 BITS_K=self.k_bits or 0, BITS_V=self.v_bits or 0, CUDA_DOT=cuda_dot,
                 PAIRS_K=compact and not cuda_dot and self.k_bits <= 4,
-                PAIRS_V=compact and not cuda_dot and self.v_bits <= 4,
+                PAIRS_V=compact and not cuda_dot and self.v_bits <= 4, HAS_ROPE=has_rope,
+                FAST_TRIG=has_rope and not _INTERPRETED,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         ks = k_side if side else q
@@ -802,6 +890,11 @@ def compact_tables(k_tables, v_tables, device="cpu") -> dict:
         out[f"{kind}_inv_transform"] = a.contiguous().to(device)
         out[f"{kind}_mean"] = mean.contiguous().to(device)
         out[f"{kind}_bits"] = tables[0].bits
+    if any(t.has_rope_offset for t in k_tables):
+        d = k_tables[0].head_dim
+        m = torch.stack([t.rope_m if t.rope_m is not None else torch.zeros(d, dtype=torch.int64) for t in k_tables])
+        out["k_rope_m"] = (m.double() * 2.0**-codec.FIXED_SHIFT).float().contiguous().to(device)
+        out["rope_phase"] = next(t.rope_phase for t in k_tables if t.rope_phase is not None).contiguous().to(device)
     return out
 
 

@@ -8,6 +8,8 @@ tokens with no splitting and no rounding of the softmax weights.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -69,13 +71,15 @@ def paged_decode_ref(q, k_pages, v_pages, block_tables, seq_lens, *, page_type="
                      k_scale=None, v_scale=None, sink_tokens=0, window=0, k_side=None, v_side=None,
                      q_transformed=None, logit_bias=None, v_inv_transform=None, v_mean=None,
                      sm_scale=None, k_bits=None, v_bits=None, k_codebook=None, v_codebook=None,
-                     k_grid=None, v_grid=None) -> torch.Tensor:
+                     k_grid=None, v_grid=None, rope_coef=None, rope_phase=None) -> torch.Tensor:
     """Attention output [num_seqs, num_q_heads, head_dim] in fp64 (arguments as ``PagedDecodeAttention``).
 
     Page tokens: logit = (q' . y + b) * sm_scale with y the dequantized page keys (compact pages:
     ``k_bits``/``v_bits``, ``k_codebook``/``v_codebook``, ``k_grid``/``v_grid`` as in ``run``); their values are
     summed as y, mapped through ``v_inv_transform`` and offset by ``v_mean`` times their softmax mass.
-    Side tokens: logit = q . k * sm_scale, value v, as stored (bf16).
+    Side tokens: logit = q . k * sm_scale, value v, as stored (bf16). Rotary offsets (``rope_coef``,
+    ``rope_phase``): page keys' logits gain sum_i A_i cos(phi_i) + B_i sin(phi_i), phi_i the exact
+    phase p * f_i mod 2**48 of the key's position p, in fp64.
     """
     B, Hq, D = q.shape
     Hkv = k_pages.shape[1]
@@ -105,6 +109,12 @@ def paged_decode_ref(q, k_pages, v_pages, block_tables, seq_lens, *, page_type="
                 lp = (yk @ qp[b, hq]) * sm_scale
                 if logit_bias is not None:
                     lp = lp + float(logit_bias[b, hq]) * sm_scale
+                if rope_coef is not None and pos.numel():
+                    f = rope_phase.long().cpu()
+                    ph = (pos.cpu()[:, None] * f[None, :]) % 2**48  # int64 products wrap mod 2**64: exact mod 2**48
+                    ang = ph.double() * (2 * math.pi / 2**48)
+                    co = rope_coef[b, hq].double().cpu()
+                    lp = lp + ((torch.cos(ang) @ co[0] + torch.sin(ang) @ co[1]) * sm_scale).to(lp.device)
                 if sides:
                     ks = k_side[b, sidx, h].double()
                     vs = v_side[b, sidx, h].double()

@@ -513,8 +513,11 @@ def calibrate(
     lloyd_samples: int = 400_000,
     meta: dict | None = None,
     log=print,
+    rope_offsets: bool = True,
 ) -> Calibration:
-    """Calibrate on token windows [1, N] (at least one; two long ones recommended)."""
+    """Calibrate on token windows [1, N] (at least one; two long ones recommended).
+    ``rope_offsets=False``: no rotary K offsets (faster GPU decode: the kernels skip the per-key
+    rotary term; worse on models whose keys carry a bias, such as Qwen2.5)."""
     from tqdm.auto import tqdm
 
     from weightszip.eval.kl import model_kv_shape
@@ -528,7 +531,7 @@ def calibrate(
     t_forward = time.perf_counter() - t0
     rng = np.random.default_rng(seed)
     signs = torch.from_numpy(rng.choice([-1, 1], size=d)).to(torch.int64)
-    inv_freq = rope_inv_freq(model, d)
+    inv_freq = rope_inv_freq(model, d) if rope_offsets else None
     rope_phase = rope_phase_steps(inv_freq) if inv_freq is not None else None
     mu = torch.zeros(L, 2, H, d, dtype=torch.int64)
     mult = torch.zeros(L, 2, H, d, dtype=torch.int64)

@@ -42,7 +42,7 @@ def _cmd_calibrate(a) -> int:
     windows = [w.to(lm.model.device) for w in windows]
     t0 = time.perf_counter()
     try:
-        cal = calibrate(lm.model, windows, n_query_samples=a.queries, seed=a.seed,
+        cal = calibrate(lm.model, windows, n_query_samples=a.queries, seed=a.seed, rope_offsets=a.rope_offsets,
                         meta={"model": lm.name, "model_source": lm.source, "texts": info}, log=log)
     except CalibrationError as e:
         return fail(e)
@@ -83,6 +83,9 @@ def add_parser(sub) -> None:
     p.add_argument("--queries", type=int, default=256, help="queries sampled per window for the error estimates (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no-rope-offsets", dest="rope_offsets", action="store_false",
+                   help="no rotary K offsets: the GPU decode kernel skips their per-key term (+40-78%% time), but quality drops on models whose keys carry a "
+                   "bias (Qwen2.5: broken at 3 bits); see docs/EVALUATION.md")
     p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=_cmd_calibrate)

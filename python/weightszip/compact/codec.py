@@ -189,7 +189,7 @@ def _stack(tables: list[HeadTables]):
     return mu, mult, signs, grid, cb, bits.pop()
 
 
-def _trig_tables():
+def trig_tables():
     """(coarse cos, coarse sin [4096], fine cos, fine sin [1024]) int64 in units of 2**-30:
     round(cos/sin(2 pi j / 2**12) * 2**30) and round(cos/sin(2 pi j / 2**22) * 2**30)."""
     global _TRIG
@@ -214,7 +214,7 @@ def rope_cos_sin(positions: torch.Tensor, rope_phase: torch.Tensor) -> tuple[tor
     phase = p * f mod 2**48 (f split in 16-bit halves so no product exceeds 2**63); its top 12 bits
     index the coarse tables, the next 10 the fine ones; cos(a + b), sin(a + b) by the sum formulas,
     each product shifted right by 30 (floor)."""
-    ch, sh, cf, sf = (t.to(positions.device) for t in _trig_tables())
+    ch, sh, cf, sf = (t.to(positions.device) for t in trig_tables())
     p = positions.to(torch.int64).reshape(-1, *([1] * rope_phase.ndim))
     f = rope_phase.to(positions.device)
     phase = ((((p * (f >> 16)) & (2**32 - 1)) << 16) + p * (f & 0xFFFF)) & (2**PHASE_BITS - 1)

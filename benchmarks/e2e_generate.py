@@ -1,0 +1,87 @@
+"""End to end on a GPU: greedy generation through the paged compact cache (the Triton write and
+decode-attention kernels) against generation through the reference codec, same model, prompt and
+calibration.
+
+    python benchmarks/e2e_generate.py --model smollm2 --calibration python/weightszip/data/smollm2.wzcal \
+        --text ../shared/data/text/books/austen-emma.txt --prompt 2048 --new 64 --formats q4,q3.5,q3 \
+        --out benchmarks/results/e2e_generate
+
+For each format: whether the two token sequences are equal, the first step where they differ (if
+any), the largest difference of the two paths' logits while they agree, and the wall time of each
+path (the paged path one token per forward; the reference path re-runs the whole sequence per token:
+its time is not a serving speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--calibration", default=str(ROOT / "python" / "weightszip" / "data" / "smollm2.wzcal"))
+    p.add_argument("--text", default=str(ROOT.parent / "shared" / "data" / "text" / "books" / "austen-emma.txt"))
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--formats", default="q4,q3.5,q3")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_generate"))
+    a = p.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from weightszip.compact.calibrate import Calibration
+    from weightszip.compact.paged_cache import generate_paged, generate_reference
+    from weightszip.models import load_causal_lm, tokenize_text
+
+    lm = load_causal_lm(a.model, verbose=False)
+    lm.model.to(a.device)
+    cal = Calibration.load(a.calibration)
+    ids, files = tokenize_text(lm.tokenizer, pathlib.Path(a.text), a.prompt)
+    rows = []
+    for fmt in tqdm(a.formats.split(","), desc="formats", file=sys.stdout):
+        torch.cuda.synchronize() if a.device == "cuda" else None
+        t0 = time.perf_counter()
+        paged = generate_paged(lm.model, cal, fmt, ids, a.new)
+        torch.cuda.synchronize() if a.device == "cuda" else None
+        t1 = time.perf_counter()
+        ref = generate_reference(lm.model, cal, fmt, ids, a.new)
+        torch.cuda.synchronize() if a.device == "cuda" else None
+        t2 = time.perf_counter()
+        first = next((i for i, (x, y) in enumerate(zip(paged.tokens, ref.tokens)) if x != y), None)
+        agree = len(paged.tokens) if first is None else first
+        diffs = [float((x - y).abs().max()) for x, y in zip(paged.logits[:agree], ref.logits[:agree])]
+        rows.append(dict(format=fmt, equal=first is None, first_difference=first, steps=a.new,
+                         max_logit_diff=max(diffs) if diffs else None,
+                         max_logit=float(max(y.abs().max() for y in ref.logits)),
+                         paged_seconds=t1 - t0, reference_seconds=t2 - t1,
+                         paged_text=lm.tokenizer.decode(paged.tokens), reference_text=lm.tokenizer.decode(ref.tokens)))
+        print(f"{fmt}: equal={first is None} first_difference={first} max_logit_diff={rows[-1]['max_logit_diff']} "
+              f"paged {t1 - t0:.1f} s, reference {t2 - t1:.1f} s", flush=True)
+    dev = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    res = dict(model=lm.name, calibration=a.calibration, text=files, prompt_tokens=a.prompt, new_tokens=a.new,
+               device=dev, torch=torch.__version__, cmd=" ".join(sys.argv), rows=rows)
+    out = pathlib.Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    lines = ["| format | tokens equal | first difference | max logit diff (max logit) | paged s | reference s |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {'yes' if r['equal'] else 'no'} | {r['first_difference'] if r['first_difference'] is not None else '-'} "
+                     f"| {r['max_logit_diff']:.3g} ({r['max_logit']:.3g}) | {r['paged_seconds']:.1f} | {r['reference_seconds']:.1f} |")
+    md = "\n".join(lines) + "\n"
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0 if all(r["equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

