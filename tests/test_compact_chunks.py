@@ -105,3 +105,59 @@ def test_lmcache_serde_in_a_compact_mode(cal, tmp_path):
     assert _wait(proc.query_deserialize_result, proc.submit_deserialize([tmp], [dst], [None])) is True
     assert torch.equal(dst.tensor.view(torch.int16), _expected(kv, cal, "q3.5").view(torch.int16))
     proc.close()
+
+
+def _with_rope(cal):
+    """The small calibration with rotary K offsets in every layer and head."""
+    import copy
+
+    from weightszip.compact import calibrate as C
+
+    c = copy.deepcopy(cal)
+    g = torch.Generator().manual_seed(5)
+    c.rope_m = (torch.randn(c.layers, c.kv_heads, c.head_dim, generator=g) * 2**17).to(torch.int64)
+    c.rope_phase = C.rope_phase_steps(1e4 ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+    c.validate()
+    return c
+
+
+def test_compact_chunks_record_their_start_position(cal):
+    import struct
+
+    rc = _with_rope(cal)
+    codec = CompactChunkCodec(rc, "q4")
+    kv = _kv()
+    at0, at4096 = codec.encode(kv), codec.encode(kv, start=4096)
+    assert at0 != at4096  # keys are coded at their positions
+    assert struct.unpack_from("<Q", at4096, 24)[0] == 4096
+    for blob, start in ((at0, 0), (at4096, 4096)):
+        back = codec.decode(blob)
+        want = torch.empty_like(kv)
+        for ki, kind in enumerate("kv"):
+            for layer in range(3):
+                x = kv[ki, layer].reshape(64, rc.kv_heads, rc.head_dim)
+                tabs = rc.tables(layer, kind, rc.allocation["q4"][layer][ki])
+                want[ki, layer] = cc.roundtrip(x, tabs, torch.arange(start, start + 64)).reshape(64, -1).to(torch.bfloat16)
+        assert torch.equal(back.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(weightszip.InvalidArgumentError, match="start"):
+        codec.encode(kv, start=-1)
+    with pytest.raises(weightszip.InvalidArgumentError, match="2\\*\\*31"):
+        codec.encode(kv, start=2**31 - 32)
+    bad = bytearray(at0)
+    struct.pack_into("<Q", bad, 24, 2**40)  # a hostile start position
+    with pytest.raises(weightszip.CorruptDataError, match="positions"):
+        codec.decode(bytes(bad))
+
+
+def test_compact_chunks_read_version_1(cal):
+    """A version-1 chunk (24-byte header, no start) decodes as start 0."""
+    import struct
+
+    codec = CompactChunkCodec(cal, "q3")
+    kv = _kv()
+    v2 = codec.encode(kv)
+    magic, _, fi, kinds, layers, tokens, hidden, start = struct.unpack_from("<4sBB2xIIIIQ", v2)
+    v1 = struct.pack("<4sBB2xIIII", magic, 1, fi, kinds, layers, tokens, hidden) + v2[32:]
+    assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(v2).view(torch.int16))
+    with pytest.raises(weightszip.TruncatedError):
+        codec.decode(v1[:-1])

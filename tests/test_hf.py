@@ -118,3 +118,26 @@ def test_transformers_example_runs(smollm2):
 
     ex = runpy.run_path(str(Path(__file__).parent.parent / "examples" / "transformers_offload.py"))
     assert ex["main"](["--prompt-tokens", "200", "--new-tokens", "4", "--page-tokens", "64"]) == 0
+
+
+def test_sealed_pages_of_a_compact_format_are_coded_at_their_positions():
+    """Compact formats code keys at their positions (rotary offsets): page i starts at i * page_tokens."""
+    from test_compact import _small_calibration
+
+    from weightszip.compact import calibrate as C
+    from weightszip.compact.formats import CompactFormat
+    from weightszip.hf import WeightszipLayer
+
+    cal = _small_calibration()
+    g = torch.Generator().manual_seed(1)
+    cal.rope_m = (torch.randn(cal.layers, cal.kv_heads, cal.head_dim, generator=g) * 2**18).to(torch.int64)
+    cal.rope_phase = C.rope_phase_steps(1e4 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64))
+    fmt = CompactFormat("q4", cal)
+    layer = WeightszipLayer(0, fmt=fmt, page_tokens=32, recent_tokens=16)
+    k = torch.randn(1, 3, 100, 64, generator=g).to(torch.bfloat16)
+    layer.update(k, k)
+    kk, _ = layer.update(k[..., :1, :], k[..., :1, :])
+    second = CompactFormat("q4", cal).roundtrip(k[..., 32:64, :], "k", 0, start=32)
+    assert torch.equal(kk[..., 32:64, :], second.to(torch.bfloat16))
+    at0 = CompactFormat("q4", cal).roundtrip(k[..., 32:64, :], "k", 0)
+    assert not torch.equal(second, at0)

@@ -174,5 +174,5 @@ def main(quick: bool = False, threads: int = 0, tokens: int | None = None) -> in
         flush=True,
     )
     print("\n".join(compact_section(tokens, threads)), "\n")
-    print("docs/EVALUATION.md has the same measurement at 8k-16k tokens, and retrieval (needles in a haystack).")
+    print("docs/EVALUATION.md has the same measurement at 8k-32k tokens, and retrieval (needles in a haystack).")
     return 0

@@ -67,8 +67,11 @@ class WeightszipLayer(DynamicLayer):
 
     def _seal(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.fmt is not None:
-            k = self.fmt.roundtrip(k, "k", self.layer_idx).to(k.dtype)
-            v = self.fmt.roundtrip(v, "v", self.layer_idx).to(v.dtype)
+            # formats that code keys at their positions (the compact formats' rotary offsets) are
+            # told where the page starts: pages are sealed in order from position 0
+            kw = {"start": len(self._pages) * self.page_tokens} if getattr(self.fmt, "position_aware", False) else {}
+            k = self.fmt.roundtrip(k, "k", self.layer_idx, **kw).to(k.dtype)
+            v = self.fmt.roundtrip(v, "v", self.layer_idx, **kw).to(v.dtype)
         k, v = k.detach().cpu().contiguous(), v.detach().cpu().contiguous()
         self.raw_bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
         i = len(self._pages)

@@ -19,6 +19,8 @@ from weightszip.eval.formats import KINDS, FormatUnavailable, KVFormat, register
 class CompactFormat(KVFormat):
     sink_tokens = SINK_TOKENS
     recent_window = RECENT_WINDOW
+    # keys are coded at their positions (rotary offsets): roundtrip takes the first token's position
+    position_aware = True
 
     def __init__(self, name: str, calibration: Calibration | None = None):
         if name not in TARGETS:
@@ -57,7 +59,9 @@ class CompactFormat(KVFormat):
         a = self._cal().allocation[self.name][layer]
         return a[0], a[1]
 
-    def roundtrip(self, x, kind, layer=None):
+    def roundtrip(self, x, kind, layer=None, start: int = 0):
+        """x [batch, kv_heads, tokens, head_dim] -> what the cache hands back; the tokens sit at
+        positions start, start + 1, ... (the evaluation harness's windows start at 0)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be 'k' or 'v', not {kind!r}")
         if layer is None:
@@ -68,12 +72,12 @@ class CompactFormat(KVFormat):
             raise ValueError(f"K/V of {h} heads x {d} does not fit the calibration ({cal.kv_heads} x {cal.head_dim})")
         bits = self.widths(layer)[KINDS.index(kind)]
         tables = cal.tables(layer, kind, bits)
-        if b == 1:
+        if b == 1 and start == 0:
             return self._roundtrip_memo(x, kind, layer, tables)
         out = torch.empty_like(x)
         for i in range(b):
             xt = x[i].transpose(0, 1).cpu()  # [T, H, d]
-            out[i] = codec.roundtrip(xt, tables, torch.arange(t)).transpose(0, 1).to(x.dtype).to(x.device)
+            out[i] = codec.roundtrip(xt, tables, torch.arange(start, start + t)).transpose(0, 1).to(x.dtype).to(x.device)
         return out
 
     def _roundtrip_memo(self, x, kind, layer, tables):
