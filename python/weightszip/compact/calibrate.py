@@ -514,6 +514,7 @@ def calibrate(
     meta: dict | None = None,
     log=print,
     rope_offsets: bool = True,
+    rope_min_ratio: float = ROPE_OFFSET_MIN_RATIO,
 ) -> Calibration:
     """Calibrate on token windows [1, N] (at least one; two long ones recommended).
     ``rope_offsets=False``: no rotary K offsets (faster GPU decode: the kernels skip the per-key
@@ -549,7 +550,7 @@ def calibrate(
         wo_sq = (o_proj**2).sum(0).view(hq, d).view(H, g, d).sum(1)  # [H, d]
         positions = torch.cat([torch.arange(SINK_TOKENS, x.shape[0]) for x in ks])
         if rope_m is not None:
-            rope_m[layer] = _rope_offsets(ks, inv_freq, rope_phase, signs)
+            rope_m[layer] = _rope_offsets(ks, inv_freq, rope_phase, signs, rope_min_ratio)
             rope_kept.append(int((rope_m[layer][..., : d // 2] != 0).logical_or(rope_m[layer][..., d // 2 :] != 0).sum()))
         for ki, (kind, xs) in enumerate((("k", ks), ("v", vs))):
             body = torch.cat([x[SINK_TOKENS:] for x in xs]).float()  # [T, H, d]
@@ -584,7 +585,7 @@ def calibrate(
         query_samples_per_window=n_query_samples,
         seed=seed,
         rope_offset_pairs_per_layer=rope_kept,
-        rope_offset_min_ratio=ROPE_OFFSET_MIN_RATIO,
+        rope_offset_min_ratio=rope_min_ratio,
         distortion={"bits": list(BITS_CHOICES), "relative_residual_mse": dist.tolist(),
                     "relative": bool(obs.stream_ms)},
         budget_context=BUDGET_CONTEXT,
@@ -597,10 +598,11 @@ def calibrate(
     return cal
 
 
-def _rope_offsets(ks: list[torch.Tensor], inv_freq: torch.Tensor, rope_phase: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+def _rope_offsets(ks: list[torch.Tensor], inv_freq: torch.Tensor, rope_phase: torch.Tensor, signs: torch.Tensor,
+                  min_ratio: float = ROPE_OFFSET_MIN_RATIO) -> torch.Tensor:
     """rope_m int64 [H, d] of one layer from its calibration keys (windows [T, H, d] at positions
     0..T-1): the pre-RoPE mean in units of 2**-16, kept in the pairs where it is at least
-    ROPE_OFFSET_MIN_RATIO of the RMS that remains once it is taken off (measured with the codec's
+    ``min_ratio`` (default ROPE_OFFSET_MIN_RATIO) of the RMS that remains once it is taken off (measured with the codec's
     own integer offsets), zero in the others."""
     h, d = ks[0].shape[1], ks[0].shape[2]
     m = pre_rope_mean(ks, inv_freq)  # float64 [H, d]
@@ -616,7 +618,7 @@ def _rope_offsets(ks: list[torch.Tensor], inv_freq: torch.Tensor, rope_phase: to
         n += r.shape[0]
     rms_pair = torch.sqrt((sq[:, : d // 2] + sq[:, d // 2 :]) / max(n, 1))  # [H, d/2]
     m_pair = torch.sqrt(m[:, : d // 2] ** 2 + m[:, d // 2 :] ** 2)
-    keep = (m_pair >= ROPE_OFFSET_MIN_RATIO * rms_pair).repeat(1, 2)
+    keep = (m_pair >= min_ratio * rms_pair).repeat(1, 2)
     return mi * keep
 
 

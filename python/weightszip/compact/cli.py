@@ -21,6 +21,8 @@ def _cmd_calibrate(a) -> int:
         return fail("give at least one --text (two long windows of text are recommended)")
     if a.tokens < 256:
         return fail("--tokens must be at least 256")
+    if not a.rope_min_ratio >= 0:
+        return fail("--rope-min-ratio must be >= 0")
     for t in a.text:
         if not Path(t).exists():
             return fail(f"{t}: no such file or folder")
@@ -43,6 +45,7 @@ def _cmd_calibrate(a) -> int:
     t0 = time.perf_counter()
     try:
         cal = calibrate(lm.model, windows, n_query_samples=a.queries, seed=a.seed, rope_offsets=a.rope_offsets,
+                        rope_min_ratio=a.rope_min_ratio,
                         meta={"model": lm.name, "model_source": lm.source, "texts": info}, log=log)
     except CalibrationError as e:
         return fail(e)
@@ -86,6 +89,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-rope-offsets", dest="rope_offsets", action="store_false",
                    help="no rotary K offsets: the GPU decode kernel skips their per-key term (+40-78%% time), but quality drops on models whose keys carry a "
                    "bias (Qwen2.5: broken at 3 bits); see docs/EVALUATION.md")
+    p.add_argument("--rope-min-ratio", type=float, default=0.25,
+                   help="keep a RoPE pair's key offset only where it is at least this fraction of the pair's remaining "
+                   "RMS (default 0.25; higher keeps fewer pairs)")
     p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=_cmd_calibrate)
