@@ -46,15 +46,19 @@ def main(argv=None) -> int:
     lm.model.to(a.device)
     cal = Calibration.load(a.calibration)
     ids, files = tokenize_text(lm.tokenizer, pathlib.Path(a.text), a.prompt)
+    def sync():
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+
     rows = []
     for fmt in tqdm(a.formats.split(","), desc="formats", file=sys.stdout):
-        torch.cuda.synchronize() if a.device == "cuda" else None
+        sync()
         t0 = time.perf_counter()
         paged = generate_paged(lm.model, cal, fmt, ids, a.new)
-        torch.cuda.synchronize() if a.device == "cuda" else None
+        sync()
         t1 = time.perf_counter()
         ref = generate_reference(lm.model, cal, fmt, ids, a.new)
-        torch.cuda.synchronize() if a.device == "cuda" else None
+        sync()
         t2 = time.perf_counter()
         first = next((i for i, (x, y) in enumerate(zip(paged.tokens, ref.tokens)) if x != y), None)
         agree = len(paged.tokens) if first is None else first

@@ -470,7 +470,7 @@ def test_rotary_offsets_take_a_key_bias_off_at_every_position():
     rng = np.random.default_rng(0)
     signs = torch.from_numpy(rng.choice([-1, 1], size=64)).to(torch.int64)
     phase = C.rope_phase_steps(inv)
-    rope_m = C._rope_offsets([x], inv, phase, signs)
+    rope_m = C._rope_offsets([x], inv, phase)
     assert bool((rope_m != 0).all())  # every pair's bias is large against the content
     pos = torch.arange(x.shape[0])
     body = x[C.SINK_TOKENS:].float()
@@ -501,7 +501,7 @@ def test_key_offset_logits_complete_the_rotated_domain_algebra():
     rng = np.random.default_rng(1)
     signs = torch.from_numpy(rng.choice([-1, 1], size=64)).to(torch.int64)
     phase = C.rope_phase_steps(inv)
-    rope_m = C._rope_offsets([x], inv, phase, signs)
+    rope_m = C._rope_offsets([x], inv, phase)
     pos = torch.arange(48)
     mu, mult, e0, cbs = C.fit_tables(x[4:].float(), torch.ones(2, 64), "k", signs, rng, rope_m=rope_m,
                                      rope_phase=phase, positions=pos[4:])

@@ -161,7 +161,7 @@ def rope_tables(x, bits, seed=0):
     inv = 1e4 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     phase = C.rope_phase_steps(inv)
     xb = (x.float() + torch.linspace(-3, 3, d)).to(torch.bfloat16)  # give the keys an offset to take off
-    m = C._rope_offsets([xb], inv, phase, signs)
+    m = C._rope_offsets([xb], inv, phase)
     pos = torch.arange(x.shape[0])
     mu, mult, e0, cbs = C.fit_tables(xb.float(), torch.ones(h, d), "k", signs, rng, rope_m=m, rope_phase=phase, positions=pos)
     tabs = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits, rope_m=m[i], rope_phase=phase)

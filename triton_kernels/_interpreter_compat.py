@@ -15,6 +15,17 @@ from __future__ import annotations
 import numpy as np
 
 
+def interpreting() -> bool:
+    """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET=1``), as Triton itself reads it."""
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - other triton layouts
+        import os
+
+        return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return bool(knobs.runtime.interpret)
+
+
 def apply() -> None:
     try:
         from triton import knobs

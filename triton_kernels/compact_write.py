@@ -157,16 +157,12 @@ def compact_write_tables(tables, device="cpu") -> dict:
 
     _check(len(tables) > 0 and len({t.bits for t in tables}) == 1, "one HeadTables per KV head, all of one bit width")
     rope = {}
-    if any(t.has_rope_offset for t in tables):
-        d = tables[0].head_dim
-        rope = dict(
-            rope_m=torch.stack([t.rope_m if t.rope_m is not None else torch.zeros(d, dtype=torch.int64)
-                                for t in tables]).contiguous().to(device),
-            rope_phase=next(t.rope_phase for t in tables if t.rope_phase is not None).contiguous().to(device),
-            trig=torch.cat(codec.trig_tables()).contiguous().to(device),
-        )
-        _check(all(t.rope_phase is None or torch.equal(t.rope_phase, rope["rope_phase"].cpu()) for t in tables),
-               "the KV heads of one layer share one rope_phase")
+    stacked = codec.stack_rope(tables)
+    if stacked is not None:
+        m, f = stacked
+        _check(bool((f == f[0]).all()), "the KV heads of one layer share one rope_phase")
+        rope = dict(rope_m=m.contiguous().to(device), rope_phase=f[0].contiguous().to(device),
+                    trig=torch.cat(codec.trig_tables()).contiguous().to(device))
     return dict(
         **rope,
         mu=torch.stack([t.mu for t in tables]).contiguous().to(device),

@@ -43,8 +43,6 @@ Read me first:
 
 from __future__ import annotations
 
-import os
-
 import math
 from dataclasses import dataclass
 
@@ -56,13 +54,13 @@ import triton.language as tl
 from weightszip.errors import InvalidArgumentError
 
 from ._interpreter_compat import apply as _interpreter_compat
+from ._interpreter_compat import interpreting as _interpreting
 
 _interpreter_compat()
 
 PAGE_BF16 = 0
 PAGE_FP8 = 1
 PAGE_COMPACT = 2
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT}
 PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8}
 COMPACT_BITS = (2, 3, 4, 5)
@@ -828,7 +826,7 @@ class PagedDecodeAttention:
                 BITS_K=self.k_bits or 0, BITS_V=self.v_bits or 0, CUDA_DOT=cuda_dot,
                 PAIRS_K=compact and not cuda_dot and self.k_bits <= 4,
                 PAIRS_V=compact and not cuda_dot and self.v_bits <= 4, HAS_ROPE=has_rope,
-                FAST_TRIG=has_rope and not _INTERPRETED,
+                FAST_TRIG=has_rope and not _interpreting(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         ks = k_side if side else q
@@ -890,11 +888,12 @@ def compact_tables(k_tables, v_tables, device="cpu") -> dict:
         out[f"{kind}_inv_transform"] = a.contiguous().to(device)
         out[f"{kind}_mean"] = mean.contiguous().to(device)
         out[f"{kind}_bits"] = tables[0].bits
-    if any(t.has_rope_offset for t in k_tables):
-        d = k_tables[0].head_dim
-        m = torch.stack([t.rope_m if t.rope_m is not None else torch.zeros(d, dtype=torch.int64) for t in k_tables])
+    stacked = codec.stack_rope(k_tables)
+    if stacked is not None:
+        m, f = stacked
+        _check(bool((f == f[0]).all()), "the KV heads of one layer share one rope_phase")
         out["k_rope_m"] = (m.double() * 2.0**-codec.FIXED_SHIFT).float().contiguous().to(device)
-        out["rope_phase"] = next(t.rope_phase for t in k_tables if t.rope_phase is not None).contiguous().to(device)
+        out["rope_phase"] = f[0].contiguous().to(device)
     return out
 
 

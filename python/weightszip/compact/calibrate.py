@@ -483,9 +483,7 @@ def fit_tables(body: torch.Tensor, a: torch.Tensor, kind: str, signs: torch.Tens
         mean = torch.zeros(h, d)
         resid = body
         if rope_m is not None:
-            probe_tabs = [HeadTables(torch.zeros(d, dtype=torch.int64), torch.ones(d, dtype=torch.int64), signs, 0,
-                                     _PROBE_CODEBOOK, 2, **rope[i]) for i in range(h)]
-            resid = body - codec.rope_offset(positions, probe_tabs).float() * 2.0**-codec.FIXED_SHIFT
+            resid = body - codec.rotary_offsets(positions, rope_m, rope_phase).float() * 2.0**-codec.FIXED_SHIFT
         a, var = _pair_pool(a), _pair_pool((resid**2).mean(0))
     else:
         mean = body.mean(0)  # [H, d]
@@ -539,6 +537,8 @@ def calibrate(
     e0 = torch.zeros(L, 2, H, dtype=torch.int64)
     rope_m = torch.zeros(L, H, d, dtype=torch.int64) if rope_phase is not None else None
     codebooks = {b: torch.zeros(L, 2, 2**b, dtype=torch.float32) for b in BITS_CHOICES}
+    # filled layer by layer below; its tables() serve the error measurements of each finished layer
+    cal = Calibration(L, H, d, mu, mult, signs, e0, codebooks, {}, rope_m=rope_m, rope_phase=rope_phase)
     dist = np.zeros((L, 2, len(BITS_CHOICES)))
     rope_kept = []
     for layer in tqdm(range(L), desc="calibration layers", unit="layer"):
@@ -550,7 +550,7 @@ def calibrate(
         wo_sq = (o_proj**2).sum(0).view(hq, d).view(H, g, d).sum(1)  # [H, d]
         positions = torch.cat([torch.arange(SINK_TOKENS, x.shape[0]) for x in ks])
         if rope_m is not None:
-            rope_m[layer] = _rope_offsets(ks, inv_freq, rope_phase, signs, rope_min_ratio)
+            rope_m[layer] = _rope_offsets(ks, inv_freq, rope_phase, rope_min_ratio)
             rope_kept.append(int((rope_m[layer][..., : d // 2] != 0).logical_or(rope_m[layer][..., d // 2 :] != 0).sum()))
         for ki, (kind, xs) in enumerate((("k", ks), ("v", vs))):
             body = torch.cat([x[SINK_TOKENS:] for x in xs]).float()  # [T, H, d]
@@ -563,11 +563,7 @@ def calibrate(
         # error each (kind, bits) causes in the residual stream, the other kind exact
         for ki, kind in enumerate(KINDS):
             for bi, b in enumerate(BITS_CHOICES):
-                tabs = [
-                    HeadTables(mu[layer, ki, h], mult[layer, ki, h], signs, int(e0[layer, ki, h]), codebooks[b][layer, ki], b,
-                               **(dict(rope_m=rope_m[layer, h], rope_phase=rope_phase) if (kind == "k" and rope_m is not None) else {}))
-                    for h in range(H)
-                ]
+                tabs = cal.tables(layer, kind, b)
                 src = ks if kind == "k" else vs
                 rq = [codec.roundtrip(x, tabs, torch.arange(x.shape[0])) for x in src]
                 kq = rq if kind == "k" else ks
@@ -590,7 +586,7 @@ def calibrate(
                     "relative": bool(obs.stream_ms)},
         budget_context=BUDGET_CONTEXT,
     )
-    cal = Calibration(L, H, d, mu, mult, signs, e0, codebooks, allocation, rope_m=rope_m, rope_phase=rope_phase, meta=meta)
+    cal.allocation, cal.meta = allocation, meta
     cal.validate()
     for name in TARGETS:
         log(f"{name}: {cal.bits_per_value(name, BUDGET_CONTEXT):.4f} bits/value at {BUDGET_CONTEXT} tokens; "
@@ -598,22 +594,20 @@ def calibrate(
     return cal
 
 
-def _rope_offsets(ks: list[torch.Tensor], inv_freq: torch.Tensor, rope_phase: torch.Tensor, signs: torch.Tensor,
+def _rope_offsets(ks: list[torch.Tensor], inv_freq: torch.Tensor, rope_phase: torch.Tensor,
                   min_ratio: float = ROPE_OFFSET_MIN_RATIO) -> torch.Tensor:
     """rope_m int64 [H, d] of one layer from its calibration keys (windows [T, H, d] at positions
     0..T-1): the pre-RoPE mean in units of 2**-16, kept in the pairs where it is at least
     ``min_ratio`` (default ROPE_OFFSET_MIN_RATIO) of the RMS that remains once it is taken off (measured with the codec's
     own integer offsets), zero in the others."""
-    h, d = ks[0].shape[1], ks[0].shape[2]
+    d = ks[0].shape[2]
     m = pre_rope_mean(ks, inv_freq)  # float64 [H, d]
     lim = codec.ROPE_M_MAX - 1
     mi = torch.round(m * 2.0**codec.FIXED_SHIFT).clamp(-lim, lim).to(torch.int64)
-    tabs = [HeadTables(torch.zeros(d, dtype=torch.int64), torch.ones(d, dtype=torch.int64), signs, 0, _PROBE_CODEBOOK, 2,
-                       rope_m=mi[i], rope_phase=rope_phase) for i in range(h)]
     sq, n = 0, 0
     for x in ks:
         pos = torch.arange(SINK_TOKENS, x.shape[0])
-        r = x[SINK_TOKENS:].double() - codec.rope_offset(pos, tabs).double() * 2.0**-codec.FIXED_SHIFT
+        r = x[SINK_TOKENS:].double() - codec.rotary_offsets(pos, mi, rope_phase).double() * 2.0**-codec.FIXED_SHIFT
         sq = sq + (r**2).sum(0)
         n += r.shape[0]
     rms_pair = torch.sqrt((sq[:, : d // 2] + sq[:, d // 2 :]) / max(n, 1))  # [H, d/2]

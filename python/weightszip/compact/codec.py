@@ -226,30 +226,50 @@ def rope_cos_sin(positions: torch.Tensor, rope_phase: torch.Tensor) -> tuple[tor
     return cos, sin
 
 
-def rope_offset(positions: torch.Tensor, tables: list[HeadTables]) -> torch.Tensor:
-    """The rotary offsets r(p): int64 [T, H, d] (units of 2**-16) of keys at ``positions`` [T]:
-    rope_m turned by RoPE to each position, pair (i, i + d/2): (a cos - b sin, a sin + b cos), each
-    product of a 2**-16 value and a 2**-30 cosine shifted right by 30 (floor). Zero where the
-    tables carry none (V, or calibrations without them)."""
-    d = tables[0].head_dim
+def _checked_positions(positions) -> torch.Tensor:
     positions = torch.as_tensor(positions, dtype=torch.int64)
     if positions.ndim != 1:
         raise CompactCodecError("positions must be a 1-D tensor of token positions")
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= POSITION_MAX):
         raise CompactCodecError("token positions must lie in [0, 2**31)")
-    out = torch.zeros(positions.shape[0], len(tables), d, dtype=torch.int64)
+    return positions
+
+
+def stack_rope(tables: list[HeadTables]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rope_m int64 [H, d], rope_phase int64 [H, d/2]) of one (layer, kind)'s heads, or None when
+    none carries a rotary offset. A head without one gets zero means (and another head's phase)."""
     if not any(t.has_rope_offset for t in tables):
-        return out
+        return None
+    d = tables[0].head_dim
+    phase = next(t.rope_phase for t in tables if t.rope_phase is not None)
     m = torch.stack([t.rope_m if t.rope_m is not None else torch.zeros(d, dtype=torch.int64) for t in tables])
-    f = torch.stack([t.rope_phase if t.rope_phase is not None else torch.zeros(d // 2, dtype=torch.int64) for t in tables])
-    cos, sin = rope_cos_sin(positions, f)  # [T, H, d/2]
-    a, b = m[:, : d // 2], m[:, d // 2 :]
-    out[..., : d // 2] = (a * cos - b * sin) >> TRIG_SHIFT
-    out[..., d // 2 :] = (a * sin + b * cos) >> TRIG_SHIFT
-    return out
+    f = torch.stack([t.rope_phase if t.rope_phase is not None else phase for t in tables])
+    return m, f
 
 
-def _positions_for(x: torch.Tensor, tables: list[HeadTables], positions) -> torch.Tensor | None:
+def rotary_offsets(positions, rope_m: torch.Tensor, rope_phase: torch.Tensor) -> torch.Tensor:
+    """The rotary offsets r(p): int64 [T, H, d] (units of 2**-16) of keys at ``positions`` [T]:
+    ``rope_m`` [H, d] turned by RoPE (phase steps ``rope_phase`` [H, d/2] or [d/2]) to each
+    position, pair (i, i + d/2): (a cos - b sin, a sin + b cos), each product of a 2**-16 value and
+    a 2**-30 cosine shifted right by 30 (floor)."""
+    positions = _checked_positions(positions)
+    d = rope_m.shape[-1]
+    cos, sin = rope_cos_sin(positions, rope_phase.expand(rope_m.shape[0], d // 2))  # [T, H, d/2]
+    a, b = rope_m[:, : d // 2], rope_m[:, d // 2 :]
+    return torch.cat([(a * cos - b * sin) >> TRIG_SHIFT, (a * sin + b * cos) >> TRIG_SHIFT], dim=-1)
+
+
+def rope_offset(positions, tables: list[HeadTables]) -> torch.Tensor:
+    """``rotary_offsets`` of a (layer, kind)'s heads: int64 [T, H, d], zero where the tables carry
+    no rotary offsets (V, or calibrations without them)."""
+    rope = stack_rope(tables)
+    if rope is None:
+        n = _checked_positions(positions).shape[0]
+        return torch.zeros(n, len(tables), tables[0].head_dim, dtype=torch.int64)
+    return rotary_offsets(positions, *rope)
+
+
+def _offsets_for(x: torch.Tensor, tables: list[HeadTables], positions) -> torch.Tensor | None:
     """The rotary offsets [T, H, d] for x [T, H, d] at ``positions``, or None when the tables need
     none. Positions are required when they do: a key's bytes depend on its position."""
     if not any(t.has_rope_offset for t in tables):
@@ -262,15 +282,16 @@ def _positions_for(x: torch.Tensor, tables: list[HeadTables], positions) -> torc
     return rope_offset(positions, tables)
 
 
-def rotate(x: torch.Tensor, tables: list[HeadTables], positions=None) -> torch.Tensor:
+def rotate(x: torch.Tensor, tables: list[HeadTables], positions=None, *, offsets=None) -> torch.Tensor:
     """Steps 1-2: x [T, H, d] (any float dtype; bf16 in the cache) -> y int64 [T, H, d].
-    ``positions`` [T]: the tokens' positions, needed when the tables carry rotary offsets."""
+    ``positions`` [T]: the tokens' positions, needed when the tables carry rotary offsets;
+    ``offsets``: their ``rope_offset`` already computed (then positions are not read)."""
     mu, mult, signs, _, _, _ = _stack(tables)
     if x.shape[-2:] != mu.shape:
         raise CompactCodecError(f"expected [..., {mu.shape[0]}, {mu.shape[1]}], got {tuple(x.shape)}")
     xf = torch.nan_to_num(x.float(), nan=0.0).clamp(-X_CLAMP, X_CLAMP)
     xi = (xf * float(2**FIXED_SHIFT)).to(torch.int64)  # truncates toward zero
-    r = _positions_for(xi, tables, positions)
+    r = offsets if offsets is not None else _offsets_for(xi, tables, positions)
     if r is not None:
         xi = xi - r
     z = ((xi - mu) * mult) >> MULT_SHIFT
@@ -286,10 +307,10 @@ def scale_steps(yf: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, tor
     return k, g
 
 
-def encode_tokens(x: torch.Tensor, tables: list[HeadTables], positions=None, *, block: int = 4096):
+def encode_tokens(x: torch.Tensor, tables: list[HeadTables], positions=None, *, block: int = 4096, offsets=None):
     """Encode tokens: x [T, H, d] -> (codes uint8 [T, H, d], scale index uint8 [T, H]).
     ``positions`` [T] (int): the tokens' positions in their sequence, needed by K tables with
-    rotary offsets (``HeadTables.has_rope_offset``), ignored otherwise."""
+    rotary offsets (``HeadTables.has_rope_offset``), ignored otherwise (``offsets``: as for ``rotate``)."""
     if x.ndim != 3:
         raise CompactCodecError(f"expected [tokens, heads, head_dim], got {tuple(x.shape)}")
     mu, mult, signs, grid, cb, bits = _stack(tables)
@@ -303,7 +324,8 @@ def encode_tokens(x: torch.Tensor, tables: list[HeadTables], positions=None, *, 
             raise CompactCodecError(f"{positions.shape[0]} positions for {t} tokens")
     for a in range(0, t, block):
         pos = None if positions is None else positions[a : a + block]
-        yf = rotate(x[a : a + block].cpu(), tables, pos).to(torch.float32)  # int64 -> fp32, round to nearest even
+        off = None if offsets is None else offsets[a : a + block]
+        yf = rotate(x[a : a + block].cpu(), tables, pos, offsets=off).to(torch.float32)  # int64 -> fp32, round to nearest even
         k, g = scale_steps(yf, grid)
         tk = thr.unsqueeze(0) * g  # float32 products [t, H, 2**b - 1], ascending
         c = torch.searchsorted(tk.contiguous(), yf.contiguous())  # #{j : tk[j] < y} for each value
@@ -326,15 +348,15 @@ def dequantize(codes: torch.Tensor, sidx: torch.Tensor, tables: list[HeadTables]
     return vals * g.unsqueeze(-1)
 
 
-def inverse(yhat: torch.Tensor, tables: list[HeadTables], positions=None) -> torch.Tensor:
+def inverse(yhat: torch.Tensor, tables: list[HeadTables], positions=None, *, offsets=None) -> torch.Tensor:
     """Rotated-domain values [T, H, d] -> the model's basis (float32): the reference of what the
-    cache's values are, for evaluation and for the attention tolerance tests. ``positions`` as
-    for ``encode_tokens``."""
+    cache's values are, for evaluation and for the attention tolerance tests. ``positions`` and
+    ``offsets`` as for ``rotate``."""
     mu, mult, signs, _, _, _ = _stack(tables)
     d = mu.shape[-1]
     z = fwht(yhat.double()) / d * signs.double()
     off = mu.double()
-    r = _positions_for(yhat, tables, positions)
+    r = offsets if offsets is not None else _offsets_for(yhat, tables, positions)
     if r is not None:
         off = off + r.double()
     x = (z * float(2**MULT_SHIFT) / mult.double() + off) * 2.0**-FIXED_SHIFT
@@ -343,8 +365,9 @@ def inverse(yhat: torch.Tensor, tables: list[HeadTables], positions=None) -> tor
 
 def roundtrip(x: torch.Tensor, tables: list[HeadTables], positions=None) -> torch.Tensor:
     """x [T, H, d] -> what the cache hands back, float32 [T, H, d]."""
-    codes, sidx = encode_tokens(x, tables, positions)
-    return inverse(dequantize(codes, sidx, tables), tables, positions)
+    r = _offsets_for(x, tables, positions) if x.ndim == 3 else None  # once, for both directions
+    codes, sidx = encode_tokens(x, tables, positions, offsets=r)
+    return inverse(dequantize(codes, sidx, tables), tables, positions, offsets=r)
 
 
 def key_offset_logits(q: torch.Tensor, positions, tables: list[HeadTables]) -> torch.Tensor:

@@ -106,11 +106,12 @@ class PagedCompactCache:
             kk, vv = torch.cat(parts_k).contiguous(), torch.cat(parts_v).contiguous()
             compact_write(kk, pos, st["k_pages"], st["k_write"], pos)  # identity block table: slot = position
             compact_write(vv, pos, st["v_pages"], st["v_write"])
-        for i in range(n):
-            p = old + i
-            if p < self.S or p >= new - self.W:
-                st["k_side"][0, self._slot(p)] = k[i]
-                st["v_side"][0, self._slot(p)] = v[i]
+        side = [p for p in range(old, new) if p < self.S or p >= new - self.W]  # distinct slots
+        if side:
+            idx = torch.tensor([p - old for p in side], device=self.device)
+            slots = torch.tensor([self._slot(p) for p in side], device=self.device)
+            st["k_side"][0, slots] = k[idx]
+            st["v_side"][0, slots] = v[idx]
         self.length[layer] = new
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
