@@ -61,8 +61,10 @@ _interpreter_compat()
 PAGE_BF16 = 0
 PAGE_FP8 = 1
 PAGE_COMPACT = 2
-PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT}
-PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8}
+PAGE_EXACT = 3
+PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT, "exact": PAGE_EXACT}
+PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8,
+               PAGE_EXACT: torch.uint8}
 COMPACT_BITS = (2, 3, 4, 5)
 GRID_SIZE = 256  # scale steps per head of a compact format (codec.GRID_SIZE)
 PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
@@ -97,6 +99,8 @@ DEFAULT_CONFIGS = {
     # next tile's planes are prefetched by hand; 2 stages would stage the codebook gathers through
     # shared memory), tensor-core products (CUDA-core products 6-11x slower).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024),
+    # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
+    PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
 }
 
 
@@ -203,6 +207,84 @@ def _compact_planes(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
+def _rows_of_pages(x, NP: tl.constexpr):
+    """A per-page vector [NP] repeated for each of the page's 16 token rows: [16 NP]."""
+    return tl.reshape(tl.broadcast_to(x[:, None], [NP, 16]), [NP * 16])
+
+
+@triton.jit
+def _popc(x, FAST: tl.constexpr):
+    """Bits set in each int32 (the SM's popc; SWAR arithmetic in the interpreter)."""
+    if FAST:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _exact_load(heap_ptr, poff, valid, head, num_heads, HEAD_DIM: tl.constexpr, NP: tl.constexpr):
+    """The loads of ``16 NP`` tokens of one KV head from ``NP`` KV Exact pages (kv_exact_ref; ``poff``
+    [NP] int64: each page's byte offset in the heap, a multiple of 16): code planes w0..w2 [16 NP,
+    HEAD_DIM / 32] int32, raw bytes [16 NP, HEAD_DIM] int32, and each row's exception-list address
+    [16 NP] int64. A page is read whole when any of its rows is ``valid`` (an exception's place in the
+    list counts the escapes of every earlier row)."""
+    BLOCK_N: tl.constexpr = NP * 16
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, BLOCK_N) % 16
+    pvalid = tl.max(tl.reshape(valid, [NP, 16]).to(tl.int32), axis=1) > 0
+    rowv = _rows_of_pages(pvalid, NP)
+    hdr = (4 * (num_heads + 1) + 15) // 16 * 16
+    hbase = poff + hdr + head * (22 * HEAD_DIM)
+    w0 = _compact_plane(heap_ptr, hbase, rowv, 0, HEAD_DIM, 3, NP)
+    w1 = _compact_plane(heap_ptr, hbase, rowv, 1, HEAD_DIM, 3, NP)
+    w2 = _compact_plane(heap_ptr, hbase, rowv, 2, HEAD_DIM, 3, NP)
+    rbase = _rows_of_pages(hbase + 6 * HEAD_DIM, NP) + offs_t * HEAD_DIM
+    raw = tl.load(heap_ptr + rbase[:, None] + offs_d[None, :], mask=rowv[:, None], other=0).to(tl.int32)
+    ex = tl.load(heap_ptr.to(tl.pointer_type(tl.int32)) + (poff + 4 * head) // 4, mask=pvalid, other=0)
+    return w0, w1, w2, raw, _rows_of_pages(poff + ex, NP)
+
+
+@triton.jit
+def _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_DIM: tl.constexpr,
+                  NP: tl.constexpr, FAST: tl.constexpr):
+    """The bf16 tile [16 NP, HEAD_DIM] from ``_exact_load``'s planes, raw bytes and exception rows;
+    rows not ``valid`` are zero.
+
+    Codes from the three bit planes (four codes per shift-and-or, as compact pages); exponent =
+    base - code, or for code 7 (bit b of ``w0 & w1 & w2``'s word m is channel 32 m + b) the exception
+    byte at rank r of the head's list: r = escapes in earlier rows of the page (a 16-row prefix sum of
+    the rows' popcounts) + in earlier words of the row + popc(mask & (2^b - 1)) in the word. (A
+    version working on [16 NP, HEAD_DIM / 32, 32] without the reshapes ran 1.3x slower on the H200.)"""
+    BLOCK_N: tl.constexpr = NP * 16
+    offs_d = tl.arange(0, HEAD_DIM)
+    jj = tl.arange(0, 8)
+    y = (((w0[:, :, None] >> jj[None, None, :]) & 0x01010101)
+         | (((w1[:, :, None] >> jj[None, None, :]) & 0x01010101) << 1)
+         | (((w2[:, :, None] >> jj[None, None, :]) & 0x01010101) << 2))
+    ii = tl.arange(0, 4) * 8
+    codes = tl.reshape((y[:, :, None, :] >> ii[None, None, :, None]) & 0xFF, [BLOCK_N, HEAD_DIM])
+    m = w0 & w1 & w2  # escape bits
+    wc = _popc(m, FAST)  # [BLOCK_N, ROW_W]
+    row_tot = tl.reshape(tl.sum(wc, axis=1), [NP, 16])
+    row_pre = tl.reshape(tl.cumsum(row_tot, axis=1) - row_tot, [BLOCK_N])
+    word_pre = tl.cumsum(wc, axis=1) - wc
+    sh = tl.arange(0, 32)[None, None, :]
+    below = _popc(m[:, :, None] & ~(-1 << sh), FAST)  # [BLOCK_N, ROW_W, 32]
+    rank = tl.reshape(below + word_pre[:, :, None], [BLOCK_N, HEAD_DIM]) + row_pre[:, None]
+    esc = codes == 7
+    e_esc = tl.load(heap_ptr + erow[:, None] + rank, mask=esc & valid[:, None], other=0).to(tl.int32)
+    base = tl.load(base_ptr + head * HEAD_DIM + offs_d).to(tl.int32)
+    e = tl.where(esc, e_esc, base[None, :] - codes)
+    bits = ((raw & 0x80) << 8) | (e << 7) | (raw & 0x7F)
+    x = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.where(valid[:, None], x, 0.0)
+
+
+@triton.jit
 def _bf16_split_dot(x, y):
     """x [M, K] . y [N, K]^T in fp32 with bf16 tensor-core products at about fp32 accuracy: each
     operand split as hi + lo (two bf16), three products (hi.hi + hi.lo + lo.hi)."""
@@ -255,7 +337,7 @@ def _paged_split_kernel(
     work_seq_ptr, work_start_ptr, work_end_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     k_cb_ptr, v_cb_ptr, k_grid_ptr, v_grid_ptr,
-    rope_coef_ptr, rope_phase_ptr,
+    rope_coef_ptr, rope_phase_ptr, k_off_ptr, v_off_ptr,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -266,7 +348,7 @@ def _paged_split_kernel(
     BLOCK_N: tl.constexpr, PAGE_TYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BITS_K: tl.constexpr, BITS_V: tl.constexpr, CUDA_DOT: tl.constexpr,
     PAIRS_K: tl.constexpr = False, PAIRS_V: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
-    FAST_TRIG: tl.constexpr = False,
+    FAST_TRIG: tl.constexpr = False,  # compiled only: SFU cos/sin (rotary term) and popc (exact pages)
 ):
     """One split: attention of the GROUP query heads of one KV head over page tokens
     ``[start, end)`` of one sequence. Writes the running max (base 2), the softmax mass and the
@@ -327,6 +409,25 @@ def _paged_split_kernel(
         vw0, vw1, vw2, vw3, vw4, vs = _compact_planes(v_pages_ptr, vb, valid0, HEAD_DIM, BITS_V, NP)
         pg1 = lo + BLOCK_N + offs_p
         blk_next = tl.load(bt_row + pg1 // BLOCK_SIZE, mask=pg1 < t1, other=0)
+    elif PAGE_TYPE == 3:
+        # KV Exact: one page per block (BLOCK_SIZE 16). Software pipelining by hand, as for compact
+        # pages: the next tile's planes, raw bytes and exception rows are loaded one iteration ahead,
+        # its page offsets two ahead and its block ids three ahead; only the exception bytes (whose
+        # addresses depend on the codes) are loaded in the iteration that uses them.
+        pg0 = lo + offs_p
+        tok0 = lo + offs_n
+        valid0 = (tok0 >= t0) & (tok0 < t1)
+        blk0 = tl.load(bt_row + pg0 // 16, mask=(pg0 + 16 > t0) & (pg0 < t1), other=0)
+        pg1 = pg0 + BLOCK_N
+        blk1 = tl.load(bt_row + pg1 // 16, mask=pg1 < t1, other=0)
+        kw0, kw1, kw2, kraw, kerow = _exact_load(k_pages_ptr, tl.load(k_off_ptr + blk0), valid0, head,
+                                                 num_kv_heads, HEAD_DIM, NP)
+        vw0, vw1, vw2, vraw, verow = _exact_load(v_pages_ptr, tl.load(v_off_ptr + blk0), valid0, head,
+                                                 num_kv_heads, HEAD_DIM, NP)
+        koff_next = tl.load(k_off_ptr + blk1)
+        voff_next = tl.load(v_off_ptr + blk1)
+        pg2 = pg1 + BLOCK_N
+        blk_next = tl.load(bt_row + pg2 // 16, mask=pg2 < t1, other=0)
     else:
         tok0 = lo + offs_n
         blk_next = tl.load(bt_row + tok0 // BLOCK_SIZE, mask=(tok0 >= t0) & (tok0 < t1), other=0)
@@ -362,6 +463,20 @@ def _paged_split_kernel(
             if HAS_ROPE:
                 s += _rope_logits(rope_coef_ptr, rope_phase_ptr, coef_rows, g_valid, start, offs_n, BLOCK_G, BLOCK_N,
                                   HEAD_DIM // 2, FAST_TRIG) * qk_scale
+        elif PAGE_TYPE == 3:
+            validn = (tok + BLOCK_N) < t1
+            nk0, nk1, nk2, nkraw, nkerow = _exact_load(k_pages_ptr, koff_next, validn, head, num_kv_heads, HEAD_DIM, NP)
+            nv0, nv1, nv2, nvraw, nverow = _exact_load(v_pages_ptr, voff_next, validn, head, num_kv_heads, HEAD_DIM, NP)
+            koff_next = tl.load(k_off_ptr + blk)
+            voff_next = tl.load(v_off_ptr + blk)
+            pg3 = start + 3 * BLOCK_N + offs_p
+            blk_next = tl.load(bt_row + pg3 // 16, mask=pg3 < t1, other=0)
+            # the same bf16 tiles as the uncompressed cache's, so everything after is the bf16 path
+            k = _exact_decode(k_pages_ptr, kw0, kw1, kw2, kraw, kerow, valid, head, k_cb_ptr, HEAD_DIM, NP, FAST_TRIG)
+            v = _exact_decode(v_pages_ptr, vw0, vw1, vw2, vraw, verow, valid, head, v_cb_ptr, HEAD_DIM, NP, FAST_TRIG)
+            kw0, kw1, kw2, kraw, kerow = nk0, nk1, nk2, nkraw, nkerow
+            vw0, vw1, vw2, vraw, verow = nv0, nv1, nv2, nvraw, nverow
+            s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
         else:
             tok_next = tok + BLOCK_N
             blk_next = tl.load(bt_row + tok_next // BLOCK_SIZE, mask=tok_next < t1, other=0)
@@ -525,6 +640,24 @@ def _dequantize_compact_kernel(pages_ptr, cb_ptr, grid_ptr, out_ptr, stride_blk,
     tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x)
 
 
+@triton.jit
+def _dequantize_exact_kernel(heap_ptr, off_ptr, base_ptr, out_ptr, num_heads, HEAD_DIM: tl.constexpr,
+                             FAST: tl.constexpr):
+    """The bf16 bits the attention kernel reads from KV Exact page ``program_id(0)`` (at
+    ``off_ptr[page]``), head ``program_id(1)``, through the same ``_exact_load``/``_exact_decode``, into int16
+    ``[n, 16, H, D]``."""
+    pg = tl.program_id(0)
+    head = tl.program_id(1)
+    poff = tl.load(off_ptr + pg + tl.zeros([1], dtype=tl.int32))
+    valid = tl.full([16], 1, dtype=tl.int1)
+    w0, w1, w2, raw, erow = _exact_load(heap_ptr, poff, valid, head, num_heads, HEAD_DIM, 1)
+    x = _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_DIM, 1, FAST)
+    offs_t = tl.arange(0, 16)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (pg.to(tl.int64) * 16 + offs_t) * num_heads + head
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x.to(tl.int16, bitcast=True))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Host side: plan once per step, run per layer
 # ----------------------------------------------------------------------------------------------------
@@ -607,6 +740,9 @@ class PagedDecodeAttention:
                f"compact pages need head_dim >= 32 (bit planes are read as 32-bit words), not {head_dim}")
         _check(block_size > 0 and block_size % PAGE_TOKENS == 0,
                f"block_size must be a positive multiple of {PAGE_TOKENS}, not {block_size}")
+        _check(page_type != "exact" or block_size == PAGE_TOKENS,
+               f"exact pages: one {PAGE_TOKENS}-token page per block (block_size {PAGE_TOKENS}), not {block_size}")
+        _check(page_type != "exact" or head_dim >= 32, f"exact pages need head_dim >= 32, not {head_dim}")
         _check(sink_tokens >= 0 and window >= 0, "sink_tokens and window must be >= 0")
         self.page_type = PAGE_TYPES[page_type]
         self.page_type_name = page_type
@@ -699,6 +835,10 @@ class PagedDecodeAttention:
         want = PAGE_DTYPES[self.page_type]
         _check(isinstance(pages, torch.Tensor) and pages.dtype == want,
                f"{name} must be a {want} tensor for page_type {self.page_type_name!r}")
+        if self.page_type == PAGE_EXACT:
+            _check(pages.dim() == 1 and pages.data_ptr() % 16 == 0,
+                   f"{name} (exact) must be the 1-D uint8 page heap, 16-byte aligned")
+            return
         if self.page_type == PAGE_COMPACT:
             bits = self.k_bits if name == "k_pages" else self.v_bits
             nbytes = compact_page_bytes(bits, self.head_dim)
@@ -727,6 +867,8 @@ class PagedDecodeAttention:
             k_codebook: torch.Tensor | None = None, v_codebook: torch.Tensor | None = None,
             k_grid: torch.Tensor | None = None, v_grid: torch.Tensor | None = None,
             rope_coef: torch.Tensor | None = None, rope_phase: torch.Tensor | None = None,
+            k_offsets: torch.Tensor | None = None, v_offsets: torch.Tensor | None = None,
+            k_bases: torch.Tensor | None = None, v_bases: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output [num_seqs, num_q_heads, head_dim] (q's dtype) for one layer.
 
@@ -743,6 +885,12 @@ class PagedDecodeAttention:
         K tables with rotary offsets (``compact_tables(...)["rope_phase"]``) add ``q . r(p)`` to each page
         key's logit: rope_coef fp32 [num_seqs, num_q_heads, 2, head_dim / 2] (``rope_logit_coef``) and
         rope_phase int64 [head_dim / 2]; the page token at position p of its sequence turns by p * f.
+
+        KV Exact pages (``page_type="exact"``, kv_exact_ref): k_pages/v_pages are uint8 heaps (1-D;
+        may be one tensor), k_offsets/v_offsets int64 [num_blocks] each block's page offset in its
+        heap (a multiple of 16; every block the plan reads must hold a written page), k_bases/v_bases
+        uint8 [num_kv_heads, head_dim] the layer's window tops. The tiles are the bf16 values
+        bit for bit, so the output equals the bf16 pages' with the same config and plan.
         """
         _check(self._plan is not None, "call plan() before run()")
         pl = self._plan
@@ -771,6 +919,17 @@ class PagedDecodeAttention:
             if not cuda_dot:  # tensor-core operands are bf16; widths <= 4 gather packed pairs
                 k_codebook = compact_pair_table(k_codebook) if self.k_bits <= 4 else k_codebook.to(torch.bfloat16)
                 v_codebook = compact_pair_table(v_codebook) if self.v_bits <= 4 else v_codebook.to(torch.bfloat16)
+        exact = self.page_type == PAGE_EXACT
+        if exact:
+            for name, t in (("k_offsets", k_offsets), ("v_offsets", v_offsets)):
+                _check(isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous()
+                       and t.numel() > pl["max_block"], f"{name} must be contiguous int64 [num_blocks > {pl['max_block']}]")
+            for name, t in (("k_bases", k_bases), ("v_bases", v_bases)):
+                _check(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.numel() == Hkv * D
+                       and t.is_contiguous(), f"{name} must be contiguous uint8 [{Hkv}, {D}]")
+        else:
+            _check(k_offsets is None and v_offsets is None and k_bases is None and v_bases is None,
+                   "k_offsets/v_offsets/k_bases/v_bases are for page_type 'exact' only")
         has_rope = rope_coef is not None or rope_phase is not None
         if has_rope:
             _check(compact and not cuda_dot and D >= 32, "rotary offsets need compact pages, the tensor-core path and head_dim >= 32")
@@ -812,13 +971,15 @@ class PagedDecodeAttention:
                 k_scale if fp8 else dummy, v_scale if fp8 else dummy, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"],
                 pl["ws_m"], pl["ws_l"], pl["ws_acc"],
-                k_codebook if compact else dummy, v_codebook if compact else dummy,
+                k_codebook if compact else (k_bases if exact else dummy),
+                v_codebook if compact else (v_bases if exact else dummy),
                 k_grid if compact else dummy, v_grid if compact else dummy,
                 rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
+                k_offsets if exact else dummy, v_offsets if exact else dummy,
                 qk_scale,
                 qp.stride(0), qp.stride(1),
-                k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
-                v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+                *((0, 0, 0) if exact else (k_pages.stride(0), k_pages.stride(1), k_pages.stride(2))),
+                *((0, 0, 0) if exact else (v_pages.stride(0), v_pages.stride(1), v_pages.stride(2))),
                 pl["block_tables"].stride(0),
                 Hkv,
                 GROUP=G, BLOCK_G=split_block_g, HEAD_DIM=D, BLOCK_SIZE=self.block_size, BLOCK_N=cfg.block_n,
@@ -826,7 +987,7 @@ class PagedDecodeAttention:
                 BITS_K=self.k_bits or 0, BITS_V=self.v_bits or 0, CUDA_DOT=cuda_dot,
                 PAIRS_K=compact and not cuda_dot and self.k_bits <= 4,
                 PAIRS_V=compact and not cuda_dot and self.v_bits <= 4, HAS_ROPE=has_rope,
-                FAST_TRIG=has_rope and not _interpreting(),
+                FAST_TRIG=(has_rope or exact) and not _interpreting(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         ks = k_side if side else q
@@ -952,4 +1113,22 @@ def dequantize_pages(pages: torch.Tensor, page_type: str, scale: torch.Tensor | 
     _dequantize_pages_kernel[(nb, h, bs // PAGE_TOKENS)](pages, scale if scale is not None else out, out,
                                       pages.stride(0), pages.stride(1), pages.stride(2),
                                       BLOCK_SIZE=bs, HEAD_DIM=d, PAGE_TYPE=pt)
+    return out
+
+
+def dequantize_exact_pages(heap: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, heads: int,
+                           head_dim: int) -> torch.Tensor:
+    """The bf16 bits (int16 ``[n, 16, heads, head_dim]``) the attention kernel reads from the KV
+    Exact pages at ``offsets`` (int64 [n]) of ``heap`` (uint8, 1-D), through its tile loader: for
+    comparison with ``kv_exact_ref.decode_pages``. Pages are not validated (the kernel's contract)."""
+    _check(heap.dtype == torch.uint8 and heap.dim() == 1 and heap.data_ptr() % 16 == 0,
+           "heap must be a 16-byte aligned 1-D uint8 tensor")
+    _check(offsets.dtype == torch.int64 and offsets.dim() == 1, "offsets must be int64 [n]")
+    _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
+    _check(bases.dtype == torch.uint8 and bases.numel() == heads * head_dim, f"bases must be uint8 [{heads}, {head_dim}]")
+    n = offsets.numel()
+    out = torch.empty((n, PAGE_TOKENS, heads, head_dim), dtype=torch.int16, device=heap.device)
+    if n:
+        _dequantize_exact_kernel[(n, heads)](heap, offsets.contiguous(), bases.contiguous(), out, heads,
+                                             HEAD_DIM=head_dim, FAST=not _interpreting())
     return out

@@ -1,0 +1,345 @@
+"""KV Exact: a paged KV cache held losslessly compressed in GPU memory, read inside attention.
+
+Pages (16 tokens of one layer, all KV heads; docs/FORMAT.md "KV Exact pages") live in one byte heap
+per cache, each page at its own offset and of its own size (``PageHeap`` allocates them). A page is
+written when its 16th token arrives; the last 16 tokens of every sequence stay in a bf16 ring, which
+the attention kernel reads as its recent window. The decode-attention kernel (``paged_decode``,
+``page_type="exact"``) decodes pages in its inner loop into the same bf16 tiles an uncompressed
+cache would give, so its output is bit for bit the output of the same kernel over bf16 pages.
+
+    cache = KVExactCache(layers=32, kv_heads=8, head_dim=128, num_q_heads=32,
+                         heap_bytes=40 << 30, max_seqs=64, max_tokens=131072)
+    s = cache.add_sequence()
+    for layer in range(32):                       # prefill
+        cache.append(layer, [s], k[layer][None], v[layer][None])     # [1, T, H, D] bf16
+    cache.plan([s], new_tokens=1)                 # once per decode step
+    for layer in range(32):
+        cache.append(layer, [s], k_new, v_new)    # [1, 1, H, D]
+        out = cache.attend(layer, q)              # [1, num_q_heads, D]
+    cache.free_sequence(s)
+
+Window tops (``bases``, one byte per channel per layer and K/V) set the page size, never the
+values: pass calibrated ones (``calibrate_bases`` over sample KV) or let the cache take them from
+the first page each layer writes.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from weightszip.errors import InvalidArgumentError, LimitExceededError
+from weightszip.kernels import kv_exact_ref as ref
+
+PAGE = ref.PAGE_TOKENS
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvalidArgumentError(msg)
+
+
+class PageHeap:
+    """Variable-size regions (multiples of 16 bytes) in one uint8 tensor.
+
+    Freed regions go to a free list of their exact size; an allocation takes a region of its exact
+    size, else fresh space at the top, else the smallest larger free region (split, the rest back
+    to its list). Pages of a layer differ by a few dozen bytes, so exact-size reuse is the common
+    case. Raises LimitExceededError when no region fits (nothing is allocated then)."""
+
+    def __init__(self, capacity: int, device="cuda"):
+        _check(int(capacity) >= ref.ALIGN, "heap capacity must be at least 16 bytes")
+        self.capacity = int(capacity) // ref.ALIGN * ref.ALIGN
+        self.buf = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
+        self.top = 0
+        self.used = 0
+        self._free: dict[int, list[int]] = {}
+        self._sizes: list[int] = []  # sorted sizes with a non-empty free list
+
+    def _take(self, size: int) -> int | None:
+        lst = self._free.get(size)
+        if lst:
+            off = lst.pop()
+            if not lst:
+                self._sizes.remove(size)
+            return off
+        if self.top + size <= self.capacity:
+            off = self.top
+            self.top += size
+            return off
+        i = bisect.bisect_right(self._sizes, size)
+        if i == len(self._sizes):
+            return None
+        big = self._sizes[i]
+        off = self._take(big)
+        self._put(off + size, big - size)
+        return off
+
+    def _put(self, off: int, size: int) -> None:
+        if size <= 0:
+            return
+        lst = self._free.setdefault(size, [])
+        if not lst:
+            bisect.insort(self._sizes, size)
+        lst.append(off)
+
+    def alloc(self, sizes) -> np.ndarray:
+        """Offsets (int64) of new regions of ``sizes`` bytes (multiples of 16), all or none."""
+        sizes = np.asarray(sizes, dtype=np.int64)
+        _check(bool((sizes > 0).all() and (sizes % ref.ALIGN == 0).all()), "sizes must be positive multiples of 16")
+        out = np.empty(sizes.size, dtype=np.int64)
+        for i, s in enumerate(sizes.tolist()):
+            off = self._take(s)
+            if off is None:
+                self.used += int(sizes[:i].sum())  # free() below takes them off again
+                self.free(out[:i], sizes[:i])
+                raise LimitExceededError(
+                    f"KV Exact heap full: {s} bytes wanted, {self.capacity - self.used} free of {self.capacity} "
+                    f"(largest free region {max(self._sizes[-1] if self._sizes else 0, self.capacity - self.top)})")
+            out[i] = off
+        self.used += int(sizes.sum())
+        return out
+
+    def free(self, offsets, sizes) -> None:
+        """Return regions (as ``alloc`` gave them) to the heap."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        sizes = np.asarray(sizes, dtype=np.int64)
+        for off, s in zip(offsets.tolist(), sizes.tolist()):
+            if off + s == self.top:
+                self.top = off
+            else:
+                self._put(off, s)
+        self.used -= int(sizes.sum())
+
+    def stats(self) -> dict:
+        listed = sum(k * len(v) for k, v in self._free.items())
+        return {"capacity": self.capacity, "used": self.used, "top": self.top, "free_listed": listed,
+                "free_regions": sum(len(v) for v in self._free.values())}
+
+
+def calibrate_bases(k_samples: torch.Tensor, v_samples: torch.Tensor) -> torch.Tensor:
+    """Window tops uint8 [layers, 2, kv_heads, head_dim] from sample K and V ``[layers, T, kv_heads,
+    head_dim]`` (bf16): the calibration of a model, made once from any text."""
+    _check(k_samples.dim() == 4 and k_samples.shape == v_samples.shape, "samples must be [layers, T, H, D], K and V alike")
+    L, _, h, d = k_samples.shape
+    out = torch.empty((L, 2, h, d), dtype=torch.uint8)
+    for layer in range(L):
+        for kind, x in enumerate((k_samples, v_samples)):
+            out[layer, kind] = ref.calibrate_bases(x[layer].reshape(-1, h * d)).reshape(h, d).cpu()
+    return out
+
+
+class KVExactCache:
+    """A batch of sequences' KV Exact cache, every layer (see the module docstring)."""
+
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, num_q_heads: int, heap_bytes: int,
+                 max_seqs: int, max_tokens: int, bases: torch.Tensor | None = None, device="cuda",
+                 sm_scale: float | None = None, config=None):
+        from weightszip.kernels import PagedDecodeAttention
+
+        _check(layers > 0 and kv_heads > 0 and max_seqs > 0 and max_tokens > 0, "sizes must be positive")
+        _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
+        self.L, self.H, self.D, self.hq = layers, kv_heads, head_dim, num_q_heads
+        self.device = torch.device(device)
+        self.heap = PageHeap(heap_bytes, self.device)
+        self.max_seqs = max_seqs
+        self.max_pages = -(-max_tokens // PAGE)
+        self.num_blocks = max_seqs * self.max_pages
+        self.offsets = torch.zeros((layers, 2, self.num_blocks), dtype=torch.int64, device=self.device)
+        self.sizes = np.zeros((layers, 2, self.num_blocks), dtype=np.int64)
+        self.block_table = torch.zeros((max_seqs, self.max_pages), dtype=torch.int32, device=self.device)
+        self._bt = np.full((max_seqs, self.max_pages), -1, dtype=np.int64)
+        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self.ring = torch.zeros((layers, 2, max_seqs, PAGE, kv_heads, head_dim), dtype=torch.bfloat16, device=self.device)
+        self.length = np.zeros((layers, max_seqs), dtype=np.int64)
+        self._live: set[int] = set()
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        if bases is None:
+            self.bases = torch.zeros((layers, 2, kv_heads, head_dim), dtype=torch.uint8, device=self.device)
+            self._calibrated = np.zeros((layers, 2), dtype=bool)
+        else:
+            _check(tuple(bases.shape) == (layers, 2, kv_heads, head_dim) and bases.dtype == torch.uint8,
+                   f"bases must be uint8 [{layers}, 2, {kv_heads}, {head_dim}]")
+            self.bases = bases.to(self.device).contiguous()
+            self._calibrated = np.ones((layers, 2), dtype=bool)
+        self.attn = PagedDecodeAttention(num_q_heads, kv_heads, head_dim, page_type="exact", block_size=PAGE,
+                                         window=PAGE, sm_scale=sm_scale, config=config, device=self.device)
+        self._planned: tuple[np.ndarray, np.ndarray] | None = None
+
+    # -- sequences -------------------------------------------------------------------------------------
+    def add_sequence(self) -> int:
+        if not self._free_slots:
+            raise LimitExceededError(f"KV Exact cache holds at most {self.max_seqs} sequences")
+        s = self._free_slots.pop()
+        self._live.add(s)
+        self.length[:, s] = 0
+        return s
+
+    def free_sequence(self, seq: int) -> None:
+        """Free a sequence's pages and block ids."""
+        self._check_seq(seq)
+        blocks = self._bt[seq][self._bt[seq] >= 0]
+        for layer in range(self.L):
+            for kind in range(2):
+                sz = self.sizes[layer, kind, blocks]
+                have = sz > 0
+                if have.any():
+                    offs = self.offsets[layer, kind, torch.as_tensor(blocks[have], device=self.device)].cpu().numpy()
+                    self.heap.free(offs, sz[have])
+                self.sizes[layer, kind, blocks] = 0
+        self._free_blocks.extend(int(b) for b in blocks)
+        self._bt[seq] = -1
+        self.length[:, seq] = 0
+        self._live.discard(seq)
+        self._free_slots.append(seq)
+
+    def _check_seq(self, seq: int) -> None:
+        _check(seq in self._live, f"sequence {seq} is not in the cache")
+
+    # -- writes ----------------------------------------------------------------------------------------
+    def append(self, layer: int, seqs, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``T`` tokens per sequence: k, v bf16 [len(seqs), T, kv_heads, head_dim]. Pages that
+        fill are coded and stored (all sequences' pages in one coding pass); the last 16 tokens of each
+        sequence go to its bf16 ring."""
+        _check(0 <= layer < self.L, f"layer {layer} out of range")
+        seqs = [int(s) for s in seqs]
+        for s in seqs:
+            self._check_seq(s)
+        n, T = len(seqs), k.shape[1] if k.dim() == 4 else -1
+        for name, x in (("k", k), ("v", v)):
+            _check(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
+                   and tuple(x.shape) == (n, T, self.H, self.D), f"{name} must be bf16 [{n}, T, {self.H}, {self.D}]")
+        if T == 0:
+            return
+        L0 = self.length[layer, seqs]
+        _check(bool((L0 + T <= self.max_pages * PAGE).all()), f"a sequence would exceed {self.max_pages * PAGE} tokens")
+        k, v = k.to(self.device), v.to(self.device)
+        rows = torch.as_tensor(seqs, device=self.device)
+        # Pages completed by this append: per sequence, ring positions of its open page + new tokens.
+        r = L0 % PAGE
+        nfull = (r + T) // PAGE
+        if nfull.any():
+            if T == 1:  # a decode step: the completing sequences' rings hold 15 tokens of the page
+                c = np.flatnonzero(nfull)
+                ct = torch.as_tensor(c, device=self.device)
+                pk = self.ring[layer, 0, rows[ct]].clone()
+                pv = self.ring[layer, 1, rows[ct]].clone()
+                pk[:, PAGE - 1], pv[:, PAGE - 1] = k[ct, 0], v[ct, 0]
+                where = [(seqs[i], int(L0[i]) // PAGE) for i in c]
+            else:
+                pages_k, pages_v, where = [], [], []
+                for i, s in enumerate(seqs):
+                    if nfull[i]:
+                        n_ = int(nfull[i]) * PAGE
+                        pages_k.append(torch.cat([self.ring[layer, 0, s, : r[i]], k[i]], 0)[:n_])
+                        pages_v.append(torch.cat([self.ring[layer, 1, s, : r[i]], v[i]], 0)[:n_])
+                        where.extend((s, int(L0[i]) // PAGE + j) for j in range(int(nfull[i])))
+                pk = torch.cat(pages_k).view(-1, PAGE, self.H, self.D)
+                pv = torch.cat(pages_v).view(-1, PAGE, self.H, self.D)
+            self._store_pages(layer, where, pk, pv)
+        # ring: positions max(L0, L0 + T - 16) .. L0 + T - 1 at slot p % 16, all sequences at once
+        keep = min(T, PAGE)
+        slots = (torch.as_tensor(L0, device=self.device)[:, None] + (T - keep)
+                 + torch.arange(keep, device=self.device)[None, :]) % PAGE
+        self.ring[layer, 0][rows[:, None], slots] = k[:, T - keep:]
+        self.ring[layer, 1][rows[:, None], slots] = v[:, T - keep:]
+        self.length[layer, seqs] = L0 + T
+
+    def _store_pages(self, layer: int, where, kp: torch.Tensor, vp: torch.Tensor) -> None:
+        """Code and store pages (all or nothing: on a full heap, what this call allocated is freed and
+        LimitExceededError raised, the cache as before)."""
+        new_blocks = []
+        for s, j in where:
+            if self._bt[s, j] < 0:
+                if not self._free_blocks:
+                    self._free_blocks.extend(self._bt[s_, j_] for s_, j_ in new_blocks)
+                    for s_, j_ in new_blocks:
+                        self._bt[s_, j_] = -1
+                    raise LimitExceededError("KV Exact cache: no free block ids")
+                self._bt[s, j] = self._free_blocks.pop()
+                new_blocks.append((s, j))
+        blocks_np = np.asarray([self._bt[s, j] for s, j in where], dtype=np.int64)
+        _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
+        blocks_t = torch.as_tensor(blocks_np, device=self.device)
+        encoded, placed = [], []
+        try:
+            for kind, pages in ((0, kp), (1, vp)):
+                if not self._calibrated[layer, kind]:
+                    self.bases[layer, kind] = ref.calibrate_bases(pages.reshape(-1, self.H * self.D)).view(self.H, self.D)
+                    self._calibrated[layer, kind] = True
+                enc = ref.encode_pages(pages, self.bases[layer, kind])
+                sizes = enc.lengths.cpu().numpy()
+                placed.append((self.heap.alloc(sizes), sizes))
+                encoded.append(enc)
+        except LimitExceededError:
+            for offs, sizes in placed:
+                self.heap.free(offs, sizes)
+            for s, j in new_blocks:
+                self._free_blocks.append(int(self._bt[s, j]))
+                self._bt[s, j] = -1
+            raise
+        seq_idx = torch.as_tensor([s for s, _ in where], device=self.device)
+        page_idx = torch.as_tensor([j for _, j in where], device=self.device)
+        self.block_table[seq_idx, page_idx] = blocks_t.to(torch.int32)
+        for kind, (enc, (offs, sizes)) in enumerate(zip(encoded, placed)):
+            offs_t = torch.as_tensor(offs, device=self.device)
+            enc.write(self.heap.buf, offs_t)
+            self.offsets[layer, kind, blocks_t] = offs_t
+            self.sizes[layer, kind, blocks_np] = sizes
+
+    # -- attention -------------------------------------------------------------------------------------
+    def plan(self, seqs, new_tokens: int = 0) -> dict:
+        """Plan one decode step for ``seqs``: attention will see each sequence's current length plus
+        ``new_tokens`` (the tokens each layer appends before it attends)."""
+        seqs = [int(s) for s in seqs]
+        for s in seqs:
+            self._check_seq(s)
+        lens = self.length[0, seqs] + int(new_tokens)
+        _check(bool((lens >= 1).all()), "every sequence needs at least one token")
+        rows = torch.as_tensor(seqs, device=self.device)
+        self._planned = (np.asarray(seqs), lens)
+        self._bt_rows = self.block_table[rows].contiguous()
+        return self.attn.plan(lens, self._bt_rows)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention of ``q`` [len(seqs), num_q_heads, head_dim] over layer ``layer`` of the
+        planned sequences (their length must be the planned one)."""
+        _check(self._planned is not None, "call plan() before attend()")
+        seqs, lens = self._planned
+        _check(bool((self.length[layer, seqs] == lens).all()),
+               f"layer {layer}: the sequences' lengths differ from the planned ones (append first)")
+        ring = self.ring[layer][:, torch.as_tensor(seqs, device=self.device)]
+        return self.attn.run(q, self.heap.buf, self.heap.buf, k_side=ring[0], v_side=ring[1],
+                             k_offsets=self.offsets[layer, 0], v_offsets=self.offsets[layer, 1],
+                             k_bases=self.bases[layer, 0], v_bases=self.bases[layer, 1], out=out)
+
+    # -- inspection ------------------------------------------------------------------------------------
+    def dense(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K and V of one layer as bf16 [length, H, D], decoded by the reference decoder
+        (validating every page) and the ring."""
+        self._check_seq(seq)
+        n = int(self.length[layer, seq])
+        full = n // PAGE
+        out = []
+        for kind in range(2):
+            blocks = torch.as_tensor(self._bt[seq, :full], device=self.device)
+            paged = ref.decode_heap_pages(self.heap.buf, self.offsets[layer, kind, blocks], self.bases[layer, kind],
+                                          self.H, self.D).view(torch.bfloat16).reshape(full * PAGE, self.H, self.D)
+            tail = self.ring[layer, kind, seq, : n - full * PAGE]
+            out.append(torch.cat([paged, tail], 0))
+        return out[0], out[1]
+
+    def stats(self) -> dict:
+        """Bytes held: pages (heap bytes in use), per-page side data (an int64 offset per page and
+        kind), and the bf16 rings; against bf16 pages of the same tokens."""
+        pages = int((self.sizes > 0).sum())
+        page_bytes = int(self.sizes.sum())
+        side = pages * 8
+        tokens = int(self.length[0, list(self._live)].sum()) if self._live else 0  # per layer
+        paged_tokens = pages // 2 * PAGE
+        bf16 = paged_tokens * self.H * self.D * 2 * 2
+        return {"pages": pages, "page_bytes": page_bytes, "offset_bytes": side,
+                "ring_bytes": self.ring.numel() * 2, "tokens": tokens, "paged_tokens": paged_tokens,
+                "ratio_vs_bf16": (page_bytes + side) / bf16 if bf16 else None, "heap": self.heap.stats()}

@@ -1,0 +1,365 @@
+"""KV Exact: the page format (reference encoder and validating decoder), the attention kernel's tile
+loader and decode attention (bit-identical to the same kernel over bf16 pages), the page heap and the
+paged cache. Real KV: tests/data/kv_smollm2_64tok.npy (SmolLM2-135M, 3 layers, 64 tokens, 3 KV heads
+of 64), re-used at shifted positions to make longer sequences.
+
+Without a GPU the kernels run in Triton's interpreter (set before triton is imported); on a GPU
+(TRITON_INTERPRET=0) the same tests run compiled.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, WeightszipError  # noqa: E402
+from weightszip.kernels import KernelConfig, PagedDecodeAttention, paged_decode_ref  # noqa: E402
+from weightszip.kernels import kv_exact_ref as R  # noqa: E402
+from weightszip.kernels.paged_decode import dequantize_exact_pages  # noqa: E402
+from weightszip.kv_exact import KVExactCache, PageHeap, calibrate_bases  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+DATA = pathlib.Path(__file__).parent / "data"
+H, D, HQ = 3, 64, 9
+CFG = KernelConfig(block_n=32, num_warps=4, num_stages=1, waves=1, min_split_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def real():
+    """int16 bits [2 (K, V), 3 layers, 64 tokens, 3, 64] of real SmolLM2 KV."""
+    meta = json.loads((DATA / "kv_smollm2_64tok.json").read_text())
+    assert meta["num_kv_heads"] == H and meta["head_dim"] == D
+    a = np.load(DATA / "kv_smollm2_64tok.npy")
+    return torch.from_numpy(a.astype(np.int16)).reshape(2, 3, 64, H, D)
+
+
+def tokens(real, kind, layer, pos, seq=0):
+    """Real tokens at shifted positions (a longer sequence made of the 64 real ones)."""
+    return real[kind, layer, (pos * 7 + seq * 3) % 64]
+
+
+def pages_of(x):
+    return x.reshape(-1, 16, *x.shape[1:])
+
+
+# -- format ------------------------------------------------------------------------------------------
+
+
+def test_roundtrip_real_kv_and_ratio(real):
+    for layer in range(3):
+        for kind in range(2):
+            x = real[kind, layer]
+            bases = R.calibrate_bases(x[:32].reshape(32, -1)).reshape(H, D)  # calibrated on other tokens
+            buf, offs = R.encode_pages(pages_of(x), bases).to_bytes()
+            assert torch.equal(R.decode_pages(buf, offs, bases, H, D), pages_of(x))
+            ratio = buf.numel() / (x.numel() * 2)
+            # 3-bit codes + raw byte = 11/16 = 0.6875, plus escapes and the header
+            assert 0.6875 < ratio < 0.75, ratio
+
+
+def test_every_bit_pattern_roundtrips():
+    """All 65536 bf16 patterns (NaN, Inf, -0, subnormals) through the format, with any bases."""
+    allbits = torch.arange(65536, dtype=torch.int32).to(torch.int16).reshape(-1, 16, 2, 32)
+    for seed in range(3):
+        bases = torch.randint(0, 256, (2, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        buf, offs = R.encode_pages(allbits, bases).to_bytes()
+        assert torch.equal(R.decode_pages(buf, offs, bases, 2, 32), allbits)
+
+
+def test_bases_choose_the_densest_window():
+    e = torch.tensor([120] * 5 + [121] * 5 + [126] * 3 + [100] * 4)  # window [120, 126] holds 13
+    x = (e << 7).to(torch.int16)[:, None].repeat(1, 32)
+    assert R.calibrate_bases(x).tolist() == [126] * 32
+    # calibrated bases make fewer escapes than arbitrary ones
+    codes = R.codes_of(x.to(torch.int32) & 0xFFFF, R.calibrate_bases(x))
+    assert int((codes == R.ESCAPE).sum()) == 4 * 32
+
+
+def test_page_layout_by_hand():
+    """One page, one head of 32 channels, every value 1.0 (exponent 127) but token 3, channel 5
+    = 2**-40 (an escape) and token 0, channel 9 = -1.5."""
+    x = torch.full((1, 16, 1, 32), 0x3F80, dtype=torch.int16)
+    x[0, 3, 0, 5] = 0x2B80  # 2**-40: exponent 87
+    x[0, 0, 0, 9] = torch.tensor(0xBFC0, dtype=torch.int32).to(torch.int16)  # -1.5
+    bases = torch.full((1, 32), 127, dtype=torch.uint8)
+    buf, offs = R.encode_pages(x, bases).to_bytes()
+    b = buf.tolist()
+    hdr = R.header_bytes(1)
+    assert hdr == 16 and len(b) == offs[1] == 16 * ((hdr + 22 * 32 + 1 + 15) // 16)
+    assert b[0:8] == [hdr + 704 & 0xFF, (hdr + 704) >> 8, 0, 0, (hdr + 705) & 0xFF, (hdr + 705) >> 8, 0, 0]
+    planes = np.array(b[hdr: hdr + 192]).reshape(3, 16, 4)
+    # code 7 at token 3, channel 5 (byte 0, bit 5) in all three planes; code 0 elsewhere
+    want = np.zeros((3, 16, 4), dtype=np.int64)
+    want[:, 3, 0] = 1 << 5
+    assert (planes == want).all()
+    raw = np.array(b[hdr + 192: hdr + 192 + 512]).reshape(16, 32)
+    assert raw[0, 9] == 0x80 | 0x40 and raw[3, 5] == 0 and raw[1, 1] == 0
+    assert b[hdr + 704] == 87 and set(b[hdr + 705:]) <= {0}
+
+
+# -- hostile pages -----------------------------------------------------------------------------------
+
+
+def _one_page(real):
+    bases = R.calibrate_bases(real[0, 1].reshape(64, -1)).reshape(H, D)
+    buf, offs = R.encode_pages(pages_of(real[0, 1])[:2], bases).to_bytes()
+    return buf, offs, bases
+
+
+def test_truncated_and_corrupt_pages_raise_typed_errors(real):
+    buf, offs, bases = _one_page(real)
+    with pytest.raises(WeightszipError):  # cut at the end
+        R.decode_pages(buf[:-16], offs, bases, H, D)
+    short = offs.clone()
+    short[-1] -= 16
+    with pytest.raises(WeightszipError):
+        R.decode_pages(buf[:-16], short, bases, H, D)
+    bad = buf.clone()
+    bad[0] ^= 1  # first exception offset
+    with pytest.raises(CorruptDataError):
+        R.decode_pages(bad, offs, bases, H, D)
+    bad = buf.clone()
+    bad[R.header_bytes(H)] ^= 1  # a code bit: the escape count no longer matches, or decodes another value
+    try:
+        out = R.decode_pages(bad, offs, bases, H, D)
+        assert not torch.equal(out, pages_of(real[0, 1])[:2])
+    except CorruptDataError:
+        pass
+    with pytest.raises(InvalidArgumentError):
+        R.decode_pages(buf, offs, bases, H, 48)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_fuzz_damaged_pages_never_crash(real, data):
+    buf, offs, bases = _one_page(real)
+    kind = data.draw(st.sampled_from(["flip", "cut", "random", "offsets"]))
+    if kind == "flip":
+        bad = buf.clone()
+        for i in data.draw(st.lists(st.integers(0, buf.numel() - 1), min_size=1, max_size=8)):
+            bad[i] ^= 1 << data.draw(st.integers(0, 7))
+        o = offs
+    elif kind == "cut":
+        n = data.draw(st.integers(0, buf.numel() - 1))
+        bad, o = buf[:n].clone(), offs
+    elif kind == "random":
+        n = data.draw(st.integers(0, 3)) * 16 + R.fixed_bytes(H, D)
+        bad = torch.tensor(list(data.draw(st.binary(min_size=n, max_size=n))), dtype=torch.uint8)
+        o = torch.tensor([0, n])
+    else:
+        bad = buf
+        o = torch.tensor(data.draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
+    try:
+        out = R.decode_pages(bad, o, bases, H, D)
+    except WeightszipError:
+        return
+    # a page that passes validation re-encodes to the same bytes (the format is canonical)
+    b2, o2 = R.encode_pages(out.view(torch.int16), bases).to_bytes()
+    assert torch.equal(b2, bad) and torch.equal(o2, o.to(torch.int64))
+
+
+# -- kernel tile loader and attention ----------------------------------------------------------------
+
+
+def test_kernel_tile_loader_equals_reference(real):
+    allbits = torch.arange(65536, dtype=torch.int32).to(torch.int16).reshape(-1, 16, 2, 32)[:8]
+    cases = [(pages_of(real[1, 2]), R.calibrate_bases(real[1, 0].reshape(64, -1)).reshape(H, D)),
+             (allbits, torch.full((2, 32), 120, dtype=torch.uint8))]
+    for pages, bases in cases:
+        enc = R.encode_pages(pages, bases)
+        n = len(enc)
+        # scattered, out of order, with gaps
+        offs = torch.tensor([(n - i) * 8192 + 48 * i for i in range(n)], dtype=torch.int64)
+        heap = torch.full((int(offs.max()) + 8192,), 0xAB, dtype=torch.uint8)
+        enc.write(heap, offs)
+        got = dequantize_exact_pages(heap.to(DEVICE), offs.to(DEVICE), bases.to(DEVICE), *pages.shape[2:]).cpu()
+        assert torch.equal(got, pages)
+        assert torch.equal(R.decode_heap_pages(heap, offs, bases, *pages.shape[2:]), pages)
+
+
+def _paged_pair(real, lens, seed=0):
+    """bf16 pages in a shuffled pool and the same pages as KV Exact pages in a heap; ring side buffers."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    per = [-(-L // 16) for L in lens]
+    nb = sum(per) + 2
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.zeros((B, max(per)), dtype=torch.int32)
+    kp = torch.zeros((nb, H, 16, D), dtype=torch.int16)
+    vp = torch.zeros_like(kp)
+    side = torch.zeros((2, B, 16, H, D), dtype=torch.int16)
+    i = 0
+    for b, L in enumerate(lens):
+        pos = torch.arange(L)
+        kk, vv = tokens(real, 0, 1, pos, b), tokens(real, 1, 1, pos, b)
+        for j in range(per[b]):
+            blk = int(perm[i])
+            i += 1
+            bt[b, j] = blk
+            n = min(16, L - 16 * j)
+            kp[blk, :, :n] = kk[16 * j: 16 * j + n].transpose(0, 1)
+            vp[blk, :, :n] = vv[16 * j: 16 * j + n].transpose(0, 1)
+        for p in range(max(0, L - 16), L):
+            side[0, b, p % 16], side[1, b, p % 16] = kk[p], vv[p]
+    kb = R.calibrate_bases(real[0, 0].reshape(64, -1)).reshape(H, D)
+    vb = R.calibrate_bases(real[1, 0].reshape(64, -1)).reshape(H, D)
+    ke, ve = R.encode_pages(kp.transpose(1, 2), kb), R.encode_pages(vp.transpose(1, 2), vb)
+    koff = torch.nn.functional.pad(ke.lengths.cumsum(0), (1, 0))[:-1] + 16
+    voff = int(koff[-1] + ke.lengths[-1]) + torch.nn.functional.pad(ve.lengths.cumsum(0), (1, 0))[:-1]
+    heap = torch.zeros(int(voff[-1] + ve.lengths[-1]) + 16, dtype=torch.uint8)
+    ke.write(heap, koff)
+    ve.write(heap, voff)
+    q = torch.randn((B, HQ, D), generator=g).to(torch.bfloat16)
+    to = (lambda t: t.to(DEVICE))
+    bf = lambda t: to(t.view(torch.bfloat16))  # noqa: E731
+    return dict(q=to(q), bt=to(bt), kp=bf(kp), vp=bf(vp), ks=bf(side[0]), vs=bf(side[1]), heap=to(heap),
+                koff=to(koff), voff=to(voff), kb=to(kb), vb=to(vb))
+
+
+@pytest.mark.parametrize("lens,split", [([150, 40, 97], 64), ([33], None), ([16, 17, 300], 32)])
+def test_attention_bit_identical_to_bf16_pages(real, lens, split):
+    c = _paged_pair(real, lens)
+    outs = {}
+    for pt in ("bf16", "exact"):
+        att = PagedDecodeAttention(HQ, H, D, page_type=pt, window=16, config=CFG, device=DEVICE)
+        att.plan(lens, c["bt"], split_tokens=split)
+        if pt == "exact":
+            outs[pt] = att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"], k_offsets=c["koff"],
+                               v_offsets=c["voff"], k_bases=c["kb"], v_bases=c["vb"])
+        else:
+            outs[pt] = att.run(c["q"], c["kp"], c["vp"], k_side=c["ks"], v_side=c["vs"])
+    assert torch.equal(outs["bf16"], outs["exact"])
+    # and both are attention: against the fp64 reference
+    ref = paged_decode_ref(c["q"].cpu(), c["kp"].cpu(), c["vp"].cpu(), c["bt"].cpu(), lens, window=16,
+                           k_side=c["ks"].cpu(), v_side=c["vs"].cpu())
+    vmax = float(c["vp"].float().abs().max())
+    assert (outs["exact"].cpu().double() - ref).abs().max() <= 2**-8 * vmax + 2**-8 * ref.abs().max()
+
+
+def test_attention_argument_checks(real):
+    c = _paged_pair(real, [40])
+    att = PagedDecodeAttention(HQ, H, D, page_type="exact", window=16, config=CFG, device=DEVICE)
+    att.plan([40], c["bt"])
+    with pytest.raises(InvalidArgumentError):
+        att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"])  # no offsets/bases
+    with pytest.raises(InvalidArgumentError):
+        att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"], k_offsets=c["koff"][:1],
+                v_offsets=c["voff"], k_bases=c["kb"], v_bases=c["vb"])
+    with pytest.raises(InvalidArgumentError):
+        PagedDecodeAttention(HQ, H, D, page_type="exact", block_size=32, device=DEVICE)
+
+
+# -- heap and cache ----------------------------------------------------------------------------------
+
+
+def test_page_heap_reuse_split_and_full():
+    h = PageHeap(1024, device="cpu")
+    a = h.alloc([256, 256, 128])
+    assert a.tolist() == [0, 256, 512] and h.used == 640
+    h.free(a[1:2], [256])
+    assert h.alloc([256]).tolist() == [256]  # exact-size reuse
+    h.free(a[1:2], [256])
+    b = h.alloc([128, 128])  # the 256 hole is split
+    assert sorted(b.tolist()) == [256, 384] or 640 in b.tolist()
+    with pytest.raises(LimitExceededError):
+        h.alloc([512, 512])
+    before = h.stats()
+    with pytest.raises(LimitExceededError):
+        h.alloc([16, 4096])  # all or none
+    assert h.stats() == before
+    with pytest.raises(InvalidArgumentError):
+        h.alloc([24])
+
+
+def _run_cache(real, cache, seqs_prompts, steps, g):
+    for layer in range(3):
+        for s, p in seqs_prompts:
+            pos = torch.arange(p)
+            cache.append(layer, [s], tokens(real, 0, layer, pos, s)[None].view(torch.bfloat16).to(DEVICE),
+                         tokens(real, 1, layer, pos, s)[None].view(torch.bfloat16).to(DEVICE))
+    seqs = [s for s, _ in seqs_prompts]
+    outs = []
+    for _ in range(steps):
+        cache.plan(seqs, new_tokens=1)
+        for layer in range(3):
+            new = [torch.tensor([int(cache.length[layer, s])]) for s in seqs]
+            k = torch.stack([tokens(real, 0, layer, p, s) for p, s in zip(new, seqs)]).view(torch.bfloat16)
+            v = torch.stack([tokens(real, 1, layer, p, s) for p, s in zip(new, seqs)]).view(torch.bfloat16)
+            cache.append(layer, seqs, k.to(DEVICE), v.to(DEVICE))
+            q = torch.randn((len(seqs), HQ, D), generator=g).to(torch.bfloat16).to(DEVICE)
+            outs.append((layer, q, cache.attend(layer, q)))
+    return outs
+
+
+def test_cache_prefill_decode_free_and_reuse(real):
+    cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=3,
+                         max_tokens=256, device=DEVICE, config=CFG)
+    s0, s1 = cache.add_sequence(), cache.add_sequence()
+    outs = _run_cache(real, cache, [(s0, 70), (s1, 15)], steps=3, g=torch.Generator().manual_seed(1))
+    for layer in range(3):
+        for s in (s0, s1):
+            k, v = cache.dense(layer, s)
+            pos = torch.arange(int(cache.length[layer, s]))
+            assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, layer, pos, s))
+            assert torch.equal(v.cpu().view(torch.int16), tokens(real, 1, layer, pos, s))
+    # the last step's attention equals the bf16 kernel over the same tokens
+    layer, q, out = outs[-1]
+    lens = [int(cache.length[layer, s]) for s in (s0, s1)]
+    nb = max(-(-L // 16) for L in lens)
+    kp = torch.zeros((2 * nb, H, 16, D), dtype=torch.bfloat16, device=DEVICE)
+    vp = torch.zeros_like(kp)
+    for b, s in enumerate((s0, s1)):
+        k, v = cache.dense(layer, s)
+        for j in range(-(-lens[b] // 16)):
+            n = min(16, lens[b] - 16 * j)
+            kp[b * nb + j, :, :n] = k[16 * j: 16 * j + n].transpose(0, 1)
+            vp[b * nb + j, :, :n] = v[16 * j: 16 * j + n].transpose(0, 1)
+    bt = torch.arange(2 * nb, dtype=torch.int32, device=DEVICE).view(2, nb)
+    att = PagedDecodeAttention(HQ, H, D, page_type="bf16", window=16, config=CFG, device=DEVICE)
+    att.plan(lens, bt)
+    ring = cache.ring[layer][:, torch.as_tensor([s0, s1], device=DEVICE)]
+    assert torch.equal(att.run(q, kp, vp, k_side=ring[0], v_side=ring[1]), out)
+    st_ = cache.stats()
+    assert 0.69 < st_["ratio_vs_bf16"] < 0.75
+    used = cache.heap.used
+    cache.free_sequence(s0)
+    assert cache.heap.used < used
+    s2 = cache.add_sequence()
+    _run_cache(real, cache, [(s2, 40)], steps=1, g=torch.Generator().manual_seed(2))
+    k, _ = cache.dense(2, s2)
+    assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, 2, torch.arange(41), s2))
+
+
+def test_cache_errors(real):
+    cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=8192, max_seqs=1,
+                         max_tokens=64, device=DEVICE, config=CFG)
+    s = cache.add_sequence()
+    with pytest.raises(LimitExceededError):
+        cache.add_sequence()
+    x = tokens(real, 0, 0, torch.arange(64), 0)[None].view(torch.bfloat16).to(DEVICE)
+    with pytest.raises(LimitExceededError):  # 4 pages of ~4.3 KB do not fit 8 KB
+        cache.append(0, [s], x, x)
+    with pytest.raises(InvalidArgumentError):
+        cache.append(0, [s], x[:, :, :2], x[:, :, :2])
+    with pytest.raises(InvalidArgumentError):
+        cache.attend(0, torch.zeros((1, HQ, D), dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(InvalidArgumentError):
+        cache.free_sequence(5)
+
+
+def test_calibrate_bases_shape(real):
+    k = real[0].view(torch.bfloat16)  # [3, 64, H, D]
+    b = calibrate_bases(k, real[1].view(torch.bfloat16))
+    assert b.shape == (3, 2, H, D) and b.dtype == torch.uint8
+    assert torch.equal(b[1, 0].reshape(-1), R.calibrate_bases(real[0, 1].reshape(64, -1)))
