@@ -1,5 +1,5 @@
 """KV Exact diagnostics on the GPU (BENCHMARKS.md, "KV Exact", bit identity): the kernel's tile loader
-over every page of a 131072-block pool (3 GB of heap, offsets past 2**31) against the bf16 pool;
+(1, 2 and 4 pages per tile) over every page of a 131072-block pool (3 GB of heap, offsets past 2**31) against the bf16 pool;
 the attention output of KV Exact pages against the bf16 kernel with the same config (differences
 counted); the bf16 kernel against itself at two pipeline depths.
 
@@ -37,11 +37,12 @@ def main():
     k_bf, k_heap, k_off, _ = build_pool(kp, kb, n)
     v_bf, v_heap, v_off, _ = build_pool(vp, vb, n)
     kb, vb = kb.cuda(), vb.cuda()
-    bad = 0
-    for i in range(0, n, 16384):
-        got = dequantize_exact_pages(k_heap, k_off[i:i + 16384].contiguous(), kb, HKV, D)
-        bad += int((got.view(torch.bfloat16).transpose(1, 2) != k_bf[i:i + 16384]).any().item())
-    print(json.dumps(dict(heap_bytes=k_heap.numel(), loader_chunks_with_differences=bad)), flush=True)
+    for npt in (1, 2, 4):
+        bad = 0
+        for i in range(0, n, 16384):
+            got = dequantize_exact_pages(k_heap, k_off[i:i + 16384].contiguous(), kb, HKV, D, pages_per_tile=npt)
+            bad += int((got.view(torch.bfloat16).transpose(1, 2) != k_bf[i:i + 16384]).sum().item())
+        print(json.dumps(dict(heap_bytes=k_heap.numel(), pages_per_tile=npt, loader_values_differing=bad)), flush=True)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     perm = torch.randperm(n, device="cuda", generator=gen).to(torch.int32)
@@ -62,9 +63,9 @@ def main():
     for stages in (1, 2):
         cfg = KernelConfig(block_n=32, num_warps=4, num_stages=stages, waves=4, min_split_tokens=1024)
         for name, bt in tables.items():
-            a, b = run("bf16", cfg, bt, q, side), run("exact", cfg, bt, q, side)
-            d = (a.float() - b.float()).abs()
-            print(json.dumps(dict(stages=stages, table=name, equal=bool(torch.equal(a, b)), max_diff=float(d.max()),
+            a, e = run("bf16", cfg, bt, q, side), run("exact", cfg, bt, q, side)
+            d = (a.float() - e.float()).abs()
+            print(json.dumps(dict(stages=stages, table=name, equal=bool(torch.equal(a, e)), max_diff=float(d.max()),
                                   frac_differing=float((d > 0).float().mean()))), flush=True)
     outs = [run("bf16", KernelConfig(block_n=32, num_warps=4, num_stages=s, waves=4, min_split_tokens=1024),
                 tables["perm"], q, side) for s in (1, 2)]

@@ -641,21 +641,22 @@ def _dequantize_compact_kernel(pages_ptr, cb_ptr, grid_ptr, out_ptr, stride_blk,
 
 
 @triton.jit
-def _dequantize_exact_kernel(heap_ptr, off_ptr, base_ptr, out_ptr, num_heads, HEAD_DIM: tl.constexpr,
-                             FAST: tl.constexpr):
-    """The bf16 bits the attention kernel reads from KV Exact page ``program_id(0)`` (at
-    ``off_ptr[page]``), head ``program_id(1)``, through the same ``_exact_load``/``_exact_decode``, into int16
-    ``[n, 16, H, D]``."""
-    pg = tl.program_id(0)
+def _dequantize_exact_kernel(heap_ptr, off_ptr, base_ptr, out_ptr, num_heads, n_pages, HEAD_DIM: tl.constexpr,
+                             NP: tl.constexpr, FAST: tl.constexpr):
+    """The bf16 bits the attention kernel reads from KV Exact pages ``NP * program_id(0) ..`` (at
+    ``off_ptr[page]``), head ``program_id(1)``, through the same ``_exact_load``/``_exact_decode``
+    (``NP`` pages per tile, as the attention kernel's ``BLOCK_N / 16``), into int16 ``[n, 16, H, D]``."""
+    pg = tl.program_id(0) * NP + tl.arange(0, NP)
     head = tl.program_id(1)
-    poff = tl.load(off_ptr + pg + tl.zeros([1], dtype=tl.int32))
-    valid = tl.full([16], 1, dtype=tl.int1)
-    w0, w1, w2, raw, erow = _exact_load(heap_ptr, poff, valid, head, num_heads, HEAD_DIM, 1)
-    x = _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_DIM, 1, FAST)
-    offs_t = tl.arange(0, 16)
+    pok = pg < n_pages
+    poff = tl.load(off_ptr + pg, mask=pok, other=0)
+    valid = _rows_of_pages(pok, NP)
+    w0, w1, w2, raw, erow = _exact_load(heap_ptr, poff, valid, head, num_heads, HEAD_DIM, NP)
+    x = _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_DIM, NP, FAST)
+    offs_n = tl.arange(0, NP * 16)
     offs_d = tl.arange(0, HEAD_DIM)
-    row = (pg.to(tl.int64) * 16 + offs_t) * num_heads + head
-    tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x.to(tl.int16, bitcast=True))
+    row = (_rows_of_pages(pg.to(tl.int64), NP) * 16 + offs_n % 16) * num_heads + head
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x.to(tl.int16, bitcast=True), mask=valid[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1117,18 +1118,21 @@ def dequantize_pages(pages: torch.Tensor, page_type: str, scale: torch.Tensor | 
 
 
 def dequantize_exact_pages(heap: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, heads: int,
-                           head_dim: int) -> torch.Tensor:
+                           head_dim: int, *, pages_per_tile: int = 1) -> torch.Tensor:
     """The bf16 bits (int16 ``[n, 16, heads, head_dim]``) the attention kernel reads from the KV
     Exact pages at ``offsets`` (int64 [n]) of ``heap`` (uint8, 1-D), through its tile loader: for
-    comparison with ``kv_exact_ref.decode_pages``. Pages are not validated (the kernel's contract)."""
+    comparison with ``kv_exact_ref.decode_pages``. Pages are not validated (the kernel's contract).
+    ``pages_per_tile``: pages decoded together (1, 2, 4, ...: the attention kernel's ``block_n / 16``)."""
     _check(heap.dtype == torch.uint8 and heap.dim() == 1 and heap.data_ptr() % 16 == 0,
            "heap must be a 16-byte aligned 1-D uint8 tensor")
     _check(offsets.dtype == torch.int64 and offsets.dim() == 1, "offsets must be int64 [n]")
     _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
     _check(bases.dtype == torch.uint8 and bases.numel() == heads * head_dim, f"bases must be uint8 [{heads}, {head_dim}]")
+    _check(pages_per_tile > 0 and pages_per_tile & (pages_per_tile - 1) == 0, "pages_per_tile must be a power of two")
     n = offsets.numel()
     out = torch.empty((n, PAGE_TOKENS, heads, head_dim), dtype=torch.int16, device=heap.device)
     if n:
-        _dequantize_exact_kernel[(n, heads)](heap, offsets.contiguous(), bases.contiguous(), out, heads,
-                                             HEAD_DIM=head_dim, FAST=not _interpreting())
+        _dequantize_exact_kernel[(triton.cdiv(n, pages_per_tile), heads)](
+            heap, offsets.contiguous(), bases.contiguous(), out, heads, n, HEAD_DIM=head_dim, NP=pages_per_tile,
+            FAST=not _interpreting())
     return out
