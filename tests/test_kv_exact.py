@@ -26,7 +26,14 @@ from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExcee
 from weightszip.kernels import KernelConfig, PagedDecodeAttention, paged_decode_ref  # noqa: E402
 from weightszip.kernels import kv_exact_ref as R  # noqa: E402
 from weightszip.kernels.paged_decode import dequantize_exact_pages  # noqa: E402
-from weightszip.kv_exact import KVExactCache, PageHeap, calibrate_bases  # noqa: E402
+from weightszip.kv_exact import (  # noqa: E402
+    KVExactCache,
+    PageHeap,
+    calibrate_bases,
+    cpu_calibrate_bases,
+    cpu_decode_pages,
+    cpu_encode_pages,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -108,6 +115,38 @@ def test_page_layout_by_hand():
     assert b[hdr + 704] == 87 and set(b[hdr + 705:]) <= {0}
 
 
+def test_rust_codec_writes_and_reads_the_reference_bytes(real):
+    """The Rust codec (CPU) and the PyTorch reference (the GPU write path) write the same bytes,
+    and each decodes the other's; the window tops are chosen alike."""
+    allbits = torch.arange(65536, dtype=torch.int32).to(torch.int16).reshape(-1, 16, 2, 32)
+    cases = [(pages_of(real[k, layer]), R.calibrate_bases(real[k, 0].reshape(64, -1)).reshape(H, D))
+             for k in range(2) for layer in range(3)]
+    cases.append((allbits, torch.full((2, 32), 130, dtype=torch.uint8)))
+    for pages, bases in cases:
+        h, d = pages.shape[2:]
+        buf, offs = R.encode_pages(pages, bases).to_bytes()
+        rbuf, roffs = cpu_encode_pages(pages, bases)
+        assert rbuf == bytes(buf.numpy()) and (roffs == offs.numpy()).all()
+        assert (cpu_decode_pages(rbuf, roffs, bases, h, d) == pages.numpy().view(np.uint16)).all()
+        x = pages.reshape(-1, h * d)
+        assert (cpu_calibrate_bases(x) == R.calibrate_bases(x).numpy()).all()
+
+
+def test_rust_decoder_rejects_damage(real):
+    buf, offs, bases = _one_page(real)
+    raw = bytes(buf.numpy())
+    with pytest.raises(WeightszipError):
+        cpu_decode_pages(raw[:-16], offs.numpy(), bases, H, D)
+    with pytest.raises(WeightszipError):
+        cpu_decode_pages(raw, [0, -5, len(raw)], bases, H, D)
+    bad = bytearray(raw)
+    bad[0] ^= 1
+    with pytest.raises(CorruptDataError):
+        cpu_decode_pages(bytes(bad), offs.numpy(), bases, H, D)
+    with pytest.raises(WeightszipError):
+        cpu_decode_pages(raw, offs.numpy(), bases, H, 48)
+
+
 # -- hostile pages -----------------------------------------------------------------------------------
 
 
@@ -161,9 +200,15 @@ def test_fuzz_damaged_pages_never_crash(real, data):
         bad = buf
         o = torch.tensor(data.draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
     try:
+        rust = cpu_decode_pages(bytes(bad.numpy()), o.numpy(), bases, H, D)
+    except WeightszipError:
+        rust = None
+    try:
         out = R.decode_pages(bad, o, bases, H, D)
     except WeightszipError:
+        assert rust is None  # both decoders reject the same pages
         return
+    assert rust is not None and (rust == out.numpy().view(np.uint16)).all()
     # a page that passes validation re-encodes to the same bytes (the format is canonical)
     b2, o2 = R.encode_pages(out.view(torch.int16), bases).to_bytes()
     assert torch.equal(b2, bad) and torch.equal(o2, o.to(torch.int64))

@@ -9,6 +9,7 @@
 //!   empty and 0-d containers.
 //! - chunk_decode/:    `[raw length u16 LE] ++ chunk payload`, cut from those containers.
 //! - round_trip/:      parameter strings in the layout documented in fuzz_targets/round_trip.rs.
+//! - page_decode/:     KV Exact pages in the layout documented in fuzz_targets/page_decode.rs.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -106,7 +107,7 @@ fn write(dir: &Path, name: &str, data: &[u8]) {
 
 fn main() {
     let root = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "corpus".into()));
-    let dirs = ["container_parse", "chunk_decode", "round_trip"].map(|t| {
+    let dirs = ["container_parse", "chunk_decode", "round_trip", "page_decode"].map(|t| {
         let d = root.join(t);
         fs::create_dir_all(&d).unwrap();
         // Replace the previous seeds (their names may change); leave the fuzzer's files alone.
@@ -337,5 +338,25 @@ fn main() {
     for (name, mut params) in rt {
         params.extend_from_slice(&pool);
         write(&dirs[2], &format!("seed-{name}"), &params);
+    }
+
+    // page_decode: [selector] ++ window tops ++ one KV Exact page (1 or 2 heads of 32 or 64 channels)
+    println!("page_decode:");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for (heads, dims) in [(1usize, 1usize), (2, 1), (1, 2)] {
+        let shape = weightszip_core::kvx::Shape::new(heads, 32 * dims).unwrap();
+        let c = shape.channels();
+        let values: Vec<u8> = (0..16 * c)
+            .flat_map(|_| {
+                let r = rng.next();
+                let e = 124u16.saturating_sub((r % 64).trailing_zeros() as u16 * 2);
+                (((r >> 20) as u16 & 0x807F) | (e << 7)).to_le_bytes()
+            })
+            .collect();
+        let bases = weightszip_core::kvx::calibrate_bases(c, &values).unwrap();
+        let mut input = vec![(((heads - 1) << 1) | ((dims - 1) << 3)) as u8];
+        input.extend_from_slice(&bases);
+        weightszip_core::kvx::encode_page(shape, &bases, &values, &mut input).unwrap();
+        write(&dirs[3], &format!("seed-kvx-{heads}x{}", 32 * dims), &input);
     }
 }

@@ -30,7 +30,8 @@ import bisect
 import numpy as np
 import torch
 
-from weightszip.errors import InvalidArgumentError, LimitExceededError
+from weightszip import _core
+from weightszip.errors import InvalidArgumentError, LimitExceededError, TruncatedError
 from weightszip.kernels import kv_exact_ref as ref
 
 PAGE = ref.PAGE_TOKENS
@@ -39,6 +40,56 @@ PAGE = ref.PAGE_TOKENS
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidArgumentError(msg)
+
+
+def _u16(x) -> np.ndarray:
+    """16-bit patterns as a contiguous numpy uint16 array (bf16 tensors by their bits)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().contiguous().view(torch.int16).numpy()
+    a = np.ascontiguousarray(np.asarray(x))
+    _check(a.dtype.itemsize == 2 and a.dtype.kind in "uif", f"expected bf16 values or their 16-bit patterns, got {a.dtype}")
+    return a.view(np.uint16)
+
+
+def _bases(bases, channels: int) -> bytes:
+    b = bases.detach().cpu().numpy() if isinstance(bases, torch.Tensor) else np.asarray(bases)
+    _check(b.dtype == np.uint8 and b.size == channels, f"bases must be {channels} uint8 window tops")
+    return b.tobytes()
+
+
+def cpu_calibrate_bases(samples) -> np.ndarray:
+    """Window tops uint8 [C] from ``[rows, C]`` bf16 samples, by the Rust codec (the same choice as
+    ``kv_exact_ref.calibrate_bases``)."""
+    a = _u16(samples)
+    _check(a.ndim == 2 and a.size > 0, "samples must be [rows, channels]")
+    return np.frombuffer(_core.kvx_calibrate(a.shape[1], a.ctypes.data, a.nbytes), np.uint8).copy()
+
+
+def cpu_encode_pages(values, bases) -> tuple[bytes, np.ndarray]:
+    """KV Exact pages of ``[n, 16, H, D]`` bf16 values by the Rust codec (the bytes the GPU kernels
+    read and ``kv_exact_ref.encode_pages`` writes): (pages back to back, int64 offsets [n + 1])."""
+    a = _u16(values)
+    _check(a.ndim == 4 and a.shape[1] == PAGE, f"values must be [n, {PAGE}, heads, head_dim], got {a.shape}")
+    _, _, h, d = a.shape
+    buf, offs = _core.kvx_encode(h, d, _bases(bases, h * d), a.ctypes.data, a.nbytes)
+    return buf, np.asarray(offs, np.int64)
+
+
+def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarray:
+    """Validate and decode KV Exact pages stored back to back (page i = ``buf[offsets[i]:offsets[i +
+    1]]``) by the Rust codec: uint16 ``[n, 16, heads, head_dim]``. Damaged or hostile bytes raise
+    TruncatedError / CorruptDataError naming the page."""
+    src = np.frombuffer(buf, np.uint8) if isinstance(buf, (bytes, bytearray, memoryview)) else np.ascontiguousarray(buf).view(np.uint8)
+    offs = np.asarray(offsets).reshape(-1)
+    _check(offs.size >= 1 and offs.dtype.kind in "iu", "offsets must be n + 1 integers")
+    if (offs < 0).any() or (offs > src.nbytes).any():
+        raise TruncatedError(f"page offsets outside a {src.nbytes}-byte buffer")
+    n = offs.size - 1
+    _check(heads > 0 and head_dim > 0, "heads and head_dim must be positive")
+    out = np.empty((n, PAGE, heads, head_dim), np.uint16)
+    _core.kvx_decode(heads, head_dim, _bases(bases, heads * head_dim), src.ctypes.data, src.nbytes,
+                     [int(o) for o in offs], out.ctypes.data, out.nbytes)
+    return out
 
 
 class PageHeap:

@@ -7,6 +7,7 @@ pub mod codec;
 pub mod dtype;
 pub mod error;
 pub mod format;
+pub mod kvx;
 pub mod page;
 pub mod rans;
 

@@ -7,6 +7,7 @@
 
 use std::path::PathBuf;
 
+mod kvx;
 mod page;
 
 mod store;
@@ -298,6 +299,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_file, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     page::register(m)?;
+    kvx::register(m)?;
     store::register(m)?;
     Ok(())
 }

@@ -1,0 +1,367 @@
+//! KV Exact pages (docs/FORMAT.md, "KV Exact pages, version 1"): lossless bf16 pages of a paged KV
+//! cache that the GPU attention kernel decodes as tiles. The same bytes as the PyTorch reference
+//! (`triton_kernels/kv_exact_ref.py`) and the kernel's tile loader.
+//!
+//! Read me first:
+//! - A page is 16 tokens of one layer, `heads` KV heads of `head_dim` channels (a multiple of 32),
+//!   values bf16 in token-major order (`v[t][h][d]`), K or V.
+//! - Each value's exponent is a 3-bit code against a per-channel window top `base` (`base - e`
+//!   when it lies in 0..=6, else 7 = escape and the exponent byte goes to the head's exception
+//!   list); sign and mantissa are a raw byte stored verbatim.
+//! - Layout: a header of `heads + 1` u32 offsets (padded to 16 bytes), then per head three code
+//!   planes (`3 x 16 x head_dim / 8` bytes) and the raw bytes (`16 x head_dim`), then every head's
+//!   exception bytes, then zeros to a multiple of 16.
+//! - The decoder checks every rule, so a page that decodes re-encodes to the same bytes.
+
+use crate::error::{Error, Result};
+
+/// Tokens per page.
+pub const PAGE_TOKENS: usize = 16;
+/// Code of an exponent outside the window.
+pub const ESCAPE: u8 = 7;
+/// Exponents a window codes without escape.
+pub const WINDOW: i32 = 7;
+/// Pages start and end at multiples of this many bytes.
+pub const ALIGN: usize = 16;
+/// Most channels in a page (heads x head_dim), as for the exact page profile.
+pub const MAX_CHANNELS: usize = 1 << 16;
+
+fn corrupt(page: usize, what: &str) -> Error {
+    Error::Corrupt(format!("KV Exact page {page}: {what}"))
+}
+
+/// The shape of a page: KV heads and channels per head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub heads: usize,
+    pub head_dim: usize,
+}
+
+impl Shape {
+    pub fn new(heads: usize, head_dim: usize) -> Result<Self> {
+        if heads == 0 || head_dim == 0 || !head_dim.is_multiple_of(32) {
+            return Err(Error::InvalidArgument(format!(
+                "KV Exact pages need heads > 0 and head_dim a positive multiple of 32, not {heads} x {head_dim}"
+            )));
+        }
+        if heads.checked_mul(head_dim).is_none_or(|c| c > MAX_CHANNELS) {
+            return Err(Error::LimitExceeded(format!("{heads} x {head_dim} channels (at most {MAX_CHANNELS})")));
+        }
+        Ok(Shape { heads, head_dim })
+    }
+    pub fn channels(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    /// Bytes of the header: `heads + 1` u32, padded to 16.
+    pub fn header_bytes(&self) -> usize {
+        (4 * (self.heads + 1)).div_ceil(ALIGN) * ALIGN
+    }
+    /// Fixed bytes of one head: three planes and the raw bytes.
+    pub fn head_bytes(&self) -> usize {
+        22 * self.head_dim
+    }
+    /// Bytes of a page before its exceptions.
+    pub fn fixed_bytes(&self) -> usize {
+        self.header_bytes() + self.heads * self.head_bytes()
+    }
+    /// Bytes of 16 tokens of bf16 values.
+    pub fn raw_page_bytes(&self) -> usize {
+        2 * PAGE_TOKENS * self.channels()
+    }
+}
+
+fn code_of(base: u8, e: u8) -> u8 {
+    let d = base as i32 - e as i32;
+    if (0..WINDOW).contains(&d) {
+        d as u8
+    } else {
+        ESCAPE
+    }
+}
+
+/// Append one page to `out`: `values` are 16 x channels bf16 values as little-endian bytes
+/// (token-major, channel = head x head_dim + d), `bases` one window top per channel.
+pub fn encode_page(shape: Shape, bases: &[u8], values: &[u8], out: &mut Vec<u8>) -> Result<()> {
+    let c = shape.channels();
+    if bases.len() != c {
+        return Err(Error::InvalidArgument(format!("{} window tops for {c} channels", bases.len())));
+    }
+    if values.len() != shape.raw_page_bytes() {
+        return Err(Error::InvalidArgument(format!("a page is {} bytes of bf16, got {}", shape.raw_page_bytes(), values.len())));
+    }
+    let (h, d) = (shape.heads, shape.head_dim);
+    let start = out.len();
+    let fixed = shape.fixed_bytes();
+    out.resize(start + fixed, 0);
+    let mut exceptions: Vec<u8> = Vec::new();
+    let mut ex = Vec::with_capacity(h + 1);
+    for head in 0..h {
+        ex.push((fixed + exceptions.len()) as u32);
+        let hb = start + shape.header_bytes() + head * shape.head_bytes();
+        for t in 0..PAGE_TOKENS {
+            for dd in 0..d {
+                let ch = head * d + dd;
+                let i = 2 * (t * c + ch);
+                let v = u16::from_le_bytes([values[i], values[i + 1]]);
+                let e = ((v >> 7) & 0xFF) as u8;
+                let raw = (((v >> 8) & 0x80) | (v & 0x7F)) as u8;
+                let code = code_of(bases[ch], e);
+                if code == ESCAPE {
+                    exceptions.push(e);
+                }
+                for p in 0..3 {
+                    if (code >> p) & 1 == 1 {
+                        out[hb + p * PAGE_TOKENS * d / 8 + t * d / 8 + dd / 8] |= 1 << (dd % 8);
+                    }
+                }
+                out[hb + 6 * d + t * d + dd] = raw;
+            }
+        }
+    }
+    ex.push((fixed + exceptions.len()) as u32);
+    for (k, o) in ex.iter().enumerate() {
+        out[start + 4 * k..start + 4 * k + 4].copy_from_slice(&o.to_le_bytes());
+    }
+    out.extend_from_slice(&exceptions);
+    let len = (out.len() - start).div_ceil(ALIGN) * ALIGN;
+    out.resize(start + len, 0);
+    Ok(())
+}
+
+/// Encode `n` pages back to back: (bytes, offsets [n + 1]).
+pub fn encode_pages(shape: Shape, bases: &[u8], values: &[u8]) -> Result<(Vec<u8>, Vec<u64>)> {
+    let pb = shape.raw_page_bytes();
+    if !values.len().is_multiple_of(pb) {
+        return Err(Error::InvalidArgument(format!("{} bytes is not a whole number of {pb}-byte pages", values.len())));
+    }
+    let mut out = Vec::with_capacity(values.len() * 3 / 4);
+    let mut offsets = vec![0u64];
+    for page in values.chunks_exact(pb) {
+        encode_page(shape, bases, page, &mut out)?;
+        offsets.push(out.len() as u64);
+    }
+    Ok((out, offsets))
+}
+
+/// Decode one page of exactly `page.len()` bytes into `out` (16 x channels bf16, little endian),
+/// checking every rule of the format (`index` names the page in errors). Never panics.
+pub fn decode_page(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], index: usize) -> Result<()> {
+    let c = shape.channels();
+    if bases.len() != c {
+        return Err(Error::InvalidArgument(format!("{} window tops for {c} channels", bases.len())));
+    }
+    if out.len() != shape.raw_page_bytes() {
+        return Err(Error::BufferTooSmall { need: shape.raw_page_bytes() as u64, have: out.len() as u64 });
+    }
+    let (h, d) = (shape.heads, shape.head_dim);
+    let fixed = shape.fixed_bytes();
+    if page.len() < fixed {
+        return Err(Error::Truncated(format!("KV Exact page {index}: {} bytes, a page has at least {fixed}", page.len())));
+    }
+    if !page.len().is_multiple_of(ALIGN) {
+        return Err(corrupt(index, "length is not a multiple of 16"));
+    }
+    let hdr = shape.header_bytes();
+    if page[4 * (h + 1)..hdr].iter().any(|&b| b != 0) {
+        return Err(corrupt(index, "nonzero header padding"));
+    }
+    let ex: Vec<usize> = (0..=h)
+        .map(|k| u32::from_le_bytes([page[4 * k], page[4 * k + 1], page[4 * k + 2], page[4 * k + 3]]) as usize)
+        .collect();
+    if ex[0] != fixed {
+        return Err(corrupt(index, "first exception offset is wrong"));
+    }
+    if ex.windows(2).any(|w| w[1] < w[0]) {
+        return Err(corrupt(index, "exception offsets decrease"));
+    }
+    if ex[h] > page.len() {
+        return Err(Error::Truncated(format!("KV Exact page {index}: exceptions run past the page's end")));
+    }
+    if ex[h].div_ceil(ALIGN) * ALIGN != page.len() {
+        return Err(corrupt(index, "page longer than its exceptions and padding"));
+    }
+    if page[ex[h]..].iter().any(|&b| b != 0) {
+        return Err(corrupt(index, "nonzero padding after the exceptions"));
+    }
+    for head in 0..h {
+        let hb = hdr + head * shape.head_bytes();
+        let mut next = ex[head];
+        for t in 0..PAGE_TOKENS {
+            for dd in 0..d {
+                let ch = head * d + dd;
+                let mut code = 0u8;
+                for p in 0..3 {
+                    code |= ((page[hb + p * PAGE_TOKENS * d / 8 + t * d / 8 + dd / 8] >> (dd % 8)) & 1) << p;
+                }
+                let e = if code == ESCAPE {
+                    if next >= ex[head + 1] {
+                        return Err(corrupt(index, "more escapes than exception bytes"));
+                    }
+                    let e = page[next];
+                    next += 1;
+                    if code_of(bases[ch], e) != ESCAPE {
+                        return Err(corrupt(index, "an escaped exponent has a code"));
+                    }
+                    e
+                } else {
+                    let e = bases[ch] as i32 - code as i32;
+                    if e < 0 {
+                        return Err(corrupt(index, "a code points below exponent 0"));
+                    }
+                    e as u8
+                };
+                let raw = page[hb + 6 * d + t * d + dd] as u16;
+                let v = ((raw & 0x80) << 8) | ((e as u16) << 7) | (raw & 0x7F);
+                let o = 2 * (t * c + ch);
+                out[o..o + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        if next != ex[head + 1] {
+            return Err(corrupt(index, "fewer escapes than exception bytes"));
+        }
+    }
+    Ok(())
+}
+
+/// Decode pages stored back to back (`offsets` [n + 1], page i = `buf[offsets[i]..offsets[i + 1]]`)
+/// into `out` (n x 16 x channels bf16). Errors name the page; never panics.
+pub fn decode_pages(shape: Shape, bases: &[u8], buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
+    if offsets.is_empty() {
+        return Err(Error::InvalidArgument("offsets must hold n + 1 entries".into()));
+    }
+    let n = offsets.len() - 1;
+    let pb = shape.raw_page_bytes();
+    if out.len() != n.checked_mul(pb).ok_or_else(|| Error::LimitExceeded("too many pages".into()))? {
+        return Err(Error::BufferTooSmall { need: (n * pb) as u64, have: out.len() as u64 });
+    }
+    if offsets[0] != 0 || offsets[n] != buf.len() as u64 {
+        return Err(Error::Truncated(format!("page offsets cover bytes {}..{} of a {}-byte buffer", offsets[0], offsets[n], buf.len())));
+    }
+    for i in 0..n {
+        let (a, b) = (offsets[i], offsets[i + 1]);
+        if b < a {
+            return Err(Error::Corrupt(format!("KV Exact page {i}: offsets decrease")));
+        }
+        decode_page(shape, bases, &buf[a as usize..b as usize], &mut out[i * pb..(i + 1) * pb], i)?;
+    }
+    Ok(())
+}
+
+/// Window tops from sample values (bf16 little endian, `channels` per row): per channel the
+/// exponent b whose window [b - 6, b] holds the most samples (the smallest on ties).
+pub fn calibrate_bases(channels: usize, samples: &[u8]) -> Result<Vec<u8>> {
+    if channels == 0 || samples.is_empty() || !samples.len().is_multiple_of(2 * channels) {
+        return Err(Error::InvalidArgument(format!("samples must be whole rows of {channels} bf16 values")));
+    }
+    let mut hist = vec![[0u64; 256]; channels];
+    for (i, v) in samples.chunks_exact(2).enumerate() {
+        let e = (u16::from_le_bytes([v[0], v[1]]) >> 7) & 0xFF;
+        hist[i % channels][e as usize] += 1;
+    }
+    Ok(hist
+        .iter()
+        .map(|hc| {
+            let mut best = (0u64, 0u8);
+            for top in 0..256usize {
+                let lo = top.saturating_sub(WINDOW as usize - 1);
+                let m: u64 = hc[lo..=top].iter().sum();
+                if m > best.0 {
+                    best = (m, top as u8);
+                }
+            }
+            best.1
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sample(shape: Shape, pages: usize, seed: u64) -> Vec<u8> {
+        // bf16-like values: exponents around 120 with a geometric tail, random sign and mantissa
+        let mut s = seed | 1;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let mut out = Vec::new();
+        for _ in 0..pages * PAGE_TOKENS * shape.channels() {
+            let r = next();
+            let e = 124u16.saturating_sub((r % 64).trailing_zeros() as u16 * 2 + (r >> 60) as u16 % 3);
+            let v = ((r >> 20) as u16 & 0x807F) | (e << 7);
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    #[test]
+    fn round_trip_and_size() {
+        let shape = Shape::new(3, 64).unwrap();
+        let vals = sample(shape, 8, 7);
+        let bases = calibrate_bases(shape.channels(), &vals).unwrap();
+        let (buf, offs) = encode_pages(shape, &bases, &vals).unwrap();
+        let mut out = vec![0u8; vals.len()];
+        decode_pages(shape, &bases, &buf, &offs, &mut out).unwrap();
+        assert_eq!(out, vals);
+        assert!(buf.len() * 16 >= vals.len() * 11, "at least 11 of 16 bits");
+    }
+
+    #[test]
+    fn every_bf16_pattern() {
+        let shape = Shape::new(2, 32).unwrap();
+        let vals: Vec<u8> = (0..=u16::MAX).flat_map(|v| v.to_le_bytes()).collect();
+        for base in [0u8, 3, 127, 255] {
+            let bases = vec![base; 64];
+            let (buf, offs) = encode_pages(shape, &bases, &vals).unwrap();
+            let mut out = vec![0u8; vals.len()];
+            decode_pages(shape, &bases, &buf, &offs, &mut out).unwrap();
+            assert_eq!(out, vals);
+        }
+    }
+
+    #[test]
+    fn hostile_pages_are_errors() {
+        let shape = Shape::new(2, 32).unwrap();
+        let vals = sample(shape, 1, 3);
+        let bases = calibrate_bases(64, &vals).unwrap();
+        let (buf, offs) = encode_pages(shape, &bases, &vals).unwrap();
+        let mut out = vec![0u8; vals.len()];
+        assert!(decode_pages(shape, &bases, &buf[..buf.len() - 16], &[0, offs[1] - 16], &mut out).is_err());
+        let mut bad = buf.clone();
+        bad[0] ^= 1;
+        assert!(matches!(decode_pages(shape, &bases, &bad, &offs, &mut out), Err(Error::Corrupt(_))));
+        assert!(Shape::new(2, 48).is_err());
+        assert!(decode_pages(shape, &bases, &buf, &[0, 5], &mut out).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn prop_round_trip(seed in any::<u64>(), bases in proptest::collection::vec(any::<u8>(), 64)) {
+            let shape = Shape::new(2, 32).unwrap();
+            let vals = sample(shape, 2, seed);
+            let (buf, offs) = encode_pages(shape, &bases, &vals).unwrap();
+            let mut out = vec![0u8; vals.len()];
+            decode_pages(shape, &bases, &buf, &offs, &mut out).unwrap();
+            prop_assert_eq!(out, vals);
+        }
+
+        #[test]
+        fn prop_damaged_page_errs_or_reencodes(seed in any::<u64>(), at in any::<usize>(), bit in 0u8..8) {
+            let shape = Shape::new(2, 32).unwrap();
+            let vals = sample(shape, 1, seed);
+            let bases = calibrate_bases(64, &vals).unwrap();
+            let (mut buf, offs) = encode_pages(shape, &bases, &vals).unwrap();
+            let i = at % buf.len();
+            buf[i] ^= 1 << bit;
+            let mut out = vec![0u8; vals.len()];
+            if decode_pages(shape, &bases, &buf, &offs, &mut out).is_ok() {
+                let (again, _) = encode_pages(shape, &bases, &out).unwrap();
+                prop_assert_eq!(again, buf);
+            }
+        }
+    }
+}
