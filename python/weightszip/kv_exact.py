@@ -26,6 +26,8 @@ the first page each layer writes.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import math
 
 import numpy as np
 import torch
@@ -354,14 +356,35 @@ class KVExactCache:
         self._bt_rows = self.block_table[rows].contiguous()
         return self.attn.plan(lens, self._bt_rows)
 
-    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None, *,
+               reference: bool = False) -> torch.Tensor:
         """Decode attention of ``q`` [len(seqs), num_q_heads, head_dim] over layer ``layer`` of the
-        planned sequences (their length must be the planned one)."""
+        planned sequences (their length must be the planned one). ``reference``: the same kernel
+        (config, plan) over the pages decoded to a bf16 pool first, for checking that compression
+        changes nothing (slow: it decodes every page the plan reads)."""
         _check(self._planned is not None, "call plan() before attend()")
         seqs, lens = self._planned
         _check(bool((self.length[layer, seqs] == lens).all()),
                f"layer {layer}: the sequences' lengths differ from the planned ones (append first)")
         ring = self.ring[layer][:, torch.as_tensor(seqs, device=self.device)]
+        if reference:
+            from weightszip.kernels import PagedDecodeAttention
+            from weightszip.kernels.paged_decode import dequantize_exact_pages
+
+            used = np.unique(self._bt[seqs][self._bt[seqs] >= 0])
+            pools = []
+            for kind in range(2):
+                pool = torch.zeros((self.num_blocks, self.H, PAGE, self.D), dtype=torch.bfloat16, device=self.device)
+                if used.size:
+                    ut = torch.as_tensor(used, device=self.device)
+                    bits = dequantize_exact_pages(self.heap.buf, self.offsets[layer, kind, ut].contiguous(),
+                                                  self.bases[layer, kind], self.H, self.D)
+                    pool[ut] = bits.view(torch.bfloat16).transpose(1, 2)
+                pools.append(pool)
+            att = PagedDecodeAttention(self.hq, self.H, self.D, page_type="bf16", block_size=PAGE, window=PAGE,
+                                       sm_scale=self.attn.sm_scale, config=self.attn.config, device=self.device)
+            att.plan(lens, self._bt_rows)
+            return att.run(q, pools[0], pools[1], k_side=ring[0], v_side=ring[1], out=out)
         return self.attn.run(q, self.heap.buf, self.heap.buf, k_side=ring[0], v_side=ring[1],
                              k_offsets=self.offsets[layer, 0], v_offsets=self.offsets[layer, 1],
                              k_bases=self.bases[layer, 0], v_bases=self.bases[layer, 1], out=out)
@@ -394,3 +417,84 @@ class KVExactCache:
         return {"pages": pages, "page_bytes": page_bytes, "offset_bytes": side,
                 "ring_bytes": self.ring.numel() * 2, "tokens": tokens, "paged_tokens": paged_tokens,
                 "ratio_vs_bf16": (page_bytes + side) / bf16 if bf16 else None, "heap": self.heap.stats()}
+
+
+# ------------------------------------------------------------------- generation through the cache
+
+_ATTN_NAME = "weightszip_kv_exact"
+_STATE: dict = {}
+
+
+def _kv_exact_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``AttentionInterface`` function: the prompt attends with torch SDPA (causal) and fills the cache;
+    a single new token is appended and attends through the cache's kernel."""
+    cache: KVExactCache = _STATE["cache"]
+    seq = _STATE["seq"]
+    layer = module.layer_idx
+    b, hq, t, d = query.shape
+    _check(b == 1, "generation through the KV Exact cache runs one sequence")
+    k = key.transpose(1, 2).to(torch.bfloat16).contiguous()  # [1, t, H, d]
+    v = value.transpose(1, 2).to(torch.bfloat16).contiguous()
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or d**-0.5
+    if t > 1:
+        _check(int(cache.length[layer, seq]) == 0, "a prompt must be the first thing the cache sees")
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                               enable_gqa=True)
+        cache.append(layer, [seq], k, v)
+        return out.transpose(1, 2).contiguous(), None
+    cache.append(layer, [seq], k, v)
+    o = cache.attend(layer, query[:, :, 0, :].to(torch.bfloat16).contiguous(), reference=_STATE["reference"])
+    return o.view(1, 1, hq, d).to(query.dtype), None
+
+
+@contextlib.contextmanager
+def kv_exact_attention(model, cache: KVExactCache, seq: int, *, reference: bool = False):
+    """Within the block, ``model``'s attention layers (transformers) read and write ``cache``
+    (sequence ``seq``); ``reference``: through the same kernel over bf16 pages decoded from it."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    base = model.config._attn_implementation
+    AttentionInterface.register(_ATTN_NAME, _kv_exact_attention)
+    AttentionMaskInterface.register(_ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS[base if base in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"])
+    _STATE.update(cache=cache, seq=seq, reference=reference)
+    model.set_attn_implementation(_ATTN_NAME)
+    try:
+        yield cache
+    finally:
+        _STATE.clear()
+        model.set_attn_implementation(base)
+
+
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, reference: bool = False, config=None,
+             heap_bytes: int | None = None) -> tuple[list[int], list[torch.Tensor], dict]:
+    """Greedy decoding of ``max_new_tokens`` after ``input_ids`` [1, n] with the model's attention
+    reading a ``KVExactCache`` (window tops from the prompt's own pages). Returns (tokens, the last
+    position's fp32 logits per step, the cache's stats). ``reference``: the same, with every decode
+    step's attention run by the same kernel over the pages decoded to bf16."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    dev = model.device
+    n = input_ids.shape[1]
+    total = n + max_new_tokens
+    per_token = cfg.num_hidden_layers * 2 * hkv * d * 2
+    cache = KVExactCache(layers=cfg.num_hidden_layers, kv_heads=hkv, head_dim=d, num_q_heads=cfg.num_attention_heads,
+                         heap_bytes=heap_bytes or per_token * (total + PAGE) + (1 << 16), max_seqs=1, max_tokens=total,
+                         device=dev, sm_scale=1.0 / math.sqrt(d), config=config)
+    seq = cache.add_sequence()
+    toks, logits = [], []
+    with torch.inference_mode(), kv_exact_attention(model, cache, seq, reference=reference):
+        out = model(input_ids=input_ids.to(dev), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+        for step in range(max_new_tokens):
+            nxt = int(out.argmax())
+            toks.append(nxt)
+            logits.append(out.cpu())
+            if step + 1 == max_new_tokens:
+                break
+            cache.plan([seq], new_tokens=1)
+            pos = torch.tensor([[n + step]], device=dev)
+            out = model(input_ids=torch.tensor([[nxt]], device=dev), position_ids=pos, use_cache=False).logits[0, -1].float()
+    stats = cache.stats()
+    return toks, logits, stats
