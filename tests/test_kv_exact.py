@@ -442,3 +442,28 @@ def test_generation_through_the_cache_matches_bf16_pages():
     assert a_toks == b_toks
     assert all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
     assert stats["pages"] == 4 * 2 * 4 and 0.69 < stats["ratio_vs_bf16"] < 0.75
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=80))
+def test_page_heap_regions_never_overlap(ops):
+    """Random allocations (sizes 16..640 bytes) and frees: live regions stay inside the heap and
+    disjoint, ``used`` is their total, and a failed allocation changes nothing."""
+    h = PageHeap(4096, device="cpu")
+    live: dict[int, int] = {}
+    for is_alloc, units in ops:
+        if is_alloc or not live:
+            before = (h.used, h.top, h.stats()["free_listed"])
+            try:
+                off = int(h.alloc([16 * units])[0])
+            except LimitExceededError:
+                assert (h.used, h.top, h.stats()["free_listed"]) == before
+                continue
+            live[off] = 16 * units
+        else:
+            off = sorted(live)[units % len(live)]
+            h.free([off], [live.pop(off)])
+        spans = sorted(live.items())
+        assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
+        assert all(0 <= a and a + n <= h.capacity for a, n in spans)
+        assert h.used == sum(live.values())
