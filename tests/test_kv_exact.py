@@ -467,3 +467,37 @@ def test_page_heap_regions_never_overlap(ops):
         assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
         assert all(0 <= a and a + n <= h.capacity for a, n in spans)
         assert h.used == sum(live.values())
+
+
+def test_offload_and_restore_a_sequence(real):
+    """A sequence leaves the cache as its compressed page bytes and comes back (into other heap
+    regions and blocks) with the same values and the same attention output."""
+    cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=3,
+                         max_tokens=256, device=DEVICE, config=CFG)
+    s0, s1 = cache.add_sequence(), cache.add_sequence()
+    g = torch.Generator().manual_seed(3)
+    _run_cache(real, cache, [(s0, 50), (s1, 90)], steps=2, g=g)
+    before = [cache.dense(layer, s1) for layer in range(3)]
+    q = torch.randn((1, HQ, D), generator=g).to(torch.bfloat16).to(DEVICE)
+    cache.plan([s1])
+    out_before = cache.attend(2, q)
+    off = cache.offload_sequence(s1, chunk_bytes=9000)  # several chunks
+    assert off.data.numel() == int(off.sizes.sum()) and off.nbytes < 0.75 * 92 * 3 * 2 * H * D * 2 + off.ring.numel() * 2
+    s2 = cache.add_sequence()  # takes the freed slot and regions first
+    _run_cache(real, cache, [(s2, 40)], steps=1, g=g)
+    s3 = cache.restore_sequence(off, chunk_bytes=9000)
+    for layer in range(3):
+        k, v = cache.dense(layer, s3)
+        assert torch.equal(k, before[layer][0]) and torch.equal(v, before[layer][1])
+    cache.plan([s3])
+    assert torch.equal(cache.attend(2, q), out_before)
+    other = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
+                         max_tokens=256, device=DEVICE, config=CFG,
+                         bases=torch.full((3, 2, H, D), 120, dtype=torch.uint8))
+    with pytest.raises(InvalidArgumentError):
+        other.restore_sequence(off)
+    full = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=20000, max_seqs=2,
+                        max_tokens=256, device=DEVICE, config=CFG, bases=off.bases)
+    with pytest.raises(LimitExceededError):
+        full.restore_sequence(off)
+    assert full.heap.used == 0 and not full._live

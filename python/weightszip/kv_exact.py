@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -92,6 +93,31 @@ def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarr
     _core.kvx_decode(heads, head_dim, _bases(bases, heads * head_dim), src.ctypes.data, src.nbytes,
                      [int(o) for o in offs], out.ctypes.data, out.nbytes)
     return out
+
+
+@dataclass
+class OffloadedSequence:
+    """One sequence of a ``KVExactCache`` in host memory, as its compressed page bytes: ``data``
+    (uint8, pinned when the cache is on a GPU) holds every page in (layer, K/V, page) order,
+    ``sizes`` int64 [layers, 2, pages] their lengths; ``ring`` the bf16 ring [layers, 2, 16, H, D];
+    ``lengths`` the tokens per layer; ``bases`` the window tops the pages were coded with."""
+
+    data: torch.Tensor
+    sizes: np.ndarray
+    ring: torch.Tensor
+    lengths: np.ndarray
+    bases: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel() + self.ring.numel() * 2)
+
+
+def _rows16(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """16-byte row indices of regions (byte offsets and sizes, multiples of 16) back to back."""
+    rows = sizes // 16
+    first = torch.repeat_interleave(offsets // 16 - (torch.cumsum(rows, 0) - rows), rows)
+    return first + torch.arange(int(rows.sum()), device=offsets.device)
 
 
 class PageHeap:
@@ -388,6 +414,77 @@ class KVExactCache:
         return self.attn.run(q, self.heap.buf, self.heap.buf, k_side=ring[0], v_side=ring[1],
                              k_offsets=self.offsets[layer, 0], v_offsets=self.offsets[layer, 1],
                              k_bases=self.bases[layer, 0], v_bases=self.bases[layer, 1], out=out)
+
+    # -- offload ---------------------------------------------------------------------------------------
+    def offload_sequence(self, seq: int, *, free: bool = True, chunk_bytes: int = 64 << 20) -> OffloadedSequence:
+        """Copy a sequence's pages (their compressed bytes: no decoding) and ring to host memory,
+        in chunks of about ``chunk_bytes``; ``free``: then free it in the cache."""
+        self._check_seq(seq)
+        pages = int(self.length[:, seq].max()) // PAGE
+        blocks = self._bt[seq, :pages]
+        _check(bool((blocks >= 0).all()), "a page of the sequence has no block")
+        sizes = self.sizes[:, :, blocks].copy()  # [L, 2, pages]
+        pin = self.device.type == "cuda"
+        data = torch.empty(int(sizes.sum()), dtype=torch.uint8, pin_memory=pin)
+        heap16 = self.heap.buf.view(-1, 16)
+        bt = torch.as_tensor(blocks, device=self.device)
+        offs = self.offsets[:, :, bt].reshape(-1)  # (layer, kind, page) order, as sizes
+        sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
+        pos, i, n = 0, 0, offs.numel()
+        while i < n:
+            j, acc = i, 0
+            while j < n and (acc == 0 or acc + int(sizes.reshape(-1)[j]) <= chunk_bytes):
+                acc += int(sizes.reshape(-1)[j])
+                j += 1
+            rows = heap16[_rows16(offs[i:j], sz[i:j])]
+            data[pos:pos + acc].copy_(rows.view(-1), non_blocking=pin)
+            pos, i = pos + acc, j
+        ring = self.ring[:, :, seq].to("cpu", copy=True)  # a copy even when the cache is on the CPU
+        if pin:
+            torch.cuda.current_stream(self.device).synchronize()
+        out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone())
+        if free:
+            self.free_sequence(seq)
+        return out
+
+    def restore_sequence(self, off: OffloadedSequence, *, chunk_bytes: int = 64 << 20) -> int:
+        """A new sequence holding an offloaded one (pages copied back as they are, into new heap
+        regions). Needs the same window tops (InvalidArgumentError otherwise); on a full heap or
+        no free slot, LimitExceededError and the cache as before."""
+        _check(torch.equal(off.bases, self.bases.cpu()), "the sequence was coded with other window tops")
+        L, _, pages = off.sizes.shape
+        _check(L == self.L and pages <= self.max_pages and tuple(off.ring.shape) == (self.L, 2, PAGE, self.H, self.D),
+               "the offloaded sequence does not fit this cache's shape")
+        seq = self.add_sequence()
+        flat = off.sizes.reshape(-1)
+        try:
+            if len(self._free_blocks) < pages:
+                raise LimitExceededError("KV Exact cache: no free block ids")
+            offs = self.heap.alloc(flat)
+        except LimitExceededError:
+            self.free_sequence(seq)
+            raise
+        blocks = np.asarray([self._free_blocks.pop() for _ in range(pages)], dtype=np.int64)
+        self._bt[seq, :pages] = blocks
+        bt = torch.as_tensor(blocks, device=self.device)
+        self.block_table[seq, :pages] = bt.to(torch.int32)
+        offs_t = torch.as_tensor(offs, device=self.device)
+        sz = torch.as_tensor(flat, device=self.device)
+        heap16 = self.heap.buf.view(-1, 16)
+        pos, i, n = 0, 0, flat.size
+        while i < n:
+            j, acc = i, 0
+            while j < n and (acc == 0 or acc + int(flat[j]) <= chunk_bytes):
+                acc += int(flat[j])
+                j += 1
+            chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
+            heap16[_rows16(offs_t[i:j], sz[i:j])] = chunk.view(-1, 16)
+            pos, i = pos + acc, j
+        self.offsets[:, :, bt] = offs_t.view(L, 2, pages)
+        self.sizes[:, :, blocks] = off.sizes
+        self.ring[:, :, seq] = off.ring.to(self.device)
+        self.length[:, seq] = off.lengths
+        return seq
 
     # -- inspection ------------------------------------------------------------------------------------
     def dense(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
