@@ -581,17 +581,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, reference: 
                          heap_bytes=heap_bytes or per_token * (total + PAGE) + (1 << 16), max_seqs=1, max_tokens=total,
                          device=dev, sm_scale=1.0 / math.sqrt(d), config=config)
     seq = cache.add_sequence()
-    toks, logits = [], []
+    from weightszip.models import greedy_decode
+
     with torch.inference_mode(), kv_exact_attention(model, cache, seq, reference=reference):
-        out = model(input_ids=input_ids.to(dev), use_cache=False, logits_to_keep=1).logits[0, -1].float()
-        for step in range(max_new_tokens):
-            nxt = int(out.argmax())
-            toks.append(nxt)
-            logits.append(out.cpu())
-            if step + 1 == max_new_tokens:
-                break
-            cache.plan([seq], new_tokens=1)
-            pos = torch.tensor([[n + step]], device=dev)
-            out = model(input_ids=torch.tensor([[nxt]], device=dev), position_ids=pos, use_cache=False).logits[0, -1].float()
+        toks, logits = greedy_decode(model, input_ids, max_new_tokens, before_step=lambda: cache.plan([seq], new_tokens=1))
     stats = cache.stats()
     return toks, logits, stats

@@ -287,6 +287,30 @@ def tokenize_text(tok, text_path: Path, n_tokens: int, offset: int = 0):
     return ids[:, offset:want], files
 
 
+def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None) -> tuple[list[int], list]:
+    """Greedy decoding with the model's own KV cache off (an attention hook holds the cache): one
+    forward over the prompt, then one per new token at its position; ``before_step()`` runs before
+    each new token's forward (a paged cache plans its step there). Returns the tokens and each
+    step's last-position logits (fp32, on the CPU)."""
+    import torch
+
+    dev = model.device
+    n = input_ids.shape[1]
+    toks, logits = [], []
+    out = model(input_ids=input_ids.to(dev), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    for step in range(max_new_tokens):
+        nxt = int(out.argmax())
+        toks.append(nxt)
+        logits.append(out.cpu())
+        if step + 1 == max_new_tokens:
+            break
+        if before_step is not None:
+            before_step()
+        pos = torch.tensor([[n + step]], device=dev)
+        out = model(input_ids=torch.tensor([[nxt]], device=dev), position_ids=pos, use_cache=False).logits[0, -1].float()
+    return toks, logits
+
+
 def capture(
     model_key: str,
     text_path: Path,

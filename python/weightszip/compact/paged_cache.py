@@ -28,6 +28,7 @@ import torch
 from weightszip.compact import codec
 from weightszip.compact.calibrate import Calibration
 from weightszip.errors import InvalidArgumentError
+from weightszip.models import greedy_decode
 
 ATTN_NAME = "weightszip_paged_compact"
 
@@ -216,17 +217,8 @@ def generate_paged(model, calibration: Calibration, fmt: str, input_ids: torch.T
     n = input_ids.shape[1]
     cache = PagedCompactCache(calibration, fmt, num_q_heads=hq, max_tokens=n + max_new_tokens, device=dev,
                               block_size=block_size, sm_scale=scale)
-    toks, logits = [], []
     with torch.inference_mode(), paged_compact_attention(model, cache):
-        out = model(input_ids=input_ids.to(dev), use_cache=False, logits_to_keep=1).logits[0, -1].float()
-        for step in range(max_new_tokens):
-            nxt = int(out.argmax())
-            toks.append(nxt)
-            logits.append(out.cpu())
-            if step + 1 == max_new_tokens:
-                break
-            pos = torch.tensor([[n + step]], device=dev)
-            out = model(input_ids=torch.tensor([[nxt]], device=dev), position_ids=pos, use_cache=False).logits[0, -1].float()
+        toks, logits = greedy_decode(model, input_ids, max_new_tokens)
     return Generation(toks, logits)
 
 
