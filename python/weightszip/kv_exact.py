@@ -21,6 +21,12 @@ cache would give, so its output is bit for bit the output of the same kernel ove
 Window tops (``bases``, one byte per channel per layer and K/V) set the page size, never the
 values: pass calibrated ones (``calibrate_bases`` over sample KV) or let the cache take them from
 the first page each layer writes.
+
+Also here: ``offload_sequence`` / ``restore_sequence`` (a sequence's compressed pages to host memory
+and back, no decoding), ``generate`` / ``kv_exact_attention`` (a transformers model's attention
+reading the cache; ``attend(reference=True)`` runs the same kernel over the pages decoded to bf16),
+and ``cpu_encode_pages`` / ``cpu_decode_pages`` (the Rust codec: the same bytes on the CPU,
+validating every page).
 """
 
 from __future__ import annotations
