@@ -406,6 +406,8 @@ def test_cache_errors(real):
         cache.attend(0, torch.zeros((1, HQ, D), dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(InvalidArgumentError):
         cache.free_sequence(5)
+    with pytest.raises(InvalidArgumentError):
+        cache.append(0, [s, s], x[:, :1].expand(2, 1, H, D), x[:, :1].expand(2, 1, H, D))
 
 
 def test_calibrate_bases_shape(real):

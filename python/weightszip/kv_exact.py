@@ -292,6 +292,7 @@ class KVExactCache:
         seqs = [int(s) for s in seqs]
         for s in seqs:
             self._check_seq(s)
+        _check(len(set(seqs)) == len(seqs), "a sequence appears twice in one append")
         n, T = len(seqs), k.shape[1] if k.dim() == 4 else -1
         for name, x in (("k", k), ("v", v)):
             _check(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
