@@ -503,3 +503,69 @@ def test_offload_and_restore_a_sequence(real):
     with pytest.raises(LimitExceededError):
         full.restore_sequence(off)
     assert full.heap.used == 0 and not full._live
+
+
+def test_page_heap_merges_free_neighbours():
+    h = PageHeap(64, device="cpu")
+    a = h.alloc([32, 32])
+    h.free(a, [32, 32])  # forward order: the first is not at the top when freed
+    assert h.top == 0 and h.stats()["free_regions"] == 0
+    assert h.alloc([48]).tolist() == [0]
+    h = PageHeap(64, device="cpu")
+    keep = h.alloc([16])
+    with pytest.raises(LimitExceededError):
+        h.alloc([16, 16, 16, 32])  # the rollback merges what it took
+    assert h.alloc([48]).tolist() == [16]
+    h.free(keep, [16])
+    h2 = PageHeap(96, device="cpu")
+    x = h2.alloc([16, 16, 16, 16])
+    h2.free(x[[0, 2]], [16, 16])
+    h2.free(x[1:2], [16])  # joins both neighbours into one 48-byte region
+    assert h2.stats()["free_regions"] == 1 and h2.alloc([48]).tolist() == [0]
+
+
+def test_plan_reserves_the_blocks_of_pages_the_step_completes(real):
+    """plan(new_tokens=10): the page that the appends complete gets its block id at plan time, so the
+    kernel reads it (not another sequence's page through a stale block table)."""
+    cache = KVExactCache(layers=1, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=2,
+                         max_tokens=128, device=DEVICE, config=CFG)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    t = lambda kind, pos, s: tokens(real, kind, 0, pos, s)[None].view(torch.bfloat16).to(DEVICE)  # noqa: E731
+    cache.append(0, [a], t(0, torch.arange(40), a), t(1, torch.arange(40), a))
+    cache.append(0, [b], t(0, torch.arange(30), b), t(1, torch.arange(30), b))
+    q = torch.randn((1, HQ, D), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
+    cache.plan([b], new_tokens=10)
+    cache.append(0, [b], t(0, torch.arange(30, 40), b), t(1, torch.arange(30, 40), b))
+    out = cache.attend(0, q)
+    cache.plan([b])
+    assert torch.equal(out, cache.attend(0, q))
+    assert torch.equal(out, cache.attend(0, q, reference=True))
+
+
+def test_failed_store_leaves_the_window_tops_unset(real):
+    cache = KVExactCache(layers=1, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=4096, max_seqs=1,
+                         max_tokens=64, device=DEVICE, config=CFG)
+    s = cache.add_sequence()
+    x = tokens(real, 0, 0, torch.arange(16), s)[None].view(torch.bfloat16).to(DEVICE)
+    with pytest.raises(LimitExceededError):
+        cache.append(0, [s], x, x)
+    assert not cache._calibrated.any() and int(cache.bases.sum()) == 0 and cache.heap.used == 0
+
+
+def test_restore_checks_window_tops_only_where_pages_are(real):
+    """A sequence without pages in some (layer, kind) restores into a cache whose window tops there
+    differ; a cache without window tops adopts the sequence's."""
+    src = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
+                       max_tokens=64, device=DEVICE, config=CFG)
+    s = src.add_sequence()
+    x = tokens(real, 0, 0, torch.arange(20), s)[None].view(torch.bfloat16).to(DEVICE)
+    src.append(0, [s], x, x)  # layer 0: one page; layers 1, 2: ring only
+    src.append(1, [s], x[:, :10], x[:, :10])
+    off = src.offload_sequence(s)
+    dst = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
+                       max_tokens=64, device=DEVICE, config=CFG)
+    r = dst.restore_sequence(off)
+    assert dst._calibrated[0].all() and not dst._calibrated[1:].any()
+    k, _ = dst.dense(0, r)
+    assert torch.equal(k.view(torch.int16), x[0].view(torch.int16))
+    assert torch.equal(dst.dense(1, r)[0].view(torch.int16), x[0, :10].view(torch.int16))

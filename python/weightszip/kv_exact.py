@@ -129,10 +129,11 @@ def _rows16(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
 class PageHeap:
     """Variable-size regions (multiples of 16 bytes) in one uint8 tensor.
 
-    Freed regions go to a free list of their exact size; an allocation takes a region of its exact
-    size, else fresh space at the top, else the smallest larger free region (split, the rest back
-    to its list). Pages of a layer differ by a few dozen bytes, so exact-size reuse is the common
-    case. Raises LimitExceededError when no region fits (nothing is allocated then)."""
+    Free regions are kept by size (sets of offsets) and merged with free neighbours as they are
+    freed, and space freed at the top lowers the top. An allocation takes a free region of its exact
+    size, else fresh space at the top, else the smallest larger free region (split, the rest stays
+    free). Pages of a layer differ by a few dozen bytes, so exact-size reuse is the common case.
+    ``alloc`` is all or nothing: on LimitExceededError the heap is as before (free space merged)."""
 
     def __init__(self, capacity: int, device="cuda"):
         _check(int(capacity) >= ref.ALIGN, "heap capacity must be at least 16 bytes")
@@ -140,15 +141,46 @@ class PageHeap:
         self.buf = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
         self.top = 0
         self.used = 0
-        self._free: dict[int, list[int]] = {}
-        self._sizes: list[int] = []  # sorted sizes with a non-empty free list
+        self._by_size: dict[int, set[int]] = {}
+        self._sizes: list[int] = []  # sorted sizes with free regions
+        self._start: dict[int, int] = {}  # free region offset -> size
+        self._end: dict[int, int] = {}  # free region end -> offset
+
+    def _add(self, off: int, size: int) -> None:
+        group = self._by_size.setdefault(size, set())
+        if not group:
+            bisect.insort(self._sizes, size)
+        group.add(off)
+        self._start[off] = size
+        self._end[off + size] = off
+
+    def _remove(self, off: int) -> int:
+        size = self._start.pop(off)
+        del self._end[off + size]
+        group = self._by_size[size]
+        group.discard(off)
+        if not group:
+            self._sizes.remove(size)
+        return size
+
+    def _release(self, off: int, size: int) -> None:
+        """Make a region free, merged with free neighbours; free space at the top lowers the top."""
+        if off + size in self._start:
+            size += self._remove(off + size)
+        if off in self._end:
+            prev = self._end[off]
+            size += self._remove(prev)
+            off = prev
+        if off + size == self.top:
+            self.top = off
+        else:
+            self._add(off, size)
 
     def _take(self, size: int) -> int | None:
-        lst = self._free.get(size)
-        if lst:
-            off = lst.pop()
-            if not lst:
-                self._sizes.remove(size)
+        group = self._by_size.get(size)
+        if group:
+            off = next(iter(group))
+            self._remove(off)
             return off
         if self.top + size <= self.capacity:
             off = self.top
@@ -158,17 +190,10 @@ class PageHeap:
         if i == len(self._sizes):
             return None
         big = self._sizes[i]
-        off = self._take(big)
-        self._put(off + size, big - size)
+        off = next(iter(self._by_size[big]))
+        self._remove(off)
+        self._add(off + size, big - size)
         return off
-
-    def _put(self, off: int, size: int) -> None:
-        if size <= 0:
-            return
-        lst = self._free.setdefault(size, [])
-        if not lst:
-            bisect.insort(self._sizes, size)
-        lst.append(off)
 
     def alloc(self, sizes) -> np.ndarray:
         """Offsets (int64) of new regions of ``sizes`` bytes (multiples of 16), all or none."""
@@ -178,8 +203,8 @@ class PageHeap:
         for i, s in enumerate(sizes.tolist()):
             off = self._take(s)
             if off is None:
-                self.used += int(sizes[:i].sum())  # free() below takes them off again
-                self.free(out[:i], sizes[:i])
+                for o, z in zip(out[:i].tolist(), sizes[:i].tolist()):
+                    self._release(o, z)
                 raise LimitExceededError(
                     f"KV Exact heap full: {s} bytes wanted, {self.capacity - self.used} free of {self.capacity} "
                     f"(largest free region {max(self._sizes[-1] if self._sizes else 0, self.capacity - self.top)})")
@@ -192,16 +217,12 @@ class PageHeap:
         offsets = np.asarray(offsets, dtype=np.int64)
         sizes = np.asarray(sizes, dtype=np.int64)
         for off, s in zip(offsets.tolist(), sizes.tolist()):
-            if off + s == self.top:
-                self.top = off
-            else:
-                self._put(off, s)
+            self._release(off, s)
         self.used -= int(sizes.sum())
 
     def stats(self) -> dict:
-        listed = sum(k * len(v) for k, v in self._free.items())
-        return {"capacity": self.capacity, "used": self.used, "top": self.top, "free_listed": listed,
-                "free_regions": sum(len(v) for v in self._free.values())}
+        return {"capacity": self.capacity, "used": self.used, "top": self.top,
+                "free_listed": sum(self._start.values()), "free_regions": len(self._start)}
 
 
 def calibrate_bases(k_samples: torch.Tensor, v_samples: torch.Tensor) -> torch.Tensor:
@@ -349,13 +370,13 @@ class KVExactCache:
         blocks_np = np.asarray([self._bt[s, j] for s, j in where], dtype=np.int64)
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
         blocks_t = torch.as_tensor(blocks_np, device=self.device)
-        encoded, placed = [], []
+        encoded, placed, new_bases = [], [], {}
         try:
             for kind, pages in ((0, kp), (1, vp)):
-                if not self._calibrated[layer, kind]:
-                    self.bases[layer, kind] = ref.calibrate_bases(pages.reshape(-1, self.H * self.D)).view(self.H, self.D)
-                    self._calibrated[layer, kind] = True
-                enc = ref.encode_pages(pages, self.bases[layer, kind])
+                bases = self.bases[layer, kind]
+                if not self._calibrated[layer, kind]:  # the first pages of this layer and kind choose
+                    bases = new_bases[kind] = ref.calibrate_bases(pages.reshape(-1, self.H * self.D)).view(self.H, self.D)
+                enc = ref.encode_pages(pages, bases)
                 sizes = enc.lengths.cpu().numpy()
                 placed.append((self.heap.alloc(sizes), sizes))
                 encoded.append(enc)
@@ -366,6 +387,9 @@ class KVExactCache:
                 self._free_blocks.append(int(self._bt[s, j]))
                 self._bt[s, j] = -1
             raise
+        for kind, bases in new_bases.items():
+            self.bases[layer, kind] = bases
+            self._calibrated[layer, kind] = True
         seq_idx = torch.as_tensor([s for s, _ in where], device=self.device)
         page_idx = torch.as_tensor([j for _, j in where], device=self.device)
         self.block_table[seq_idx, page_idx] = blocks_t.to(torch.int32)
@@ -384,6 +408,20 @@ class KVExactCache:
             self._check_seq(s)
         lens = self.length[0, seqs] + int(new_tokens)
         _check(bool((lens >= 1).all()), "every sequence needs at least one token")
+        _check(bool((lens <= self.max_pages * PAGE).all()), f"a sequence would exceed {self.max_pages * PAGE} tokens")
+        # Block ids for the pages this step's appends complete, now: the kernel reads the block
+        # table as planned, and pages below length - 16 are read from their blocks.
+        rows_np, cols_np = [], []
+        for s, n in zip(seqs, lens.tolist()):
+            for j in np.flatnonzero(self._bt[s, : n // PAGE] < 0).tolist():
+                if not self._free_blocks:
+                    raise LimitExceededError("KV Exact cache: no free block ids")
+                self._bt[s, j] = self._free_blocks.pop()
+                rows_np.append(s)
+                cols_np.append(j)
+        if rows_np:
+            self.block_table[torch.as_tensor(rows_np, device=self.device), torch.as_tensor(cols_np, device=self.device)] = \
+                torch.as_tensor(self._bt[rows_np, cols_np], dtype=torch.int32, device=self.device)
         rows = torch.as_tensor(seqs, device=self.device)
         self._planned = (np.asarray(seqs), lens)
         self._bt_rows = self.block_table[rows].contiguous()
@@ -456,21 +494,30 @@ class KVExactCache:
 
     def restore_sequence(self, off: OffloadedSequence, *, chunk_bytes: int = 64 << 20) -> int:
         """A new sequence holding an offloaded one (pages copied back as they are, into new heap
-        regions). Needs the same window tops (InvalidArgumentError otherwise); on a full heap or
-        no free slot, LimitExceededError and the cache as before."""
-        _check(torch.equal(off.bases, self.bases.cpu()), "the sequence was coded with other window tops")
+        regions). Layers and kinds where both hold pages need the same window tops
+        (InvalidArgumentError otherwise); where the cache has none yet, it adopts the sequence's. On
+        a full heap or no free slot or block ids, LimitExceededError and the cache as before."""
         L, _, pages = off.sizes.shape
         _check(L == self.L and pages <= self.max_pages and tuple(off.ring.shape) == (self.L, 2, PAGE, self.H, self.D),
                "the offloaded sequence does not fit this cache's shape")
-        seq = self.add_sequence()
+        has = off.sizes.reshape(L, 2, pages).any(axis=2)  # (layer, kind) with pages
+        mine = self.bases.cpu()
+        for layer, kind in zip(*np.nonzero(has & self._calibrated)):
+            _check(torch.equal(off.bases[layer, kind], mine[layer, kind]),
+                   f"layer {layer} {'KV'[kind]}: the sequence was coded with other window tops")
+        if len(self._free_blocks) < pages:
+            raise LimitExceededError("KV Exact cache: no free block ids")
         flat = off.sizes.reshape(-1)
-        try:
-            if len(self._free_blocks) < pages:
-                raise LimitExceededError("KV Exact cache: no free block ids")
-            offs = self.heap.alloc(flat)
-        except LimitExceededError:
-            self.free_sequence(seq)
-            raise
+        nz = np.flatnonzero(flat)
+        offs = np.zeros(flat.size, dtype=np.int64)
+        offs[nz] = self.heap.alloc(flat[nz])  # all or nothing
+        seq = self.add_sequence() if self._free_slots else None
+        if seq is None:
+            self.heap.free(offs[nz], flat[nz])
+            raise LimitExceededError(f"KV Exact cache holds at most {self.max_seqs} sequences")
+        for layer, kind in zip(*np.nonzero(has & ~self._calibrated)):  # the cache adopts them
+            self.bases[layer, kind] = off.bases[layer, kind].to(self.device)
+            self._calibrated[layer, kind] = True
         blocks = np.asarray([self._free_blocks.pop() for _ in range(pages)], dtype=np.int64)
         self._bt[seq, :pages] = blocks
         bt = torch.as_tensor(blocks, device=self.device)
@@ -484,8 +531,9 @@ class KVExactCache:
             while j < n and (acc == 0 or acc + int(flat[j]) <= chunk_bytes):
                 acc += int(flat[j])
                 j += 1
-            chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
-            heap16[_rows16(offs_t[i:j], sz[i:j])] = chunk.view(-1, 16)
+            if acc:
+                chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
+                heap16[_rows16(offs_t[i:j], sz[i:j])] = chunk.view(-1, 16)
             pos, i = pos + acc, j
         self.offsets[:, :, bt] = offs_t.view(L, 2, pages)
         self.sizes[:, :, blocks] = off.sizes
@@ -541,12 +589,14 @@ def _kv_exact_attention(module, query, key, value, attention_mask, scaling=None,
     v = value.transpose(1, 2).to(torch.bfloat16).contiguous()
     if scaling is None:
         scaling = getattr(module, "scaling", None) or d**-0.5
-    if t > 1:
-        _check(int(cache.length[layer, seq]) == 0, "a prompt must be the first thing the cache sees")
+    _check(abs(scaling - cache.attn.sm_scale) <= 1e-6 * cache.attn.sm_scale,
+           f"the model's attention scale {scaling} is not the cache's {cache.attn.sm_scale}")
+    if int(cache.length[layer, seq]) == 0:  # the prompt (any length), causal, then into the cache
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                                                enable_gqa=True)
         cache.append(layer, [seq], k, v)
         return out.transpose(1, 2).contiguous(), None
+    _check(t == 1, "after the prompt, one token per forward")
     cache.append(layer, [seq], k, v)
     o = cache.attend(layer, query[:, :, 0, :].to(torch.bfloat16).contiguous(), reference=_STATE["reference"])
     return o.view(1, 1, hq, d).to(query.dtype), None
@@ -584,9 +634,11 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, reference: 
     n = input_ids.shape[1]
     total = n + max_new_tokens
     per_token = cfg.num_hidden_layers * 2 * hkv * d * 2
+    attn0 = next((m for m in model.modules() if getattr(m, "layer_idx", None) == 0 and hasattr(m, "scaling")), None)
+    scale = float(attn0.scaling) if attn0 is not None else 1.0 / math.sqrt(d)
     cache = KVExactCache(layers=cfg.num_hidden_layers, kv_heads=hkv, head_dim=d, num_q_heads=cfg.num_attention_heads,
                          heap_bytes=heap_bytes or per_token * (total + PAGE) + (1 << 16), max_seqs=1, max_tokens=total,
-                         device=dev, sm_scale=1.0 / math.sqrt(d), config=config)
+                         device=dev, sm_scale=scale, config=config)
     seq = cache.add_sequence()
     from weightszip.models import greedy_decode
 

@@ -242,6 +242,9 @@ pub fn decode_pages(shape: Shape, bases: &[u8], buf: &[u8], offsets: &[u64], out
         if b < a {
             return Err(Error::Corrupt(format!("KV Exact page {i}: offsets decrease")));
         }
+        if b > buf.len() as u64 {
+            return Err(Error::Truncated(format!("KV Exact page {i} ends at {b}, past the {}-byte buffer", buf.len())));
+        }
         decode_page(shape, bases, &buf[a as usize..b as usize], &mut out[i * pb..(i + 1) * pb], i)?;
     }
     Ok(())
@@ -336,6 +339,10 @@ mod tests {
         assert!(matches!(decode_pages(shape, &bases, &bad, &offs, &mut out), Err(Error::Corrupt(_))));
         assert!(Shape::new(2, 48).is_err());
         assert!(decode_pages(shape, &bases, &buf, &[0, 5], &mut out).is_err());
+        let mut two = vec![0u8; 2 * vals.len()];
+        let n = buf.len() as u64;
+        assert!(decode_pages(shape, &bases, &buf, &[0, 1 << 20, n], &mut two).is_err()); // a middle offset past the end
+        assert!(decode_pages(shape, &bases, &buf, &[0, n + 16, n], &mut two).is_err());
     }
 
     proptest! {
