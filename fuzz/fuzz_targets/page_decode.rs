@@ -1,6 +1,7 @@
 //! Property: the page decoders never panic, hang or allocate without bound, whatever the bytes.
 //! KV Exact (weightszip_core::kvx): a page that decodes re-encodes to exactly its bytes (the
-//! format is canonical). Exact page profile (weightszip_core::page): decoding is deterministic.
+//! format is canonical); `decode_pages` agrees with `decode_page` and takes any page offsets.
+//! Exact page profile (weightszip_core::page): decoding is deterministic.
 //!
 //! Input: byte 0 = selector. Bit 0 clear: KV Exact, heads = 1 + bits 1..2, head_dim = 32 x (1 + bit
 //! 3); then `heads x head_dim` window tops, then the page. Bit 0 set: exact page profile with
@@ -28,11 +29,20 @@ fuzz_target!(|data: &[u8]| {
         }
         let (bases, page) = (&data[1..1 + c], &data[1 + c..]);
         let mut out = vec![0u8; shape.raw_page_bytes()];
-        if kvx::decode_page(shape, bases, page, &mut out, 0).is_ok() {
+        let one = kvx::decode_page(shape, bases, page, &mut out, 0).is_ok();
+        if one {
             let mut again = Vec::new();
             kvx::encode_page(shape, bases, &out, &mut again).expect("decoded values re-encode");
             assert!(again == page, "a KV Exact page that decodes must re-encode to its own bytes");
         }
+        // decode_pages: the same verdict for the page alone; any two-page split of the bytes (the
+        // middle offset taken from the input, possibly past the end) is an error or two pages
+        let n = page.len() as u64;
+        let mut buf = vec![0u8; shape.raw_page_bytes()];
+        assert_eq!(kvx::decode_pages(shape, bases, page, &[0, n], &mut buf).is_ok(), one);
+        let mid = u64::from(data[0] >> 4) * 97 % (2 * n + 1);
+        let mut two = vec![0u8; 2 * shape.raw_page_bytes()];
+        let _ = kvx::decode_pages(shape, bases, page, &[0, mid, n], &mut two);
     } else {
         let channels = 32 * (1 + ((sel >> 1) & 1) as usize);
         let mut s = u64::from(data[1]) | 0x100;
