@@ -569,3 +569,14 @@ def test_restore_checks_window_tops_only_where_pages_are(real):
     k, _ = dst.dense(0, r)
     assert torch.equal(k.view(torch.int16), x[0].view(torch.int16))
     assert torch.equal(dst.dense(1, r)[0].view(torch.int16), x[0, :10].view(torch.int16))
+
+
+def test_demo_row_on_real_kv():
+    """The demo's KV Exact line: held-out pages of the real fixture, bit-exact, ratio about 0.70."""
+    pytest.importorskip("ml_dtypes")
+    from weightszip.demo import kv_exact_row
+
+    meta = json.loads((DATA / "kv_smollm2_64tok.json").read_text())
+    row = kv_exact_row(np.load(DATA / "kv_smollm2_64tok.npy"), meta)
+    ratio = float(row.split("ratio ")[1].split(",")[0])
+    assert "bit-exact" in row and 0.69 < ratio < 0.76
