@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -239,13 +238,53 @@ def _table_ids(table_ids, n, tables, device) -> torch.Tensor:
 
 def stream_bits(values: torch.Tensor, tables: PageTables, table_ids: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [n, S]: coded bits of every stream of every page (pass 1 of the encoder)."""
+    return _stream_bits(values, tables, _table_ids(table_ids, values.shape[0], tables, values.device))
+
+
+def _stream_bits(values: torch.Tensor, tables: PageTables, tids: torch.Tensor) -> torch.Tensor:
     n, C = values.shape[0], tables.channels
     S = C // STREAM_CHANNELS
     bits = torch.empty(n, S, dtype=torch.int32, device=values.device)
-    tids = _table_ids(table_ids, n, tables, values.device)
     if n:
         _stream_bits_kernel[(n,)](values, tables.enc, bits, tids, C=C, S=S, SP=triton.next_power_of_2(S), IS_BF16=tables.is_bf16)
     return bits
+
+
+def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, align: int = 8):
+    """Where ``n`` pages will lie, on the device and without host reads (``tids``: int32 [n] table
+    ids, already checked): (words per stream int32 [n, S], page offsets int64 [n + 1], pages padded
+    to ``align``, each stream's first word int32 [n, S]). Pass 1 of the encoder."""
+    n, C = values.shape[0], tables.channels
+    words = (_stream_bits(values, tables, tids) + 31) // 32
+    sizes = header_len(C) + 16 * C + 4 * words.sum(1, dtype=torch.int64)
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
+    offsets[1:] = torch.cumsum((sizes + align - 1) // align * align, 0)
+    wstart = (torch.cumsum(words, 1) - words).to(torch.int32).contiguous()
+    return words, offsets, wstart
+
+
+def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, buf: torch.Tensor, layout,
+                block_pages: int = 128) -> None:
+    """Pass 2: write the pages at ``layout`` (``page_layout``'s) into ``buf`` (uint8, at least
+    ``offsets[-1]`` bytes, need not be zero), headers and padding included; no host reads."""
+    words, offsets, wstart = layout
+    n, C = values.shape[0], tables.channels
+    if not n:
+        return
+    S, H = C // STREAM_CHANNELS, header_len(C)
+    dev = values.device
+    # The kernel writes raw bytes and code words; zero the rest first: the header (its padding)
+    # and each page's last 8 bytes (the up to 4 bytes that pad it to 8; the kernel then writes
+    # any code word among them).
+    b64 = buf.view(torch.int64)
+    b64[(offsets[:-1, None] // 8 + torch.arange(H // 8, device=dev)).reshape(-1)] = 0
+    b64[offsets[1:] // 8 - 1] = 0
+    # Headers: u16 word counts at each page's start.
+    buf.view(torch.int16)[(offsets[:-1, None] // 2 + torch.arange(S, device=dev)).reshape(-1)] = words.reshape(-1).to(torch.int16)
+    _encode_kernel[(triton.cdiv(n, block_pages), S)](
+        values.view(torch.int64), tables.enc, buf.view(torch.int32), offsets, wstart, tids, n,
+        C=C, S=S, H=H, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
+    )
 
 
 def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tensor | None = None, block_pages: int = 128, align: int = 8):
@@ -258,28 +297,11 @@ def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tens
     if align % 8:
         raise InvalidArgumentError("align must be a multiple of 8 (pages are read as 8-byte words)")
     values = values.contiguous().view(torch.int16)
-    n, S, H = values.shape[0], C // STREAM_CHANNELS, header_len(C)
-    dev = values.device
-    tids = _table_ids(table_ids, n, tables, dev)
-    bits = stream_bits(values, tables, tids)
-    words = (bits + 31) // 32
-    sizes = H + 16 * C + 4 * words.sum(1, dtype=torch.int64)
-    padded = (sizes + align - 1) // align * align
-    offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    offsets[1:] = torch.cumsum(padded, 0)
-    wstart = (torch.cumsum(words, 1) - words).to(torch.int32).contiguous()
-    total = int(offsets[-1]) if n else 0
-    buf = torch.zeros(total, dtype=torch.uint8, device=dev)
-    if n:
-        # Headers: u16 word counts at each page's start.
-        hidx = (offsets[:-1, None] // 2 + torch.arange(S, device=dev)[None, :]).reshape(-1)
-        buf.view(torch.int16)[hidx] = words.reshape(-1).to(torch.int16)
-        grid = (triton.cdiv(n, block_pages), S)
-        _encode_kernel[grid](
-            values.view(torch.int64), tables.enc, buf.view(torch.int32), offsets, wstart, tids, n,
-            C=C, S=S, H=H, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
-        )
-    return buf, offsets
+    tids = _table_ids(table_ids, values.shape[0], tables, values.device)
+    layout = page_layout(values, tables, tids, align)
+    buf = torch.zeros(int(layout[1][-1]), dtype=torch.uint8, device=values.device)
+    encode_into(values, tables, tids, buf, layout, block_pages)
+    return buf, layout[1]
 
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor | None = None,

@@ -262,15 +262,17 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, 
 
 def decode_heap_pages(heap: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, heads: int,
                       head_dim: int) -> torch.Tensor:
-    """Decode pages at ``offsets`` (int64 [n]) of a heap (uint8, 1-D) without validation (pages
-    the cache wrote): int16 bits [n, 16, H, D]."""
-    h, d = heads, head_dim
+    """Decode the pages at ``offsets`` (int64 [n], their lengths read from their headers) of a heap
+    (uint8, 1-D), through the validating ``decode_pages``: int16 bits [n, 16, H, D]."""
+    h = heads
     off = offsets.to(device=heap.device, dtype=torch.int64)
     n = off.numel()
-    lens = []
-    ex_all = _u32(heap[off[:, None] + torch.arange(4 * (h + 1), device=heap.device)[None, :]]) if n else None
-    for i in range(n):
-        lens.append(int(page_length(h, d, int(ex_all[i, h] - ex_all[i, 0]))))
-    starts = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0)
-    idx = torch.cat([int(o) + torch.arange(ln) for o, ln in zip(off.tolist(), lens)]) if n else torch.zeros(0, dtype=torch.int64)
-    return decode_pages(heap[idx.to(heap.device)], starts, bases, h, d)
+    if n == 0:
+        return decode_pages(heap[:0], torch.zeros(1, dtype=torch.int64), bases, h, head_dim)
+    ex_end = _u32(heap[off[:, None] + 4 * h + torch.arange(4, device=heap.device)[None, :]])[:, 0]
+    lens = (ex_end + ALIGN - 1) // ALIGN * ALIGN
+    if bool((off < 0).any() or (off + lens > heap.numel()).any()):
+        raise TruncatedError("a page's header claims bytes past the end of the heap")
+    starts = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
+    idx = torch.repeat_interleave(off - starts[:-1], lens) + torch.arange(int(starts[-1]), device=heap.device)
+    return decode_pages(heap[idx], starts, bases, h, head_dim)

@@ -154,12 +154,32 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
     codebook's dtype) and each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is
     their fp32 product (codec.dequantize).
 
-    For each bit j, ``((P_p >> j) & 0x01010101) << p`` OR-ed over the planes puts the codes of channels
-    j, 8 + j, 16 + j, 24 + j of a word in its four bytes: one shift and one and-or per plane for four
-    codes. With ``PAIRS`` (widths up to 4, bf16 tensor-core operands), ``cb_ptr`` is the int32 pair
+    Codes come from ``_plane_bytes``. With ``PAIRS`` (widths up to 4, bf16 tensor-core operands), ``cb_ptr`` is the int32 pair
     table of ``compact_pair_table`` (entry a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the
     two values of channels 2 k, 2 k + 1): one gather per two values."""
     ROW_W: tl.constexpr = HEAD_DIM // 32
+    y = _plane_bytes(w0, w1, w2, w3, w4, BITS)
+    if PAIRS:
+        ii = tl.arange(0, 4) * 8
+        ya, yb = tl.split(tl.reshape(y, [BLOCK_N, ROW_W, 4, 2]))
+        pc = ya | (yb << BITS)  # byte i: pair code of channels 8 i + 2 k, + 1
+        pcodes = (pc[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 4 (k)]
+        pv = tl.load(cb_ptr + head * (1 << (2 * BITS)) + pcodes)
+        lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+    else:
+        vals = tl.load(cb_ptr + head * (1 << BITS) + _byte_codes(y, BLOCK_N, HEAD_DIM))
+    g = tl.load(grid_ptr + head * 256 + sidx)
+    return vals, g
+
+
+@triton.jit
+def _plane_bytes(w0, w1, w2, w3, w4, BITS: tl.constexpr):
+    """From the bit planes w0..w{BITS-1} [rows, HEAD_DIM / 32] (``_compact_plane``; the others
+    unused): [rows, HEAD_DIM / 32, 8], entry j of word m holding in its byte i the code of channel
+    32 m + 8 i + j. For each bit j, ``((P_p >> j) & 0x01010101) << p`` OR-ed over the planes puts
+    four codes in four bytes: one shift and one and-or per plane for four codes."""
     jj = tl.arange(0, 8)
     y = (w0[:, :, None] >> jj[None, None, :]) & 0x01010101
     if BITS > 1:
@@ -170,20 +190,15 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
         y = y | (((w3[:, :, None] >> jj[None, None, :]) & 0x01010101) << 3)
     if BITS > 4:
         y = y | (((w4[:, :, None] >> jj[None, None, :]) & 0x01010101) << 4)
+    return y
+
+
+@triton.jit
+def _byte_codes(y, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The codes of ``_plane_bytes`` one per channel: int32 [BLOCK_N, HEAD_DIM]."""
     ii = tl.arange(0, 4) * 8
-    if PAIRS:
-        ya, yb = tl.split(tl.reshape(y, [BLOCK_N, ROW_W, 4, 2]))
-        pc = ya | (yb << BITS)  # byte i: pair code of channels 8 i + 2 k, + 1
-        pcodes = (pc[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 4 (k)]
-        pv = tl.load(cb_ptr + head * (1 << (2 * BITS)) + pcodes)
-        lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
-    else:
-        codes = (y[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 8 (j)]
-        vals = tl.load(cb_ptr + head * (1 << BITS) + tl.reshape(codes, [BLOCK_N, HEAD_DIM]))
-    g = tl.load(grid_ptr + head * 256 + sidx)
-    return vals, g
+    codes = (y[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 8 (j)]
+    return tl.reshape(codes, [BLOCK_N, HEAD_DIM])
 
 
 @triton.jit
@@ -254,19 +269,14 @@ def _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_D
     """The bf16 tile [16 NP, HEAD_DIM] from ``_exact_load``'s planes, raw bytes and exception rows;
     rows not ``valid`` are zero.
 
-    Codes from the three bit planes (four codes per shift-and-or, as compact pages); exponent =
+    Codes from the three bit planes (``_plane_bytes``, as compact pages); exponent =
     base - code, or for code 7 (bit b of ``w0 & w1 & w2``'s word m is channel 32 m + b) the exception
     byte at rank r of the head's list: r = escapes in earlier rows of the page (a 16-row prefix sum of
     the rows' popcounts) + in earlier words of the row + popc(mask & (2^b - 1)) in the word. (A
     version working on [16 NP, HEAD_DIM / 32, 32] without the reshapes ran 1.3x slower on the H200.)"""
     BLOCK_N: tl.constexpr = NP * 16
     offs_d = tl.arange(0, HEAD_DIM)
-    jj = tl.arange(0, 8)
-    y = (((w0[:, :, None] >> jj[None, None, :]) & 0x01010101)
-         | (((w1[:, :, None] >> jj[None, None, :]) & 0x01010101) << 1)
-         | (((w2[:, :, None] >> jj[None, None, :]) & 0x01010101) << 2))
-    ii = tl.arange(0, 4) * 8
-    codes = tl.reshape((y[:, :, None, :] >> ii[None, None, :, None]) & 0xFF, [BLOCK_N, HEAD_DIM])
+    codes = _byte_codes(_plane_bytes(w0, w1, w2, w2, w2, 3), BLOCK_N, HEAD_DIM)
     m = w0 & w1 & w2  # escape bits
     wc = _popc(m, FAST)  # [BLOCK_N, ROW_W]
     row_tot = tl.reshape(tl.sum(wc, axis=1), [NP, 16])

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 from weightszip import _core
 from weightszip.errors import InvalidArgumentError, LimitExceededError, TruncatedError
 from weightszip.kernels import kv_exact_ref as ref
+from weightszip.pages import _bytes, _u16
 
 PAGE = ref.PAGE_TOKENS
 
@@ -49,15 +49,6 @@ PAGE = ref.PAGE_TOKENS
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidArgumentError(msg)
-
-
-def _u16(x) -> np.ndarray:
-    """16-bit patterns as a contiguous numpy uint16 array (bf16 tensors by their bits)."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().contiguous().view(torch.int16).numpy()
-    a = np.ascontiguousarray(np.asarray(x))
-    _check(a.dtype.itemsize == 2 and a.dtype.kind in "uif", f"expected bf16 values or their 16-bit patterns, got {a.dtype}")
-    return a.view(np.uint16)
 
 
 def _bases(bases, channels: int) -> bytes:
@@ -88,7 +79,7 @@ def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarr
     """Validate and decode KV Exact pages stored back to back (page i = ``buf[offsets[i]:offsets[i +
     1]]``) by the Rust codec: uint16 ``[n, 16, heads, head_dim]``. Damaged or hostile bytes raise
     TruncatedError / CorruptDataError naming the page."""
-    src = np.frombuffer(buf, np.uint8) if isinstance(buf, (bytes, bytearray, memoryview)) else np.ascontiguousarray(buf).view(np.uint8)
+    src = _bytes(buf)
     offs = np.asarray(offsets).reshape(-1)
     _check(offs.size >= 1 and offs.dtype.kind in "iu", "offsets must be n + 1 integers")
     if (offs < 0).any() or (offs > src.nbytes).any():
@@ -124,6 +115,19 @@ def _rows16(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     rows = sizes // 16
     first = torch.repeat_interleave(offsets // 16 - (torch.cumsum(rows, 0) - rows), rows)
     return first + torch.arange(int(rows.sum()), device=offsets.device)
+
+
+def _chunks(sizes: np.ndarray, chunk_bytes: int):
+    """Runs of consecutive regions of about ``chunk_bytes`` bytes (at least one region each, empty
+    runs skipped): (first, end, byte position, bytes) per run."""
+    ends = np.cumsum(sizes)
+    i, pos, n = 0, 0, sizes.size
+    while i < n:
+        j = max(i + 1, int(np.searchsorted(ends, pos + chunk_bytes, side="right")))
+        acc = int(ends[j - 1]) - pos
+        if acc:
+            yield i, j, pos, acc
+        pos, i = pos + acc, j
 
 
 class PageHeap:
@@ -475,15 +479,8 @@ class KVExactCache:
         bt = torch.as_tensor(blocks, device=self.device)
         offs = self.offsets[:, :, bt].reshape(-1)  # (layer, kind, page) order, as sizes
         sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
-        pos, i, n = 0, 0, offs.numel()
-        while i < n:
-            j, acc = i, 0
-            while j < n and (acc == 0 or acc + int(sizes.reshape(-1)[j]) <= chunk_bytes):
-                acc += int(sizes.reshape(-1)[j])
-                j += 1
-            rows = heap16[_rows16(offs[i:j], sz[i:j])]
-            data[pos:pos + acc].copy_(rows.view(-1), non_blocking=pin)
-            pos, i = pos + acc, j
+        for i, j, pos, acc in _chunks(sizes.reshape(-1), chunk_bytes):
+            data[pos:pos + acc].copy_(heap16[_rows16(offs[i:j], sz[i:j])].view(-1), non_blocking=pin)
         ring = self.ring[:, :, seq].to("cpu", copy=True)  # a copy even when the cache is on the CPU
         if pin:
             torch.cuda.current_stream(self.device).synchronize()
@@ -525,16 +522,9 @@ class KVExactCache:
         offs_t = torch.as_tensor(offs, device=self.device)
         sz = torch.as_tensor(flat, device=self.device)
         heap16 = self.heap.buf.view(-1, 16)
-        pos, i, n = 0, 0, flat.size
-        while i < n:
-            j, acc = i, 0
-            while j < n and (acc == 0 or acc + int(flat[j]) <= chunk_bytes):
-                acc += int(flat[j])
-                j += 1
-            if acc:
-                chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
-                heap16[_rows16(offs_t[i:j], sz[i:j])] = chunk.view(-1, 16)
-            pos, i = pos + acc, j
+        for i, j, pos, acc in _chunks(flat, chunk_bytes):
+            chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
+            heap16[_rows16(offs_t[i:j], sz[i:j])] = chunk.view(-1, 16)
         self.offsets[:, :, bt] = offs_t.view(L, 2, pages)
         self.sizes[:, :, blocks] = off.sizes
         self.ring[:, :, seq] = off.ring.to(self.device)
@@ -627,22 +617,16 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, reference: 
     reading a ``KVExactCache`` (window tops from the prompt's own pages). Returns (tokens, the last
     position's fp32 logits per step, the cache's stats). ``reference``: the same, with every decode
     step's attention run by the same kernel over the pages decoded to bf16."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    dev = model.device
-    n = input_ids.shape[1]
-    total = n + max_new_tokens
-    per_token = cfg.num_hidden_layers * 2 * hkv * d * 2
-    attn0 = next((m for m in model.modules() if getattr(m, "layer_idx", None) == 0 and hasattr(m, "scaling")), None)
-    scale = float(attn0.scaling) if attn0 is not None else 1.0 / math.sqrt(d)
-    cache = KVExactCache(layers=cfg.num_hidden_layers, kv_heads=hkv, head_dim=d, num_q_heads=cfg.num_attention_heads,
-                         heap_bytes=heap_bytes or per_token * (total + PAGE) + (1 << 16), max_seqs=1, max_tokens=total,
-                         device=dev, sm_scale=scale, config=config)
-    seq = cache.add_sequence()
-    from weightszip.models import greedy_decode
+    from weightszip.models import attention_shape, greedy_decode
 
+    a = attention_shape(model)
+    dev = model.device
+    total = input_ids.shape[1] + max_new_tokens
+    per_token = a.layers * 2 * a.num_kv_heads * a.head_dim * 2
+    cache = KVExactCache(layers=a.layers, kv_heads=a.num_kv_heads, head_dim=a.head_dim, num_q_heads=a.num_q_heads,
+                         heap_bytes=heap_bytes or per_token * (total + PAGE) + (1 << 16), max_seqs=1, max_tokens=total,
+                         device=dev, sm_scale=a.scale, config=config)
+    seq = cache.add_sequence()
     with torch.inference_mode(), kv_exact_attention(model, cache, seq, reference=reference):
         toks, logits = greedy_decode(model, input_ids, max_new_tokens, before_step=lambda: cache.plan([seq], new_tokens=1))
-    stats = cache.stats()
-    return toks, logits, stats
+    return toks, logits, cache.stats()

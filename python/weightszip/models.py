@@ -287,6 +287,27 @@ def tokenize_text(tok, text_path: Path, n_tokens: int, offset: int = 0):
     return ids[:, offset:want], files
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """A decoder's attention as a KV cache sees it."""
+
+    layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # softmax scale: the attention modules' own ``scaling``, else head_dim ** -0.5
+
+
+def attention_shape(model) -> AttentionShape:
+    """Layers, query and KV heads, head_dim and softmax scale of a transformers causal LM."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    attn0 = next((m for m in model.modules() if getattr(m, "layer_idx", None) == 0 and hasattr(m, "scaling")), None)
+    scale = float(attn0.scaling) if attn0 is not None else d**-0.5
+    return AttentionShape(cfg.num_hidden_layers, cfg.num_attention_heads, hkv, d, scale)
+
+
 def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None) -> tuple[list[int], list]:
     """Greedy decoding with the model's own KV cache off (an attention hook holds the cache): one
     forward over the prompt, then one per new token at its position; ``before_step()`` runs before

@@ -334,10 +334,16 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
             session.chunks.append(_rust_encode_chunk(codec, pages_gpu[a:b].cpu(), tids[a:b], a, host, session))
         return session
 
+    from weightszip.kernels import exact_page as ep
+
     dev = pages_gpu.device
     tables = codec.tables(dev)
     st = _Streams(dev)
     plan = plan_chunks(n, chunk_pages)
+
+    def bits(a, b):  # a chunk's 16-bit patterns (a view unless the pages are strided)
+        return pages_gpu[a:b].contiguous().view(torch.int16)
+
     if not plan:
         return session
     tids_dev = torch.from_numpy(tids).to(dev)
@@ -346,7 +352,7 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
         # Every chunk's page layout first (the encoder's size pass, no serial chain: ~870 GB/s on
         # an H200) and one read-back of all chunk sizes, before any copy is queued: a size read back
         # per chunk would wait behind the previous chunk's copy on the copy engine.
-        layouts = [_layout(pages_gpu[a:b], tables, tids_dev[a:b]) for a, b in plan]
+        layouts = [ep.page_layout(bits(a, b), tables, tids_dev[a:b]) for a, b in plan]
         sizes = torch.stack([lay[1][-1] for lay in layouts]).cpu().tolist()
         # encoded chunks: a ring of buffers of the largest chunk's size
         ring = [torch.empty(max(sizes), dtype=torch.uint8, device=dev) for _ in range(nslots)]
@@ -355,11 +361,10 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
         with st.on("comp"):
             if i >= nslots:  # the ring buffer's previous chunk has reached the host (issued: nslots >= 2)
                 st.wait("comp", d2h_done[i - nslots])
-            vals = pages_gpu[a:b]
-            words, offsets, wstart = layouts[i]
-            _encode_layout(vals, tables, tids_dev[a:b], ring[i % nslots], words, offsets, wstart, block_pages)
+            offsets = layouts[i][1]
+            ep.encode_into(bits(a, b), tables, tids_dev[a:b], ring[i % nslots], layouts[i], block_pages)
             enc_done = st.record("comp")
-            digests.append(digest(vals))
+            digests.append(digest(pages_gpu[a:b]))
         nb = int(sizes[i])
         region = _host_region(host, _region_bytes(nb, b - a), session)
         o, t = nb + 8 * (b - a + 1), nb + 8 * (b - a + 1) + 4 * (b - a)
@@ -375,52 +380,6 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
     for c, d in zip(session.chunks, torch.stack(digests).cpu().tolist()):
         c.digest = int(d)
     return session
-
-
-def _layout(vals: torch.Tensor, tables, tids: torch.Tensor):
-    """Page layout of ``n`` pages on the device, no host reads: (words per stream int32 [n, S], page
-    offsets int64 [n + 1] (pages padded to 8 bytes), each stream's first word int32 [n, S])."""
-    import triton
-
-    from weightszip.kernels import exact_page as ep
-
-    n, C = vals.shape[0], tables.channels
-    S, H = C // STREAM_CHANNELS, ep.header_len(C)
-    v = vals.contiguous().view(torch.int16)
-    dev = v.device
-    bits = torch.empty(n, S, dtype=torch.int32, device=dev)
-    ep._stream_bits_kernel[(n,)](v, tables.enc, bits, tids, C=C, S=S, SP=triton.next_power_of_2(S), IS_BF16=tables.is_bf16)
-    words = (bits + 31) // 32
-    sizes = H + PAGE_TOKENS * C + 4 * words.sum(1, dtype=torch.int64)
-    offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    offsets[1:] = torch.cumsum((sizes + 7) // 8 * 8, 0)
-    wstart = (torch.cumsum(words, 1) - words).to(torch.int32).contiguous()
-    return words, offsets, wstart
-
-
-def _encode_layout(vals: torch.Tensor, tables, tids: torch.Tensor, buf: torch.Tensor, words, offsets, wstart,
-                   block_pages: int) -> None:
-    """Encode ``n`` pages into ``buf`` (at least ``offsets[-1]`` bytes) at the layout ``_layout``
-    gave. Same bytes as exact_page.encode_pages (tested against the Rust encoder)."""
-    import triton
-
-    from weightszip.kernels import exact_page as ep
-
-    n, C = vals.shape[0], tables.channels
-    S, H = C // STREAM_CHANNELS, ep.header_len(C)
-    v = vals.contiguous().view(torch.int16)
-    dev = v.device
-    # The kernel writes raw bytes and code words; zero the rest first: the header (its padding)
-    # and each page's last 8 bytes (the up to 4 bytes that pad it to 8; the kernel then writes
-    # any code word among them).
-    b64 = buf.view(torch.int64)
-    b64[(offsets[:-1, None] // 8 + torch.arange(H // 8, device=dev)).reshape(-1)] = 0
-    b64[offsets[1:] // 8 - 1] = 0
-    buf.view(torch.int16)[(offsets[:-1, None] // 2 + torch.arange(S, device=dev)).reshape(-1)] = words.reshape(-1).to(torch.int16)
-    ep._encode_kernel[(triton.cdiv(n, block_pages), S)](
-        v.view(torch.int64), tables.enc, buf.view(torch.int32), offsets, wstart, tids, n,
-        C=C, S=S, H=H, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
-    )
 
 
 def _rust_encode_chunk(codec, vals: torch.Tensor, tids: np.ndarray, start: int, host, session) -> Chunk:

@@ -39,6 +39,13 @@ def _u16(x) -> np.ndarray:
     return a.view(np.uint16)
 
 
+def _bytes(buf) -> np.ndarray:
+    """A byte buffer (bytes, bytearray, memoryview or an array) as contiguous numpy uint8."""
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        return np.frombuffer(buf, np.uint8)
+    return np.ascontiguousarray(buf).view(np.uint8)
+
+
 def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8) -> bytes:
     """A codebook (bytes) from ``[tokens, channels]`` sample values of one (layer, K or V)."""
     if dtype not in DTYPE_CODES:
@@ -69,7 +76,7 @@ def encode_pages(codebook: bytes, values, align: int = 8) -> tuple[bytes, np.nda
 def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
     """Decode the pages at ``offsets`` (n + 1 entries) of ``buf``; returns uint16 [n, 16, channels]."""
     _, _, channels, _ = codebook_info(codebook)
-    src = np.frombuffer(buf, np.uint8) if isinstance(buf, (bytes, bytearray, memoryview)) else np.ascontiguousarray(buf).view(np.uint8)
+    src = _bytes(buf)
     offs = [int(o) for o in np.asarray(offsets).reshape(-1)]
     n = max(len(offs) - 1, 0)
     out = np.empty((n, PAGE_TOKENS, channels), np.uint16)

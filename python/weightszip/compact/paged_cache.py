@@ -20,7 +20,6 @@ greedy decoding with every forward inside ``weightszip.eval.kl.kv_format`` and t
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +27,7 @@ import torch
 from weightszip.compact import codec
 from weightszip.compact.calibrate import Calibration
 from weightszip.errors import InvalidArgumentError
-from weightszip.models import greedy_decode
+from weightszip.models import attention_shape, greedy_decode
 
 ATTN_NAME = "weightszip_paged_compact"
 
@@ -202,21 +201,15 @@ class Generation:
     logits: list[torch.Tensor] = field(repr=False)  # the last position's logits (float32, CPU) per step
 
 
-def _heads(model) -> tuple[int, float]:
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_attention_heads, 1.0 / math.sqrt(d)
-
-
 def generate_paged(model, calibration: Calibration, fmt: str, input_ids: torch.Tensor, max_new_tokens: int,
                    *, block_size: int = 16) -> Generation:
     """Greedy decoding of ``max_new_tokens`` after ``input_ids`` [1, n] through a
     ``PagedCompactCache`` on the model's device (the model's own KV cache off)."""
-    hq, scale = _heads(model)
+    a = attention_shape(model)
     dev = model.device
     n = input_ids.shape[1]
-    cache = PagedCompactCache(calibration, fmt, num_q_heads=hq, max_tokens=n + max_new_tokens, device=dev,
-                              block_size=block_size, sm_scale=scale)
+    cache = PagedCompactCache(calibration, fmt, num_q_heads=a.num_q_heads, max_tokens=n + max_new_tokens, device=dev,
+                              block_size=block_size, sm_scale=a.scale)
     with torch.inference_mode(), paged_compact_attention(model, cache):
         toks, logits = greedy_decode(model, input_ids, max_new_tokens)
     return Generation(toks, logits)
