@@ -194,7 +194,8 @@ def test_fuzz_damaged_pages_never_crash(real, data):
         bad, o = buf[:n].clone(), offs
     elif kind == "random":
         n = data.draw(st.integers(0, 3)) * 16 + R.fixed_bytes(H, D)
-        bad = torch.tensor(list(data.draw(st.binary(min_size=n, max_size=n))), dtype=torch.uint8)
+        bad = torch.from_numpy(np.frombuffer(np.random.default_rng(data.draw(st.integers(0, 2**63 - 1))).bytes(n),
+                                             np.uint8).copy())
         o = torch.tensor([0, n])
     else:
         bad = buf
