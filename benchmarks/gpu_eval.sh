@@ -7,7 +7,7 @@
 # Stages: calibrate (two 4096-token windows: CPython stdlib + Moby-Dick; never the evaluation
 # text), kl16 / kl32 (KL and top-1 on code/lua_src.c at 16384 / 32768 tokens: fp8, int4-g32,
 # kivi-2 and the compact formats, one forward per format, plus the windowed-attention floor),
-# niah4k / niah8k (multi-key retrieval on paul_graham/, 30 prompts, the variant ladder's pilot
+# niah4k / niah8k / niah16k / niah32k (multi-key retrieval on paul_graham/, 30 prompts, the variant ladder's pilot
 # picks the hardest variant bf16 still answers 80% of). Each stage writes its JSON (and PNG)
 # report to OUT_DIR and a log beside it. Set NAME to change the report prefix (default qwen2.5).
 set -euo pipefail
@@ -38,7 +38,7 @@ for stage in "$@"; do
       $WZ eval kl --model "$MODEL" --format "$FORMATS" --calibration "$CAL" --text "$EVAL_TEXT" \
         --window "$w" --device "$DEVICE" --save "$OUT_DIR/kl_${NAME}_${stage#kl}_gpu.json" \
         --plot "$OUT_DIR/kl_${NAME}_${stage#kl}_gpu.png" 2>"$OUT_DIR/kl_${NAME}_${stage#kl}_gpu.log" ;;
-    niah4k|niah8k|niah16k)
+    niah4k|niah8k|niah16k|niah32k)
       n=${stage#niah}
       $WZ eval niah --model "$MODEL" --formats "$NIAH_FORMATS" --calibration "$CAL" --length "$n" --n "${NIAH_N:-30}" \
         --text "$TEXT/paul_graham" --device "$DEVICE" ${NIAH_ARGS:-} -o "$OUT_DIR/niah_${NAME}_${n}${NIAH_TAG:-}_gpu.json" \
