@@ -447,29 +447,33 @@ def test_generation_through_the_cache_matches_bf16_pages():
     assert stats["pages"] == 4 * 2 * 4 and 0.69 < stats["ratio_vs_bf16"] < 0.75
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=80))
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(1, 40), min_size=1, max_size=6)), min_size=1, max_size=60))
 def test_page_heap_regions_never_overlap(ops):
-    """Random allocations (sizes 16..640 bytes) and frees: live regions stay inside the heap and
-    disjoint, ``used`` is their total, and a failed allocation changes nothing."""
+    """Random allocations (1-6 regions of 16..640 bytes at once) and frees (1-6 live regions at once,
+    in any order, often neighbours): live regions stay inside the heap and disjoint, ``used`` is their
+    total, a failed allocation changes nothing, and freeing everything empties the heap."""
     h = PageHeap(4096, device="cpu")
     live: dict[int, int] = {}
     for is_alloc, units in ops:
         if is_alloc or not live:
             before = (h.used, h.top, h.stats()["free_listed"])
             try:
-                off = int(h.alloc([16 * units])[0])
+                offs = h.alloc([16 * u for u in units])
             except LimitExceededError:
                 assert (h.used, h.top, h.stats()["free_listed"]) == before
                 continue
-            live[off] = 16 * units
+            live.update({int(o): 16 * u for o, u in zip(offs, units)})
         else:
-            off = sorted(live)[units % len(live)]
-            h.free([off], [live.pop(off)])
+            keys = sorted(live)
+            pick = list(dict.fromkeys(keys[u % len(keys)] for u in units))
+            h.free(pick, [live.pop(o) for o in pick])
         spans = sorted(live.items())
         assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
         assert all(0 <= a and a + n <= h.capacity for a, n in spans)
         assert h.used == sum(live.values())
+    h.free(list(live), list(live.values()))
+    assert h.used == 0 and h.top == 0 and h.stats()["free_regions"] == 0
 
 
 def test_offload_and_restore_a_sequence(real):
@@ -484,7 +488,15 @@ def test_offload_and_restore_a_sequence(real):
     q = torch.randn((1, HQ, D), generator=g).to(torch.bfloat16).to(DEVICE)
     cache.plan([s1])
     out_before = cache.attend(2, q)
+    from weightszip.offload import HostArena
+
+    with pytest.raises(LimitExceededError):  # an arena without room: nothing changes
+        cache.offload_sequence(s1, host=HostArena(100))
+    arena = HostArena(1 << 20)
+    kept = cache.offload_sequence(s1, free=False, host=arena)  # into the caller's arena, s1 stays
+    assert kept.data.data_ptr() == arena.buffer.data_ptr() and arena.used == kept.data.numel()
     off = cache.offload_sequence(s1, chunk_bytes=9000)  # several chunks
+    assert torch.equal(off.data, kept.data)
     assert off.data.numel() == int(off.sizes.sum()) and off.nbytes < 0.75 * 92 * 3 * 2 * H * D * 2 + off.ring.numel() * 2
     s2 = cache.add_sequence()  # takes the freed slot and regions first
     _run_cache(real, cache, [(s2, 40)], steps=1, g=g)

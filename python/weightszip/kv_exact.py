@@ -110,11 +110,20 @@ class OffloadedSequence:
         return int(self.data.numel() + self.ring.numel() * 2)
 
 
-def _rows16(offsets: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """16-byte row indices of regions (byte offsets and sizes, multiples of 16) back to back."""
-    rows = sizes // 16
-    first = torch.repeat_interleave(offsets // 16 - (torch.cumsum(rows, 0) - rows), rows)
-    return first + torch.arange(int(rows.sum()), device=offsets.device)
+def _copy_regions(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor, dst_offsets: torch.Tensor,
+                  sizes: torch.Tensor) -> None:
+    """Byte regions from src to dst (kernels.regions on a GPU or in Triton's interpreter, its torch
+    reference elsewhere)."""
+    from weightszip.kernels._interpreter_compat import interpreting
+
+    if src.device == dst.device and (src.device.type == "cuda" or interpreting()):
+        from weightszip.kernels.regions import copy_regions
+
+        copy_regions(src, src_offsets, dst, dst_offsets, sizes)
+    else:
+        from weightszip.kernels.regions_ref import copy_regions_ref
+
+        copy_regions_ref(src, src_offsets, dst, dst_offsets, sizes)
 
 
 def _chunks(sizes: np.ndarray, chunk_bytes: int):
@@ -203,6 +212,14 @@ class PageHeap:
         """Offsets (int64) of new regions of ``sizes`` bytes (multiples of 16), all or none."""
         sizes = np.asarray(sizes, dtype=np.int64)
         _check(bool((sizes > 0).all() and (sizes % ref.ALIGN == 0).all()), "sizes must be positive multiples of 16")
+        total = int(sizes.sum())
+        if not self._start and self.top + total <= self.capacity:
+            # no free region to reuse: every region comes from the top, back to back (what the loop
+            # below does one by one)
+            out = self.top + np.cumsum(sizes) - sizes
+            self.top += total
+            self.used += total
+            return out
         out = np.empty(sizes.size, dtype=np.int64)
         for i, s in enumerate(sizes.tolist()):
             off = self._take(s)
@@ -218,10 +235,18 @@ class PageHeap:
 
     def free(self, offsets, sizes) -> None:
         """Return regions (as ``alloc`` gave them) to the heap."""
-        offsets = np.asarray(offsets, dtype=np.int64)
-        sizes = np.asarray(sizes, dtype=np.int64)
-        for off, s in zip(offsets.tolist(), sizes.tolist()):
-            self._release(off, s)
+        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
+        sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        if offsets.size:
+            # regions that touch each other go back as one run (a freed sequence is a few runs, not
+            # one release per page: 524288 single releases took 1.1 s of Python)
+            order = np.argsort(offsets, kind="stable")
+            o, z = offsets[order], sizes[order]
+            cut = np.flatnonzero(o[1:] != o[:-1] + z[:-1]) + 1
+            starts = np.concatenate([[0], cut])
+            run_bytes = np.add.reduceat(z, starts)
+            for off, n in zip(o[starts].tolist(), run_bytes.tolist()):
+                self._release(off, n)
         self.used -= int(sizes.sum())
 
     def stats(self) -> dict:
@@ -465,22 +490,36 @@ class KVExactCache:
                              k_bases=self.bases[layer, 0], v_bases=self.bases[layer, 1], out=out)
 
     # -- offload ---------------------------------------------------------------------------------------
-    def offload_sequence(self, seq: int, *, free: bool = True, chunk_bytes: int = 64 << 20) -> OffloadedSequence:
+    def offload_sequence(self, seq: int, *, free: bool = True, chunk_bytes: int = 64 << 20,
+                         host=None) -> OffloadedSequence:
         """Copy a sequence's pages (their compressed bytes: no decoding) and ring to host memory,
-        in chunks of about ``chunk_bytes``; ``free``: then free it in the cache."""
+        in chunks of about ``chunk_bytes``; ``free``: then free it in the cache. ``host``: a
+        ``weightszip.offload.HostArena`` (pinned) to take the bytes from, so that nothing is
+        allocated per call (LimitExceededError when it has too little room left, the cache as before);
+        else a pinned allocation (when the cache is on a GPU) per call."""
         self._check_seq(seq)
         pages = int(self.length[:, seq].max()) // PAGE
         blocks = self._bt[seq, :pages]
         _check(bool((blocks >= 0).all()), "a page of the sequence has no block")
         sizes = self.sizes[:, :, blocks].copy()  # [L, 2, pages]
         pin = self.device.type == "cuda"
-        data = torch.empty(int(sizes.sum()), dtype=torch.uint8, pin_memory=pin)
-        heap16 = self.heap.buf.view(-1, 16)
+        if host is not None:
+            data = host.take(int(sizes.sum()))
+            if data is None:
+                raise LimitExceededError(f"host arena: no room for {int(sizes.sum())} bytes")
+            pin = pin and data.is_pinned()
+        else:
+            data = torch.empty(int(sizes.sum()), dtype=torch.uint8, pin_memory=pin)
         bt = torch.as_tensor(blocks, device=self.device)
         offs = self.offsets[:, :, bt].reshape(-1)  # (layer, kind, page) order, as sizes
         sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
         for i, j, pos, acc in _chunks(sizes.reshape(-1), chunk_bytes):
-            data[pos:pos + acc].copy_(heap16[_rows16(offs[i:j], sz[i:j])].view(-1), non_blocking=pin)
+            # the chunk's pages back to back in GPU memory (one kernel), then one copy over the bus
+            on_host = self.device.type == "cpu"
+            tmp = data[pos:pos + acc] if on_host else torch.empty(acc, dtype=torch.uint8, device=self.device)
+            _copy_regions(self.heap.buf, offs[i:j], tmp, torch.cumsum(sz[i:j], 0) - sz[i:j], sz[i:j])
+            if not on_host:
+                data[pos:pos + acc].copy_(tmp, non_blocking=pin)
         ring = self.ring[:, :, seq].to("cpu", copy=True)  # a copy even when the cache is on the CPU
         if pin:
             torch.cuda.current_stream(self.device).synchronize()
@@ -521,10 +560,9 @@ class KVExactCache:
         self.block_table[seq, :pages] = bt.to(torch.int32)
         offs_t = torch.as_tensor(offs, device=self.device)
         sz = torch.as_tensor(flat, device=self.device)
-        heap16 = self.heap.buf.view(-1, 16)
         for i, j, pos, acc in _chunks(flat, chunk_bytes):
             chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
-            heap16[_rows16(offs_t[i:j], sz[i:j])] = chunk.view(-1, 16)
+            _copy_regions(chunk, torch.cumsum(sz[i:j], 0) - sz[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
         self.offsets[:, :, bt] = offs_t.view(L, 2, pages)
         self.sizes[:, :, blocks] = off.sizes
         self.ring[:, :, seq] = off.ring.to(self.device)

@@ -1,0 +1,1 @@
+../../../triton_kernels/regions_ref.py
