@@ -218,6 +218,42 @@ def test_fuzz_damaged_pages_never_crash(real, data):
 # -- kernel tile loader and attention ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shape", ["real-3x64", "random-8x128", "random-1x32"])
+def test_write_kernel_bytes_equal_the_reference(real, shape):
+    """The GPU write path (kv_exact_write: sizes pass, then every byte) writes the reference
+    encoder's pages byte for byte at scattered offsets, and nothing between them: real SmolLM2 KV
+    (3 heads x 64), random bit patterns (escapes everywhere) at 8 x 128 and 1 x 32."""
+    from weightszip.kernels.kv_exact_write import page_counts, write_pages
+
+    g = torch.Generator().manual_seed(len(shape))
+    if shape == "real-3x64":
+        vals = pages_of(real[1, 2])  # V of layer 2: [4, 16, 3, 64]
+        bases = R.calibrate_bases(real[1, 2, :32].reshape(32, -1)).reshape(H, D)
+    else:
+        h, d = (8, 128) if shape == "random-8x128" else (1, 32)
+        vals = torch.randint(-(2**15), 2**15, (5, 16, h, d), generator=g, dtype=torch.int32).to(torch.int16)
+        vals[0] = vals[0] & 0x3FFF  # a page with few escapes beside the noisy ones
+        bases = torch.randint(0, 256, (h, d), generator=g, dtype=torch.int32).to(torch.uint8)
+    vals, bases = vals.to(DEVICE), bases.to(DEVICE)
+    enc = R.encode_pages(vals, bases)
+    counts, lengths = page_counts(vals, bases)
+    assert torch.equal(counts.cpu(), enc.counts.cpu()) and torch.equal(lengths.cpu(), enc.lengths.cpu())
+    gaps = torch.randint(1, 4, (len(enc),), generator=g) * 16
+    offsets = (torch.cumsum(lengths.cpu() + gaps, 0) - lengths.cpu()).to(DEVICE)
+    size = int(offsets[-1] + lengths[-1]) + 32
+    want = torch.full((size,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    got = want.clone()
+    enc.write(want, offsets)
+    write_pages(vals, bases, counts, offsets, got)
+    assert torch.equal(got, want)
+    buf, offs = R.encode_pages(vals, bases).to_bytes()  # and the pages decode
+    assert torch.equal(R.decode_pages(buf, offs, bases, vals.shape[2], vals.shape[3]), vals)
+    with pytest.raises(InvalidArgumentError):
+        write_pages(vals, bases, counts[:-1].contiguous(), offsets, got)
+    with pytest.raises(InvalidArgumentError):
+        page_counts(vals.float(), bases)
+
+
 def test_kernel_tile_loader_equals_reference(real):
     allbits = torch.arange(65536, dtype=torch.int32).to(torch.int16).reshape(-1, 16, 2, 32)[:8]
     cases = [(pages_of(real[1, 2]), R.calibrate_bases(real[1, 0].reshape(64, -1)).reshape(H, D)),

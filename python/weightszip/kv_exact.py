@@ -110,6 +110,18 @@ class OffloadedSequence:
         return int(self.data.numel() + self.ring.numel() * 2)
 
 
+def _write_kernels(device: torch.device):
+    """kernels.kv_exact_write for a cache on a GPU (or in Triton's interpreter), else None (the
+    reference encoder writes the same bytes)."""
+    from weightszip.kernels._interpreter_compat import interpreting
+
+    if device.type == "cuda" or interpreting():
+        from weightszip.kernels import kv_exact_write
+
+        return kv_exact_write
+    return None
+
+
 def _copy_regions(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor, dst_offsets: torch.Tensor,
                   sizes: torch.Tensor) -> None:
     """Byte regions from src to dst (kernels.regions on a GPU or in Triton's interpreter, its torch
@@ -400,15 +412,21 @@ class KVExactCache:
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
         blocks_t = torch.as_tensor(blocks_np, device=self.device)
         encoded, placed, new_bases = [], [], {}
+        kernel = _write_kernels(self.device)
         try:
             for kind, pages in ((0, kp), (1, vp)):
                 bases = self.bases[layer, kind]
                 if not self._calibrated[layer, kind]:  # the first pages of this layer and kind choose
                     bases = new_bases[kind] = ref.calibrate_bases(pages.reshape(-1, self.H * self.D)).view(self.H, self.D)
-                enc = ref.encode_pages(pages, bases)
-                sizes = enc.lengths.cpu().numpy()
+                if kernel:  # the write kernels: escapes per (page, head) now, every byte once placed
+                    counts, lengths = kernel.page_counts(pages, bases)
+                    encoded.append((pages, bases, counts, lengths))
+                else:
+                    enc = ref.encode_pages(pages, bases)
+                    encoded.append((enc, enc.lengths))
+            sizes_kv = torch.stack([e[-1] for e in encoded]).cpu().numpy()  # one sync for K and V
+            for sizes in sizes_kv:
                 placed.append((self.heap.alloc(sizes), sizes))
-                encoded.append(enc)
         except LimitExceededError:
             for offs, sizes in placed:
                 self.heap.free(offs, sizes)
@@ -424,7 +442,10 @@ class KVExactCache:
         self.block_table[seq_idx, page_idx] = blocks_t.to(torch.int32)
         for kind, (enc, (offs, sizes)) in enumerate(zip(encoded, placed)):
             offs_t = torch.as_tensor(offs, device=self.device)
-            enc.write(self.heap.buf, offs_t)
+            if kernel:
+                kernel.write_pages(enc[0], enc[1], enc[2], offs_t, self.heap.buf)
+            else:
+                enc[0].write(self.heap.buf, offs_t)
             self.offsets[layer, kind, blocks_t] = offs_t
             self.sizes[layer, kind, blocks_np] = sizes
 
