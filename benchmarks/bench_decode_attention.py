@@ -44,10 +44,13 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
-KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope")
+KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
-# "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term)
+# "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
+# RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
+# --rope-min-ratio 2` keeps (27-42% of the pairs on SmolLM2 and Qwen2.5)
 COMPACT.update({f"{k}+rope": v for k, v in list(COMPACT.items())})
+COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
 
 
 def parse_args(argv=None):
@@ -174,12 +177,19 @@ def compact_inputs(name, B, L, Hq, Hkv, D, gen):
                  logit_bias=torch.randn(B, Hq, device="cuda", generator=gen),
                  v_inv_transform=torch.randn(Hkv, D, D, device="cuda", generator=gen) / D,
                  v_mean=torch.randn(Hkv, D, device="cuda", generator=gen))
-    if name.endswith("+rope"):
+    if "+rope" in name:
         from weightszip.compact.calibrate import rope_phase_steps
 
         inv = 5e5 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # Llama-3's RoPE base
-        extra.update(rope_coef=torch.randn(B, Hq, 2, D // 2, device="cuda", generator=gen),
-                     rope_phase=rope_phase_steps(inv).to("cuda"))
+        coef = torch.randn(B, Hq, 2, D // 2, device="cuda", generator=gen)
+        extra.update(rope_coef=coef, rope_phase=rope_phase_steps(inv).to("cuda"))
+        n_pairs = int(name.split("+rope")[1] or D // 2)
+        if n_pairs < D // 2:  # the listed pairs only; the others' coefficients 0, as calibration leaves them
+            pairs = torch.randperm(D // 2, device="cuda", generator=gen)[:n_pairs].sort().values
+            off = torch.ones(D // 2, dtype=torch.bool, device="cuda")
+            off[pairs] = False
+            coef[..., off] = 0.0
+            extra["rope_pairs"] = pairs.to(torch.int32).contiguous()
     return kp, vp, bt, tabs, extra
 
 

@@ -11,6 +11,7 @@ pages, |error| / max|v| with v the true-domain values, decoded pages and side to
   (2**-9 relative each) before the products: 2**-6.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -251,7 +252,7 @@ def make_case(*, lens, group, kb, vb, S, W, block_size=32, seed=0, rope=False):
     rc = rope_logit_coef(q, ct["k_rope_m"], h) if rope else None
     return dict(q=q, kp=kp, vp=vp, bt=bt.to(DEVICE), lens=lens, S=S, W=W, bs=block_size, kb=kb, vb=vb,
                 ks=ks, vs=vs, ct=ct, qt=qt, bias=bias, ktab=ktab, vtab=vtab, rope_coef=rc,
-                rope_phase=ct.get("rope_phase"))
+                rope_phase=ct.get("rope_phase"), rope_pairs=ct.get("rope_pairs"))
 
 
 def run(c, cuda_dot, split_tokens=64, block_n=32):
@@ -265,7 +266,7 @@ def run(c, cuda_dot, split_tokens=64, block_n=32):
                     logit_bias=c["bias"], v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"],
                     k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"],
                     v_grid=ct["v_grid"], rope_coef=c["rope_coef"], rope_phase=c["rope_phase"],
-                    out=torch.empty(B, Hq, D, device=DEVICE))
+                    rope_pairs=c["rope_pairs"], out=torch.empty(B, Hq, D, device=DEVICE))
 
 
 def reference(c):
@@ -346,6 +347,37 @@ def test_attention_with_rotary_offsets_matches_reference(case):
     # without the rotary term the output is wrong: the test can fail
     c2 = dict(c, rope_coef=None, rope_phase=None)
     assert (reference(c2).cpu() - true).abs().max().item() > 10 * 2.0**-6 * vmax
+
+
+def test_rotary_term_over_listed_pairs_only():
+    """compact_tables lists the pairs with an offset; the kernel computes those only. With the other
+    pairs' coefficients zero the output is the reference's (all pairs); leaving out a listed pair
+    changes it beyond the tolerance (the list is used)."""
+    lens, group, kb, vb, S, W = CASES["q4-gqa4-sinks-window"]
+    c = make_case(lens=lens, group=group, kb=kb, vb=vb, S=S, W=W, seed=5, rope=True)
+    half = c["q"].shape[-1] // 2
+    listed = c["rope_pairs"].cpu()
+    assert 16 < listed.numel() < half  # real K: most pairs carry an offset, a few none in any head
+    keep = listed[torch.randperm(listed.numel(), generator=torch.Generator().manual_seed(1))[:20]].contiguous()
+    rc = c["rope_coef"].clone()
+    dropped = torch.ones(half, dtype=torch.bool)
+    dropped[keep.long()] = False
+    rc[..., dropped.to(rc.device)] = 0.0  # A and B of the unlisted pairs
+    c2 = dict(c, rope_coef=rc, rope_pairs=keep.to(DEVICE))  # 20 pairs: two chunks, the second partial
+    ref = reference(c2).cpu()
+    _, vmax = true_attention(c)
+    err = (run(c2, False).double().cpu() - ref).abs().max().item()
+    assert err <= 2.0**-6 * vmax, err
+    c3 = dict(c2, rope_pairs=keep[1:].to(DEVICE))  # pair 1 left out while its coefficients are not 0
+    assert (run(c3, False).double().cpu() - ref).abs().max().item() > 4 * 2.0**-6 * vmax
+    # compact_tables: pairs without an offset in any head are not listed
+    tabs = [dataclasses.replace(t, rope_m=t.rope_m.clone()) for t in c["ktab"]]
+    for t in tabs:
+        t.rope_m[[0, 7, half, half + 7]] = 0  # pair 0: both halves 0; pair 7: both halves 0
+        t.rope_m[half + 9] = 0  # pair 9: one half only, still listed
+    pairs = compact_tables(tabs, c["vtab"], "cpu")["rope_pairs"].tolist()
+    assert {0, 7, 9} <= set(listed.tolist())
+    assert 0 not in pairs and 7 not in pairs and 9 in pairs and len(pairs) == listed.numel() - 2
 
 
 def test_split_schedule_does_not_matter():

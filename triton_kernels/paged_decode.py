@@ -319,24 +319,29 @@ def _cos_sin(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _rope_logits(coef_ptr, phase_ptr, coef_rows, g_valid, start, offs_n, BLOCK_G: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, FAST: tl.constexpr):
+def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, coef_rows, g_valid, start, offs_n, BLOCK_G: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, NCHUNK: tl.constexpr, FAST: tl.constexpr):
     """q . r(p) for the tile's keys (rotary offsets), p = start + n: sum over RoPE pairs i of
-    A_i cos(phi_i(p)) + B_i sin(phi_i(p)). The tile start's phase comes exactly from the 48-bit phase
-    start * f_i (int64, HALF values per tile); the angle at start + n adds n * theta_i in fp32
-    (n < BLOCK_N); coef rows hold A then B [2, HALF]."""
+    A_i cos(phi_i(p)) + B_i sin(phi_i(p)). Only the ``n_pairs`` pairs listed at ``pairs_ptr`` (those
+    with an offset in some KV head of the layer: the others have A = B = 0), 16 per chunk, NCHUNK
+    chunks; a listed index outside [0, HALF) is clamped (no read out of bounds). The tile start's
+    phase comes exactly from the 48-bit phase start * f_i (int64, 16 values per chunk); the angle at
+    start + n adds n * theta_i in fp32 (n < BLOCK_N); coef rows hold A then B [2, HALF]."""
     acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     s64 = tl.zeros([1], dtype=tl.int64) + start
     nf = offs_n.to(tl.float32)[:, None]
-    for c in tl.static_range(HALF // 16):
-        offs_i = c * 16 + tl.arange(0, 16)
+    for c in tl.static_range(NCHUNK):
+        j = c * 16 + tl.arange(0, 16)
+        jv = j < n_pairs
+        offs_i = tl.minimum(tl.maximum(tl.load(pairs_ptr + j, mask=jv, other=0), 0), HALF - 1)
         f = tl.load(phase_ptr + offs_i)
         ph = ((((s64 * (f >> 16)) & 0xFFFFFFFF) << 16) + s64 * (f & 0xFFFF)) & 0xFFFFFFFFFFFF
         base = (ph >> 16).to(tl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
         theta = f.to(tl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
         cs, sn = _cos_sin(base[None, :] + nf * theta[None, :], FAST)
-        a = tl.load(coef_ptr + coef_rows[:, None] + offs_i[None, :], mask=g_valid[:, None], other=0.0)
-        b = tl.load(coef_ptr + coef_rows[:, None] + HALF + offs_i[None, :], mask=g_valid[:, None], other=0.0)
+        m = g_valid[:, None] & jv[None, :]
+        a = tl.load(coef_ptr + coef_rows[:, None] + offs_i[None, :], mask=m, other=0.0)
+        b = tl.load(coef_ptr + coef_rows[:, None] + HALF + offs_i[None, :], mask=m, other=0.0)
         acc += _bf16_split_dot(a, cs) + _bf16_split_dot(b, sn)
     return acc
 
@@ -347,7 +352,7 @@ def _paged_split_kernel(
     work_seq_ptr, work_start_ptr, work_end_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     k_cb_ptr, v_cb_ptr, k_grid_ptr, v_grid_ptr,
-    rope_coef_ptr, rope_phase_ptr, k_off_ptr, v_off_ptr,
+    rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, k_off_ptr, v_off_ptr,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
@@ -358,6 +363,7 @@ def _paged_split_kernel(
     BLOCK_N: tl.constexpr, PAGE_TYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BITS_K: tl.constexpr, BITS_V: tl.constexpr, CUDA_DOT: tl.constexpr,
     PAIRS_K: tl.constexpr = False, PAIRS_V: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
+    ROPE_CHUNKS: tl.constexpr = 0,
     FAST_TRIG: tl.constexpr = False,  # compiled only: SFU cos/sin (rotary term) and popc (exact pages)
 ):
     """One split: attention of the GROUP query heads of one KV head over page tokens
@@ -471,8 +477,8 @@ def _paged_split_kernel(
                 s = tl.dot(q, tl.trans(k))
             s = s * (k_g * scale)[None, :] + bias[:, None]
             if HAS_ROPE:
-                s += _rope_logits(rope_coef_ptr, rope_phase_ptr, coef_rows, g_valid, start, offs_n, BLOCK_G, BLOCK_N,
-                                  HEAD_DIM // 2, FAST_TRIG) * qk_scale
+                s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, coef_rows, g_valid,
+                                  start, offs_n, BLOCK_G, BLOCK_N, HEAD_DIM // 2, ROPE_CHUNKS, FAST_TRIG) * qk_scale
         elif PAGE_TYPE == 3:
             validn = (tok + BLOCK_N) < t1
             nk0, nk1, nk2, nkraw, nkerow = _exact_load(k_pages_ptr, koff_next, validn, head, num_kv_heads, HEAD_DIM, NP)
@@ -766,6 +772,13 @@ class PagedDecodeAttention:
                f"config.block_n must be a power of two and a multiple of {PAGE_TOKENS}")
         self.device = torch.device(device)
         self._plan = None
+        self._pairs_cache: dict = {}
+
+    def _all_rope_pairs(self, half: int, device) -> torch.Tensor:
+        key = (half, str(device))
+        if key not in self._pairs_cache:
+            self._pairs_cache[key] = torch.arange(half, dtype=torch.int32, device=device)
+        return self._pairs_cache[key]
 
     # -- plan ------------------------------------------------------------------------------------------
     def _num_sms(self) -> int:
@@ -878,6 +891,7 @@ class PagedDecodeAttention:
             k_codebook: torch.Tensor | None = None, v_codebook: torch.Tensor | None = None,
             k_grid: torch.Tensor | None = None, v_grid: torch.Tensor | None = None,
             rope_coef: torch.Tensor | None = None, rope_phase: torch.Tensor | None = None,
+            rope_pairs: torch.Tensor | None = None,
             k_offsets: torch.Tensor | None = None, v_offsets: torch.Tensor | None = None,
             k_bases: torch.Tensor | None = None, v_bases: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -896,6 +910,8 @@ class PagedDecodeAttention:
         K tables with rotary offsets (``compact_tables(...)["rope_phase"]``) add ``q . r(p)`` to each page
         key's logit: rope_coef fp32 [num_seqs, num_q_heads, 2, head_dim / 2] (``rope_logit_coef``) and
         rope_phase int64 [head_dim / 2]; the page token at position p of its sequence turns by p * f.
+        rope_pairs int32 [P] (``compact_tables(...)["rope_pairs"]``): the pairs with an offset in some
+        KV head of the layer; the kernel computes only those (default: all head_dim / 2).
 
         KV Exact pages (``page_type="exact"``, kv_exact_ref): k_pages/v_pages are uint8 heaps (1-D;
         may be one tensor), k_offsets/v_offsets int64 [num_blocks] each block's page offset in its
@@ -950,6 +966,14 @@ class PagedDecodeAttention:
             _check(isinstance(rope_phase, torch.Tensor) and rope_phase.dtype == torch.int64
                    and tuple(rope_phase.shape) == (D // 2,) and rope_phase.is_contiguous(),
                    f"rope_phase must be contiguous int64 [{D // 2}]")
+            if rope_pairs is None:
+                rope_pairs = self._all_rope_pairs(D // 2, rope_phase.device)
+            _check(isinstance(rope_pairs, torch.Tensor) and rope_pairs.dtype == torch.int32 and rope_pairs.dim() == 1
+                   and rope_pairs.is_contiguous() and rope_pairs.device == rope_phase.device
+                   and 0 < rope_pairs.numel() <= D // 2,
+                   f"rope_pairs must be contiguous int32 [1..{D // 2}] of pair indices on rope_phase's device")
+        else:
+            _check(rope_pairs is None, "rope_pairs needs rope_coef and rope_phase")
         side = self.sink_tokens + self.window
         if side:
             for name, t in (("k_side", k_side), ("v_side", v_side)):
@@ -986,6 +1010,7 @@ class PagedDecodeAttention:
                 v_codebook if compact else (v_bases if exact else dummy),
                 k_grid if compact else dummy, v_grid if compact else dummy,
                 rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
+                rope_pairs if has_rope else dummy, rope_pairs.numel() if has_rope else 0,
                 k_offsets if exact else dummy, v_offsets if exact else dummy,
                 qk_scale,
                 qp.stride(0), qp.stride(1),
@@ -998,6 +1023,7 @@ class PagedDecodeAttention:
                 BITS_K=self.k_bits or 0, BITS_V=self.v_bits or 0, CUDA_DOT=cuda_dot,
                 PAIRS_K=compact and not cuda_dot and self.k_bits <= 4,
                 PAIRS_V=compact and not cuda_dot and self.v_bits <= 4, HAS_ROPE=has_rope,
+                ROPE_CHUNKS=-(-rope_pairs.numel() // 16) if has_rope else 0,
                 FAST_TRIG=(has_rope or exact) and not _interpreting(),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
@@ -1066,6 +1092,11 @@ def compact_tables(k_tables, v_tables, device="cpu") -> dict:
         _check(bool((f == f[0]).all()), "the KV heads of one layer share one rope_phase")
         out["k_rope_m"] = (m.double() * 2.0**-codec.FIXED_SHIFT).float().contiguous().to(device)
         out["rope_phase"] = f[0].contiguous().to(device)
+        # the pairs (i, i + d/2) with an offset in some head: the kernel skips the others (A = B = 0)
+        half = m.shape[-1] // 2
+        active = ((m[:, :half] != 0) | (m[:, half:] != 0)).any(0)
+        pairs = torch.nonzero(active).flatten().to(torch.int32)
+        out["rope_pairs"] = (pairs if pairs.numel() else torch.zeros(1, dtype=torch.int32)).contiguous().to(device)
     return out
 
 

@@ -128,7 +128,8 @@ class PagedCompactCache:
         qt, bias = transform_query(qb, t["k_inv_transform"], t["k_mean"], self.H)
         rope = {}
         if "rope_phase" in t:
-            rope = dict(rope_coef=rope_logit_coef(qb, t["k_rope_m"], self.H), rope_phase=t["rope_phase"])
+            rope = dict(rope_coef=rope_logit_coef(qb, t["k_rope_m"], self.H), rope_phase=t["rope_phase"],
+                        rope_pairs=t["rope_pairs"])
         out = attn.run(qb, st["k_pages"], st["v_pages"], k_side=st["k_side"], v_side=st["v_side"],
                        q_transformed=qt, logit_bias=bias, v_inv_transform=t["v_inv_transform"], v_mean=t["v_mean"],
                        k_codebook=t["k_codebook"], v_codebook=t["v_codebook"], k_grid=t["k_grid"], v_grid=t["v_grid"],
