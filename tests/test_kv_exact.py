@@ -484,12 +484,15 @@ def test_generation_through_the_cache_matches_bf16_pages():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(1, 40), min_size=1, max_size=6)), min_size=1, max_size=60))
-def test_page_heap_regions_never_overlap(ops):
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(1, 40), min_size=1, max_size=6)), min_size=1, max_size=60),
+       st.sampled_from([256, 2]))
+def test_page_heap_regions_never_overlap(ops, bulk_min):
     """Random allocations (1-6 regions of 16..640 bytes at once) and frees (1-6 live regions at once,
     in any order, often neighbours): live regions stay inside the heap and disjoint, ``used`` is their
-    total, a failed allocation changes nothing, and freeing everything empties the heap."""
+    total, a failed allocation changes nothing, and freeing everything empties the heap. With
+    ``bulk_min`` 2 the batches go through the run placement (``_alloc_runs``) too."""
     h = PageHeap(4096, device="cpu")
+    h.bulk_min = bulk_min
     live: dict[int, int] = {}
     for is_alloc, units in ops:
         if is_alloc or not live:
@@ -571,6 +574,22 @@ def test_page_heap_merges_free_neighbours():
     h2.free(x[[0, 2]], [16, 16])
     h2.free(x[1:2], [16])  # joins both neighbours into one 48-byte region
     assert h2.stats()["free_regions"] == 1 and h2.alloc([48]).tolist() == [0]
+
+
+def test_page_heap_places_a_large_batch_in_runs():
+    """A batch of many regions (a restored sequence) goes into the large free regions, largest
+    first, then the top; holes too small for 64 of its regions stay free for single pages."""
+    h = PageHeap(1 << 20, device="cpu")
+    a = h.alloc([160] * 1000)  # 160000 bytes
+    h.free(a[100:400], [160] * 300)  # a 48000-byte hole
+    h.free(a[500:502], [160] * 2)  # a 320-byte hole: too small for a run
+    b = h.alloc([160] * 500)  # 300 regions into the large hole, 200 at the top
+    assert b[0] == a[100] and (np.diff(b[:300]) == 160).all() and b[300] == a[-1] + 160
+    assert h.stats()["free_regions"] == 1 and h.stats()["free_listed"] == 320
+    assert h.used == (1000 - 302 + 500) * 160
+    with pytest.raises(LimitExceededError):  # all or nothing: the runs go back too
+        h.alloc([160] * 10000)
+    assert h.used == (1000 - 302 + 500) * 160 and h.stats()["free_listed"] == 320
 
 
 def test_plan_reserves_the_blocks_of_pages_the_step_completes(real):

@@ -220,6 +220,40 @@ class PageHeap:
         self._add(off + size, big - size)
         return off
 
+    bulk_min = 256  # batches of at least this many regions are placed in runs (``_alloc_runs``)
+
+    def _alloc_runs(self, sizes: np.ndarray, out: np.ndarray) -> int:
+        """Place a batch's regions back to back in runs: the free regions that hold at least 64 of
+        them, largest first, each taking as many of the next regions as fit (its rest stays free), then
+        the top. Fills ``out`` for the first k regions and returns k (the caller places the rest one by
+        one, into smaller free regions, or rolls back). A restore of a whole sequence (hundreds of
+        thousands of pages) into a heap with free regions then costs a few numpy calls per large free
+        region, not a Python step per page; small holes are left to single pages (decode steps)."""
+        ends = np.cumsum(sizes)
+        min_run = 64 * int(ends[-1]) // sizes.size
+        i = 0
+        for size in sorted((z for z in self._sizes if z >= min_run), reverse=True):
+            for off in sorted(self._by_size.get(size, ())):
+                if i == sizes.size:
+                    return i
+                base = int(ends[i - 1]) if i else 0
+                j = int(np.searchsorted(ends, base + size, side="right"))
+                if j == i:
+                    continue  # the next region does not fit here
+                used = int(ends[j - 1]) - base
+                self._remove(off)
+                if used < size:
+                    self._add(off + used, size - used)
+                out[i:j] = off + ends[i:j] - sizes[i:j] - base
+                i = j
+        if i < sizes.size:
+            base = int(ends[i - 1]) if i else 0
+            j = int(np.searchsorted(ends, base + self.capacity - self.top, side="right"))
+            out[i:j] = self.top + ends[i:j] - sizes[i:j] - base
+            self.top += int(ends[j - 1]) - base if j > i else 0
+            i = j
+        return i
+
     def alloc(self, sizes) -> np.ndarray:
         """Offsets (int64) of new regions of ``sizes`` bytes (multiples of 16), all or none."""
         sizes = np.asarray(sizes, dtype=np.int64)
@@ -233,7 +267,9 @@ class PageHeap:
             self.used += total
             return out
         out = np.empty(sizes.size, dtype=np.int64)
-        for i, s in enumerate(sizes.tolist()):
+        first = self._alloc_runs(sizes, out) if sizes.size >= self.bulk_min else 0
+        for i in range(first, sizes.size):
+            s = int(sizes[i])
             off = self._take(s)
             if off is None:
                 for o, z in zip(out[:i].tolist(), sizes[:i].tolist()):
