@@ -557,6 +557,48 @@ def test_offload_and_restore_a_sequence(real):
     assert full.heap.used == 0 and not full._live
 
 
+def test_restore_refuses_damaged_sequences(real):
+    """An offloaded sequence whose parts disagree, or whose pages were damaged in host memory, is
+    refused with a typed error and the cache is left as it was: sizes against lengths and data and
+    every page header always; the codes too with ``verify=True``."""
+    import dataclasses as dc
+
+    cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=3,
+                         max_tokens=256, device=DEVICE, config=CFG)
+    s0 = cache.add_sequence()
+    g = torch.Generator().manual_seed(5)
+    _run_cache(real, cache, [(s0, 70)], steps=1, g=g)
+    off = cache.offload_sequence(s0, free=False)
+    state = (cache.heap.used, cache.heap.top, sorted(cache._live), cache._calibrated.copy())
+
+    def refused(bad, err, **kw):
+        with pytest.raises(err):
+            cache.restore_sequence(bad, **kw)
+        assert (cache.heap.used, cache.heap.top, sorted(cache._live)) == state[:3]
+        assert (cache._calibrated == state[3]).all()
+
+    refused(dc.replace(off, data=off.data[:-16]), InvalidArgumentError)  # truncated
+    no_page = off.sizes.copy()
+    no_page[1, 0, 2] = 0  # a page missing where layer 1's length says one is
+    refused(dc.replace(off, sizes=no_page), InvalidArgumentError)
+    odd = off.sizes.copy()
+    odd[0, 1, 0] += 8  # not a page size
+    refused(dc.replace(off, sizes=odd), InvalidArgumentError)
+    refused(dc.replace(off, lengths=off.lengths + 16), InvalidArgumentError)  # more tokens than pages
+    hdr = off.data.clone()
+    hdr[4:8] = 0xFF  # layer 0 K page 0: ex[1] far past the page
+    refused(dc.replace(off, data=hdr), CorruptDataError)
+    codes = off.data.clone()
+    first = R.header_bytes(H)
+    codes[[first, first + 2 * D, first + 4 * D]] = 0xFF  # 8 codes of token 0 become escapes
+    refused(dc.replace(off, data=codes), CorruptDataError, verify=True)
+    s1 = cache.restore_sequence(dc.replace(off, data=codes))  # the header alone is consistent: taken
+    cache.free_sequence(s1)
+    s2 = cache.restore_sequence(off, verify=True)  # the intact sequence passes every check
+    for layer in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(cache.dense(layer, s2), cache.dense(layer, s0)))
+
+
 def test_page_heap_merges_free_neighbours():
     h = PageHeap(64, device="cpu")
     a = h.alloc([32, 32])

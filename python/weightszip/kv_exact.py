@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from weightszip import _core
-from weightszip.errors import InvalidArgumentError, LimitExceededError, TruncatedError
+from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, TruncatedError, WeightszipError
 from weightszip.kernels import kv_exact_ref as ref
 from weightszip.pages import _bytes, _u16
 
@@ -160,10 +160,13 @@ class PageHeap:
     free). Pages of a layer differ by a few dozen bytes, so exact-size reuse is the common case.
     ``alloc`` is all or nothing: on LimitExceededError the heap is as before (free space merged)."""
 
-    def __init__(self, capacity: int, device="cuda"):
+    def __init__(self, capacity: int, device="cuda", guard: int = 0):
         _check(int(capacity) >= ref.ALIGN, "heap capacity must be at least 16 bytes")
+        _check(0 <= int(guard) <= 1 << 20, "guard must be 0..1 MiB")
         self.capacity = int(capacity) // ref.ALIGN * ref.ALIGN
-        self.buf = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
+        # ``guard`` zero bytes after the last allocatable one: reads that a damaged page could send
+        # past its end (at most 16 * head_dim bytes, see KVExactCache) stay inside the buffer
+        self.buf = torch.zeros(self.capacity + int(guard), dtype=torch.uint8, device=device)
         self.top = 0
         self.used = 0
         self._by_size: dict[int, set[int]] = {}
@@ -326,7 +329,7 @@ class KVExactCache:
         _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
         self.L, self.H, self.D, self.hq = layers, kv_heads, head_dim, num_q_heads
         self.device = torch.device(device)
-        self.heap = PageHeap(heap_bytes, self.device)
+        self.heap = PageHeap(heap_bytes, self.device, guard=PAGE * head_dim)
         self.max_seqs = max_seqs
         self.max_pages = -(-max_tokens // PAGE)
         self.num_blocks = max_seqs * self.max_pages
@@ -585,29 +588,62 @@ class KVExactCache:
             self.free_sequence(seq)
         return out
 
-    def restore_sequence(self, off: OffloadedSequence, *, chunk_bytes: int = 64 << 20) -> int:
+    def restore_sequence(self, off: OffloadedSequence, *, chunk_bytes: int = 64 << 20, verify: bool = False) -> int:
         """A new sequence holding an offloaded one (pages copied back as they are, into new heap
         regions). Layers and kinds where both hold pages need the same window tops
         (InvalidArgumentError otherwise); where the cache has none yet, it adopts the sequence's. On
-        a full heap or no free slot or block ids, LimitExceededError and the cache as before."""
-        L, _, pages = off.sizes.shape
-        _check(L == self.L and pages <= self.max_pages and tuple(off.ring.shape) == (self.L, 2, PAGE, self.H, self.D),
+        a full heap or no free slot or block ids, LimitExceededError and the cache as before.
+
+        Checked always: shapes, sizes against lengths and data, and every page's header (its
+        exception offsets inside the page), so attention never reads outside the heap. ``verify``:
+        every page through the validating decoder too (CorruptDataError / TruncatedError on damage).
+        A failed check leaves the cache as before."""
+        sizes = np.asarray(off.sizes)
+        _check(sizes.ndim == 3 and sizes.shape[:2] == (self.L, 2) and sizes.dtype.kind in "iu",
+               f"sizes must be integers [{self.L}, 2, pages]")
+        L, _, pages = sizes.shape
+        _check(pages <= self.max_pages and isinstance(off.ring, torch.Tensor) and off.ring.dtype == torch.bfloat16
+               and tuple(off.ring.shape) == (self.L, 2, PAGE, self.H, self.D),
                "the offloaded sequence does not fit this cache's shape")
-        has = off.sizes.reshape(L, 2, pages).any(axis=2)  # (layer, kind) with pages
+        _check(isinstance(off.bases, torch.Tensor) and off.bases.dtype == torch.uint8
+               and tuple(off.bases.shape) == (self.L, 2, self.H, self.D), f"bases must be uint8 [{self.L}, 2, {self.H}, {self.D}]")
+        lengths = np.asarray(off.lengths)
+        _check(lengths.shape == (L,) and lengths.dtype.kind in "iu" and bool((lengths >= 0).all())
+               and bool((lengths // PAGE <= pages).all()) and int(lengths.max(initial=0)) // PAGE == pages,
+               f"lengths must be [{L}] tokens per layer, with pages for every whole 16 of them")
+        # a page where a layer's length says one is, nothing elsewhere; every size a page could have
+        need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
+        lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
+        _check(bool(((sizes > 0) == need).all()) and bool((sizes[need.repeat(2, 1)] % ref.ALIGN == 0).all())
+               and bool(((sizes[need.repeat(2, 1)] >= lo) & (sizes[need.repeat(2, 1)] <= hi)).all()),
+               "page sizes do not match the sequence's lengths or are not page sizes")
+        _check(isinstance(off.data, torch.Tensor) and off.data.dtype == torch.uint8 and off.data.dim() == 1
+               and off.data.numel() == int(sizes.sum()),
+               f"data must be uint8 [{int(sizes.sum())}] (the pages' bytes), not {getattr(off.data, 'shape', None)}")
+        has = sizes.any(axis=2)  # (layer, kind) with pages
         mine = self.bases.cpu()
         for layer, kind in zip(*np.nonzero(has & self._calibrated)):
             _check(torch.equal(off.bases[layer, kind], mine[layer, kind]),
                    f"layer {layer} {'KV'[kind]}: the sequence was coded with other window tops")
         if len(self._free_blocks) < pages:
             raise LimitExceededError("KV Exact cache: no free block ids")
-        flat = off.sizes.reshape(-1)
+        if not self._free_slots:
+            raise LimitExceededError(f"KV Exact cache holds at most {self.max_seqs} sequences")
+        flat = sizes.reshape(-1).astype(np.int64)
         nz = np.flatnonzero(flat)
         offs = np.zeros(flat.size, dtype=np.int64)
         offs[nz] = self.heap.alloc(flat[nz])  # all or nothing
-        seq = self.add_sequence() if self._free_slots else None
-        if seq is None:
+        offs_t = torch.as_tensor(offs, device=self.device)
+        sz = torch.as_tensor(flat, device=self.device)
+        for i, j, pos, acc in _chunks(flat, chunk_bytes):
+            chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
+            _copy_regions(chunk, torch.cumsum(sz[i:j], 0) - sz[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
+        try:
+            self._check_restored(offs_t.view(L, 2, pages), sz.view(L, 2, pages), has, off.bases, verify)
+        except WeightszipError:
             self.heap.free(offs[nz], flat[nz])
-            raise LimitExceededError(f"KV Exact cache holds at most {self.max_seqs} sequences")
+            raise
+        seq = self.add_sequence()
         for layer, kind in zip(*np.nonzero(has & ~self._calibrated)):  # the cache adopts them
             self.bases[layer, kind] = off.bases[layer, kind].to(self.device)
             self._calibrated[layer, kind] = True
@@ -615,16 +651,32 @@ class KVExactCache:
         self._bt[seq, :pages] = blocks
         bt = torch.as_tensor(blocks, device=self.device)
         self.block_table[seq, :pages] = bt.to(torch.int32)
-        offs_t = torch.as_tensor(offs, device=self.device)
-        sz = torch.as_tensor(flat, device=self.device)
-        for i, j, pos, acc in _chunks(flat, chunk_bytes):
-            chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
-            _copy_regions(chunk, torch.cumsum(sz[i:j], 0) - sz[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
         self.offsets[:, :, bt] = offs_t.view(L, 2, pages)
-        self.sizes[:, :, blocks] = off.sizes
+        self.sizes[:, :, blocks] = sizes
         self.ring[:, :, seq] = off.ring.to(self.device)
         self.length[:, seq] = off.lengths
         return seq
+
+    def _check_restored(self, offs: torch.Tensor, sizes: torch.Tensor, has: np.ndarray, bases: torch.Tensor,
+                        verify: bool) -> None:
+        """Restored pages (in the heap at ``offs`` [L, 2, pages], ``sizes`` the same shape, 0 for no
+        page): each header's exception offsets start after the fixed part, never decrease and end in
+        the page (one device sync); with ``verify``, the validating decoder over every page."""
+        h = self.H
+        fixed = ref.fixed_bytes(h, self.D)
+        present = sizes > 0
+        po, pz = offs[present], sizes[present]
+        if po.numel():
+            ex = ref._u32(self.heap.buf[po[:, None] + torch.arange(4 * (h + 1), device=po.device)[None, :]])
+            ok = ((ex[:, 0] == fixed) & (ex[:, 1:] >= ex[:, :-1]).all(1)
+                  & ((ex[:, h] + ref.ALIGN - 1) // ref.ALIGN * ref.ALIGN == pz))
+            if not bool(ok.all()):
+                bad = int(torch.nonzero(~ok)[0, 0])
+                raise CorruptDataError(f"restored page {bad}: its header does not describe a page of {int(pz[bad])} bytes")
+        if verify:
+            for layer, kind in zip(*np.nonzero(has)):
+                p = present[layer, kind]
+                ref.decode_heap_pages(self.heap.buf, offs[layer, kind][p], bases[layer, kind].to(self.device), h, self.D)
 
     # -- inspection ------------------------------------------------------------------------------------
     def dense(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
