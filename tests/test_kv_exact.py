@@ -599,6 +599,46 @@ def test_restore_refuses_damaged_sequences(real):
         assert all(torch.equal(a, b) for a, b in zip(cache.dense(layer, s2), cache.dense(layer, s0)))
 
 
+def test_cache_beyond_the_write_kernels_and_failed_copies_leave_no_trace(real, monkeypatch):
+    """More KV heads than the write kernels take: the reference encoder stores the pages (the same
+    bytes). A restore whose copy fails (data at an odd address) gives its heap regions back, and a
+    host arena hands out 16-byte aligned slices."""
+    from weightszip.offload import HostArena
+
+    big = KVExactCache(layers=1, kv_heads=65, head_dim=32, num_q_heads=65, heap_bytes=1 << 20, max_seqs=1,
+                       max_tokens=64, device=DEVICE, config=CFG)
+    s = big.add_sequence()
+    x = real[0, 0, :16, :, :32].repeat(1, 22, 1)[:, :65].contiguous().view(torch.bfloat16)[None].to(DEVICE)
+    big.append(0, [s], x, x)
+    assert torch.equal(big.dense(0, s)[0], x[0])
+    arena = HostArena(4096)
+    arena.take(8)
+    assert arena.take(16).data_ptr() % 16 == 0
+    cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=3,
+                         max_tokens=256, device=DEVICE, config=CFG)
+    s0 = cache.add_sequence()
+    _run_cache(real, cache, [(s0, 40)], steps=1, g=torch.Generator().manual_seed(6))
+    off = cache.offload_sequence(s0, free=False)
+    used = cache.heap.used
+    odd = torch.zeros(off.data.numel() + 8, dtype=torch.uint8)[8:]
+    odd.copy_(off.data)
+    import dataclasses as dc
+
+    s1 = cache.restore_sequence(dc.replace(off, data=odd))  # an unaligned buffer still restores
+    assert all(torch.equal(a, b) for a, b in zip(cache.dense(2, s1), cache.dense(2, s0)))
+    cache.free_sequence(s1)
+    assert cache.heap.used == used
+    import weightszip.kv_exact as kvx
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(kvx, "_copy_regions", broken)
+    with pytest.raises(RuntimeError):  # a copy that fails: nothing stays allocated
+        cache.restore_sequence(off)
+    assert cache.heap.used == used and len(cache._live) == 1
+
+
 def test_page_heap_merges_free_neighbours():
     h = PageHeap(64, device="cpu")
     a = h.alloc([32, 32])

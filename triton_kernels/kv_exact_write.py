@@ -96,13 +96,20 @@ def _check(cond: bool, msg: str) -> None:
         raise InvalidArgumentError(msg)
 
 
+MAX_HEADS = 64  # the kernels' header pass holds every head's count in one block
+
+
+def supports(heads: int, head_dim: int) -> bool:
+    """Whether the kernels take pages of this shape (else use ``kv_exact_ref``: the same bytes)."""
+    return 1 <= heads <= MAX_HEADS and head_dim in (32, 64, 128, 256)
+
+
 def _prepare(values: torch.Tensor, bases: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(isinstance(values, torch.Tensor) and values.dim() == 4 and values.shape[1] == ref.PAGE_TOKENS,
            f"values must be [n, {ref.PAGE_TOKENS}, kv_heads, head_dim]")
     _check(values.dtype in (torch.bfloat16, torch.int16), "values must be bf16 or their int16 bits")
     n, _, h, d = values.shape
-    _check(d in (32, 64, 128, 256), f"head_dim must be 32, 64, 128 or 256, not {d}")
-    _check(1 <= h <= 64, f"kv_heads must be 1..64, not {h}")
+    _check(supports(h, d), f"the write kernels take kv_heads 1..{MAX_HEADS} and head_dim 32, 64, 128 or 256, not {h} x {d}")
     _check(isinstance(bases, torch.Tensor) and bases.dtype == torch.uint8 and bases.numel() == h * d,
            f"bases must be uint8 [{h}, {d}]")
     return values.contiguous().view(torch.int16), bases.reshape(h, d).to(values.device).contiguous()

@@ -30,9 +30,11 @@ ALIGN = 16
 @triton.jit
 def _copy_regions_kernel(src_ptr, dst_ptr, src_off_ptr, dst_off_ptr, size_ptr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
-    so = tl.multiple_of(tl.load(src_off_ptr + i) // 4, 4)  # in int32 words; 16-byte aligned
-    do = tl.multiple_of(tl.load(dst_off_ptr + i) // 4, 4)
-    n = tl.multiple_of(tl.load(size_ptr + i) // 4, 4)
+    # in int32 words, rounded down to whole 16-byte units, so that the alignment the hints promise
+    # holds whatever the arguments are (a size off the contract copies less, never writes past)
+    so = tl.multiple_of(tl.load(src_off_ptr + i) // 16 * 4, 4)
+    do = tl.multiple_of(tl.load(dst_off_ptr + i) // 16 * 4, 4)
+    n = tl.multiple_of(tl.load(size_ptr + i) // 16 * 4, 4)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
@@ -52,7 +54,8 @@ def copy_regions(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor
     _check(src.dtype == torch.uint8 and dst.dtype == torch.uint8 and src.dim() == 1 and dst.dim() == 1
            and src.is_contiguous() and dst.is_contiguous(), "src and dst must be contiguous 1-D uint8")
     _check(src.device == dst.device, "src and dst must be on one device")
-    _check(src.data_ptr() % ALIGN == 0 and dst.data_ptr() % ALIGN == 0, "src and dst must be 16-byte aligned")
+    _check(src.data_ptr() % ALIGN == 0 and dst.data_ptr() % ALIGN == 0 and src.numel() % 4 == 0
+           and dst.numel() % 4 == 0, "src and dst must be 16-byte aligned, their lengths multiples of 4 bytes")
     n = sizes.numel()
     for name, t in (("src_offsets", src_offsets), ("dst_offsets", dst_offsets), ("sizes", sizes)):
         _check(t.dtype == torch.int64 and t.dim() == 1 and t.numel() == n and t.is_contiguous()

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from weightszip import _core
-from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, TruncatedError, WeightszipError
+from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, TruncatedError
 from weightszip.kernels import kv_exact_ref as ref
 from weightszip.pages import _bytes, _u16
 
@@ -110,25 +110,27 @@ class OffloadedSequence:
         return int(self.data.numel() + self.ring.numel() * 2)
 
 
-def _write_kernels(device: torch.device):
-    """kernels.kv_exact_write for a cache on a GPU (or in Triton's interpreter), else None (the
-    reference encoder writes the same bytes)."""
+def _write_kernels(device: torch.device, heads: int, head_dim: int):
+    """kernels.kv_exact_write for a cache on a GPU (or in Triton's interpreter) of a shape it takes,
+    else None (the reference encoder writes the same bytes)."""
     from weightszip.kernels._interpreter_compat import interpreting
 
     if device.type == "cuda" or interpreting():
         from weightszip.kernels import kv_exact_write
 
-        return kv_exact_write
+        if kv_exact_write.supports(heads, head_dim):
+            return kv_exact_write
     return None
 
 
 def _copy_regions(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor, dst_offsets: torch.Tensor,
                   sizes: torch.Tensor) -> None:
-    """Byte regions from src to dst (kernels.regions on a GPU or in Triton's interpreter, its torch
-    reference elsewhere)."""
+    """Byte regions from src to dst (kernels.regions on a GPU or in Triton's interpreter for 16-byte
+    aligned buffers, its torch reference otherwise)."""
     from weightszip.kernels._interpreter_compat import interpreting
 
-    if src.device == dst.device and (src.device.type == "cuda" or interpreting()):
+    aligned = src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0 and src.numel() % 4 == 0 and dst.numel() % 4 == 0
+    if aligned and src.device == dst.device and (src.device.type == "cuda" or interpreting()):
         from weightszip.kernels.regions import copy_regions
 
         copy_regions(src, src_offsets, dst, dst_offsets, sizes)
@@ -451,7 +453,7 @@ class KVExactCache:
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
         blocks_t = torch.as_tensor(blocks_np, device=self.device)
         encoded, placed, new_bases = [], [], {}
-        kernel = _write_kernels(self.device)
+        kernel = _write_kernels(self.device, self.H, self.D)
         try:
             for kind, pages in ((0, kp), (1, vp)):
                 bases = self.bases[layer, kind]
@@ -466,7 +468,7 @@ class KVExactCache:
             sizes_kv = torch.stack([e[-1] for e in encoded]).cpu().numpy()  # one sync for K and V
             for sizes in sizes_kv:
                 placed.append((self.heap.alloc(sizes), sizes))
-        except LimitExceededError:
+        except BaseException:  # a full heap, or anything else: nothing of this call stays
             for offs, sizes in placed:
                 self.heap.free(offs, sizes)
             for s, j in new_blocks:
@@ -635,12 +637,12 @@ class KVExactCache:
         offs[nz] = self.heap.alloc(flat[nz])  # all or nothing
         offs_t = torch.as_tensor(offs, device=self.device)
         sz = torch.as_tensor(flat, device=self.device)
-        for i, j, pos, acc in _chunks(flat, chunk_bytes):
-            chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
-            _copy_regions(chunk, torch.cumsum(sz[i:j], 0) - sz[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
         try:
+            for i, j, pos, acc in _chunks(flat, chunk_bytes):
+                chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
+                _copy_regions(chunk, torch.cumsum(sz[i:j], 0) - sz[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
             self._check_restored(offs_t.view(L, 2, pages), sz.view(L, 2, pages), has, off.bases, verify)
-        except WeightszipError:
+        except BaseException:  # damaged pages, or a failed copy: the regions go back
             self.heap.free(offs[nz], flat[nz])
             raise
         seq = self.add_sequence()
@@ -672,7 +674,9 @@ class KVExactCache:
                   & ((ex[:, h] + ref.ALIGN - 1) // ref.ALIGN * ref.ALIGN == pz))
             if not bool(ok.all()):
                 bad = int(torch.nonzero(~ok)[0, 0])
-                raise CorruptDataError(f"restored page {bad}: its header does not describe a page of {int(pz[bad])} bytes")
+                layer, kind, page = (int(x) for x in torch.nonzero(present)[bad])
+                raise CorruptDataError(f"restored page {page} of layer {layer} {'KV'[kind]}: its header does not "
+                                       f"describe a page of {int(pz[bad])} bytes")
         if verify:
             for layer, kind in zip(*np.nonzero(has)):
                 p = present[layer, kind]

@@ -144,7 +144,7 @@ class CompressedSession:
 
 
 class HostArena:
-    """One allocation of host memory (pinned when CUDA is present) handed out in 8-byte aligned
+    """One allocation of host memory (pinned when CUDA is present) handed out in 16-byte aligned
     slices, so offloading allocates nothing per chunk; ``reset()`` makes it reusable (sessions
     that point into it are then invalid). ``device`` other than cpu makes a GPU-resident arena
     (benchmarks use it to time the codec without the bus)."""
@@ -164,7 +164,7 @@ class HostArena:
         self.used = 0
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        start = (self.used + 7) // 8 * 8
+        start = (self.used + 15) // 16 * 16
         if start + nbytes > self.buffer.numel():
             return None
         self.used = start + nbytes
