@@ -324,13 +324,16 @@ class KVExactCache:
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, num_q_heads: int, heap_bytes: int,
                  max_seqs: int, max_tokens: int, bases: torch.Tensor | None = None, device="cuda",
-                 sm_scale: float | None = None, config=None):
+                 sm_scale: float | None = None, config=None, write_kernels: bool = True):
+        """``write_kernels``: store pages through the Triton write kernels where they run (a GPU, or
+        the interpreter); False: the reference encoder always (the same bytes; benchmarks compare)."""
         from weightszip.kernels import PagedDecodeAttention
 
         _check(layers > 0 and kv_heads > 0 and max_seqs > 0 and max_tokens > 0, "sizes must be positive")
         _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
         self.L, self.H, self.D, self.hq = layers, kv_heads, head_dim, num_q_heads
         self.device = torch.device(device)
+        self.write_kernels = bool(write_kernels)
         self.heap = PageHeap(heap_bytes, self.device, guard=PAGE * head_dim)
         self.max_seqs = max_seqs
         self.max_pages = -(-max_tokens // PAGE)
@@ -453,7 +456,7 @@ class KVExactCache:
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
         blocks_t = torch.as_tensor(blocks_np, device=self.device)
         encoded, placed, new_bases = [], [], {}
-        kernel = _write_kernels(self.device, self.H, self.D)
+        kernel = _write_kernels(self.device, self.H, self.D) if self.write_kernels else None
         try:
             for kind, pages in ((0, kp), (1, vp)):
                 bases = self.bases[layer, kind]
