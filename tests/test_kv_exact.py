@@ -637,6 +637,11 @@ def test_cache_beyond_the_write_kernels_and_failed_copies_leave_no_trace(real, m
     with pytest.raises(RuntimeError):  # a copy that fails: nothing stays allocated
         cache.restore_sequence(off)
     assert cache.heap.used == used and len(cache._live) == 1
+    arena = HostArena(1 << 20)
+    arena.take(16)
+    with pytest.raises(RuntimeError):  # an offload that fails gives the arena's space back
+        cache.offload_sequence(s0, host=arena)
+    assert arena.used == 16 and s0 in cache._live
 
 
 def test_write_kernels_and_reference_store_the_same_cache(real):

@@ -568,6 +568,7 @@ class KVExactCache:
         _check(bool((blocks >= 0).all()), "a page of the sequence has no block")
         sizes = self.sizes[:, :, blocks].copy()  # [L, 2, pages]
         pin = self.device.type == "cuda"
+        arena_used = None if host is None else host.used
         if host is not None:
             data = host.take(int(sizes.sum()))
             if data is None:
@@ -575,19 +576,24 @@ class KVExactCache:
             pin = pin and data.is_pinned()
         else:
             data = torch.empty(int(sizes.sum()), dtype=torch.uint8, pin_memory=pin)
-        bt = torch.as_tensor(blocks, device=self.device)
-        offs = self.offsets[:, :, bt].reshape(-1)  # (layer, kind, page) order, as sizes
-        sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
-        for i, j, pos, acc in _chunks(sizes.reshape(-1), chunk_bytes):
-            # the chunk's pages back to back in GPU memory (one kernel), then one copy over the bus
-            on_host = self.device.type == "cpu"
-            tmp = data[pos:pos + acc] if on_host else torch.empty(acc, dtype=torch.uint8, device=self.device)
-            _copy_regions(self.heap.buf, offs[i:j], tmp, torch.cumsum(sz[i:j], 0) - sz[i:j], sz[i:j])
-            if not on_host:
-                data[pos:pos + acc].copy_(tmp, non_blocking=pin)
-        ring = self.ring[:, :, seq].to("cpu", copy=True)  # a copy even when the cache is on the CPU
-        if pin:
-            torch.cuda.current_stream(self.device).synchronize()
+        try:
+            bt = torch.as_tensor(blocks, device=self.device)
+            offs = self.offsets[:, :, bt].reshape(-1)  # (layer, kind, page) order, as sizes
+            sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
+            for i, j, pos, acc in _chunks(sizes.reshape(-1), chunk_bytes):
+                # the chunk's pages back to back in GPU memory (one kernel), then one copy over the bus
+                on_host = self.device.type == "cpu"
+                tmp = data[pos:pos + acc] if on_host else torch.empty(acc, dtype=torch.uint8, device=self.device)
+                _copy_regions(self.heap.buf, offs[i:j], tmp, torch.cumsum(sz[i:j], 0) - sz[i:j], sz[i:j])
+                if not on_host:
+                    data[pos:pos + acc].copy_(tmp, non_blocking=pin)
+            ring = self.ring[:, :, seq].to("cpu", copy=True)  # a copy even when the cache is on the CPU
+            if pin:
+                torch.cuda.current_stream(self.device).synchronize()
+        except BaseException:  # the arena's space goes back (nothing else took from it meanwhile)
+            if host is not None:
+                host.used = arena_used
+            raise
         out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone())
         if free:
             self.free_sequence(seq)
