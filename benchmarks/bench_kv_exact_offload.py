@@ -30,10 +30,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_gpu_codec import load_sets, tile_channels  # noqa: E402
-
-HQ, HKV, D = 32, 8, 128
-C = HKV * D
+from bench_gpu_codec import load_sets  # noqa: E402
+from bench_kv_exact import HKV, HQ, C, D, llama_pages  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -79,8 +77,7 @@ def main(argv=None):
     ks, vs = sets["K"], sets["V"]
 
     def tokens(x):  # [T, C0] uint16 -> bf16 tokens [T, 8, 128] on the GPU
-        t = torch.from_numpy(tile_channels(x, C).astype(np.int16)).to(DEV)
-        return t.view(torch.bfloat16).reshape(-1, HKV, D)
+        return llama_pages(x).to(DEV).view(torch.bfloat16).reshape(-1, HKV, D)
 
     L, T = args.layers, args.context
     per_layer = []

@@ -110,12 +110,17 @@ class OffloadedSequence:
         return int(self.data.numel() + self.ring.numel() * 2)
 
 
+def _kernels_run(device: torch.device) -> bool:
+    """Whether Triton kernels run on ``device``'s tensors: a GPU, or the CPU in Triton's interpreter."""
+    from weightszip.kernels._interpreter_compat import interpreting
+
+    return device.type == "cuda" or interpreting()
+
+
 def _write_kernels(device: torch.device, heads: int, head_dim: int):
     """kernels.kv_exact_write for a cache on a GPU (or in Triton's interpreter) of a shape it takes,
     else None (the reference encoder writes the same bytes)."""
-    from weightszip.kernels._interpreter_compat import interpreting
-
-    if device.type == "cuda" or interpreting():
+    if _kernels_run(device):
         from weightszip.kernels import kv_exact_write
 
         if kv_exact_write.supports(heads, head_dim):
@@ -127,10 +132,8 @@ def _copy_regions(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tenso
                   sizes: torch.Tensor) -> None:
     """Byte regions from src to dst (kernels.regions on a GPU or in Triton's interpreter for 16-byte
     aligned buffers, its torch reference otherwise)."""
-    from weightszip.kernels._interpreter_compat import interpreting
-
     aligned = src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0 and src.numel() % 4 == 0 and dst.numel() % 4 == 0
-    if aligned and src.device == dst.device and (src.device.type == "cuda" or interpreting()):
+    if aligned and src.device == dst.device and _kernels_run(src.device):
         from weightszip.kernels.regions import copy_regions
 
         copy_regions(src, src_offsets, dst, dst_offsets, sizes)
@@ -263,16 +266,11 @@ class PageHeap:
         """Offsets (int64) of new regions of ``sizes`` bytes (multiples of 16), all or none."""
         sizes = np.asarray(sizes, dtype=np.int64)
         _check(bool((sizes > 0).all() and (sizes % ref.ALIGN == 0).all()), "sizes must be positive multiples of 16")
-        total = int(sizes.sum())
-        if not self._start and self.top + total <= self.capacity:
-            # no free region to reuse: every region comes from the top, back to back (what the loop
-            # below does one by one)
-            out = self.top + np.cumsum(sizes) - sizes
-            self.top += total
-            self.used += total
-            return out
         out = np.empty(sizes.size, dtype=np.int64)
-        first = self._alloc_runs(sizes, out) if sizes.size >= self.bulk_min else 0
+        # in runs when the batch is large, or when no free region is listed (then every region comes
+        # from the top, back to back: what the loop below would do one by one)
+        bulk = sizes.size >= self.bulk_min or (sizes.size and not self._start)
+        first = self._alloc_runs(sizes, out) if bulk else 0
         for i in range(first, sizes.size):
             s = int(sizes[i])
             off = self._take(s)
@@ -372,14 +370,12 @@ class KVExactCache:
         """Free a sequence's pages and block ids."""
         self._check_seq(seq)
         blocks = self._bt[seq][self._bt[seq] >= 0]
-        for layer in range(self.L):
-            for kind in range(2):
-                sz = self.sizes[layer, kind, blocks]
-                have = sz > 0
-                if have.any():
-                    offs = self.offsets[layer, kind, torch.as_tensor(blocks[have], device=self.device)].cpu().numpy()
-                    self.heap.free(offs, sz[have])
-                self.sizes[layer, kind, blocks] = 0
+        sz = self.sizes[:, :, blocks]  # [L, 2, pages]
+        have = sz > 0
+        if have.any():  # every layer's pages in one read-back and one free
+            offs = self.offsets[:, :, torch.as_tensor(blocks, device=self.device)].cpu().numpy()
+            self.heap.free(offs[have], sz[have])
+        self.sizes[:, :, blocks] = 0
         self._free_blocks.extend(int(b) for b in blocks)
         self._bt[seq] = -1
         self.length[:, seq] = 0
@@ -580,9 +576,9 @@ class KVExactCache:
             bt = torch.as_tensor(blocks, device=self.device)
             offs = self.offsets[:, :, bt].reshape(-1)  # (layer, kind, page) order, as sizes
             sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
+            on_host = self.device.type == "cpu"
             for i, j, pos, acc in _chunks(sizes.reshape(-1), chunk_bytes):
                 # the chunk's pages back to back in GPU memory (one kernel), then one copy over the bus
-                on_host = self.device.type == "cpu"
                 tmp = data[pos:pos + acc] if on_host else torch.empty(acc, dtype=torch.uint8, device=self.device)
                 _copy_regions(self.heap.buf, offs[i:j], tmp, torch.cumsum(sz[i:j], 0) - sz[i:j], sz[i:j])
                 if not on_host:
