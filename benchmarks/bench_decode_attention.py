@@ -422,12 +422,13 @@ def main(argv=None):
     for row in rows:
         if "skipped" in row:
             continue
-        best_bf16 = min(row[k]["time_s"] for k in ("sdpa", "bf16") if k in row)
+        best_bf16 = min((row[k]["time_s"] for k in ("sdpa", "bf16") if k in row), default=None)
         for k in kernels:
             r = row[k]
             r["gbps"] = r["bytes"] / r["time_s"] / 1e9
             r["efficiency"] = r["bytes"] / r["time_s"] / bw
-            r["speedup_vs_best_bf16"] = best_bf16 / r["time_s"]
+            if best_bf16 is not None:  # a run without sdpa/bf16 has no bf16 baseline
+                r["speedup_vs_best_bf16"] = best_bf16 / r["time_s"]
             if "fp8" in row:
                 r["speedup_vs_fp8"] = row["fp8"]["time_s"] / r["time_s"]
     res["rows"] = rows

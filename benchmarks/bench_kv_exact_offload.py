@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk-mb", type=int, default=64, help="offload/restore chunk size")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_exact_offload"))
+    p.add_argument("--profile", action="store_true",
+                   help="then one more offload and restore under cProfile (host time per function): PREFIX.profile.txt")
     return p.parse_args(argv)
 
 
@@ -122,6 +124,16 @@ def main(argv=None):
     seq = cache.restore_sequence(off, chunk_bytes=chunk)
     del off
     arena = HostArena(moved + (1 << 20))
+    # the bound: one raw pinned copy of as many bytes as the offload moves
+    dev_m = torch.empty(moved, dtype=torch.uint8, device=DEV)
+    host_m = arena.buffer[:moved]
+    d2h_m, h2d_m = [], []
+    for _ in range(args.repeats):
+        d2h_m.append(timed(lambda: host_m.copy_(dev_m, non_blocking=True))[0])
+        h2d_m.append(timed(lambda: dev_m.copy_(host_m, non_blocking=True))[0])
+    del dev_m, host_m
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
     offl, rest = [], []
     for _ in tqdm(range(args.repeats), desc="offload/restore"):
         arena.reset()
@@ -129,6 +141,27 @@ def main(argv=None):
         offl.append(t)
         t, seq = timed(lambda: cache.restore_sequence(off, chunk_bytes=chunk))
         rest.append(t)
+    if args.profile:  # where the host time of one round trip goes (after the timed ones)
+        import cProfile
+        import io
+        import pstats
+
+        arena.reset()
+        prof = cProfile.Profile()
+        prof.enable()
+        off = cache.offload_sequence(seq, free=True, chunk_bytes=chunk, host=arena)
+        sync()
+        prof.disable()
+        prof2 = cProfile.Profile()
+        prof2.enable()
+        seq = cache.restore_sequence(off, chunk_bytes=chunk)
+        sync()
+        prof2.disable()
+        text = io.StringIO()
+        for name, pr in (("offload", prof), ("restore", prof2)):
+            text.write(f"== {name}\n")
+            pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(35)
+        pathlib.Path(args.out).with_suffix(".profile.txt").write_text(text.getvalue())
     ok = True
     for layer in (0, L - 1):
         k, v = per_layer[layer][:2]
@@ -140,9 +173,11 @@ def main(argv=None):
     med = lambda xs: float(np.median(xs))  # noqa: E731
     rows = [
         dict(path="raw bf16 pinned copy D2H", bytes=raw_bytes, seconds=med(d2h)),
+        dict(path="raw pinned copy D2H of the bytes offload moves (the bound)", bytes=moved, seconds=med(d2h_m)),
         dict(path="KV Exact offload (into a pinned arena)", bytes=moved, seconds=med(offl)),
         dict(path="KV Exact offload, first call (allocates its pinned buffer)", bytes=moved, seconds=t_alloc),
         dict(path="raw bf16 pinned copy H2D", bytes=raw_bytes, seconds=med(h2d)),
+        dict(path="raw pinned copy H2D of the bytes restore moves (the bound)", bytes=moved, seconds=med(h2d_m)),
         dict(path="KV Exact restore", bytes=moved, seconds=med(rest)),
     ]
     for r in rows:
@@ -150,7 +185,7 @@ def main(argv=None):
         r["GBps_of_bf16"] = raw_bytes / r["seconds"] / 1e9
         r["speedup_vs_raw"] = ref / r["seconds"]
     res.update(rows=rows, bytes_moved=moved, ratio_moved=moved / raw_bytes, bit_exact=bool(ok),
-               all_seconds=dict(d2h=d2h, h2d=h2d, offload=offl, restore=rest))
+               all_seconds=dict(d2h=d2h, h2d=h2d, d2h_moved=d2h_m, h2d_moved=h2d_m, offload=offl, restore=rest))
     print(json.dumps(res, indent=1), flush=True)
     write(res, args.out)
     if not ok:

@@ -25,6 +25,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, WeightszipError  # noqa: E402
 from weightszip.kernels import KernelConfig, PagedDecodeAttention, paged_decode_ref  # noqa: E402
 from weightszip.kernels import kv_exact_ref as R  # noqa: E402
+from weightszip import kv_exact as kvx  # noqa: E402
 from weightszip.kernels.paged_decode import dequantize_exact_pages  # noqa: E402
 from weightszip.kv_exact import (  # noqa: E402
     KVExactCache,
@@ -751,3 +752,22 @@ def test_demo_row_on_real_kv():
     row = kv_exact_row(np.load(DATA / "kv_smollm2_64tok.npy"), meta)
     ratio = float(row.split("ratio ")[1].split(",")[0])
     assert "bit-exact" in row and 0.69 < ratio < 0.76
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.integers(1, 200))
+def test_chunks_cover_regions_in_order(units, chunk_bytes):
+    """Offload/restore's chunking: every non-empty region lies in exactly one chunk, the chunks in
+    order and back to back, and each region's offset inside its chunk is what its predecessors in
+    that chunk take (zero-size regions, which lie in no chunk or anywhere, included)."""
+    sizes = np.asarray(units, dtype=np.int64) * 16
+    chunks = list(kvx._chunks(sizes, chunk_bytes))
+    local = kvx._chunk_local_offsets(torch.as_tensor(sizes), chunks).numpy()
+    seen = np.zeros(sizes.size, dtype=int)
+    pos = 0
+    for i, j, p, acc in chunks:
+        assert p == pos and acc == int(sizes[i:j].sum()) > 0 and (acc <= chunk_bytes or j == i + 1)
+        seen[i:j] += 1
+        assert (local[i:j] == np.cumsum(sizes[i:j]) - sizes[i:j]).all()
+        pos += acc
+    assert pos == int(sizes.sum()) and (seen[sizes > 0] == 1).all()

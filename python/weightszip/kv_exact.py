@@ -156,6 +156,49 @@ def _chunks(sizes: np.ndarray, chunk_bytes: int):
         pos, i = pos + acc, j
 
 
+def _chunk_local_offsets(sizes: torch.Tensor, chunks) -> torch.Tensor:
+    """Each region's byte offset inside its chunk (``_chunks``'s runs), int64 on sizes' device."""
+    # runs of regions with one chunk start each: the chunks, and the empty runs between them (start 0)
+    bounds = np.asarray([0] + [x for i, j, _, _ in chunks for x in (i, j)] + [sizes.numel()], dtype=np.int64)
+    pos = np.asarray([x for _, _, p, _ in chunks for x in (0, p)] + [0], dtype=np.int64)
+    dev = sizes.device
+    starts = torch.repeat_interleave(torch.as_tensor(pos, device=dev), torch.as_tensor(np.diff(bounds), device=dev),
+                                     output_size=sizes.numel())
+    return torch.cumsum(sizes, 0) - sizes - starts
+
+
+def _pipelined(device: torch.device, chunks, first, second, *, copy_first: bool = False) -> None:
+    """Run ``first(chunk, buf)`` then ``second(chunk, buf)`` for every chunk through two staging
+    buffers on the GPU, the bus copies (``second``, or ``first`` with ``copy_first``) on a side stream,
+    the gathers and scatters on the current one: chunk n's copy overlaps the kernel of chunk n + 1
+    (offload) or n - 1 (restore). Returns with the current stream ordered after all of it (no sync).
+    Both buffers live until the current stream has waited for the copy stream, so the caching
+    allocator never hands them out while a copy still reads or writes them."""
+    if not chunks:
+        return
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    streams = (side, main) if copy_first else (main, side)
+    size = max(c[3] for c in chunks)
+    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(chunks)))]
+    handed = [torch.cuda.Event() for _ in bufs]  # first -> second: the buffer's chunk is ready
+    freed = [torch.cuda.Event() for _ in bufs]  # second -> first: the buffer may be refilled
+    side.wait_stream(main)  # the side stream sees everything queued before (the pages, the arena)
+    for n, c in enumerate(chunks):
+        b = n % len(bufs)
+        with torch.cuda.stream(streams[0]):
+            if n >= len(bufs):
+                streams[0].wait_event(freed[b])
+            first(c, bufs[b])
+            handed[b].record(streams[0])
+        with torch.cuda.stream(streams[1]):
+            streams[1].wait_event(handed[b])
+            second(c, bufs[b])
+            freed[b].record(streams[1])
+    main.wait_stream(side)
+    del bufs
+
+
 class PageHeap:
     """Variable-size regions (multiples of 16 bytes) in one uint8 tensor.
 
@@ -286,19 +329,29 @@ class PageHeap:
 
     def free(self, offsets, sizes) -> None:
         """Return regions (as ``alloc`` gave them) to the heap."""
+        self.release(self.runs(offsets, sizes))
+
+    @staticmethod
+    def runs(offsets, sizes) -> tuple[list, list, int]:
+        """The regions as runs of touching ones: (run offsets, run bytes, total bytes), for
+        ``release``. The sort is the costly part of a free; a caller can do it while it waits."""
         offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
         sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
-        if offsets.size:
-            # regions that touch each other go back as one run (a freed sequence is a few runs, not
-            # one release per page: 524288 single releases took 1.1 s of Python)
-            order = np.argsort(offsets, kind="stable")
-            o, z = offsets[order], sizes[order]
-            cut = np.flatnonzero(o[1:] != o[:-1] + z[:-1]) + 1
-            starts = np.concatenate([[0], cut])
-            run_bytes = np.add.reduceat(z, starts)
-            for off, n in zip(o[starts].tolist(), run_bytes.tolist()):
-                self._release(off, n)
-        self.used -= int(sizes.sum())
+        if not offsets.size:
+            return [], [], 0
+        # regions that touch each other go back as one run (a freed sequence is a few runs, not
+        # one release per page: 524288 single releases took 1.1 s of Python)
+        order = np.argsort(offsets, kind="stable")
+        o, z = offsets[order], sizes[order]
+        cut = np.flatnonzero(o[1:] != o[:-1] + z[:-1]) + 1
+        starts = np.concatenate([[0], cut])
+        return o[starts].tolist(), np.add.reduceat(z, starts).tolist(), int(z.sum())
+
+    def release(self, runs: tuple[list, list, int]) -> None:
+        """Return ``runs(offsets, sizes)``'s regions to the heap."""
+        for off, n in zip(runs[0], runs[1]):
+            self._release(off, n)
+        self.used -= runs[2]
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "used": self.used, "top": self.top,
@@ -368,15 +421,27 @@ class KVExactCache:
 
     def free_sequence(self, seq: int) -> None:
         """Free a sequence's pages and block ids."""
+        self._free(self._free_plan(seq))
+
+    def _free_plan(self, seq: int, offsets: np.ndarray | None = None):
+        """What freeing ``seq`` takes (nothing changes yet): its blocks and its pages' heap runs.
+        ``offsets``: its pages' offsets [L, 2, pages] read back already (else read here, a sync)."""
         self._check_seq(seq)
         blocks = self._bt[seq][self._bt[seq] >= 0]
         sz = self.sizes[:, :, blocks]  # [L, 2, pages]
         have = sz > 0
+        runs = [], [], 0
         if have.any():  # every layer's pages in one read-back and one free
-            offs = self.offsets[:, :, torch.as_tensor(blocks, device=self.device)].cpu().numpy()
-            self.heap.free(offs[have], sz[have])
+            if offsets is None or offsets.shape != sz.shape:
+                offsets = self.offsets[:, :, torch.as_tensor(blocks, device=self.device)].cpu().numpy()
+            runs = self.heap.runs(offsets[have], sz[have])
+        return seq, blocks, runs
+
+    def _free(self, plan) -> None:
+        seq, blocks, runs = plan
+        self.heap.release(runs)
         self.sizes[:, :, blocks] = 0
-        self._free_blocks.extend(int(b) for b in blocks)
+        self._free_blocks.extend(blocks.tolist())
         self._bt[seq] = -1
         self.length[:, seq] = 0
         self._live.discard(seq)
@@ -576,13 +641,27 @@ class KVExactCache:
             bt = torch.as_tensor(blocks, device=self.device)
             offs = self.offsets[:, :, bt].reshape(-1)  # (layer, kind, page) order, as sizes
             sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
-            on_host = self.device.type == "cpu"
-            for i, j, pos, acc in _chunks(sizes.reshape(-1), chunk_bytes):
-                # the chunk's pages back to back in GPU memory (one kernel), then one copy over the bus
-                tmp = data[pos:pos + acc] if on_host else torch.empty(acc, dtype=torch.uint8, device=self.device)
-                _copy_regions(self.heap.buf, offs[i:j], tmp, torch.cumsum(sz[i:j], 0) - sz[i:j], sz[i:j])
-                if not on_host:
-                    data[pos:pos + acc].copy_(tmp, non_blocking=pin)
+            chunks = list(_chunks(sizes.reshape(-1), chunk_bytes))
+            local = _chunk_local_offsets(sz, chunks)
+            if self.device.type == "cpu":  # the pages straight into their place
+                for i, j, pos, acc in chunks:
+                    _copy_regions(self.heap.buf, offs[i:j], data[pos:pos + acc], local[i:j], sz[i:j])
+            else:  # gathered into a staging buffer (one kernel), copied over the bus on a copy stream
+                def gather(c, buf):
+                    i, j, _, acc = c
+                    _copy_regions(self.heap.buf, offs[i:j], buf[:acc], local[i:j], sz[i:j])
+
+                def copy(c, buf):
+                    data[c[2]:c[2] + c[3]].copy_(buf[:c[3]], non_blocking=pin)
+
+                offs_host = torch.empty(offs.shape, dtype=torch.int64, pin_memory=pin)
+                offs_host.copy_(offs, non_blocking=pin)  # for the free, ahead of the gathers
+                got = torch.cuda.Event()
+                got.record()
+                _pipelined(self.device, chunks, gather, copy)
+                if free:  # the free's bookkeeping while the copies run; it takes effect after them
+                    got.synchronize()
+                    plan = self._free_plan(seq, offs_host.numpy().reshape(sizes.shape))
             ring = self.ring[:, :, seq].to("cpu", copy=True)  # a copy even when the cache is on the CPU
             if pin:
                 torch.cuda.current_stream(self.device).synchronize()
@@ -592,7 +671,7 @@ class KVExactCache:
             raise
         out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone())
         if free:
-            self.free_sequence(seq)
+            self._free(plan if self.device.type != "cpu" else self._free_plan(seq))
         return out
 
     def restore_sequence(self, off: OffloadedSequence, *, chunk_bytes: int = 64 << 20, verify: bool = False) -> int:
@@ -618,12 +697,6 @@ class KVExactCache:
         _check(lengths.shape == (L,) and lengths.dtype.kind in "iu" and bool((lengths >= 0).all())
                and bool((lengths // PAGE <= pages).all()) and int(lengths.max(initial=0)) // PAGE == pages,
                f"lengths must be [{L}] tokens per layer, with pages for every whole 16 of them")
-        # a page where a layer's length says one is, nothing elsewhere; every size a page could have
-        need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
-        lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
-        _check(bool(((sizes > 0) == need).all()) and bool((sizes[need.repeat(2, 1)] % ref.ALIGN == 0).all())
-               and bool(((sizes[need.repeat(2, 1)] >= lo) & (sizes[need.repeat(2, 1)] <= hi)).all()),
-               "page sizes do not match the sequence's lengths or are not page sizes")
         _check(isinstance(off.data, torch.Tensor) and off.data.dtype == torch.uint8 and off.data.dim() == 1
                and off.data.numel() == int(sizes.sum()),
                f"data must be uint8 [{int(sizes.sum())}] (the pages' bytes), not {getattr(off.data, 'shape', None)}")
@@ -643,11 +716,31 @@ class KVExactCache:
         offs_t = torch.as_tensor(offs, device=self.device)
         sz = torch.as_tensor(flat, device=self.device)
         try:
-            for i, j, pos, acc in _chunks(flat, chunk_bytes):
-                chunk = off.data[pos:pos + acc].to(self.device, non_blocking=True)
-                _copy_regions(chunk, torch.cumsum(sz[i:j], 0) - sz[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
+            chunks = list(_chunks(flat, chunk_bytes))
+            local = _chunk_local_offsets(sz, chunks)
+            if self.device.type == "cpu" or off.data.device == self.device:
+                for i, j, pos, acc in chunks:
+                    chunk = off.data[pos:pos + acc].to(self.device)
+                    _copy_regions(chunk, local[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
+            else:  # over the bus into a staging buffer on a copy stream, scattered (one kernel) from there
+                def copy(c, buf):
+                    buf[:c[3]].copy_(off.data[c[2]:c[2] + c[3]], non_blocking=True)
+
+                def scatter(c, buf):
+                    i, j, _, acc = c
+                    _copy_regions(buf[:acc], local[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
+
+                _pipelined(self.device, chunks, copy, scatter, copy_first=True)
+            # while the pages move: a page where a layer's length says one is, nothing elsewhere, and
+            # every size one a page can have (the allocation took positive multiples of 16 already)
+            need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
+            lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
+            inside = np.where(need, sizes, lo)
+            _check(not np.where(need, 0, sizes).any() and int(inside.min()) >= lo and int(inside.max()) <= hi,
+                   "page sizes do not match the sequence's lengths or are not page sizes")
             self._check_restored(offs_t.view(L, 2, pages), sz.view(L, 2, pages), has, off.bases, verify)
-        except BaseException:  # damaged pages, or a failed copy: the regions go back
+        except BaseException:  # damaged pages or sizes, or a failed copy: the regions go back (what
+            # the copies still write lands in them before any later kernel on this stream reads them)
             self.heap.free(offs[nz], flat[nz])
             raise
         seq = self.add_sequence()
