@@ -44,13 +44,18 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
-KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")
+KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
+           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
 # --rope-min-ratio 2` keeps (27-42% of the pairs on SmolLM2 and Qwen2.5)
 COMPACT.update({f"{k}+rope": v for k, v in list(COMPACT.items())})
 COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
+# codebook lookups (KernelConfig.reg_lut_bits): by default in registers when K and V are both 3 bits
+# (q3), from pair tables in memory otherwise; "+pairs": always pair tables; "+lut4": always registers
+LOOKUP = {"+pairs": 0, "+lut4": 4}
+COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4", "q3.5", "q3") for v in LOOKUP})
 
 
 def parse_args(argv=None):
@@ -205,6 +210,16 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config):
     info = attn.plan([L] * B, bt)
     out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
     t = bench(lambda: attn.run(q, kp, vp, out=out, **tabs, **extra), rep)
+    from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+    from weightszip.kernels.paged_decode import PAGE_COMPACT
+
+    default_bits = DEFAULT_CONFIGS[PAGE_COMPACT].reg_lut_bits
+    if config is not None and config.reg_lut_bits != default_bits:  # the default lookups' output (fp32 sums aside)
+        attn.config = KernelConfig(**{**config.__dict__, "reg_lut_bits": default_bits})
+        other = attn.run(q, kp, vp, **tabs, **extra).float()
+        info["max_abs_diff_vs_default"] = float((out.float() - other).abs().max())
+        info["max_abs_out"] = float(other.abs().max())
+        attn.config = config
     per_tok = (kb * D // 8 + 1) + (vb * D // 8 + 1)
     # + the tables each program reads (codebooks, grids) and q' (fp32) instead of a bf16 q
     nbytes = attn.bytes_read(per_tok) + Hkv * (2**kb + 2**vb) * 2 + 2 * Hkv * 256 * 4 + B * Hq * (D * 2 + 4)
@@ -406,10 +421,18 @@ def main(argv=None):
             row["sdpa"] = dict(time_s=t, bytes=nb, variant=how)
         for kind in [k for k in kernels if k != "sdpa"]:
             if kind in COMPACT:
-                t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, None)
+                cfg = None
+                suffix = "+" + kind.split("+")[-1]
+                if suffix in LOOKUP:
+                    from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+                    from weightszip.kernels.paged_decode import PAGE_COMPACT
+
+                    cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, "reg_lut_bits": LOOKUP[suffix]})
+                t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
             else:
                 t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)
-            row[kind] = dict(time_s=t, bytes=nb, splits=info["items"], split_tokens=info["split_tokens"])
+            row[kind] = dict(time_s=t, bytes=nb, splits=info["items"], split_tokens=info["split_tokens"],
+                             **{k: v for k, v in info.items() if k.startswith("max_")})
             torch.cuda.empty_cache()
         torch.cuda.empty_cache()
         rows.append(row)

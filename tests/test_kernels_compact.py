@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from weightszip.compact import calibrate as C  # noqa: E402
 from weightszip.compact import codec  # noqa: E402
@@ -36,7 +37,7 @@ from weightszip.kernels import (  # noqa: E402
 )
 from weightszip.kernels.compact_write import compact_write, compact_write_tables  # noqa: E402
 from weightszip.kernels.compact_write_ref import compact_write_ref  # noqa: E402
-from weightszip.kernels.paged_decode import compact_tables, dequantize_compact_pages  # noqa: E402
+from weightszip.kernels.paged_decode import _lut_order, compact_tables, dequantize_compact_pages  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -412,11 +413,15 @@ def test_compact_bad_input():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need the GPU")
+@pytest.mark.parametrize("lut_bits", [0, 3, 4], ids=["pair-tables", "lut-3bit", "lut-all"])
 @pytest.mark.parametrize("cuda_dot", [False, True], ids=["tensor-cores", "cuda-cores"])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
-def test_real_shapes_gpu(shape, cuda_dot):
+def test_real_shapes_gpu(shape, cuda_dot, lut_bits):
     """Llama shapes, head_dim 128, tables fitted on synthetic heavy-tailed KV; pages written by the
-    write kernel (bytes checked against the reference on a slice), attention against the reference."""
+    write kernel (bytes checked against the reference on a slice), attention against the reference;
+    the codebooks looked up from pair tables, in registers for 3 bits (V here), or for all widths."""
+    if cuda_dot and lut_bits != 3:
+        pytest.skip("the CUDA-core path has no codebook lookup choice")
     Hq, Hkv, D = shape
     g = torch.Generator().manual_seed(1)
     calib = torch.randn(512, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g)) + torch.randn(D, generator=g)
@@ -448,7 +453,8 @@ def test_real_shapes_gpu(shape, cuda_dot):
     tables = dict(k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
     common = dict(q_transformed=qt, logit_bias=bias, v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"], **side)
     attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=4, v_bits=3,
-                                config=KernelConfig(block_n=32 if cuda_dot else 64, cuda_dot=cuda_dot))
+                                config=KernelConfig(block_n=32 if cuda_dot else 64, cuda_dot=cuda_dot,
+                                                    reg_lut_bits=lut_bits))
     attn.plan(lens, bt.cuda())
     out = attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables, **common)
     ref = paged_decode_ref(q, pages["k"], pages["v"], bt.cuda(), lens, page_type="compact", sink_tokens=S, window=W,
@@ -457,3 +463,85 @@ def test_real_shapes_gpu(shape, cuda_dot):
     vmax = max(vals.abs().max().item(), side["v_side"].float().abs().max().item())
     tol = 2.0**-8 if cuda_dot else 2.0**-6
     assert (out.double() - ref).abs().max().item() <= tol * vmax
+
+
+# -- the register lookup's PTX (compiled only; Triton's interpreter cannot run inline assembly) ----------
+
+
+def _run_lut_ptx(asm: str, inputs: list[int]) -> list[int]:
+    """The instructions of the register lookup's PTX, run one by one on Python ints (b32 registers;
+    prmt in its default mode: a selector nibble's bits 0-2 pick one of 8 bytes, bit 3 replicates the
+    picked byte's sign)."""
+    import re
+
+    m32 = 0xFFFFFFFF
+
+    def prmt(a, b, c):
+        src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+        out = 0
+        for i in range(4):
+            n = (c >> 4 * i) & 0xF
+            v = src[n & 7]
+            out |= ((0xFF if v & 0x80 else 0) if n & 8 else v) << 8 * i
+        return out
+
+    reg = {f"${k + 4}": v for k, v in enumerate(inputs)}
+    out = {}
+
+    def val(x):
+        return reg[x] if x in reg else int(x, 0)
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith((".reg", "{", "}")):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32":  # mov.b32 {$lo, $hi}, r: the two 16-bit halves of r
+            lo, hi, r = re.fullmatch(r"\{(\$\d+), (\$\d+)\}, (\w+)", rest).groups()
+            out[lo], out[hi] = val(r) & 0xFFFF, val(r) >> 16
+            continue
+        a = [t.strip() for t in rest.split(",")]
+        fn = {"shr.b32": lambda x, y: x >> y, "or.b32": lambda x, y: x | y, "and.b32": lambda x, y: x & y}
+        if op == "prmt.b32":
+            reg[a[0]] = prmt(val(a[1]), val(a[2]), val(a[3]))
+        else:
+            reg[a[0]] = fn[op](val(a[1]), val(a[2])) & m32
+    return [out[f"${k}"] for k in range(4)]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_register_lookup_ptx_gives_the_codebook_values(bits):
+    """``_lut_values``'s PTX with ``compact_lut_table``'s words gives bf16 codebook[code] for each of
+    the four codes (one per byte) of a word, for every code in every byte."""
+    from weightszip.kernels import paged_decode as P
+
+    asm = (P._LUT_ASM_16 if bits == 4 else P._LUT_ASM_8).value
+    cb = torch.sort(torch.randn(3, 2**bits, generator=torch.Generator().manual_seed(bits)) * 3)[0]
+    words = P.compact_lut_table(cb)
+    want = cb.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    rng = np.random.default_rng(bits)
+    for h in range(3):
+        table = [int(w) & 0xFFFFFFFF for w in words[h]]
+        codes = [[c] * 4 for c in range(2**bits)] + rng.integers(0, 2**bits, (200, 4)).tolist()
+        for c in codes:
+            y = sum(int(x) << 8 * i for i, x in enumerate(c))
+            assert _run_lut_ptx(asm, [y] + table) == [int(want[h, x]) for x in c]
+
+
+@triton.jit
+def _lut_order_kernel(out_ptr, D: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, D), _lut_order(D))
+
+
+def test_register_lookup_channel_order_is_a_permutation():
+    """``_lut_order``: the channel at each position of a register-lookup tile, as the kernel reads q
+    and writes the output: every channel once, and the one the tile's layout puts there (position
+    m * 32 + j * 4 + a * 2 + b holds channel 32 m + 8 (a + 2 b) + j; the kernel's function runs in
+    Triton's interpreter, or compiled)."""
+    pos = np.arange(128)
+    m, j, a, b = pos // 32, (pos // 4) % 8, (pos // 2) % 2, pos % 2
+    order = m * 32 + 8 * (a + 2 * b) + j
+    assert sorted(order.tolist()) == list(range(128))
+    got = torch.empty(128, dtype=torch.int32, device=DEVICE)
+    _lut_order_kernel[(1,)](got, D=128)
+    assert got.cpu().tolist() == order.tolist()
