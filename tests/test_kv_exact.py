@@ -546,6 +546,18 @@ def test_offload_and_restore_a_sequence(real):
         assert torch.equal(k, before[layer][0]) and torch.equal(v, before[layer][1])
     cache.plan([s3])
     assert torch.equal(cache.attend(2, q), out_before)
+    for hole in (False, True):  # into an empty heap (on a GPU: one copy straight into place), and
+        # into one with a free region listed (on a GPU: staged chunks scattered into their regions)
+        fresh = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
+                             max_tokens=256, device=DEVICE, config=CFG, bases=off.bases)
+        if hole:
+            a = fresh.heap.alloc([4096, 4096])
+            fresh.heap.free(a[:1], [4096])
+            assert fresh.heap.stats()["free_regions"] == 1
+        s = fresh.restore_sequence(off, chunk_bytes=9000)
+        for layer in range(3):
+            k, v = fresh.dense(layer, s)
+            assert torch.equal(k, before[layer][0]) and torch.equal(v, before[layer][1])
     other = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
                          max_tokens=256, device=DEVICE, config=CFG,
                          bases=torch.full((3, 2, H, D), 120, dtype=torch.uint8))
@@ -632,9 +644,10 @@ def test_cache_beyond_the_write_kernels_and_failed_copies_leave_no_trace(real, m
     import weightszip.kv_exact as kvx
 
     def broken(*args, **kwargs):
-        raise RuntimeError("copy failed")
+        raise RuntimeError("copy or check failed")
 
-    monkeypatch.setattr(kvx, "_copy_regions", broken)
+    monkeypatch.setattr(kvx, "_copy_regions", broken)  # staged copies (a heap with free regions, the CPU)
+    monkeypatch.setattr(KVExactCache, "_check_restored", broken)  # after a copy straight into place (GPU)
     with pytest.raises(RuntimeError):  # a copy that fails: nothing stays allocated
         cache.restore_sequence(off)
     assert cache.heap.used == used and len(cache._live) == 1

@@ -709,28 +709,56 @@ class KVExactCache:
             raise LimitExceededError("KV Exact cache: no free block ids")
         if not self._free_slots:
             raise LimitExceededError(f"KV Exact cache holds at most {self.max_seqs} sequences")
+        # Straight into place: with no free region listed, the allocation below puts the pages back
+        # to back at the top of the heap in the data's order, so one copy of the data to the top
+        # (free space: harmless if anything below fails) starts now on a side stream, and the host
+        # work below runs while it moves (no host-to-device copy of ours waits behind it: the sizes
+        # go over first, the offsets are computed on the GPU). The current stream waits for it before
+        # anything reads the pages (also on failure), so nothing later reads or writes there before
+        # it lands.
         flat = sizes.reshape(-1).astype(np.int64)
         nz = np.flatnonzero(flat)
-        offs = np.zeros(flat.size, dtype=np.int64)
-        offs[nz] = self.heap.alloc(flat[nz])  # all or nothing
-        offs_t = torch.as_tensor(offs, device=self.device)
         sz = torch.as_tensor(flat, device=self.device)
+        total = off.data.numel()
+        direct = (self.device.type == "cuda" and off.data.device.type == "cpu" and not self.heap._start
+                  and self.heap.top + total <= self.heap.capacity)
+        if direct:
+            top = self.heap.top
+            main = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self.heap.buf[top:top + total].copy_(off.data, non_blocking=True)
         try:
-            chunks = list(_chunks(flat, chunk_bytes))
-            local = _chunk_local_offsets(sz, chunks)
-            if self.device.type == "cpu" or off.data.device == self.device:
-                for i, j, pos, acc in chunks:
-                    chunk = off.data[pos:pos + acc].to(self.device)
-                    _copy_regions(chunk, local[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
-            else:  # over the bus into a staging buffer on a copy stream, scattered (one kernel) from there
-                def copy(c, buf):
-                    buf[:c[3]].copy_(off.data[c[2]:c[2] + c[3]], non_blocking=True)
+            offs = np.zeros(flat.size, dtype=np.int64)
+            offs[nz] = self.heap.alloc(flat[nz])  # all or nothing
+        except BaseException:
+            if direct:
+                main.wait_stream(side)
+            raise
+        try:
+            if direct:  # where the pages landed is where they were allocated (else copy them again)
+                main.wait_stream(side)  # no host wait: only what the current stream queues next waits
+                direct = bool(np.array_equal(offs[nz], top + np.cumsum(flat[nz]) - flat[nz]))
+                if direct:
+                    offs_t = torch.where(sz > 0, top + torch.cumsum(sz, 0) - sz, 0)
+            if not direct:
+                offs_t = torch.as_tensor(offs, device=self.device)
+                chunks = list(_chunks(flat, chunk_bytes))
+                local = _chunk_local_offsets(sz, chunks)
+                if self.device.type == "cpu" or off.data.device == self.device:
+                    for i, j, pos, acc in chunks:
+                        chunk = off.data[pos:pos + acc].to(self.device)
+                        _copy_regions(chunk, local[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
+                else:  # over the bus into a staging buffer on a copy stream, scattered from there
+                    def copy(c, buf):
+                        buf[:c[3]].copy_(off.data[c[2]:c[2] + c[3]], non_blocking=True)
 
-                def scatter(c, buf):
-                    i, j, _, acc = c
-                    _copy_regions(buf[:acc], local[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
+                    def scatter(c, buf):
+                        i, j, _, acc = c
+                        _copy_regions(buf[:acc], local[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
 
-                _pipelined(self.device, chunks, copy, scatter, copy_first=True)
+                    _pipelined(self.device, chunks, copy, scatter, copy_first=True)
             # while the pages move: a page where a layer's length says one is, nothing elsewhere, and
             # every size one a page can have (the allocation took positive multiples of 16 already)
             need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
