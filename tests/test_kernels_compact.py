@@ -37,7 +37,12 @@ from weightszip.kernels import (  # noqa: E402
 )
 from weightszip.kernels.compact_write import compact_write, compact_write_tables  # noqa: E402
 from weightszip.kernels.compact_write_ref import compact_write_ref  # noqa: E402
-from weightszip.kernels.paged_decode import _lut_order, compact_tables, dequantize_compact_pages  # noqa: E402
+from weightszip.kernels.paged_decode import (  # noqa: E402
+    _lut_order,
+    _lut_tile,
+    compact_tables,
+    dequantize_compact_pages,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -413,14 +418,16 @@ def test_compact_bad_input():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need the GPU")
-@pytest.mark.parametrize("lut_bits", [0, 3, 4], ids=["pair-tables", "lut-3bit", "lut-all"])
+@pytest.mark.parametrize("lookup", [(0, 4), (3, 3), (4, 4)], ids=["k4v3-pair-tables", "k3v3-registers", "k4v3-registers"])
 @pytest.mark.parametrize("cuda_dot", [False, True], ids=["tensor-cores", "cuda-cores"])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
-def test_real_shapes_gpu(shape, cuda_dot, lut_bits):
+def test_real_shapes_gpu(shape, cuda_dot, lookup):
     """Llama shapes, head_dim 128, tables fitted on synthetic heavy-tailed KV; pages written by the
     write kernel (bytes checked against the reference on a slice), attention against the reference;
-    the codebooks looked up from pair tables, in registers for 3 bits (V here), or for all widths."""
-    if cuda_dot and lut_bits != 3:
+    K 4 / V 3 bits with the codebooks from pair tables or in registers (16 and 8 entries), and
+    K 3 / V 3 bits in registers (the default for q3)."""
+    lut_bits, k_bits = lookup
+    if cuda_dot and lookup != (0, 4):
         pytest.skip("the CUDA-core path has no codebook lookup choice")
     Hq, Hkv, D = shape
     g = torch.Generator().manual_seed(1)
@@ -428,7 +435,7 @@ def test_real_shapes_gpu(shape, cuda_dot, lut_bits):
     rng = np.random.default_rng(0)
     signs = torch.from_numpy(rng.choice([-1, 1], size=D)).to(torch.int64)
     tabs = {}
-    for kind, bits in (("k", 4), ("v", 3)):
+    for kind, bits in (("k", k_bits), ("v", 3)):
         mu, mult, e0, cbs = C.fit_tables(calib, torch.ones(Hkv, D), kind, signs, rng)
         tabs[kind] = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits) for i in range(Hkv)]
     lens, S, W = [3000, 1, 777, 4100], 4, 128
@@ -439,7 +446,7 @@ def test_real_shapes_gpu(shape, cuda_dot, lut_bits):
     n = slots.numel()
     x = {k: (torch.randn(n, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g))).to(torch.bfloat16) for k in "kv"}
     pages = {}
-    for kind, bits in (("k", 4), ("v", 3)):
+    for kind, bits in (("k", k_bits), ("v", 3)):
         pages[kind] = pool(nb, Hkv, 16, bits, D)
         compact_write(x[kind].cuda(), slots.cuda(), pages[kind], compact_write_tables(tabs[kind], "cuda"))
         want = pool(nb, Hkv, 16, bits, D).cpu()
@@ -452,13 +459,13 @@ def test_real_shapes_gpu(shape, cuda_dot, lut_bits):
     side = {k: torch.randn(len(lens), S + W, Hkv, D, generator=g).to(torch.bfloat16).cuda() for k in ("k_side", "v_side")}
     tables = dict(k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
     common = dict(q_transformed=qt, logit_bias=bias, v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"], **side)
-    attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=4, v_bits=3,
+    attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=k_bits, v_bits=3,
                                 config=KernelConfig(block_n=32 if cuda_dot else 64, cuda_dot=cuda_dot,
                                                     reg_lut_bits=lut_bits))
     attn.plan(lens, bt.cuda())
     out = attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables, **common)
     ref = paged_decode_ref(q, pages["k"], pages["v"], bt.cuda(), lens, page_type="compact", sink_tokens=S, window=W,
-                           k_bits=4, v_bits=3, **tables, **common)
+                           k_bits=k_bits, v_bits=3, **tables, **common)
     vals = codec.inverse(dequantize_compact_pages(pages["v"], 3, ct["v_codebook"], ct["v_grid"]).permute(0, 2, 1, 3).cpu(), tabs["v"])
     vmax = max(vals.abs().max().item(), side["v_side"].float().abs().max().item())
     tol = 2.0**-8 if cuda_dot else 2.0**-6
@@ -531,6 +538,27 @@ def test_register_lookup_ptx_gives_the_codebook_values(bits):
 @triton.jit
 def _lut_order_kernel(out_ptr, D: tl.constexpr):
     tl.store(out_ptr + tl.arange(0, D), _lut_order(D))
+
+
+@triton.jit
+def _lut_tile_kernel(out_ptr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    # channel ids in the layout of _lut_values's four outputs: v_i[n, m, j] = 32 m + 8 i + j
+    m = tl.arange(0, D // 32)[None, :, None]
+    j = tl.arange(0, 8)[None, None, :]
+    n = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)
+    v0 = n + m * 32 + j
+    tile = _lut_tile(v0, v0 + 8, v0 + 16, v0 + 24, BLOCK_N, D)
+    tl.store(out_ptr + tl.arange(0, BLOCK_N)[:, None] * D + tl.arange(0, D)[None, :], tile)
+
+
+def test_register_lookup_tile_is_in_lut_order():
+    """``_lut_values`` builds its tile with ``_lut_tile``: the channel at each position is the one
+    ``_lut_order`` says (so q, the tile and the output agree)."""
+    got = torch.empty(2, 128, dtype=torch.int32, device=DEVICE)
+    _lut_tile_kernel[(1,)](got, BLOCK_N=2, D=128)
+    want = torch.empty(128, dtype=torch.int32, device=DEVICE)
+    _lut_order_kernel[(1,)](want, D=128)
+    assert torch.equal(got.cpu(), want.cpu().expand(2, 128))
 
 
 def test_register_lookup_channel_order_is_a_permutation():

@@ -516,7 +516,19 @@ def test_page_heap_regions_never_overlap(ops, bulk_min):
     assert h.used == 0 and h.top == 0 and h.stats()["free_regions"] == 0
 
 
-def test_offload_and_restore_a_sequence(real):
+def _heap_with_hole(bases, hole: bool) -> KVExactCache:
+    """An empty 3-layer cache; with ``hole``, its heap lists one free region (a restore then takes the
+    staged path on a GPU, not the copy straight into place)."""
+    c = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
+                     max_tokens=256, device=DEVICE, config=CFG, bases=bases)
+    if hole:
+        a = c.heap.alloc([4096, 4096])
+        c.heap.free(a[:1], [4096])
+        assert c.heap.stats()["free_regions"] == 1
+    return c
+
+
+def test_offload_and_restore_a_sequence(real, monkeypatch):
     """A sequence leaves the cache as its compressed page bytes and comes back (into other heap
     regions and blocks) with the same values and the same attention output."""
     cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=3,
@@ -546,15 +558,15 @@ def test_offload_and_restore_a_sequence(real):
         assert torch.equal(k, before[layer][0]) and torch.equal(v, before[layer][1])
     cache.plan([s3])
     assert torch.equal(cache.attend(2, q), out_before)
+    staged = []
+    real_pipelined = kvx._pipelined
+    monkeypatch.setattr(kvx, "_pipelined", lambda *a, **k: staged.append(1) or real_pipelined(*a, **k))
     for hole in (False, True):  # into an empty heap (on a GPU: one copy straight into place), and
         # into one with a free region listed (on a GPU: staged chunks scattered into their regions)
-        fresh = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
-                             max_tokens=256, device=DEVICE, config=CFG, bases=off.bases)
-        if hole:
-            a = fresh.heap.alloc([4096, 4096])
-            fresh.heap.free(a[:1], [4096])
-            assert fresh.heap.stats()["free_regions"] == 1
+        fresh = _heap_with_hole(off.bases, hole)
+        staged.clear()
         s = fresh.restore_sequence(off, chunk_bytes=9000)
+        assert len(staged) == (1 if hole and DEVICE == "cuda" else 0)
         for layer in range(3):
             k, v = fresh.dense(layer, s)
             assert torch.equal(k, before[layer][0]) and torch.equal(v, before[layer][1])
@@ -614,8 +626,8 @@ def test_restore_refuses_damaged_sequences(real):
 
 def test_cache_beyond_the_write_kernels_and_failed_copies_leave_no_trace(real, monkeypatch):
     """More KV heads than the write kernels take: the reference encoder stores the pages (the same
-    bytes). A restore whose copy fails (data at an odd address) gives its heap regions back, and a
-    host arena hands out 16-byte aligned slices."""
+    bytes). Data at an odd host address restores; a restore whose copy or check fails gives its heap
+    regions back (both restore paths), and a host arena hands out 16-byte aligned slices."""
     from weightszip.offload import HostArena
 
     big = KVExactCache(layers=1, kv_heads=65, head_dim=32, num_q_heads=65, heap_bytes=1 << 20, max_seqs=1,
@@ -646,11 +658,17 @@ def test_cache_beyond_the_write_kernels_and_failed_copies_leave_no_trace(real, m
     def broken(*args, **kwargs):
         raise RuntimeError("copy or check failed")
 
-    monkeypatch.setattr(kvx, "_copy_regions", broken)  # staged copies (a heap with free regions, the CPU)
-    monkeypatch.setattr(KVExactCache, "_check_restored", broken)  # after a copy straight into place (GPU)
-    with pytest.raises(RuntimeError):  # a copy that fails: nothing stays allocated
-        cache.restore_sequence(off)
-    assert cache.heap.used == used and len(cache._live) == 1
+    # a restore whose copy fails (the staged path on a GPU: a heap with a free region listed; the CPU
+    # path) or whose check fails after the pages moved (straight into place or staged): nothing stays
+    for where, hole in ((kvx, True), (KVExactCache, False), (KVExactCache, True)):
+        fresh = _heap_with_hole(off.bases, hole)
+        before = (fresh.heap.used, fresh.heap.top, fresh.heap.stats()["free_regions"])
+        with monkeypatch.context() as m:
+            m.setattr(where, "_copy_regions" if where is kvx else "_check_restored", broken)
+            with pytest.raises(RuntimeError):
+                fresh.restore_sequence(off, chunk_bytes=9000)
+        assert (fresh.heap.used, fresh.heap.top, fresh.heap.stats()["free_regions"]) == before and not fresh._live
+    monkeypatch.setattr(kvx, "_copy_regions", broken)
     arena = HostArena(1 << 20)
     arena.take(16)
     with pytest.raises(RuntimeError):  # an offload that fails gives the arena's space back

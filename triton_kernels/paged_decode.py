@@ -91,8 +91,8 @@ class KernelConfig:
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
     # (<= 4) wide, their codebooks are looked up in registers (byte permutes, ``_lut_values``)
     # instead of gathered from pair tables in memory; 0: never. On the H200 (BENCHMARKS.md): q3 3-11%
-    # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only
-    # V in registers 8-9% slower.
+    # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
+    # in registers (a per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
 
 
@@ -224,7 +224,7 @@ def _lut_values(w0, w1, w2, w3, w4, sidx, lut_ptr, grid_ptr, head,
     ``compact_lut_table``'s int32 [H, 8] (the low bytes of the bf16 codebook entries 4 r..4 r + 3 in
     word r, their high bytes in word 4 + r). Each int32 of ``_plane_bytes`` holds four codes, one
     per byte; ``prmt`` picks their values' bytes out of the table words (two picks and a merge per
-    byte for 16 entries, one pick for 8): four values cost about 17 instructions (16 entries) or 11
+    byte for 16 entries, one pick for 8): four values cost about 19 instructions (16 entries) or 11
     (8) after the planes, and no memory access.
 
     The values come out in ``_lut_order`` (the position m * 32 + j * 4 + a * 2 + b holds channel
@@ -247,10 +247,17 @@ def _lut_values(w0, w1, w2, w3, w4, sidx, lut_ptr, grid_ptr, head,
     else:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(_LUT_ASM_8, _LUT_CONSTRAINTS, args, dtype=_LUT_DTYPES,
                                                    is_pure=True, pack=1)
-    # [.., j, i % 2, i // 2]: channel 32 m + 8 i + j at position m * 32 + j * 4 + (i % 2) * 2 + i // 2
-    vals = tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), [BLOCK_N, HEAD_DIM])
+    vals = _lut_tile(v0, v1, v2, v3, BLOCK_N, HEAD_DIM)
     g = tl.load(grid_ptr + head * 256 + sidx)
     return vals, g
+
+
+@triton.jit
+def _lut_tile(v0, v1, v2, v3, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The tile [BLOCK_N, HEAD_DIM] from ``_lut_values``'s four outputs [BLOCK_N, HEAD_DIM / 32, 8]
+    (v_i: channels 32 m + 8 i + j): [.., j, i % 2, i // 2], so channel 32 m + 8 i + j sits at
+    position m * 32 + j * 4 + (i % 2) * 2 + i // 2 (``_lut_order``)."""
+    return tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), [BLOCK_N, HEAD_DIM])
 
 
 @triton.jit

@@ -184,18 +184,20 @@ def _pipelined(device: torch.device, chunks, first, second, *, copy_first: bool 
     handed = [torch.cuda.Event() for _ in bufs]  # first -> second: the buffer's chunk is ready
     freed = [torch.cuda.Event() for _ in bufs]  # second -> first: the buffer may be refilled
     side.wait_stream(main)  # the side stream sees everything queued before (the pages, the arena)
-    for n, c in enumerate(chunks):
-        b = n % len(bufs)
-        with torch.cuda.stream(streams[0]):
-            if n >= len(bufs):
-                streams[0].wait_event(freed[b])
-            first(c, bufs[b])
-            handed[b].record(streams[0])
-        with torch.cuda.stream(streams[1]):
-            streams[1].wait_event(handed[b])
-            second(c, bufs[b])
-            freed[b].record(streams[1])
-    main.wait_stream(side)
+    try:
+        for n, c in enumerate(chunks):
+            b = n % len(bufs)
+            with torch.cuda.stream(streams[0]):
+                if n >= len(bufs):
+                    streams[0].wait_event(freed[b])
+                first(c, bufs[b])
+                handed[b].record(streams[0])
+            with torch.cuda.stream(streams[1]):
+                streams[1].wait_event(handed[b])
+                second(c, bufs[b])
+                freed[b].record(streams[1])
+    finally:  # also when a chunk fails: what the side stream queued ends before the buffers go back
+        main.wait_stream(side)
     del bufs
 
 
@@ -657,7 +659,7 @@ class KVExactCache:
                 offs_host = torch.empty(offs.shape, dtype=torch.int64, pin_memory=pin)
                 offs_host.copy_(offs, non_blocking=pin)  # for the free, ahead of the gathers
                 got = torch.cuda.Event()
-                got.record()
+                got.record(torch.cuda.current_stream(self.device))
                 _pipelined(self.device, chunks, gather, copy)
                 if free:  # the free's bookkeeping while the copies run; it takes effect after them
                     got.synchronize()
@@ -667,6 +669,8 @@ class KVExactCache:
                 torch.cuda.current_stream(self.device).synchronize()
         except BaseException:  # the arena's space goes back (nothing else took from it meanwhile)
             if host is not None:
+                if pin:  # once no copy queued before the failure still writes into it
+                    torch.cuda.current_stream(self.device).synchronize()
                 host.used = arena_used
             raise
         out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone())
