@@ -624,7 +624,9 @@ class KVExactCache:
         in chunks of about ``chunk_bytes``; ``free``: then free it in the cache. ``host``: a
         ``weightszip.offload.HostArena`` (pinned) to take the bytes from, so that nothing is
         allocated per call (LimitExceededError when it has too little room left, the cache as before);
-        else a pinned allocation (when the cache is on a GPU) per call."""
+        else a pinned allocation (when the cache is on a GPU) per call. On a GPU the chunks are
+        gathered into two staging buffers and copied on a side stream, and with ``free`` the free's
+        bookkeeping is prepared while they move."""
         self._check_seq(seq)
         pages = int(self.length[:, seq].max()) // PAGE
         blocks = self._bt[seq, :pages]
@@ -687,7 +689,12 @@ class KVExactCache:
         Checked always: shapes, sizes against lengths and data, and every page's header (its
         exception offsets inside the page), so attention never reads outside the heap. ``verify``:
         every page through the validating decoder too (CorruptDataError / TruncatedError on damage).
-        A failed check leaves the cache as before."""
+        A failed check leaves the cache as before.
+
+        On a GPU from host memory: into a heap with no free region listed, one copy straight to the
+        top of the heap, with the allocation and checks done while it moves; otherwise chunks of
+        about ``chunk_bytes`` through two staging buffers (copies on a side stream, scattered into
+        their regions by a kernel)."""
         sizes = np.asarray(off.sizes)
         _check(sizes.ndim == 3 and sizes.shape[:2] == (self.L, 2) and sizes.dtype.kind in "iu",
                f"sizes must be integers [{self.L}, 2, pages]")
