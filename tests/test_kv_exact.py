@@ -802,3 +802,25 @@ def test_chunks_cover_regions_in_order(units, chunk_bytes):
         assert (local[i:j] == np.cumsum(sizes[i:j]) - sizes[i:j]).all()
         pos += acc
     assert pos == int(sizes.sum()) and (seen[sizes > 0] == 1).all()
+
+
+@pytest.mark.parametrize("copy_first", [False, True], ids=["gather-then-copy", "copy-then-scatter"])
+def test_pipelined_moves_every_chunk_through_the_staging_buffers(copy_first):
+    """Offload/restore's chunk pipeline (streams on a GPU, in order elsewhere): every chunk's bytes
+    pass ``first`` then ``second`` through a staging buffer, and the result is the bytes in order
+    (chunks of different sizes, more chunks than buffers)."""
+    g = torch.Generator().manual_seed(7)
+    sizes = np.asarray([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.int64) * 16
+    src = torch.randint(0, 256, (int(sizes.sum()),), dtype=torch.uint8, generator=g).to(DEVICE)
+    dst = torch.zeros_like(src)
+    chunks = list(kvx._chunks(sizes, 80))
+    assert len(chunks) > 2
+
+    def take(c, buf):
+        buf[:c[3]].copy_(src[c[2]:c[2] + c[3]])
+
+    def put(c, buf):
+        dst[c[2]:c[2] + c[3]].copy_(buf[:c[3]])
+
+    kvx._pipelined(torch.device(DEVICE), chunks, take, put, copy_first=copy_first)
+    assert torch.equal(dst.cpu(), src.cpu())

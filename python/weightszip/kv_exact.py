@@ -169,35 +169,34 @@ def _chunk_local_offsets(sizes: torch.Tensor, chunks) -> torch.Tensor:
 
 def _pipelined(device: torch.device, chunks, first, second, *, copy_first: bool = False) -> None:
     """Run ``first(chunk, buf)`` then ``second(chunk, buf)`` for every chunk through two staging
-    buffers on the GPU, the bus copies (``second``, or ``first`` with ``copy_first``) on a side stream,
-    the gathers and scatters on the current one: chunk n's copy overlaps the kernel of chunk n + 1
-    (offload) or n - 1 (restore). Returns with the current stream ordered after all of it (no sync).
-    Both buffers live until the current stream has waited for the copy stream, so the caching
-    allocator never hands them out while a copy still reads or writes them."""
+    buffers on the GPU, on ``offload._Streams``'s copy stream (the bus copies: ``second``, or
+    ``first`` with ``copy_first``) and compute stream (the gathers and scatters): chunk n's copy
+    overlaps the kernel of chunk n + 1 (offload) or n - 1 (restore). Returns with the current stream
+    ordered after all of it (no sync), also when a chunk fails; the buffers go back to the caching
+    allocator only then, so it never hands them out while a copy still reads or writes them."""
+    from weightszip.offload import _Streams
+
     if not chunks:
         return
-    main = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    streams = (side, main) if copy_first else (main, side)
+    st = _Streams(device)
+    roles = ("copy", "comp") if copy_first else ("comp", "copy")
     size = max(c[3] for c in chunks)
     bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(chunks)))]
-    handed = [torch.cuda.Event() for _ in bufs]  # first -> second: the buffer's chunk is ready
-    freed = [torch.cuda.Event() for _ in bufs]  # second -> first: the buffer may be refilled
-    side.wait_stream(main)  # the side stream sees everything queued before (the pages, the arena)
+    handed = [None] * len(bufs)  # first -> second: the buffer's chunk is ready
+    freed = [None] * len(bufs)  # second -> first: the buffer may be refilled
     try:
         for n, c in enumerate(chunks):
             b = n % len(bufs)
-            with torch.cuda.stream(streams[0]):
-                if n >= len(bufs):
-                    streams[0].wait_event(freed[b])
+            with st.on(roles[0]):
+                st.wait(roles[0], freed[b])
                 first(c, bufs[b])
-                handed[b].record(streams[0])
-            with torch.cuda.stream(streams[1]):
-                streams[1].wait_event(handed[b])
+                handed[b] = st.record(roles[0])
+            with st.on(roles[1]):
+                st.wait(roles[1], handed[b])
                 second(c, bufs[b])
-                freed[b].record(streams[1])
-    finally:  # also when a chunk fails: what the side stream queued ends before the buffers go back
-        main.wait_stream(side)
+                freed[b] = st.record(roles[1])
+    finally:
+        st.join()
     del bufs
 
 
@@ -647,6 +646,12 @@ class KVExactCache:
             sz = torch.as_tensor(sizes.reshape(-1), device=self.device)
             chunks = list(_chunks(sizes.reshape(-1), chunk_bytes))
             local = _chunk_local_offsets(sz, chunks)
+            # the offsets on the host for the free, read back ahead of the gathers
+            offs_host = torch.empty(offs.shape, dtype=torch.int64, pin_memory=pin)
+            offs_host.copy_(offs, non_blocking=pin)
+            got = torch.cuda.Event() if pin else None
+            if got is not None:
+                got.record(torch.cuda.current_stream(self.device))
             if self.device.type == "cpu":  # the pages straight into their place
                 for i, j, pos, acc in chunks:
                     _copy_regions(self.heap.buf, offs[i:j], data[pos:pos + acc], local[i:j], sz[i:j])
@@ -658,14 +663,11 @@ class KVExactCache:
                 def copy(c, buf):
                     data[c[2]:c[2] + c[3]].copy_(buf[:c[3]], non_blocking=pin)
 
-                offs_host = torch.empty(offs.shape, dtype=torch.int64, pin_memory=pin)
-                offs_host.copy_(offs, non_blocking=pin)  # for the free, ahead of the gathers
-                got = torch.cuda.Event()
-                got.record(torch.cuda.current_stream(self.device))
                 _pipelined(self.device, chunks, gather, copy)
-                if free:  # the free's bookkeeping while the copies run; it takes effect after them
+            if free:  # the free's bookkeeping while the copies run; it takes effect after them
+                if got is not None:
                     got.synchronize()
-                    plan = self._free_plan(seq, offs_host.numpy().reshape(sizes.shape))
+                plan = self._free_plan(seq, offs_host.numpy().reshape(sizes.shape))
             ring = self.ring[:, :, seq].to("cpu", copy=True)  # a copy even when the cache is on the CPU
             if pin:
                 torch.cuda.current_stream(self.device).synchronize()
@@ -677,7 +679,7 @@ class KVExactCache:
             raise
         out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone())
         if free:
-            self._free(plan if self.device.type != "cpu" else self._free_plan(seq))
+            self._free(plan)
         return out
 
     def restore_sequence(self, off: OffloadedSequence, *, chunk_bytes: int = 64 << 20, verify: bool = False) -> int:
@@ -733,27 +735,25 @@ class KVExactCache:
         total = off.data.numel()
         direct = (self.device.type == "cuda" and off.data.device.type == "cpu" and not self.heap._start
                   and self.heap.top + total <= self.heap.capacity)
+        top = self.heap.top
         if direct:
-            top = self.heap.top
-            main = torch.cuda.current_stream(self.device)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
+            from weightszip.offload import _Streams
+
+            st = _Streams(self.device)
+            with st.on("copy"):
                 self.heap.buf[top:top + total].copy_(off.data, non_blocking=True)
         try:
             offs = np.zeros(flat.size, dtype=np.int64)
             offs[nz] = self.heap.alloc(flat[nz])  # all or nothing
-        except BaseException:
+        finally:
             if direct:
-                main.wait_stream(side)
-            raise
+                st.join()
         try:
-            if direct:  # where the pages landed is where they were allocated (else copy them again)
-                main.wait_stream(side)  # no host wait: only what the current stream queues next waits
-                direct = bool(np.array_equal(offs[nz], top + np.cumsum(flat[nz]) - flat[nz]))
-                if direct:
-                    offs_t = torch.where(sz > 0, top + torch.cumsum(sz, 0) - sz, 0)
-            if not direct:
+            # where the pages landed is where they were allocated (else they are copied again)
+            direct = direct and bool(np.array_equal(offs[nz], top + np.cumsum(flat[nz]) - flat[nz]))
+            if direct:
+                offs_t = torch.where(sz > 0, top + torch.cumsum(sz, 0) - sz, 0)
+            else:
                 offs_t = torch.as_tensor(offs, device=self.device)
                 chunks = list(_chunks(flat, chunk_bytes))
                 local = _chunk_local_offsets(sz, chunks)

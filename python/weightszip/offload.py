@@ -261,10 +261,15 @@ class _Streams:
         if ev is not None:
             getattr(self, name).wait_event(ev)
 
-    def finish(self) -> None:
+    def join(self) -> None:
+        """The caller's stream waits for both (no host wait): what it queues next comes after."""
         if self.cuda:
             self.cur.wait_stream(self.comp)
             self.cur.wait_stream(self.copy)
+
+    def finish(self) -> None:
+        self.join()
+        if self.cuda:
             self.comp.synchronize()
             self.copy.synchronize()
 
