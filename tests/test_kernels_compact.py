@@ -518,7 +518,7 @@ def _run_lut_ptx(asm: str, inputs: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_register_lookup_ptx_gives_the_codebook_values(bits):
-    """``_lut_values``'s PTX with ``compact_lut_table``'s words gives bf16 codebook[code] for each of
+    """``_lut_lookup``'s PTX with ``compact_lut_table``'s words gives bf16 codebook[code] for each of
     the four codes (one per byte) of a word, for every code in every byte."""
     from weightszip.kernels import paged_decode as P
 
@@ -542,7 +542,7 @@ def _lut_order_kernel(out_ptr, D: tl.constexpr):
 
 @triton.jit
 def _lut_tile_kernel(out_ptr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    # channel ids in the layout of _lut_values's four outputs: v_i[n, m, j] = 32 m + 8 i + j
+    # channel ids in the layout of _lut_lookup's four outputs: v_i[n, m, j] = 32 m + 8 i + j
     m = tl.arange(0, D // 32)[None, :, None]
     j = tl.arange(0, 8)[None, None, :]
     n = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)
@@ -552,7 +552,7 @@ def _lut_tile_kernel(out_ptr, BLOCK_N: tl.constexpr, D: tl.constexpr):
 
 
 def test_register_lookup_tile_is_in_lut_order():
-    """``_lut_values`` builds its tile with ``_lut_tile``: the channel at each position is the one
+    """``_lut_lookup`` builds its tile with ``_lut_tile``: the channel at each position is the one
     ``_lut_order`` says (so q, the tile and the output agree)."""
     got = torch.empty(2, 128, dtype=torch.int32, device=DEVICE)
     _lut_tile_kernel[(1,)](got, BLOCK_N=2, D=128)

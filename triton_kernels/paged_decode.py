@@ -89,7 +89,7 @@ class KernelConfig:
     min_split_tokens: int = 1024
     cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
-    # (<= 4) wide, their codebooks are looked up in registers (byte permutes, ``_lut_values``)
+    # (<= 4) wide, their codebooks are looked up in registers (byte permutes, ``_lut_lookup``)
     # instead of gathered from pair tables in memory; 0: never. On the H200 (BENCHMARKS.md): q3 3-11%
     # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
     # in registers (a per-kind choice, since dropped) 8-9% slower.
@@ -154,7 +154,8 @@ def _compact_sidx(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.cons
 
 @triton.jit
 def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
-                    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
+                    LUT: tl.constexpr = False):
     """From the bit planes ``w0..w{BITS-1}`` (``_compact_plane``; the others unused) and scale indices
     of ``BLOCK_N`` tokens: ``codebook[head, code]`` [BLOCK_N, HEAD_DIM] (bf16 with ``PAIRS``, else the
     codebook's dtype) and each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is
@@ -162,10 +163,14 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
 
     Codes come from ``_plane_bytes``. With ``PAIRS`` (widths up to 4, bf16 tensor-core operands), ``cb_ptr`` is the int32 pair
     table of ``compact_pair_table`` (entry a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the
-    two values of channels 2 k, 2 k + 1): one gather per two values."""
+    two values of channels 2 k, 2 k + 1): one gather per two values. With ``LUT`` (compiled only),
+    ``cb_ptr`` is ``compact_lut_table``'s and the codebook is looked up in registers
+    (``_lut_lookup``; the tile's channels in ``_lut_order``)."""
     ROW_W: tl.constexpr = HEAD_DIM // 32
     y = _plane_bytes(w0, w1, w2, w3, w4, BITS)
-    if PAIRS:
+    if LUT:
+        vals = _lut_lookup(y, cb_ptr, head, HEAD_DIM, BITS, BLOCK_N)
+    elif PAIRS:
         ii = tl.arange(0, 4) * 8
         ya, yb = tl.split(tl.reshape(y, [BLOCK_N, ROW_W, 4, 2]))
         pc = ya | (yb << BITS)  # byte i: pair code of channels 8 i + 2 k, + 1
@@ -180,7 +185,7 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
     return vals, g
 
 
-# _lut_values's PTX: $4 holds four codes (one per byte, < 16) of channels 32 m + 8 i + j, i = 0..3;
+# _lut_lookup's PTX: $4 holds four codes (one per byte, < 16) of channels 32 m + 8 i + j, i = 0..3;
 # $5..$8 the table's low-byte words, $9..$12 its high-byte words; $0..$3 the bf16 values of the
 # four codes. The codes become prmt selector nibbles; with 16 entries a nibble's bit 3 (prmt's sign
 # mode) is masked off for the two 8-byte picks and chooses between them in a third. (Eight codes
@@ -218,43 +223,33 @@ _LUT_DTYPES = tl.constexpr((tl.bfloat16,) * 4)
 
 
 @triton.jit
-def _lut_values(w0, w1, w2, w3, w4, sidx, lut_ptr, grid_ptr, head,
-                HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``_compact_values`` with the codebook in registers (compiled only: inline PTX): ``lut_ptr`` is
-    ``compact_lut_table``'s int32 [H, 8] (the low bytes of the bf16 codebook entries 4 r..4 r + 3 in
-    word r, their high bytes in word 4 + r). Each int32 of ``_plane_bytes`` holds four codes, one
-    per byte; ``prmt`` picks their values' bytes out of the table words (two picks and a merge per
-    byte for 16 entries, one pick for 8): four values cost about 19 instructions (16 entries) or 11
-    (8) after the planes, and no memory access.
+def _lut_lookup(y, lut_ptr, head, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The codebook values of ``_plane_bytes``'s codes ``y`` looked up in registers (compiled only:
+    inline PTX): ``lut_ptr`` is ``compact_lut_table``'s int32 [H, 8] (the low bytes of the bf16
+    codebook entries 4 r..4 r + 3 in word r, their high bytes in word 4 + r). Each int32 of ``y``
+    holds four codes, one per byte; ``prmt`` picks their values' bytes out of the table words (two
+    picks and a merge per byte for 16 entries, one pick for 8): four values cost about 19
+    instructions (16 entries) or 11 (8), and no memory access.
 
-    The values come out in ``_lut_order`` (the position m * 32 + j * 4 + a * 2 + b holds channel
-    32 m + 8 (a + 2 b) + j): q is read in that order and the output written back from it, so the
-    products see the same pairs of values as in channel order (the fp32 sums may round differently)."""
+    The tile [BLOCK_N, HEAD_DIM] comes out in ``_lut_order`` (the position m * 32 + j * 4 + a * 2 + b
+    holds channel 32 m + 8 (a + 2 b) + j): q is read in that order and the output written back from
+    it, so the products see the same pairs of values as in channel order (the fp32 sums may round
+    differently)."""
     lb = lut_ptr + head * 8
-    l0 = tl.load(lb)
-    l1 = tl.load(lb + 1)
-    l2 = tl.load(lb + 2)
-    l3 = tl.load(lb + 3)
-    h0 = tl.load(lb + 4)
-    h1 = tl.load(lb + 5)
-    h2 = tl.load(lb + 6)
-    h3 = tl.load(lb + 7)
-    y = _plane_bytes(w0, w1, w2, w3, w4, BITS)
-    args = [y, l0, l1, l2, l3, h0, h1, h2, h3]
+    args = [y, tl.load(lb), tl.load(lb + 1), tl.load(lb + 2), tl.load(lb + 3),
+            tl.load(lb + 4), tl.load(lb + 5), tl.load(lb + 6), tl.load(lb + 7)]
     if BITS == 4:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(_LUT_ASM_16, _LUT_CONSTRAINTS, args, dtype=_LUT_DTYPES,
                                                    is_pure=True, pack=1)
     else:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(_LUT_ASM_8, _LUT_CONSTRAINTS, args, dtype=_LUT_DTYPES,
                                                    is_pure=True, pack=1)
-    vals = _lut_tile(v0, v1, v2, v3, BLOCK_N, HEAD_DIM)
-    g = tl.load(grid_ptr + head * 256 + sidx)
-    return vals, g
+    return _lut_tile(v0, v1, v2, v3, BLOCK_N, HEAD_DIM)
 
 
 @triton.jit
 def _lut_tile(v0, v1, v2, v3, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The tile [BLOCK_N, HEAD_DIM] from ``_lut_values``'s four outputs [BLOCK_N, HEAD_DIM / 32, 8]
+    """The tile [BLOCK_N, HEAD_DIM] from ``_lut_lookup``'s four outputs [BLOCK_N, HEAD_DIM / 32, 8]
     (v_i: channels 32 m + 8 i + j): [.., j, i % 2, i // 2], so channel 32 m + 8 i + j sits at
     position m * 32 + j * 4 + (i % 2) * 2 + i // 2 (``_lut_order``)."""
     return tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), [BLOCK_N, HEAD_DIM])
@@ -262,7 +257,7 @@ def _lut_tile(v0, v1, v2, v3, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _lut_order(HEAD_DIM: tl.constexpr):
-    """The channel at each position of ``_lut_values``'s tiles: [HEAD_DIM]."""
+    """The channel at each position of ``_lut_lookup``'s tiles: [HEAD_DIM]."""
     pos = tl.arange(0, HEAD_DIM)
     m = pos // 32
     j = (pos // 4) % 8
@@ -462,8 +457,7 @@ def _paged_split_kernel(
     PAIRS_K: tl.constexpr = False, PAIRS_V: tl.constexpr = False, HAS_ROPE: tl.constexpr = False,
     ROPE_CHUNKS: tl.constexpr = 0,
     FAST_TRIG: tl.constexpr = False,  # compiled only: SFU cos/sin (rotary term) and popc (exact pages)
-    LUT_K: tl.constexpr = False,  # compiled only: compact codebooks in registers (``_lut_values``)
-    LUT_V: tl.constexpr = False,
+    REG_LUT: tl.constexpr = False,  # compiled only: compact codebooks in registers (``_lut_lookup``)
 ):
     """One split: attention of the GROUP query heads of one KV head over page tokens
     ``[start, end)`` of one sequence. Writes the running max (base 2), the softmax mass and the
@@ -475,20 +469,14 @@ def _paged_split_kernel(
     t1 = tl.load(work_end_ptr + item)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    # q (with K tiles from _lut_values) and the output (with V tiles from it) in its channel order
-    if LUT_K:
-        offs_dq = _lut_order(HEAD_DIM)
+    if REG_LUT:  # q, the K and V tiles and the output in _lut_lookup's channel order
+        offs_d = _lut_order(HEAD_DIM)
     else:
-        offs_dq = offs_d
-    if LUT_V:
-        offs_do = _lut_order(HEAD_DIM)
-    else:
-        offs_do = offs_d
+        offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     g_valid = offs_g < GROUP
     q_rows = seq.to(tl.int64) * stride_qb + (head * GROUP + offs_g) * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + offs_dq[None, :], mask=g_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=g_valid[:, None], other=0.0)
     if CUDA_DOT:
         q = q.to(tl.float32)
     else:
@@ -573,16 +561,10 @@ def _paged_split_kernel(
             blk_next = tl.load(bt_row + pg2 // BLOCK_SIZE, mask=pg2 < t1, other=0)
             # Compact pages: value = codebook[code] * grid[k]; the per-token scale multiplies the
             # fp32 logits (K) and the softmax weights (V), so the products see codebook values only.
-            if LUT_K:
-                k, k_g = _lut_values(kw0, kw1, kw2, kw3, kw4, ks, k_cb_ptr, k_grid_ptr, head, HEAD_DIM, BITS_K, BLOCK_N)
-            else:
-                k, k_g = _compact_values(kw0, kw1, kw2, kw3, kw4, ks, k_cb_ptr, k_grid_ptr, head,
-                                         HEAD_DIM, BITS_K, BLOCK_N, PAIRS_K)
-            if LUT_V:
-                v, v_g = _lut_values(vw0, vw1, vw2, vw3, vw4, vs, v_cb_ptr, v_grid_ptr, head, HEAD_DIM, BITS_V, BLOCK_N)
-            else:
-                v, v_g = _compact_values(vw0, vw1, vw2, vw3, vw4, vs, v_cb_ptr, v_grid_ptr, head,
-                                         HEAD_DIM, BITS_V, BLOCK_N, PAIRS_V)
+            k, k_g = _compact_values(kw0, kw1, kw2, kw3, kw4, ks, k_cb_ptr, k_grid_ptr, head,
+                                     HEAD_DIM, BITS_K, BLOCK_N, PAIRS_K, REG_LUT)
+            v, v_g = _compact_values(vw0, vw1, vw2, vw3, vw4, vs, v_cb_ptr, v_grid_ptr, head,
+                                     HEAD_DIM, BITS_V, BLOCK_N, PAIRS_V, REG_LUT)
             kw0, kw1, kw2, kw3, kw4, ks = nk0, nk1, nk2, nk3, nk4, nks
             vw0, vw1, vw2, vw3, vw4, vs = nv0, nv1, nv2, nv3, nv4, nvs
             if CUDA_DOT:
@@ -636,7 +618,7 @@ def _paged_split_kernel(
     ws_row = item * num_kv_heads * GROUP + head * GROUP + offs_g
     tl.store(ws_m_ptr + ws_row, m_i, mask=g_valid)
     tl.store(ws_l_ptr + ws_row, l_i, mask=g_valid)
-    tl.store(ws_acc_ptr + ws_row.to(tl.int64)[:, None] * HEAD_DIM + offs_do[None, :], acc,
+    tl.store(ws_acc_ptr + ws_row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], acc,
              mask=g_valid[:, None])
 
 
@@ -1048,7 +1030,7 @@ class PagedDecodeAttention:
                        f"{name} must be fp32 [{Hkv}] for fp8 pages")
         compact = self.page_type == PAGE_COMPACT
         cuda_dot = compact and self.config.cuda_dot
-        lut = [False, False]  # K, V: codebooks in registers
+        reg_lut = False  # codebooks in registers
         if compact:
             for name, t, bits in (("k_codebook", k_codebook, self.k_bits), ("v_codebook", v_codebook, self.v_bits)):
                 _check(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16)
@@ -1061,11 +1043,10 @@ class PagedDecodeAttention:
             if not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
                 lut_bits = min(self.config.reg_lut_bits, 4) if not _interpreting() else 0
-                lut = [max(self.k_bits, self.v_bits) <= lut_bits] * 2
-                k_codebook, v_codebook = (compact_lut_table(cb) if reg else compact_pair_table(cb) if bits <= 4
+                reg_lut = max(self.k_bits, self.v_bits) <= lut_bits
+                k_codebook, v_codebook = (compact_lut_table(cb) if reg_lut else compact_pair_table(cb) if bits <= 4
                                           else cb.to(torch.bfloat16)
-                                          for cb, bits, reg in ((k_codebook, self.k_bits, lut[0]),
-                                                                (v_codebook, self.v_bits, lut[1])))
+                                          for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))
         exact = self.page_type == PAGE_EXACT
         if exact:
             for name, t in (("k_offsets", k_offsets), ("v_offsets", v_offsets)):
@@ -1144,7 +1125,7 @@ class PagedDecodeAttention:
                 PAIRS_K=compact and not cuda_dot and self.k_bits <= 4,
                 PAIRS_V=compact and not cuda_dot and self.v_bits <= 4, HAS_ROPE=has_rope,
                 ROPE_CHUNKS=-(-rope_pairs.numel() // 16) if has_rope else 0,
-                FAST_TRIG=(has_rope or exact) and not _interpreting(), LUT_K=lut[0], LUT_V=lut[1],
+                FAST_TRIG=(has_rope or exact) and not _interpreting(), REG_LUT=reg_lut,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
         ks = k_side if side else q
@@ -1220,31 +1201,36 @@ def compact_tables(k_tables, v_tables, device="cpu") -> dict:
     return out
 
 
+def _bf16_bits(codebook: torch.Tensor) -> torch.Tensor:
+    """The bf16 bit patterns of a codebook [H, n] as int64 in 0..65535."""
+    return codebook.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words held in int64 as int32 (the same bits)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
 def compact_pair_table(codebook: torch.Tensor) -> torch.Tensor:
     """int32 [H, 4**bits] from a codebook [H, 2**bits]: entry ``a | b << bits`` holds the bf16 bits of
     ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half (channels 2 k and 2 k + 1
     of a tensor-core operand), so the kernel gathers two values at once (widths up to 4)."""
     h, n = codebook.shape
-    u = codebook.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    t = u[:, None, :] | (u[:, :, None] << 16)  # [h, b, a]
-    t = torch.where(t >= 2**31, t - 2**32, t)
-    return t.reshape(h, n * n).to(torch.int32).contiguous()
+    u = _bf16_bits(codebook)
+    return _as_int32((u[:, None, :] | (u[:, :, None] << 16)).reshape(h, n * n))  # [h, b, a]
 
 
 def compact_lut_table(codebook: torch.Tensor) -> torch.Tensor:
-    """int32 [H, 8] from a codebook [H, 2**bits] (bits <= 4) for the register lookup (``_lut_values``):
+    """int32 [H, 8] from a codebook [H, 2**bits] (bits <= 4) for the register lookup (``_lut_lookup``):
     word r holds the low bytes of the bf16 bits of entries 4 r .. 4 r + 3 (entry 4 r in its lowest
     byte), word 4 + r their high bytes; entries past 2**bits are 0."""
     h, n = codebook.shape
     _check(n <= 16, "the register lookup takes codebooks of at most 16 entries")
-    u = codebook.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    u = torch.nn.functional.pad(u, (0, 16 - n))
+    u = torch.nn.functional.pad(_bf16_bits(codebook), (0, 16 - n))
     shifts = torch.arange(0, 32, 8, device=u.device)
     lo = ((u & 0xFF).view(h, 4, 4) << shifts).sum(-1)
     hi = ((u >> 8).view(h, 4, 4) << shifts).sum(-1)
-    t = torch.cat([lo, hi], 1)
-    t = torch.where(t >= 2**31, t - 2**32, t)
-    return t.to(torch.int32).contiguous()
+    return _as_int32(torch.cat([lo, hi], 1))
 
 
 def dequantize_compact_pages(pages: torch.Tensor, bits: int, codebook: torch.Tensor, grid: torch.Tensor,
