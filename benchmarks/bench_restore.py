@@ -6,8 +6,9 @@ The session: Llama-3.1-8B shape (32 layers x K/V, 8 KV heads x 128 = 1024 channe
 tokens = 524288 pages of 16 tokens, 17.2 GB of bf16, laid out [layer][K/V][page]. Its values are
 real KV (benchmarks/capture_kv.py captures or the .npz subset of bench_gpu_codec.py), tiled along
 channels (bench_gpu_codec.tile_channels) and along tokens; (layer, K/V) takes the real set
-``layer % sets`` of its kind, with that set's codebook (calibrated on the set's first half, so the
-ratio is in-sample for half the tokens; bench_gpu_codec.py --ratio has held-out ratios).
+``layer % sets`` of its kind, with that set's codebook. Held out: each codebook is calibrated on
+its set's first half and the session is tiled from the second halves only (``--in-sample``: from
+all tokens, as runs before 2026-12-01 did).
 
 Measured (wall time around a synchronized call, median of --repeats):
 - raw: one pinned bf16 copy, host -> device and device -> host (the baseline);
@@ -58,6 +59,7 @@ def main():
     ap.add_argument("--block-pages", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048, 4096, 16384])
+    ap.add_argument("--in-sample", action="store_true", help="tile the session from all tokens (half of them calibrated the codebooks)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
@@ -110,7 +112,9 @@ def main():
     for layer in range(args.layers):
         for k, kind in enumerate("KV"):
             j = layer % len(sets[kind])
-            src = torch.from_numpy(sets[kind][j][1].view(np.int16).reshape(-1, 16, C)).to(dev)
+            xs = sets[kind][j][1]
+            xs = xs if args.in_sample else xs[xs.shape[0] // 2 :]
+            src = torch.from_numpy(np.ascontiguousarray(xs).view(np.int16).reshape(-1, 16, C)).to(dev)
             g = (2 * layer + k) * per_group
             for a in range(0, per_group, src.shape[0]):
                 b = min(per_group, a + src.shape[0])
@@ -118,7 +122,7 @@ def main():
             tids[g : g + per_group] = (0 if kind == "K" else len(sets["K"])) + j
     x = x.view(torch.bfloat16)
     raw = x.numel() * 2
-    res.update(sets=names, n_pages=n, raw_bytes=raw)
+    res.update(sets=names, n_pages=n, raw_bytes=raw, held_out=not args.in_sample)
     codec.tables(dev)
     sync()
     step("session built")

@@ -80,10 +80,24 @@ def test_chunk_bytes_are_the_rust_page_bytes(real_kv):
 def test_plan_chunks_edges():
     assert ol.plan_chunks(0, 8) == []
     assert ol.plan_chunks(1, 8) == [(0, 1)]
-    assert ol.plan_chunks(10, 8) == [(0, 2), (2, 10)]
+    assert ol.plan_chunks(10, 8) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    sizes = [b - a for a, b in ol.plan_chunks(524288, 8192)]  # a 128k-token Llama-3.1-8B session
+    assert sizes[:5] == [2048] * 5 and sizes[-1] <= 2048 and max(sizes) == 8192 and sizes.count(8192) >= 50
     assert ol.plan_chunks(3, 1) == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(InvalidArgumentError):
         ol.plan_chunks(4, 0)
+    for n in range(0, 90):
+        for cp in (1, 3, 8, 17):
+            plan = ol.plan_chunks(n, cp)
+            edge = max(1, cp // 4)
+            assert [a for a, _ in plan] == [0, *(b for _, b in plan[:-1])][: len(plan)] and (plan[-1][1] if plan else 0) == n
+            assert all(0 < b - a <= cp for a, b in plan)
+            if plan:  # short first and last chunks: a short encode before the first copy, a short decode after the last
+                assert plan[0][1] <= edge and plan[-1][1] - plan[-1][0] <= edge
+            s = [b - a for a, b in plan]
+            # growth: at most 1.25x (or up to the edge size), shrinking: at most 1.5x, rounding aside
+            assert all(y <= max(edge, x * 5 // 4 + 1) for x, y in zip(s, s[1:]))
+            assert all(x <= max(edge, y * 3 // 2 + 2) for x, y in zip(s, s[1:]))
 
 
 def test_one_page_and_empty_sessions(real_kv):
@@ -136,7 +150,7 @@ def test_damaged_bytes_raise_typed_errors(real_kv):
     H = pages.header_len(192)
     s = fresh()
     s.chunks[1].host[H + 5] ^= 0x40  # a raw byte (sign / mantissa) of the chunk's first page
-    with pytest.raises(ChecksumMismatchError, match="pages 2..10"):
+    with pytest.raises(ChecksumMismatchError, match="pages 2..4"):
         ol.restore(s, backend="rust", device="cpu")
     s = fresh()
     c = s.chunks[1]
@@ -233,7 +247,7 @@ def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pag
 def test_triton_damaged_bytes_checksum_and_no_stray_reads(small_session, device):
     x, tids, codec = small_session
     xd = x.to(device)
-    clean = ol.offload(xd, codec, tids, chunk_pages=8, backend="triton")  # chunks of 2 and 4 pages
+    clean = ol.offload(xd, codec, tids, chunk_pages=8, backend="triton")  # chunks of 2 pages
     for damage in ("raw", "offset", "header", "table_id"):
         s = _copy(clean)
         c = s.chunks[1]
@@ -245,7 +259,7 @@ def test_triton_damaged_bytes_checksum_and_no_stray_reads(small_session, device)
             c.host[0:2].view(torch.int16)[0] = 0  # the stream claims no words
         else:
             c.host[c.nbytes + 8 * (c.n_pages + 1)] = 99  # clamped
-        with pytest.raises(ChecksumMismatchError, match="pages 2..6"):
+        with pytest.raises(ChecksumMismatchError, match="pages 2..4"):
             ol.restore(s, torch.empty_like(xd), backend="triton")
     s = _copy(clean)
     s.chunks[1].host[0:2].view(torch.int16)[0] = -1  # 65535 words: the reads stay inside the staging slack

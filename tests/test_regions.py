@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from weightszip.errors import InvalidArgumentError  # noqa: E402
-from weightszip.kernels.regions import copy_regions  # noqa: E402
-from weightszip.kernels.regions_ref import copy_regions_ref  # noqa: E402
+from weightszip.kernels.regions import copy_regions, post  # noqa: E402
+from weightszip.kernels.regions_ref import copy_regions_ref, post_ref  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -67,3 +67,27 @@ def test_bad_arguments():
     with pytest.raises(InvalidArgumentError):  # unaligned offset
         copy_regions(src, so + 4, out, packed, sz, check=True)
     copy_regions(src, so[:0], out, packed[:0], sz[:0])  # no regions: nothing to do
+
+
+@pytest.mark.parametrize("n", [1, 3, 64, 1024])
+def test_post_equals_the_reference(n):
+    src = torch.from_numpy(np.random.default_rng(n).integers(-(2**62), 2**62, n)).to(DEVICE)
+    pinned = DEVICE == "cuda"
+    dst = torch.full((n + 1,), -1, dtype=torch.int64, pin_memory=pinned)
+    want = dst.clone()
+    post(src, dst[:n])
+    if pinned:
+        torch.cuda.synchronize()
+    post_ref(src, want[:n])
+    assert torch.equal(dst, want) and int(dst[n]) == -1  # nothing past the words
+
+
+def test_post_refuses_bad_arguments():
+    src = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    for dst, s in ((torch.zeros(3, dtype=torch.int64), src), (torch.zeros(4, dtype=torch.int32), src),
+                   (torch.zeros(2048, dtype=torch.int64), torch.zeros(2048, dtype=torch.int64, device=DEVICE))):
+        with pytest.raises(InvalidArgumentError):
+            post(s, dst)
+    if DEVICE == "cuda":
+        with pytest.raises(InvalidArgumentError, match="pinned"):
+            post(src, torch.zeros(4, dtype=torch.int64))  # pageable host memory: not for a kernel

@@ -6,6 +6,11 @@ reference (``regions_ref``) does the same through an int64 index of every 16-byt
 index per 16 bytes moved, built per chunk). The two were not timed against each other.
 
     copy_regions(src, src_offsets, dst, dst_offsets, sizes)   # uint8 buffers, int64 [n] each
+    post(src, dst)   # a few int64 words from the GPU into pinned host memory, written by the SMs
+
+``post`` exists for sizes the host needs while bulk copies run: a device-to-host copy goes to a copy
+engine and waits behind every copy queued before it in that direction (a 12 GB offload: up to 0.2 s),
+while a kernel's stores reach pinned (mapped) host memory over the bus at once.
 
 The caller guarantees that the destination regions do not overlap each other or the sources (the
 reference does not check this either); bounds are the caller's too (``check=True`` verifies them
@@ -68,3 +73,27 @@ def copy_regions(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor
     if n:
         _copy_regions_kernel[(n,)](src.view(torch.int32), dst.view(torch.int32), src_offsets, dst_offsets, sizes,
                                    BLOCK=block, num_warps=4)
+
+
+@triton.jit
+def _post_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=m), mask=m)
+
+
+POST_MAX = 1024
+
+
+def post(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[:] = src`` by a kernel on the current stream: src int64 [n] on the GPU, dst int64 [n] in
+    pinned host memory (or on the same device), n <= 1024. The host sees the words once an event
+    recorded after this call has completed."""
+    n = src.numel()
+    _check(src.dtype == torch.int64 and dst.dtype == torch.int64 and src.dim() == 1 and dst.dim() == 1
+           and dst.numel() == n and src.is_contiguous() and dst.is_contiguous(), "src and dst must be contiguous int64 [n]")
+    _check(n <= POST_MAX, f"post moves at most {POST_MAX} words")
+    _check(dst.device == src.device or dst.is_pinned() or src.device.type == "cpu",
+           "dst must be on src's device or in pinned host memory")
+    if n:
+        _post_kernel[(1,)](src, dst, n, BLOCK=triton.next_power_of_2(n), num_warps=1)

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of regions.copy_regions: the same copy through 16-byte row indices."""
+"""Plain-PyTorch references of regions.copy_regions (the same copy through 16-byte row indices) and\nregions.post (a copy)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,7 @@ def copy_regions_ref(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Te
     total = int(sizes.sum())
     rows_dst = dst[: dst.numel() // 16 * 16].view(-1, 16)
     rows_dst[rows16(dst_offsets, sizes, total)] = src[: src.numel() // 16 * 16].view(-1, 16)[rows16(src_offsets, sizes, total)]
+
+
+def post_ref(src: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(src)
