@@ -249,7 +249,67 @@ def speed_main(args):
     except Exception as e:  # report, never hide
         res["nvcomp_ans"] = {"error": f"{type(e).__name__}: {e}"}
     print("nvcomp", res["nvcomp_ans"], flush=True)
+    if args.dfloat11:
+        try:
+            res["dfloat11"] = dfloat11_speed(args, groups, reps, total_raw, torch)
+        except Exception as e:  # report, never hide
+            res["dfloat11"] = {"error": f"{type(e).__name__}: {e}"}
+        print("dfloat11", res["dfloat11"], flush=True)
     (outdir / "gpu_codec_speed.json").write_text(json.dumps(res, indent=1))
+
+
+def dfloat11_speed(args, groups, reps, total_raw, torch):
+    """DFloat11's GPU decoder (its decode.ptx through CuPy) on the same bytes: each (model, layer,
+    K/V) set tiled ``reps`` times is one DFloat11 tensor with its own code (as DFloat11 codes one
+    weight block), all sets decoded back to back; bit-exactness checked per set."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cupy as cp
+
+    import dfloat11_peer as dp
+
+    utils = dp.load_utils(args.dfloat11)
+    kern = cp.RawModule(path=str(Path(args.dfloat11) / "dfloat11" / "decode.ptx")).get_function("decode")
+    first = groups[0][2].reshape(-1)[:50_000]
+    e0, _ = dp.exponents(first)
+    check = dp.check_against_reference(utils, e0, dp.build_codec(utils, e0)[0])
+
+    def prep(g):
+        x = np.tile(g[2].reshape(-1), reps)
+        e, sm = dp.exponents(x)
+        codec, luts = dp.build_codec(utils, e)
+        enc, gaps, pos = dp.encode(e, codec)
+        return x, sm, luts, enc, gaps, pos
+
+    with ThreadPoolExecutor(8) as ex:
+        prepared = list(ex.map(prep, groups))
+    dev = torch.device("cuda")
+    blobs, stored = [], 0
+    for x, sm, luts, enc, gaps, pos in prepared:
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+        shm = dp.shared_mem_bytes(pos)
+        blobs.append(dict(luts=t(luts), enc=t(enc), sm=t(sm), pos=t(pos.view(np.uint8)), gaps=t(gaps), shm=shm,
+                          out=torch.empty(x.size, dtype=torch.bfloat16, device=dev), src=t(x.view(np.int16))))
+        stored += dp.compressed_bytes(enc, sm.size, pos, gaps) + luts.size
+    del prepared
+    kern.max_dynamic_shared_size_bytes = max(b["shm"] for b in blobs)
+
+    def dec_all():
+        for b in blobs:
+            n_bytes, n = b["enc"].numel(), b["out"].numel()
+            grid = -(-n_bytes // (dp.THREADS_PER_BLOCK * dp.BYTES_PER_THREAD))
+            kern((grid,), (dp.THREADS_PER_BLOCK,), (b["luts"].data_ptr(), b["enc"].data_ptr(), b["sm"].data_ptr(),
+                 b["pos"].data_ptr(), b["gaps"].data_ptr(), b["out"].data_ptr(), b["luts"].shape[0], n_bytes, n),
+                 shared_mem=b["shm"])
+
+    dec_all()
+    torch.cuda.synchronize()
+    exact = all(torch.equal(b["out"].view(torch.int16), b["src"]) for b in blobs)
+    raw = sum(b["out"].numel() * 2 for b in blobs)
+    td, times = _timed(dec_all, args.repeats, torch)
+    return dict(version="dfloat11 0.5.0 (decode.ptx via CuPy %s)" % cp.__version__, raw_bytes=raw, same_bytes_as_ours=raw == total_raw,
+                ratio=stored / raw, decode_GBps=raw / td / 1e9, decode_times=times, bit_exact=exact,
+                encoder="numpy re-implementation of DFloat11's format (CPU)", encoder_check=check)
 
 
 def main():
@@ -265,6 +325,8 @@ def main():
     ap.add_argument("--out", default=str(RESULTS / "box"))
     ap.add_argument("--channels", type=int, default=LLAMA_C, help="speed: tile channels to this (Llama-3.1-8B: 1024)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run under TRITON_INTERPRET=1")
+    ap.add_argument("--dfloat11", default=None, help="speed: also time DFloat11's GPU decoder; a folder with the dfloat11 "
+                    "and dahuffman wheels unpacked (needs CuPy)")
     args = ap.parse_args()
     if args.ratio:
         ratio_main(args)

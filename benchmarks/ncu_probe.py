@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""One launch of each kernel named on the command line, for Nsight Compute (nothing is timed here):
+``exact`` (the exact-page decoder on 268 MB of real pages, 32 and 64 pages per program) and the
+decode-attention split kernel for ``fp8``, ``q4``, ``q3.5`` or ``q3`` at the Llama-3.1-8B shape,
+batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
+
+    ncu --clock-control none -k regex:"_decode_kernel|_paged_split_kernel" -c 8 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \\
+        python benchmarks/ncu_probe.py --kv .boxdata/kv_pages_subset.npz exact fp8 q4 q3 > ncu.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_attention import COMPACT, compact_inputs, make_paged  # noqa: E402
+from bench_gpu_codec import load_sets, tile_channels  # noqa: E402
+
+from weightszip import pages  # noqa: E402
+from weightszip.kernels import PagedDecodeAttention  # noqa: E402
+from weightszip.kernels.exact_page import PageTables, decode_pages, encode_pages  # noqa: E402
+
+
+def exact(kv):
+    groups = []
+    for _, _, _, x in load_sets([kv]):
+        x = tile_channels(x, 1024)[:4096]
+        groups.append((pages.calibrate(x[:2048], "bfloat16"), x.reshape(-1, 16, 1024)))
+    tb = PageTables.stack([PageTables.from_codebook(cb, "cuda") for cb, _ in groups])
+    vu = torch.from_numpy(np.concatenate([g[1] for g in groups]).view(np.int16)).cuda().repeat(2, 1, 1)
+    tu = torch.cat([torch.full((g[1].shape[0],), i, dtype=torch.int32) for i, g in enumerate(groups)]).cuda().repeat(2)
+    b, o = encode_pages(vu, tb, tu)
+    for bp in (32, 64):
+        out = decode_pages(b, o, tb, table_ids=tu, block_pages=bp)
+    torch.cuda.synchronize()
+    print("exact: round trip", bool(torch.equal(out, vu)), f"{vu.numel() * 2 / 1e9:.2f} GB", flush=True)
+
+
+def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    if kind == "fp8":
+        k, v, bt = make_paged(B, L, Hkv, D, torch.float8_e4m3fn, gen)
+        attn = PagedDecodeAttention(Hq, Hkv, D, page_type="fp8", device="cuda")
+        attn.plan([L] * B, bt)
+        s = torch.full((Hkv,), 1 / 64, device="cuda")
+        attn.run(q, k, v, k_scale=s, v_scale=s)
+    else:
+        kp, vp, bt, tabs, extra = compact_inputs(kind, B, L, Hq, Hkv, D, gen)
+        kb, vb = COMPACT[kind]
+        attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, device="cuda")
+        attn.plan([L] * B, bt)
+        attn.run(q, kp, vp, **tabs, **extra)
+    torch.cuda.synchronize()
+    print(kind, "ran", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz", help="real KV sets (for exact)")
+    ap.add_argument("kernels", nargs="+", choices=["exact", "fp8", *COMPACT])
+    args = ap.parse_args()
+    for k in args.kernels:
+        exact(args.kv) if k == "exact" else attention(k)
+
+
+if __name__ == "__main__":
+    main()
