@@ -205,18 +205,21 @@ def _encode_kernel(
 
 
 @triton.jit
-def _decode4(raws, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c0, L: tl.constexpr, IS_BF16: tl.constexpr):
+def _decode4(raws, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c0, L: tl.constexpr, IS_BF16: tl.constexpr):
     # Four symbols of one stream (channels c0..c0 + 3 of a token) with their raw bytes: the four
-    # 16-bit values packed in a uint64, and the stream's bit buffer after them.
+    # 16-bit values packed in a uint64, and the stream's bit buffer after them. ``nxt`` holds
+    # stream word ``wnext``, loaded at the previous refill, so a refill does not wait for memory
+    # (the load's latency overlaps the symbols decoded before the next refill).
     acc = tl.zeros(raws.shape, dtype=tl.uint64)
     for j in tl.static_range(4):
         # Refill first: afterwards nbits > 32, and a symbol takes at most 12 + 8 bits.
         need = nbits <= 32
-        w = tl.load(buf32_ptr + wbase + wnext, mask=ok & need & (wnext < nw), other=0)
-        w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
-        buf = buf | (w << tl.where(need, 32 - nbits, 0).to(tl.uint64))
+        buf = buf | tl.where(need, nxt << (32 - nbits).to(tl.uint64), 0)
         nbits = tl.where(need, nbits + 32, nbits)
         wnext = tl.where(need, wnext + 1, wnext)
+        # a predicated load into nxt (past the stream's end: 0), nothing waits for it here
+        nxt = tl.load(buf32_ptr + wbase + wnext, mask=ok & need & (wnext < nw), other=tl.where(need, 0, nxt.to(tl.uint32).to(tl.int32, bitcast=True)))
+        nxt = nxt.to(tl.uint32, bitcast=True).to(tl.uint64)
         e = tl.load(lut_ptr + tab + (c0 + j) * (1 << L) + (buf >> (64 - L)).to(tl.int32)).to(tl.int32)
         ln = e & 15
         sym = e >> 4
@@ -232,7 +235,7 @@ def _decode4(raws, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c0
         else:
             v = (sym << 8) | raw
         acc = acc | (v.to(tl.uint64) << (16 * j))
-    return acc, buf, nbits, wnext
+    return acc, buf, nbits, nxt, wnext
 
 
 @triton.jit
@@ -274,19 +277,20 @@ def _decode_kernel(
     buf = (w0 << 32) | w1
     nbits = tl.full([BLOCK_PAGES], 64, tl.int32)
     wnext = tl.full([BLOCK_PAGES], 2, tl.int32)
+    nxt = tl.load(buf32_ptr + wbase + 2, mask=ok & (nw > 2), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     col = tl.arange(0, 8)[None, :]
     c = s * 32
     for t in range(16):
         rw = tl.load(buf32_ptr + (raw_w + t * (C // 4))[:, None] + col, mask=ok[:, None], other=0)
         r0, r1, r2, r3, r4, r5, r6, r7 = _split8(rw.to(tl.uint32, bitcast=True), BLOCK_PAGES)
-        a0, buf, nbits, wnext = _decode4(r0, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c, L, IS_BF16)
-        a1, buf, nbits, wnext = _decode4(r1, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 4, L, IS_BF16)
-        a2, buf, nbits, wnext = _decode4(r2, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 8, L, IS_BF16)
-        a3, buf, nbits, wnext = _decode4(r3, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 12, L, IS_BF16)
-        a4, buf, nbits, wnext = _decode4(r4, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 16, L, IS_BF16)
-        a5, buf, nbits, wnext = _decode4(r5, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 20, L, IS_BF16)
-        a6, buf, nbits, wnext = _decode4(r6, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 24, L, IS_BF16)
-        a7, buf, nbits, wnext = _decode4(r7, buf, nbits, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 28, L, IS_BF16)
+        a0, buf, nbits, nxt, wnext = _decode4(r0, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c, L, IS_BF16)
+        a1, buf, nbits, nxt, wnext = _decode4(r1, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 4, L, IS_BF16)
+        a2, buf, nbits, nxt, wnext = _decode4(r2, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 8, L, IS_BF16)
+        a3, buf, nbits, nxt, wnext = _decode4(r3, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 12, L, IS_BF16)
+        a4, buf, nbits, nxt, wnext = _decode4(r4, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 16, L, IS_BF16)
+        a5, buf, nbits, nxt, wnext = _decode4(r5, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 20, L, IS_BF16)
+        a6, buf, nbits, nxt, wnext = _decode4(r6, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 24, L, IS_BF16)
+        a7, buf, nbits, nxt, wnext = _decode4(r7, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, tab, c + 28, L, IS_BF16)
         tile = _join8(a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_PAGES)
         tl.store(out_ptr + ((p64 * 16 + t) * (C // 4) + s * 8)[:, None] + col, tile.to(tl.int64, bitcast=True), mask=ok[:, None])
 
@@ -370,7 +374,7 @@ def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tens
 
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor | None = None,
-                 table_ids: torch.Tensor | None = None, block_pages: int = 128) -> torch.Tensor:
+                 table_ids: torch.Tensor | None = None, block_pages: int = 32) -> torch.Tensor:
     """Decode the pages at ``offsets`` (int64 [n + 1], multiples of 8) of ``buf`` (uint8, its
     length a multiple of 8), page i with codebook ``table_ids[i]`` (default 0), into int16
     [n, 16, C] (``out`` if given)."""

@@ -446,7 +446,7 @@ def _chunk_parts(c: Chunk):
 
 
 def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = None, *, depth: int = 3,
-            verify: bool = True, backend: str = "auto", device=None, block_pages: int = 64) -> torch.Tensor:
+            verify: bool = True, backend: str = "auto", device=None, block_pages: int = 32) -> torch.Tensor:
     """Decode ``session`` into ``out_pages_gpu`` ([n, 16, C], allocated on ``device`` when not
     given) and return it. Raises ChecksumMismatchError when ``verify`` finds a chunk whose
     decoded pages differ from what was offloaded; the Rust backend also raises CorruptDataError
