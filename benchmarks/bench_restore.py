@@ -60,6 +60,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048, 4096, 16384])
     ap.add_argument("--in-sample", action="store_true", help="tile the session from all tokens (half of them calibrated the codebooks)")
+    ap.add_argument("--trace", action="store_true", help="then one offload and one restore under torch.profiler: "
+                    "where the copy engine sits idle (restore_trace_*.json and a summary in restore.json)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
@@ -208,6 +210,14 @@ def main():
     res["chunk_sweep"] = sweep
     step("sweep")
 
+    if args.trace and is_cuda:
+        try:
+            res["trace"] = {"offload": copy_gaps(lambda: do_offload(), outdir / "restore_trace_offload.json"),
+                            "restore": copy_gaps(lambda: ol.restore(holder["s"], out, verify=True, **kw), outdir / "restore_trace_restore.json")}
+        except Exception as e:  # report, never hide
+            res["trace"] = {"error": f"{type(e).__name__}: {e}"}
+        print("trace", json.dumps(res["trace"]), flush=True)
+
     res["restore_speedup_vs_raw_h2d"] = res["raw_h2d_s"] / res["restore_s"]
     res["restore_noverify_speedup"] = res["raw_h2d_s"] / res["restore_noverify_s"]
     res["offload_speedup_vs_raw_d2h"] = res["raw_d2h_s"] / res["offload_s"]
@@ -234,6 +244,36 @@ def main():
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("_times") and k != "table_md"}, indent=1))
     (outdir / "restore.json").write_text(json.dumps(res, indent=1))
     (outdir / "restore.md").write_text(table + "\n")
+
+
+def copy_gaps(fn, path):
+    """Run ``fn`` once under torch.profiler; from its CUDA timeline: when the first and last bus copy
+    start and end relative to the first GPU activity and to the call's wall time, how long the
+    copies ran, and the idle time between them (the copy engine waiting for the codec or the host)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    prof.export_chrome_trace(str(path))
+    ev = json.loads(Path(path).read_text())["traceEvents"]
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    cp = sorted((e for e in gpu if e["cat"] == "gpu_memcpy" and e.get("dur", 0) > 50), key=lambda e: e["ts"])
+    if not cp:
+        return {"wall_s": wall, "copies": 0}
+    t_first = min(e["ts"] for e in gpu)
+    t_end = max(e["ts"] + e["dur"] for e in gpu)
+    busy = sum(e["dur"] for e in cp)
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(cp, cp[1:])]
+    big = sorted(gaps, reverse=True)[:5]
+    return {"wall_s": wall, "copies": len(cp), "gpu_span_ms": (t_end - t_first) / 1e3,
+            "first_copy_starts_ms": (cp[0]["ts"] - t_first) / 1e3, "after_last_copy_ms": (t_end - cp[-1]["ts"] - cp[-1]["dur"]) / 1e3,
+            "copies_busy_ms": busy / 1e3, "gaps_between_copies_ms": sum(max(g, 0) for g in gaps) / 1e3,
+            "largest_gaps_ms": [g / 1e3 for g in big], "largest_gap_after_copy": [gaps.index(g) for g in big]}
 
 
 if __name__ == "__main__":
