@@ -244,17 +244,22 @@ def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pag
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_triton_offload_grows_its_ring_for_a_larger_chunk(small_session, device):
+def test_triton_offload_grows_its_ring_for_a_larger_chunk(small_session, device, monkeypatch):
     # The encode ring is sized from the first chunk's bytes per page; a later chunk of random bits
-    # (escapes everywhere: larger than raw) no longer fits and gets a new buffer while the old one
-    # may still be read by a copy. Bytes, digests and the round trip stay exact.
+    # (escapes everywhere: larger than raw) no longer fits its slot, which gets a new buffer.
+    # Bytes, digests and the round trip stay exact.
     x, tids, codec = small_session
+    made = []
+    real = ol._ring_buffer
+    monkeypatch.setattr(ol, "_ring_buffer", lambda n, dev: made.append(n) or real(n, dev))
     rng = np.random.default_rng(3)
     y = x.clone()  # the first chunk (2 pages): real KV, as calibrated
     y[2:] = torch.from_numpy(rng.integers(-(2**15), 2**15, y[2:].shape, dtype=np.int16)).view(torch.bfloat16)
-    s = ol.offload(y.to(device), codec, tids, chunk_pages=8, backend="triton")  # chunks of 2 pages
+    # chunks of 2 pages, two ring slots: chunk 2 reuses the slot sized for chunk 0
+    s = ol.offload(y.to(device), codec, tids, chunk_pages=8, depth=2, backend="triton")
     r = ol.offload(y, codec, tids, chunk_pages=8, backend="rust")
-    assert s.chunks[0].nbytes * 3 < s.chunks[-1].nbytes * 2  # past the ring's 1/8 of slack
+    assert s.chunks[0].nbytes * 3 < s.chunks[-1].nbytes * 2  # past the ring's slack
+    assert len(made) == 3 and made[2] > made[0]  # slot 0 was replaced by a larger buffer
     assert _flat(s) == _flat(r) and [c.digest for c in s.chunks] == [c.digest for c in r.chunks]
     back = ol.restore(s, torch.empty_like(y.to(device)), backend="triton")
     assert torch.equal(back.view(torch.int16), y.to(device).view(torch.int16))  # bits: random ones hold NaNs

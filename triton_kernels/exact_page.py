@@ -214,7 +214,7 @@ def _decode4(raws, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, ta
     for j in tl.static_range(4):
         # Refill first: afterwards nbits > 32, and a symbol takes at most 12 + 8 bits.
         need = nbits <= 32
-        buf = buf | tl.where(need, nxt << (32 - nbits).to(tl.uint64), 0)
+        buf = buf | tl.where(need, nxt << tl.where(need, 32 - nbits, 0).to(tl.uint64), 0)
         nbits = tl.where(need, nbits + 32, nbits)
         wnext = tl.where(need, wnext + 1, wnext)
         # a predicated load into nxt (past the stream's end: 0), nothing waits for it here
@@ -378,13 +378,22 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, o
     """Decode the pages at ``offsets`` (int64 [n + 1], multiples of 8) of ``buf`` (uint8, its
     length a multiple of 8), page i with codebook ``table_ids[i]`` (default 0), into int16
     [n, 16, C] (``out`` if given)."""
-    C = tables.channels
     n = offsets.numel() - 1
     if buf.dtype != torch.uint8 or buf.numel() % 8:
         raise InvalidArgumentError("buf must be uint8 with a length that is a multiple of 8")
     if out is None:
-        out = torch.empty(n, PAGE_TOKENS, C, dtype=torch.int16, device=buf.device)
-    tids = _table_ids(table_ids, n, tables, buf.device)
+        out = torch.empty(n, PAGE_TOKENS, tables.channels, dtype=torch.int16, device=buf.device)
+    decode_into(buf, offsets, tables, out, _table_ids(table_ids, n, tables, buf.device), block_pages)
+    return out
+
+
+def decode_into(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor, tids: torch.Tensor,
+                block_pages: int = 32) -> None:
+    """``decode_pages`` without argument checks or host reads (the table ids' range check reads
+    them back): ``tids`` int32 [n] on buf's device, already in range (the restore path clamps
+    them on the GPU), ``out`` int16 [n, 16, C]."""
+    C = tables.channels
+    n = offsets.numel() - 1
     if n:
         S = C // STREAM_CHANNELS
         grid = (triton.cdiv(n, block_pages), S)
@@ -393,7 +402,6 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, o
             C=C, S=S, SP=triton.next_power_of_2(S), H=header_len(C), L=tables.max_len,
             IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
         )
-    return out
 
 
-__all__ = ["PageTables", "encode_pages", "decode_pages", "stream_bits", "header_len"]
+__all__ = ["PageTables", "encode_pages", "decode_pages", "decode_into", "stream_bits", "header_len"]

@@ -1,4 +1,5 @@
-"""Plain-PyTorch references of regions.copy_regions (the same copy through 16-byte row indices) and\nregions.post (a copy)."""
+"""Plain-PyTorch references of regions.copy_regions (the same copy through 16-byte row indices) and
+regions.post (a copy)."""
 
 from __future__ import annotations
 

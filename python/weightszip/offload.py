@@ -12,11 +12,12 @@ int16 bits; C a multiple of 32), page i coded with codebook ``table_ids[i]`` of 
 
 On a GPU (backend "triton"), pages travel in chunks of ``chunk_pages``:
 
-- offload: first every chunk's page layout (the encoder's size pass) and one read-back of all
-  chunk sizes; then chunk i is encoded on a compute stream into a ring of ``depth`` GPU buffers
-  while the copy stream moves chunk i-1's compressed bytes into pinned host memory (events order
-  the two). No size is read back between copies: a read-back waits behind the previous copy on
-  the copy engine, which left the encoder idle.
+- offload: chunk i is encoded on a compute stream into a ring of ``depth`` GPU buffers (page
+  bytes, offsets and table ids side by side) while the copy stream moves chunk i-1 into pinned
+  host memory in one copy (events order the two). The host needs each chunk's size before it
+  queues the copy: the encoder's size pass runs one chunk ahead, and a kernel writes the size
+  into pinned memory (``kernels.regions.post``), because a device-to-host copy of it would wait
+  behind the previous chunks' copies on the copy engine.
 - restore: the copy stream moves chunk i+1 .. i+depth-1 into a ring of ``depth`` GPU staging
   buffers while the compute stream decodes chunk i into its pages; a staging buffer is refilled
   only after the decode that read it (events), so GPU staging memory is bounded by
@@ -373,7 +374,7 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
             post(layouts[i][1][-1:], sizes[i : i + 1])
             sized.append(st.record("comp"))
 
-    ring, retired = [None] * nslots, []
+    ring = [None] * nslots
     max_pages = max(b - a for a, b in plan)
     d2h_done, digests = [], []
     size_pass(0)
@@ -390,16 +391,18 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
             if i >= nslots:  # the ring buffer's previous chunk has reached the host (issued: nslots >= 2)
                 st.wait("comp", d2h_done[i - nslots])
             if ring[slot] is None or ring[slot].numel() < nr:
-                if ring[slot] is not None:
-                    retired.append(ring[slot])  # a copy may still read it: kept until the end
-                full = max(nr, nb // n_i * max_pages + _region_bytes(0, max_pages))  # room for the largest chunk
-                ring[slot] = torch.empty((full + full // 8) // 8 * 8 + 64, dtype=torch.uint8, device=dev)
+                # Room for the largest chunk at this chunk's bytes per page, and a quarter more.
+                # A buffer replaced here was last read by the copy the stream just waited for, and
+                # the allocator hands its block out again only to work queued after that wait.
+                full = max(nr, nb // n_i * max_pages + _region_bytes(0, max_pages))
+                ring[slot] = _ring_buffer((full + full // 4) // 8 * 8 + 64, dev)
             buf = ring[slot]
             ep.encode_into(bits(a, b), tables, tids_dev[a:b], buf, layouts[i], block_pages)
             o, t = nb + 8 * (n_i + 1), nb + 8 * (n_i + 1) + 4 * n_i
             buf[nb:o].copy_(layouts[i][1].view(torch.uint8))
             buf[o:t].copy_(tids_dev[a:b].view(torch.uint8))
             buf[t:nr].zero_()
+            layouts[i] = None  # its offsets are in the buffer now
             enc_done = st.record("comp")
             digests.append(digest(pages_gpu[a:b]))
         region = _host_region(host, nr, session)
@@ -412,6 +415,10 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
     for c, d in zip(session.chunks, torch.stack(digests).cpu().tolist()):
         c.digest = int(d)
     return session
+
+
+def _ring_buffer(nbytes: int, device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _rust_encode_chunk(codec, vals: torch.Tensor, tids: np.ndarray, start: int, host, session) -> Chunk:
@@ -473,7 +480,7 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
             out16[c.start : c.start + c.n_pages].copy_(dec)
         return out_pages_gpu
 
-    from weightszip.kernels.exact_page import decode_pages
+    from weightszip.kernels.exact_page import decode_into
 
     dev = out_pages_gpu.device
     tables = codec.tables(dev)
@@ -512,7 +519,7 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
             t = o + 8 * (c.n_pages + 1)
             tids = buf[t : t + 4 * c.n_pages].view(torch.int32).clamp(0, G - 1)
             dst = out16[c.start : c.start + c.n_pages]
-            decode_pages(buf, offs, tables, out=dst, table_ids=tids, block_pages=block_pages)
+            decode_into(buf, offs, tables, dst, tids, block_pages)  # ids clamped above: no host read
             if verify:
                 digests.append(digest(dst))
             decoded[i] = st.record("comp")
