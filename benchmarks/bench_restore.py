@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--channels", type=int, default=1024)
     ap.add_argument("--chunk-pages", type=int, default=8192)
     ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--block-pages", type=int, default=64)
+    ap.add_argument("--block-pages", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048, 4096, 16384])
     ap.add_argument("--in-sample", action="store_true", help="tile the session from all tokens (half of them calibrated the codebooks)")
@@ -212,8 +212,8 @@ def main():
 
     if args.trace and is_cuda:
         try:
-            res["trace"] = {"offload": copy_gaps(lambda: do_offload(), outdir / "restore_trace_offload.json"),
-                            "restore": copy_gaps(lambda: ol.restore(holder["s"], out, verify=True, **kw), outdir / "restore_trace_restore.json")}
+            res["trace"] = {"offload": copy_gaps(lambda: do_offload(), outdir / "restore_trace_offload.json", "DtoH"),
+                            "restore": copy_gaps(lambda: ol.restore(holder["s"], out, verify=True, **kw), outdir / "restore_trace_restore.json", "HtoD")}
         except Exception as e:  # report, never hide
             res["trace"] = {"error": f"{type(e).__name__}: {e}"}
         print("trace", json.dumps(res["trace"]), flush=True)
@@ -246,10 +246,11 @@ def main():
     (outdir / "restore.md").write_text(table + "\n")
 
 
-def copy_gaps(fn, path):
+def copy_gaps(fn, path, direction):
     """Run ``fn`` once under torch.profiler; from its CUDA timeline: when the first and last bus copy
-    start and end relative to the first GPU activity and to the call's wall time, how long the
-    copies ran, and the idle time between them (the copy engine waiting for the codec or the host)."""
+    in ``direction`` ("DtoH" or "HtoD", at least 50 us) start and end relative to the first GPU
+    activity, how long those copies ran, and the idle time between them (the copy engine waiting
+    for the codec or the host); the call's wall time."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -262,18 +263,19 @@ def copy_gaps(fn, path):
     prof.export_chrome_trace(str(path))
     ev = json.loads(Path(path).read_text())["traceEvents"]
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
-    cp = sorted((e for e in gpu if e["cat"] == "gpu_memcpy" and e.get("dur", 0) > 50), key=lambda e: e["ts"])
+    cp = sorted((e for e in gpu if e["cat"] == "gpu_memcpy" and direction in e.get("name", "") and e["dur"] > 50),
+                key=lambda e: e["ts"])
     if not cp:
         return {"wall_s": wall, "copies": 0}
     t_first = min(e["ts"] for e in gpu)
     t_end = max(e["ts"] + e["dur"] for e in gpu)
     busy = sum(e["dur"] for e in cp)
     gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(cp, cp[1:])]
-    big = sorted(gaps, reverse=True)[:5]
+    top = sorted(range(len(gaps)), key=gaps.__getitem__, reverse=True)[:5]
     return {"wall_s": wall, "copies": len(cp), "gpu_span_ms": (t_end - t_first) / 1e3,
             "first_copy_starts_ms": (cp[0]["ts"] - t_first) / 1e3, "after_last_copy_ms": (t_end - cp[-1]["ts"] - cp[-1]["dur"]) / 1e3,
             "copies_busy_ms": busy / 1e3, "gaps_between_copies_ms": sum(max(g, 0) for g in gaps) / 1e3,
-            "largest_gaps_ms": [g / 1e3 for g in big], "largest_gap_after_copy": [gaps.index(g) for g in big]}
+            "largest_gaps_ms": [gaps[k] / 1e3 for k in top], "largest_gap_after_copy": top}
 
 
 if __name__ == "__main__":
