@@ -7,8 +7,9 @@ stream index ``s`` for ``BLOCK_PAGES`` pages, so at every step all its threads r
 channel's table (a few cache lines) and differ only in the page. A token's raw bytes (decoder)
 or input values (encoder) of the program's pages, and the decoder's outputs, move as one
 [pages, 8]-word tile per token (whole 32-byte sectors; Triton hands each thread its row through
-shared memory): one access per thread and four symbols made the kernels L2-bound (H200,
-session 7: 2.7x the decode speed and 2x the encode speed with tiles).
+shared memory): one access per thread and four symbols made the kernels L2-bound. The decoder
+also merges a stream word loaded at the previous refill. H200 (BENCHMARKS.md): decode 159 -> 518
+GB/s, encode 124 -> 242 GB/s of bf16.
 
     tables = PageTables.from_codebook(codebook, device="cuda")
     buf, offsets = encode_pages(values, tables)        # values: [n, 16, C] bf16/fp16/int16
