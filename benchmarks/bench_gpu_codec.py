@@ -57,6 +57,29 @@ def load_sets(paths, layers_per_model=None):
                     yield p.stem, kind, int(layer), np.asarray(kv[k, layer])
 
 
+def calibrated_sets(paths, channels: int = LLAMA_C, max_len: int = 8):
+    """(name, kind, codebook, x) for every real set: x [T, channels] uint16 bf16 bits (tiled along
+    channels, T a multiple of 32), its codebook calibrated on its first half."""
+    out = []
+    for model, kind, layer, x in load_sets(paths):
+        x = tile_channels(x, channels)
+        x = x[: x.shape[0] // 32 * 32]
+        out.append((f"{model}:{kind}:{layer}", kind, pages.calibrate(x[: x.shape[0] // 2], "bfloat16", max_len), x))
+    return out
+
+
+def device_pages(sets, dev, page_tables):
+    """All sets' pages on ``dev`` for one launch: (``page_tables`` of their codebooks stacked, int16
+    pages [n, 16, C], int32 table ids [n]: every (model, layer, K/V) page names its codebook)."""
+    import torch
+
+    C = sets[0][3].shape[1]
+    tb = page_tables.stack([page_tables.from_codebook(cb, dev) for _, _, cb, _ in sets])
+    vu = torch.from_numpy(np.concatenate([x for *_, x in sets]).view(np.int16).reshape(-1, 16, C)).to(dev)
+    tu = torch.cat([torch.full((x.shape[0] // 16,), i, dtype=torch.int32) for i, (*_, x) in enumerate(sets)]).to(dev)
+    return tb, vu, tu
+
+
 def ratio_main(args):
     import ml_dtypes
     import weightszip
@@ -137,20 +160,12 @@ def speed_main(args):
     import triton
 
     res["triton"] = triton.__version__
-    groups = []
-    for model, kind, layer, x in load_sets(args.kv):
-        x = tile_channels(x, args.channels)
-        T = x.shape[0] // 32 * 32
-        x = x[:T]
-        cb = pages.calibrate(x[: T // 2], "bfloat16", args.max_len)
-        groups.append((f"{model}:{kind}:{layer}", cb, x.reshape(-1, 16, args.channels)))
+    sets = calibrated_sets(args.kv, args.channels, args.max_len)
+    groups = [(name, cb, x.reshape(-1, 16, args.channels)) for name, _, cb, x in sets]
     unique = sum(g[2].nbytes for g in groups)
     reps = max(1, -(-int(args.gib * (1 << 30)) // unique))
     print(f"{len(groups)} groups, {unique / 1e6:.1f} MB unique, tiled x{reps}", flush=True)
-    # One launch for all groups: every (model, layer, K/V) page names its codebook by a table id.
-    tb = PageTables.stack([PageTables.from_codebook(cb, dev) for _, cb, _ in groups])
-    vu = torch.from_numpy(np.concatenate([g[2] for g in groups]).view(np.int16)).to(dev)
-    tu = torch.cat([torch.full((g[2].shape[0],), i, dtype=torch.int32) for i, g in enumerate(groups)]).to(dev)
+    tb, vu, tu = device_pages(sets, dev, PageTables)
     # Both directions on the unique pages: Triton encode == Rust encode (byte for byte, offsets
     # too); Triton decodes the Rust bytes; the validating Rust decoder reads the Triton bytes.
     rbufs, roffs, base = [], [], 0
@@ -218,7 +233,6 @@ def speed_main(args):
     sync()
     res["checks"]["round_trip_after_sweep"] = bool(torch.equal(out, big))
     print(json.dumps({k: v for k, v in res.items() if k not in ("encode_times", "decode_times")}, indent=1), flush=True)
-    gpu = [(None, None, big)]
     # Peer: nvCOMP ANS on the same bytes (one buffer per group), where the wheel is installed.
     try:
         from nvidia import nvcomp

@@ -156,21 +156,21 @@ def main(argv=None):
         import pstats
 
         arena.reset()
-        prof = cProfile.Profile()
-        prof.enable()
-        off = cache.offload_sequence(seq, free=True, chunk_bytes=chunk, host=arena)
-        sync()
-        prof.disable()
-        prof2 = cProfile.Profile()
-        prof2.enable()
-        seq = cache.restore_sequence(off, chunk_bytes=chunk)
-        sync()
-        prof2.disable()
         text = io.StringIO()
-        for name, pr in (("offload", prof), ("restore", prof2)):
+        for name in ("offload", "restore"):
+            prof = cProfile.Profile()
+            prof.enable()
+            if name == "offload":
+                off = cache.offload_sequence(seq, free=True, chunk_bytes=chunk, host=arena)
+            else:
+                seq = cache.restore_sequence(off, chunk_bytes=chunk)
+            sync()
+            prof.disable()
             text.write(f"== {name}\n")
-            pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(35)
-        pathlib.Path(args.out).with_suffix(".profile.txt").write_text(text.getvalue())
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(35)
+        prof_path = pathlib.Path(args.out).with_suffix(".profile.txt")
+        prof_path.parent.mkdir(parents=True, exist_ok=True)
+        prof_path.write_text(text.getvalue())
     ok = True
     for layer in (0, L - 1):
         k, v = per_layer[layer][:2]

@@ -42,10 +42,9 @@ try:  # an installed weightszip (the GPU box: wheel + python/ copied over it) co
 except ImportError:
     sys.path.insert(0, str(HERE.parents[0] / "python"))
 from weightszip import offload as ol  # noqa: E402
-from weightszip import pages  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-from bench_gpu_codec import load_sets, tile_channels  # noqa: E402
+from bench_gpu_codec import calibrated_sets  # noqa: E402
 
 
 def main():
@@ -96,16 +95,10 @@ def main():
         return statistics.median(ts), ts
 
     # Real sets -> codebooks (one per set) and the session's pages on the device.
-    sets = {"K": [], "V": []}
-    for model, kind, layer, x in load_sets(args.kv):
-        x = tile_channels(x, C)
-        T = x.shape[0] // 32 * 32
-        sets[kind].append((f"{model}:{kind}:{layer}", x[:T]))
-    names, cbs = [], []
-    for kind in "KV":
-        for name, x in sets[kind]:
-            names.append(name)
-            cbs.append(pages.calibrate(x[: x.shape[0] // 2], "bfloat16"))
+    by_kind = calibrated_sets(args.kv, C)
+    sets = {kind: [(name, cb, x) for name, k, cb, x in by_kind if k == kind] for kind in "KV"}
+    names = [name for kind in "KV" for name, _, _ in sets[kind]]
+    cbs = [cb for kind in "KV" for _, cb, _ in sets[kind]]
     codec = ol.ExactPageCodec(cbs)
     per_group = args.tokens // 16
     n = args.layers * 2 * per_group
@@ -114,7 +107,7 @@ def main():
     for layer in range(args.layers):
         for k, kind in enumerate("KV"):
             j = layer % len(sets[kind])
-            xs = sets[kind][j][1]
+            xs = sets[kind][j][2]
             xs = xs if args.in_sample else xs[xs.shape[0] // 2 :]
             src = torch.from_numpy(np.ascontiguousarray(xs).view(np.int16).reshape(-1, 16, C)).to(dev)
             g = (2 * layer + k) * per_group
@@ -187,7 +180,6 @@ def main():
     # Chunks resident in GPU memory: restore / offload through the same code, copies now D2D.
     garena = ol.HostArena(int(raw * 0.75), device=dev)
     do_offload(host=garena)
-    sdev = holder["s"]
     res["encode_only_s"], _ = timed(lambda: do_offload(host=garena))
     sdev = holder["s"]
     res["decode_only_s"], _ = timed(lambda: ol.restore(sdev, out, verify=True, **kw))

@@ -16,26 +16,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_attention import COMPACT, compact_inputs, make_paged  # noqa: E402
-from bench_gpu_codec import load_sets, tile_channels  # noqa: E402
+from bench_gpu_codec import calibrated_sets, device_pages  # noqa: E402
 
-from weightszip import pages  # noqa: E402
 from weightszip.kernels import PagedDecodeAttention  # noqa: E402
 from weightszip.kernels.exact_page import PageTables, decode_pages, encode_pages  # noqa: E402
 
 
 def exact(kv):
-    groups = []
-    for _, _, _, x in load_sets([kv]):
-        x = tile_channels(x, 1024)[:4096]
-        groups.append((pages.calibrate(x[:2048], "bfloat16"), x.reshape(-1, 16, 1024)))
-    tb = PageTables.stack([PageTables.from_codebook(cb, "cuda") for cb, _ in groups])
-    vu = torch.from_numpy(np.concatenate([g[1] for g in groups]).view(np.int16)).cuda().repeat(2, 1, 1)
-    tu = torch.cat([torch.full((g[1].shape[0],), i, dtype=torch.int32) for i, g in enumerate(groups)]).cuda().repeat(2)
+    tb, vu, tu = device_pages(calibrated_sets([kv]), "cuda", PageTables)
+    vu, tu = vu.repeat(2, 1, 1), tu.repeat(2)
     b, o = encode_pages(vu, tb, tu)
     for bp in (32, 64):
         out = decode_pages(b, o, tb, table_ids=tu, block_pages=bp)
