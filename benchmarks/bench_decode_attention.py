@@ -45,7 +45,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
 KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
-           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4")
+           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+gluon", "q3.5+gluon", "q3+gluon")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
@@ -56,6 +56,10 @@ COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
 # (q3), from pair tables in memory otherwise; "+pairs": always pair tables; "+lut4": always registers
 LOOKUP = {"+pairs": 0, "+lut4": 4}
 COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4", "q3.5", "q3") for v in LOOKUP})
+# "+gluon": the Gluon split kernel (paged_decode_gluon: codes decoded into the tensor-core operand
+# registers, pair tables in shared memory), 16 tokens per warp and step, 4 warps
+COMPACT.update({f"{k}+gluon": COMPACT[k] for k in ("q4", "q3.5", "q3")})
+GLUON = dict(block_n=16, num_warps=4, num_stages=1, gluon=True)
 
 
 def parse_args(argv=None):
@@ -213,9 +217,11 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config):
     from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-    default_bits = DEFAULT_CONFIGS[PAGE_COMPACT].reg_lut_bits
-    if config is not None and config.reg_lut_bits != default_bits:  # the default lookups' output (fp32 sums aside)
-        attn.config = KernelConfig(**{**config.__dict__, "reg_lut_bits": default_bits})
+    default = DEFAULT_CONFIGS[PAGE_COMPACT]
+    if config is not None and (config.reg_lut_bits != default.reg_lut_bits or config.gluon != default.gluon):
+        # the default kernel's output (fp32 sums aside)
+        attn.config = default
+        attn.plan([L] * B, bt)
         other = attn.run(q, kp, vp, **tabs, **extra).float()
         info["max_abs_diff_vs_default"] = float((out.float() - other).abs().max())
         info["max_abs_out"] = float(other.abs().max())
@@ -423,11 +429,12 @@ def main(argv=None):
             if kind in COMPACT:
                 cfg = None
                 suffix = "+" + kind.split("+")[-1]
-                if suffix in LOOKUP:
+                if suffix in LOOKUP or suffix == "+gluon":
                     from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
                     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-                    cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, "reg_lut_bits": LOOKUP[suffix]})
+                    change = GLUON if suffix == "+gluon" else {"reg_lut_bits": LOOKUP[suffix]}
+                    cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, **change})
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
             else:
                 t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)

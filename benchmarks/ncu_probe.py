@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import COMPACT, compact_inputs, make_paged  # noqa: E402
+from bench_decode_attention import COMPACT, GLUON, compact_inputs, make_paged  # noqa: E402
 from bench_gpu_codec import calibrated_sets, device_pages  # noqa: E402
 
 from weightszip.kernels import PagedDecodeAttention  # noqa: E402
@@ -49,7 +49,11 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
     else:
         kp, vp, bt, tabs, extra = compact_inputs(kind, B, L, Hq, Hkv, D, gen)
         kb, vb = COMPACT[kind]
-        attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, device="cuda")
+        from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+        from weightszip.kernels.paged_decode import PAGE_COMPACT
+
+        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, **GLUON}) if kind.endswith("+gluon") else None
+        attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, device="cuda", config=cfg)
         attn.plan([L] * B, bt)
         attn.run(q, kp, vp, **tabs, **extra)
     torch.cuda.synchronize()

@@ -417,25 +417,17 @@ def test_compact_bad_input():
 # -- real shapes, GPU only -----------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need the GPU")
-@pytest.mark.parametrize("lookup", [(0, 4), (3, 3), (4, 4)], ids=["k4v3-pair-tables", "k3v3-registers", "k4v3-registers"])
-@pytest.mark.parametrize("cuda_dot", [False, True], ids=["tensor-cores", "cuda-cores"])
-@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
-def test_real_shapes_gpu(shape, cuda_dot, lookup):
+def _real_shape_case(shape, k_bits, v_bits):
     """Llama shapes, head_dim 128, tables fitted on synthetic heavy-tailed KV; pages written by the
-    write kernel (bytes checked against the reference on a slice), attention against the reference;
-    K 4 / V 3 bits with the codebooks from pair tables or in registers (16 and 8 entries), and
-    K 3 / V 3 bits in registers (the default for q3)."""
-    lut_bits, k_bits = lookup
-    if cuda_dot and lookup != (0, 4):
-        pytest.skip("the CUDA-core path has no codebook lookup choice")
+    write kernel (bytes checked against the reference on a slice); the reference's output and the
+    tolerance scale. Returns (run, ref, vmax): ``run(config)`` the kernel's output."""
     Hq, Hkv, D = shape
     g = torch.Generator().manual_seed(1)
     calib = torch.randn(512, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g)) + torch.randn(D, generator=g)
     rng = np.random.default_rng(0)
     signs = torch.from_numpy(rng.choice([-1, 1], size=D)).to(torch.int64)
     tabs = {}
-    for kind, bits in (("k", k_bits), ("v", 3)):
+    for kind, bits in (("k", k_bits), ("v", v_bits)):
         mu, mult, e0, cbs = C.fit_tables(calib, torch.ones(Hkv, D), kind, signs, rng)
         tabs[kind] = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits) for i in range(Hkv)]
     lens, S, W = [3000, 1, 777, 4100], 4, 128
@@ -446,7 +438,7 @@ def test_real_shapes_gpu(shape, cuda_dot, lookup):
     n = slots.numel()
     x = {k: (torch.randn(n, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g))).to(torch.bfloat16) for k in "kv"}
     pages = {}
-    for kind, bits in (("k", k_bits), ("v", 3)):
+    for kind, bits in (("k", k_bits), ("v", v_bits)):
         pages[kind] = pool(nb, Hkv, 16, bits, D)
         compact_write(x[kind].cuda(), slots.cuda(), pages[kind], compact_write_tables(tabs[kind], "cuda"))
         want = pool(nb, Hkv, 16, bits, D).cpu()
@@ -459,17 +451,49 @@ def test_real_shapes_gpu(shape, cuda_dot, lookup):
     side = {k: torch.randn(len(lens), S + W, Hkv, D, generator=g).to(torch.bfloat16).cuda() for k in ("k_side", "v_side")}
     tables = dict(k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
     common = dict(q_transformed=qt, logit_bias=bias, v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"], **side)
-    attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=k_bits, v_bits=3,
-                                config=KernelConfig(block_n=32 if cuda_dot else 64, cuda_dot=cuda_dot,
-                                                    reg_lut_bits=lut_bits))
-    attn.plan(lens, bt.cuda())
-    out = attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables, **common)
+
+    def run(config):
+        attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=k_bits,
+                                    v_bits=v_bits, config=config)
+        attn.plan(lens, bt.cuda())
+        return attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables, **common)
+
     ref = paged_decode_ref(q, pages["k"], pages["v"], bt.cuda(), lens, page_type="compact", sink_tokens=S, window=W,
-                           k_bits=k_bits, v_bits=3, **tables, **common)
-    vals = codec.inverse(dequantize_compact_pages(pages["v"], 3, ct["v_codebook"], ct["v_grid"]).permute(0, 2, 1, 3).cpu(), tabs["v"])
+                           k_bits=k_bits, v_bits=v_bits, **tables, **common)
+    vals = codec.inverse(dequantize_compact_pages(pages["v"], v_bits, ct["v_codebook"], ct["v_grid"])
+                         .permute(0, 2, 1, 3).cpu(), tabs["v"])
     vmax = max(vals.abs().max().item(), side["v_side"].float().abs().max().item())
+    return run, ref, vmax
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need the GPU")
+@pytest.mark.parametrize("lookup", [(0, 4), (3, 3), (4, 4)], ids=["k4v3-pair-tables", "k3v3-registers", "k4v3-registers"])
+@pytest.mark.parametrize("cuda_dot", [False, True], ids=["tensor-cores", "cuda-cores"])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
+def test_real_shapes_gpu(shape, cuda_dot, lookup):
+    """Attention against the reference at the Llama shapes: K 4 / V 3 bits with the codebooks from
+    pair tables or in registers (16 and 8 entries), and K 3 / V 3 bits in registers (the default for q3)."""
+    lut_bits, k_bits = lookup
+    if cuda_dot and lookup != (0, 4):
+        pytest.skip("the CUDA-core path has no codebook lookup choice")
+    run, ref, vmax = _real_shape_case(shape, k_bits, 3)
+    out = run(KernelConfig(block_n=32 if cuda_dot else 64, cuda_dot=cuda_dot, reg_lut_bits=lut_bits))
     tol = 2.0**-8 if cuda_dot else 2.0**-6
     assert (out.double() - ref).abs().max().item() <= tol * vmax
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
+@pytest.mark.parametrize("bits", [(4, 4), (4, 3), (3, 3)], ids=["q4", "q3.5", "q3"])
+@pytest.mark.parametrize("block_n", [16, 32])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
+def test_gluon_kernel_real_shapes_gpu(shape, block_n, bits):
+    """The Gluon split kernel against the reference within the tensor-core tolerance, and against the
+    Triton kernel (the same bf16 operands; only the order of the fp32 sums differs)."""
+    run, ref, vmax = _real_shape_case(shape, *bits)
+    out = run(KernelConfig(block_n=block_n, num_warps=4, num_stages=1, gluon=True))
+    assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
+    triton_out = run(KernelConfig(block_n=64, reg_lut_bits=0))
+    assert (out.double() - triton_out.double()).abs().max().item() <= 2.0**-7 * vmax
 
 
 # -- the register lookup's PTX (compiled only; Triton's interpreter cannot run inline assembly) ----------

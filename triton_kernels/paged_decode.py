@@ -94,6 +94,11 @@ class KernelConfig:
     # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
     # in registers (a per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
+    # compact pages, compiled only: the Gluon split kernel (``paged_decode_gluon``; widths up to 4, no
+    # rotary term, else the Triton kernel runs): ``num_warps`` warps each on their own pages (``block_n``
+    # must be 16: one page per warp and step); ``maxnreg``: a register cap (0: none)
+    gluon: bool = False
+    maxnreg: int = 0
 
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
@@ -864,6 +869,8 @@ class PagedDecodeAttention:
         self.block_size, self.sink_tokens, self.window = block_size, sink_tokens, window
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         self.config = config or DEFAULT_CONFIGS[self.page_type]
+        _check(not self.config.gluon or self.config.block_n == PAGE_TOKENS,
+               f"the Gluon kernel (config.gluon) steps one {PAGE_TOKENS}-token page per warp: block_n must be {PAGE_TOKENS}")
         _check(self.config.block_n % PAGE_TOKENS == 0 and self.config.block_n & (self.config.block_n - 1) == 0,
                f"config.block_n must be a power of two and a multiple of {PAGE_TOKENS}")
         self.device = torch.device(device)
@@ -1029,8 +1036,11 @@ class PagedDecodeAttention:
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == Hkv,
                        f"{name} must be fp32 [{Hkv}] for fp8 pages")
         compact = self.page_type == PAGE_COMPACT
+        cfg = self.config
+        has_rope = rope_coef is not None or rope_phase is not None
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
+        gluon_tabs = None  # the Gluon kernel's pair tables (KernelConfig.gluon)
         if compact:
             for name, t, bits in (("k_codebook", k_codebook, self.k_bits), ("v_codebook", v_codebook, self.v_bits)):
                 _check(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16)
@@ -1040,7 +1050,11 @@ class PagedDecodeAttention:
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32
                        and tuple(t.shape) == (Hkv, GRID_SIZE) and t.is_contiguous(),
                        f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
-            if not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
+            if cfg.gluon and not cuda_dot and not has_rope and not _interpreting() and max(self.k_bits, self.v_bits) <= 4:
+                from .paged_decode_gluon import interleaved_pair_table
+
+                gluon_tabs = interleaved_pair_table(k_codebook), interleaved_pair_table(v_codebook)
+            elif not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
                 lut_bits = min(self.config.reg_lut_bits, 4) if not _interpreting() else 0
                 reg_lut = max(self.k_bits, self.v_bits) <= lut_bits
@@ -1058,7 +1072,6 @@ class PagedDecodeAttention:
         else:
             _check(k_offsets is None and v_offsets is None and k_bases is None and v_bases is None,
                    "k_offsets/v_offsets/k_bases/v_bases are for page_type 'exact' only")
-        has_rope = rope_coef is not None or rope_phase is not None
         if has_rope:
             _check(compact and not cuda_dot and D >= 32, "rotary offsets need compact pages, the tensor-core path and head_dim >= 32")
             _check(isinstance(rope_coef, torch.Tensor) and rope_coef.dtype == torch.float32
@@ -1096,12 +1109,26 @@ class PagedDecodeAttention:
             out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
         _check(tuple(out.shape) == (B, Hq, D) and out.stride(2) == 1, f"out must be [{B}, {Hq}, {D}]")
 
-        cfg = self.config
         block_g = _pow2_at_least(G, 16)
         split_block_g = _pow2_at_least(G, 1) if cuda_dot else block_g
         qk_scale = self.sm_scale * LOG2E
         dummy = pl["ws_m"]
-        if pl["n_items"]:
+        if pl["n_items"] and compact and gluon_tabs is not None:
+            from . import paged_decode_gluon as pg
+
+            k_tab, v_tab = gluon_tabs
+            words = _pow2_at_least((k_tab.shape[1] + v_tab.shape[1]) * 32, 1)
+            pg.compact_split_kernel[(pl["n_items"], Hkv)](
+                qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
+                pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
+                k_tab, v_tab, k_grid, v_grid, qk_scale,
+                qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
+                v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
+                GROUP=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=self.block_size,
+                BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
+                TABLE_WORDS=words, num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+            )
+        elif pl["n_items"]:
             _paged_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages,
                 k_scale if fp8 else dummy, v_scale if fp8 else dummy, pl["block_tables"],

@@ -1,0 +1,1 @@
+../../../triton_kernels/paged_decode_gluon.py
