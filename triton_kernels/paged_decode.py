@@ -99,6 +99,8 @@ class KernelConfig:
     # must be 16: one page per warp and step); ``maxnreg``: a register cap (0: none)
     gluon: bool = False
     maxnreg: int = 0
+    # Gluon kernel: bit 0 loads V's words at the top of the step (with K's), bit 1 K's words one step ahead
+    gluon_ahead: int = 0
 
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
@@ -1124,9 +1126,10 @@ class PagedDecodeAttention:
                 k_tab, v_tab, k_grid, v_grid, qk_scale,
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
-                GROUP=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=self.block_size,
+                GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
-                TABLE_WORDS=words, num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+                TABLE_WORDS=words, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
+                num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
             )
         elif pl["n_items"]:
             _paged_split_kernel[(pl["n_items"], Hkv)](

@@ -80,33 +80,30 @@ def pair_index(w_lo: torch.Tensor, w_hi: torch.Tensor, shift: int, bits: int) ->
 
 
 @constexpr_function
-def k_layout(nw: int, m: int, block_n: int) -> gl.BlockedLayout:
-    """K^T pair tensor [NW, M, 4 (i), 4 (t), 2 (b), BN / 8 (nh), 8 (nl)]: channel 32 m + 8 i + 2 t + b
-    of token 8 nh + nl. Registers b, i, m, nh and lanes t, nl: after merging (m, i, t, b) and (nh, nl),
-    the mma.sync B-operand register layout of K^T [NW, HEAD_DIM, BN]."""
-    return gl.BlockedLayout(size_per_thread=[1, m, 4, 1, 2, block_n // 8, 1],
-                            threads_per_warp=[1, 1, 1, 4, 1, 1, 8], warps_per_cta=[nw, 1, 1, 1, 1, 1, 1],
-                            order=[4, 2, 1, 5, 3, 6, 0])
+def k_layout(nw: int, m: int) -> gl.BlockedLayout:
+    """K pair tensor [NW, 2 (nh), 8 (nl), M, 4 (i), 4 (t), 2 (b)]: channel 32 m + 8 i + 2 t + b of page
+    row 8 nh + nl. Registers b, nh, i, m and lanes t, nl: after merging (nh, nl) and (m, i, t, b), the
+    mma.sync A-operand register layout of K [NW, 16, HEAD_DIM]."""
+    return gl.BlockedLayout(size_per_thread=[1, 2, 1, m, 4, 1, 2], threads_per_warp=[1, 1, 8, 1, 1, 4, 1],
+                            warps_per_cta=[nw, 1, 1, 1, 1, 1, 1], order=[6, 1, 4, 3, 5, 2, 0])
+
+
+@constexpr_function
+def v_layout(nw: int, m: int) -> gl.BlockedLayout:
+    """V pair tensor [NW, M, 2 (i1), 2 (i0), 8 (j), 2 (th), 4 (tl), 2 (e)]: channel 32 m + 16 i1 + 8 i0 + j
+    of page row 8 th + 2 tl + e. Registers e, i0, th, i1, m and lanes tl, j: merged, the A-operand
+    layout of V^T [NW, HEAD_DIM, 16]."""
+    return gl.BlockedLayout(size_per_thread=[1, m, 2, 2, 1, 2, 1, 2], threads_per_warp=[1, 1, 1, 1, 8, 1, 4, 1],
+                            warps_per_cta=[nw, 1, 1, 1, 1, 1, 1, 1], order=[7, 3, 5, 2, 1, 6, 4, 0])
 
 
 @constexpr_function
 def words_layout(layout: gl.BlockedLayout, dim_m: int) -> gl.BlockedLayout:
-    """``layout`` with dim ``dim_m`` (a token row's plane words) first in its order: the same mapping on
+    """``layout`` with dim ``dim_m`` (a page row's plane words) first in its order: the same mapping on
     the words' shape (whose dims before it in ``layout``'s order have size 1), but Triton sees the
     words contiguous in registers and loads them as vectors."""
     order = [dim_m] + [d for d in layout.order if d != dim_m]
     return gl.BlockedLayout(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta, order)
-
-
-@constexpr_function
-def v_layout(nw: int, m: int, block_n: int) -> gl.BlockedLayout:
-    """V pair tensor [NW, BN / 8 (th), 4 (tl), 2 (e), M, 4 (i), 8 (j)]: token 8 th + 2 tl + e, channel
-    32 m + 8 i + j. Registers e, th, i, m and lanes tl, j: merged, the B-operand layout of V [NW, BN,
-    HEAD_DIM]."""
-    return gl.BlockedLayout(size_per_thread=[1, block_n // 8, 1, 2, m, 4, 1],
-                            threads_per_warp=[1, 1, 4, 1, 1, 1, 8], warps_per_cta=[nw, 1, 1, 1, 1, 1, 1],
-                            order=[3, 1, 5, 4, 2, 6, 0])
-
 
 
 @constexpr_function
@@ -166,81 +163,79 @@ def _scales(pages_ptr, grid_ptr, poff, first, r, t0, t1, head, SIDX_OFF: gl.cons
 
 
 @gluon.jit
-def _plane(pages_ptr, poff, first, r, m, t0, t1, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
-    """Word m of bit plane p of page rows ``r`` (0 outside [t0, t1)), relaid out to ``L``."""
-    valid = (first + r >= t0) & (first + r < t1)
-    # pages start 16-byte aligned (PagedDecodeAttention checks): a row's M words load as vectors
-    wptr = (pages_ptr + poff).to(gl.pointer_type(gl.int32))
-    w = gl.load(gl.multiple_of(wptr, [16] * 7) + p * (16 * M) + r * M + m, mask=valid, other=0)
-    return gl.convert_layout(w, L, assert_trivial=True)
+def _plane(pages_ptr, poff, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
+    """Word m of bit plane p of page rows ``r``, relaid out to ``L``. Not masked: the page is in the
+    pool (past the split's end ``_page_offset`` gives block 0's), and rows outside [t0, t1) get
+    logits of -inf and softmax weights of 0 (their values are finite codebook entries)."""
+    # pages start 16-byte aligned (PagedDecodeAttention checks; "// 16 * 16" tells the compiler): a
+    # row's M words load as vectors
+    wptr = (pages_ptr + poff // 16 * 16).to(gl.pointer_type(gl.int32))
+    return gl.convert_layout(gl.load(wptr + p * (16 * M) + r * M + m), L, assert_trivial=True)
 
 
 @gluon.jit
-def _planes(pages_ptr, poff, first, r, m, t0, t1, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
+def _planes(pages_ptr, poff, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
     """Bit planes 0..BITS-1 (up to 4; the fourth repeats the third when BITS is 3)."""
-    w0 = _plane(pages_ptr, poff, first, r, m, t0, t1, 0, M, L)
-    w1 = _plane(pages_ptr, poff, first, r, m, t0, t1, 1, M, L)
-    w2 = _plane(pages_ptr, poff, first, r, m, t0, t1, 2, M, L)
+    w0 = _plane(pages_ptr, poff, r, m, 0, M, L)
+    w1 = _plane(pages_ptr, poff, r, m, 1, M, L)
+    w2 = _plane(pages_ptr, poff, r, m, 2, M, L)
     w3 = w2
     if BITS > 3:
-        w3 = _plane(pages_ptr, poff, first, r, m, t0, t1, 3, M, L)
+        w3 = _plane(pages_ptr, poff, r, m, 3, M, L)
     return w0, w1, w2, w3
 
 
 @gluon.jit
-def _k_words(pages_ptr, poff, first, t0, t1, BITS: gl.constexpr, M: gl.constexpr, LK: gl.constexpr):
-    """A K page's plane words for the K^T operand: [NW, M, 1, 1, 1, 2 (nh), 8 (nl)], row 8 nh + nl."""
-    LW: gl.constexpr = words_layout(LK, 1)
-    r = 8 * _axis(2, 5, 7, LW) + _axis(8, 6, 7, LW)
-    return _planes(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True),
-                   gl.convert_layout(first, LW, assert_trivial=True), r, _axis(M, 1, 7, LW), t0, t1, BITS, M, LK)
+def _k_words(pages_ptr, poff, BITS: gl.constexpr, M: gl.constexpr, LK: gl.constexpr):
+    """A K page's plane words for the K operand: [NW, 2 (nh), 8 (nl), M, 1, 1, 1], row 8 nh + nl."""
+    LW: gl.constexpr = words_layout(LK, 3)
+    r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
+    return _planes(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, _axis(M, 3, 7, LW), BITS, M, LK)
 
 
 @gluon.jit
-def _v_words(pages_ptr, poff, first, e: gl.constexpr, t0, t1, BITS: gl.constexpr, M: gl.constexpr, LV: gl.constexpr):
-    """A V page's plane words of its even (e = 0) or odd (e = 1) rows: [NW, 2 (th), 4 (tl), 1, M, 1, 1],
+def _v_words(pages_ptr, poff, e: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, LV: gl.constexpr):
+    """A V page's plane words of its even (e = 0) or odd (e = 1) rows: [NW, M, 1, 1, 1, 2 (th), 4 (tl), 1],
     row 8 th + 2 tl + e."""
-    LW: gl.constexpr = words_layout(LV, 4)
-    r = 8 * _axis(2, 1, 7, LW) + 2 * _axis(4, 2, 7, LW) + e
-    return _planes(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True),
-                   gl.convert_layout(first, LW, assert_trivial=True), r, _axis(M, 4, 7, LW), t0, t1, BITS, M, LV)
+    LW: gl.constexpr = words_layout(LV, 1)
+    r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
+    return _planes(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, _axis(M, 1, 8, LW), BITS, M, LV)
 
 
 @gluon.jit
-def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_N: gl.constexpr, NW: gl.constexpr, LK: gl.constexpr, OPB: gl.constexpr):
-    """K^T [NW, HEAD_DIM, BN] bf16 in the B-operand layout: thread (t, nl) holds channel pairs 8 i + 2 t of
-    each word, so ``(w_p >> 2 t) & 0x03030303`` puts plane p's bits of four pairs in four bytes."""
-    t = _axis(4, 3, 7, LK)
-    nl = _axis(8, 6, 7, LK)
+def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
+               LK: gl.constexpr, OPA: gl.constexpr):
+    """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout: thread (t, nl) holds the channel pairs
+    8 i + 2 t of each word, so ``(w_p >> 2 t) & 0x03030303`` puts plane p's bits of four pairs in four
+    bytes (``pair_index``)."""
+    t = _axis(4, 5, 7, LK)
     sh = 2 * t
     y = (w0 >> sh) & 0x03030303
     y |= ((w1 >> sh) & 0x03030303) << 2
     y |= ((w2 >> sh) & 0x03030303) << 4
     if BITS > 3:
         y |= ((w3 >> sh) & 0x03030303) << 6
-    x = (y >> (8 * _axis(4, 2, 7, LK))) & 0xFF
-    val = _lds(TAB + x * 128 + (t + 4 * nl) * 4)
-    half = ((val >> (16 * _axis(2, 4, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-    return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, BLOCK_N]), OPB, assert_trivial=True)
+    x = (y >> (8 * _axis(4, 4, 7, LK))) & 0xFF
+    val = _lds(TAB + x * 128 + (t + 4 * _axis(8, 2, 7, LK)) * 4)  # lane t + 4 nl reads copy t + 4 nl
+    half = ((val >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
 
 
 @gluon.jit
 def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_N: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr, OPB: gl.constexpr):
-    """V [NW, BN, HEAD_DIM] bf16 in the B-operand layout from the even (a) and odd (b) tokens' plane
-    words: thread (tl, j) holds token pairs of channels 8 i + j."""
-    j = _axis(8, 6, 7, LV)
-    tl_ = _axis(4, 2, 7, LV)
+               NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr):
+    """V^T [NW, HEAD_DIM, 16] bf16 in the A-operand layout from the even (a) and odd (b) rows' plane
+    words: thread (tl, j) holds the row pairs of channels 8 i + j."""
+    j = _axis(8, 4, 8, LV)
     y = ((a0 >> j) & 0x01010101) | (((b0 >> j) & 0x01010101) << 1)
     y |= (((a1 >> j) & 0x01010101) << 2) | (((b1 >> j) & 0x01010101) << 3)
     y |= (((a2 >> j) & 0x01010101) << 4) | (((b2 >> j) & 0x01010101) << 5)
     if BITS > 3:
         y |= (((a3 >> j) & 0x01010101) << 6) | (((b3 >> j) & 0x01010101) << 7)
-    x = (y >> (8 * _axis(4, 5, 7, LV))) & 0xFF
-    val = _lds(TAB + x * 128 + (tl_ + 4 * j) * 4)
-    half = ((val >> (16 * _axis(2, 3, 7, LV))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-    return gl.convert_layout(gl.reshape(half, [NW, BLOCK_N, HEAD_DIM]), OPB, assert_trivial=True)
+    x = (y >> (8 * (2 * _axis(2, 2, 8, LV) + _axis(2, 3, 8, LV)))) & 0xFF
+    val = _lds(TAB + x * 128 + (_axis(4, 6, 8, LV) + 4 * j) * 4)  # lane tl + 4 j reads copy tl + 4 j
+    half = ((val >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, 16]), OPA, assert_trivial=True)
 
 
 @gluon.jit
@@ -254,22 +249,25 @@ def compact_split_kernel(
     num_kv_heads,
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr, TABLE_WORDS: gl.constexpr,
+    V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2), softmax mass and unnormalized fp32 sum of p * y into the workspace.
-    Each warp takes every NW-th page of the split (16 tokens per step). The next page's offset and
-    scales are loaded one step ahead (a few registers); its plane words are not (they would need
-    ~100 registers: every word is held by the 4 or 8 lanes that decode from it)."""
+
+    Transposed products, so the GQA group is the narrow side (n = 8 on mma.sync, not m = 16):
+    ``S^T = K Q^T`` [16 rows, BLOCK_G heads] and ``O^T += V^T P^T`` [HEAD_DIM, BLOCK_G], K and V^T the
+    A operands decoded in registers, Q^T and P^T the B operands. Each warp takes every NW-th page of
+    the split (16 rows per step). The next page's offsets and scales are loaded one step ahead (a few
+    registers); its plane words are not (each word is held by the 4 or 8 lanes that decode from it)."""
     NW: gl.constexpr = gl.num_warps()
     M: gl.constexpr = HEAD_DIM // 32
-    BN: gl.constexpr = 16
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    LK: gl.constexpr = k_layout(NW, M, BN)
-    LV: gl.constexpr = v_layout(NW, M, BN)
-    ROW: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, BLOCK_G]
-    COL: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, BN]
+    LK: gl.constexpr = k_layout(NW, M)
+    LV: gl.constexpr = v_layout(NW, M)
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, BLOCK_G]
+    ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, 16]
     EK: gl.constexpr = 1 << (2 * BITS_K)
     EV: gl.constexpr = 1 << (2 * BITS_V)
     PB_K: gl.constexpr = 16 * (BITS_K * HEAD_DIM // 8 + 1)
@@ -287,82 +285,89 @@ def compact_split_kernel(
     _fill_table(tab.slice(EK * 32, EV * 32), v_tab_ptr + head * EV, EV, NW)
     gl.thread_barrier()
 
-    # q (every warp the same) as the A operand [NW, BLOCK_G, HEAD_DIM]
-    gq = _axis(BLOCK_G, 1, 3, OPA)
-    dq = _axis(HEAD_DIM, 2, 3, OPA)
-    wq = _axis(NW, 0, 3, OPA)
+    # Q^T (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
+    dq = _axis(HEAD_DIM, 1, 3, OPB)
+    gq = _axis(BLOCK_G, 2, 3, OPB)
+    wq = _axis(NW, 0, 3, OPB)
     q_ptrs = q_ptr + seq.to(gl.int64) * stride_qb + (head * GROUP + gq) * stride_qh + dq + 0 * wq
     q = gl.load(q_ptrs, mask=(gq < GROUP) & (wq >= 0), other=0.0).to(gl.bfloat16)
-    g_row = _axis(BLOCK_G, 1, 2, ROW)
+    g_h = _axis(BLOCK_G, 1, 2, HEADS)
     if HAS_BIAS:
-        bias = gl.load(bias_ptr + seq * (num_kv_heads * GROUP) + head * GROUP + g_row + 0 * _axis(NW, 0, 2, ROW),
-                       mask=g_row < GROUP, other=0.0) * qk_scale
+        bias = gl.load(bias_ptr + seq * (num_kv_heads * GROUP) + head * GROUP + g_h + 0 * _axis(NW, 0, 2, HEADS),
+                       mask=g_h < GROUP, other=0.0) * qk_scale
     else:
-        bias = gl.zeros([NW, BLOCK_G], gl.float32, layout=ROW)
+        bias = gl.zeros([NW, BLOCK_G], gl.float32, layout=HEADS)
 
-    m_i = gl.full([NW, BLOCK_G], NEG_BIG, gl.float32, layout=ROW)
-    l_i = gl.zeros([NW, BLOCK_G], gl.float32, layout=ROW)
-    acc = gl.zeros([NW, BLOCK_G, HEAD_DIM], gl.float32, layout=MMA)
+    m_i = gl.full([NW, BLOCK_G], NEG_BIG, gl.float32, layout=HEADS)
+    l_i = gl.zeros([NW, BLOCK_G], gl.float32, layout=HEADS)
+    acc = gl.zeros([NW, HEAD_DIM, BLOCK_G], gl.float32, layout=MMA)
     bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
     lo = t0 - t0 % 16
     n_iter = gl.cdiv(t1 - lo, NW * 16)
-    rc = _axis(BN, 1, 2, COL)
+    rr = _axis(16, 1, 2, ROWS)
 
-    # page 0's offsets (in the K, V and column layouts) and scales
-    fk = _tile_first(lo, 0, NW, 7, LK)
-    fv = _tile_first(lo, 0, NW, 7, LV)
-    fc = _tile_first(lo, 0, NW, 2, COL)
-    ok = _page_offset(bt_row, fk, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-    ov = _page_offset(bt_row, fv, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-    okc = _page_offset(bt_row, fc, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-    ovc = _page_offset(bt_row, fc, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-    kg = _scales(k_pages_ptr, k_grid_ptr, okc, fc, rc, t0, t1, head, BITS_K * 2 * HEAD_DIM)
-    vg = _scales(v_pages_ptr, v_grid_ptr, ovc, fc, rc, t0, t1, head, BITS_V * 2 * HEAD_DIM)
+    # page 0's offsets (in the K, V and row layouts) and scales
+    fr = _tile_first(lo, 0, NW, 2, ROWS)
+    ok = _page_offset(bt_row, _tile_first(lo, 0, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
+    ov = _page_offset(bt_row, _tile_first(lo, 0, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
+    kg = _scales(k_pages_ptr, k_grid_ptr, _page_offset(bt_row, fr, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE),
+                 fr, rr, t0, t1, head, BITS_K * 2 * HEAD_DIM)
+    vg = _scales(v_pages_ptr, v_grid_ptr, _page_offset(bt_row, fr, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE),
+                 fr, rr, t0, t1, head, BITS_V * 2 * HEAD_DIM)
+    if K_AHEAD:
+        k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
-        k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, fk, t0, t1, BITS_K, M, LK)
-        valid = (fc + rc >= t0) & (fc + rc < t1)
+        if not K_AHEAD:
+            k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
+        if V_EARLY:
+            a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
+            b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
+        valid = (fr + rr >= t0) & (fr + rr < t1)
         # the next page's offsets and scales
-        nfk = _tile_first(lo, j + 1, NW, 7, LK)
-        nfv = _tile_first(lo, j + 1, NW, 7, LV)
-        nfc = _tile_first(lo, j + 1, NW, 2, COL)
-        nok = _page_offset(bt_row, nfk, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-        nov = _page_offset(bt_row, nfv, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-        nokc = _page_offset(bt_row, nfc, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-        novc = _page_offset(bt_row, nfc, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-        nkg = _scales(k_pages_ptr, k_grid_ptr, nokc, nfc, rc, t0, t1, head, BITS_K * 2 * HEAD_DIM)
-        nvg = _scales(v_pages_ptr, v_grid_ptr, novc, nfc, rc, t0, t1, head, BITS_V * 2 * HEAD_DIM)
+        nfr = _tile_first(lo, j + 1, NW, 2, ROWS)
+        nok = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
+        nov = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
+        nkg = _scales(k_pages_ptr, k_grid_ptr,
+                      _page_offset(bt_row, nfr, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE),
+                      nfr, rr, t0, t1, head, BITS_K * 2 * HEAD_DIM)
+        nvg = _scales(v_pages_ptr, v_grid_ptr,
+                      _page_offset(bt_row, nfr, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE),
+                      nfr, rr, t0, t1, head, BITS_V * 2 * HEAD_DIM)
 
-        kt = _k_operand(k0, k1, k2, k3, BITS_K, 0, HEAD_DIM, BN, NW, LK, OPB)
-        s = mma_v2(q, kt, gl.zeros([NW, BLOCK_G, BN], gl.float32, layout=MMA))
-        s = s * gl.expand_dims(kg * qk_scale, 1) + gl.expand_dims(bias, 2)
-        s = gl.where(gl.expand_dims(valid, 1), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=2))
+        kk = _k_operand(k0, k1, k2, k3, BITS_K, 0, HEAD_DIM, NW, LK, OPA)
+        s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA))
+        s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
+        s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 2))
-        l_i = l_i * alpha + gl.sum(p, axis=2)
-        pv = gl.convert_layout((p * gl.expand_dims(vg, 1)).to(gl.bfloat16), OPA, assert_trivial=True)
-        # V's words only now: fewer registers live across the K half
-        a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, fv, 0, t0, t1, BITS_V, M, LV)
-        b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, fv, 1, t0, t1, BITS_V, M, LV)
-        v = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, EK * 128, HEAD_DIM, BN, NW, LV, OPB)
-        acc = mma_v2(pv, v, acc * gl.expand_dims(alpha, 2))
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
+        if K_AHEAD:
+            k0, k1, k2, k3 = _k_words(k_pages_ptr, nok, BITS_K, M, LK)
+        if not V_EARLY:  # V's words only now: fewer registers live across the K half
+            a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
+            b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
+        vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, EK * 128, HEAD_DIM, NW, LV, OPA)
+        acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
         m_i = m_new
-        fk, fv, fc, ok, ov, kg, vg = nfk, nfv, nfc, nok, nov, nkg, nvg
+        fr, ok, ov, kg, vg = nfr, nok, nov, nkg, nvg
     # every warp's last lookup before the merge below (whose scratch may reuse the tables' memory:
     # Triton's barrier analysis does not see the lookups, which are inline PTX)
     gl.thread_barrier()
     tab._keep_alive()
+
     # merge the warps' states
     m = gl.max(m_i, axis=0)
     sc = gl.exp2(m_i - gl.expand_dims(m, 0))
     l = gl.sum(l_i * sc, axis=0)
-    o = gl.sum(acc * gl.expand_dims(sc, 2), axis=0)  # [BLOCK_G, HEAD_DIM], SliceLayout(0, MMA)
+    o = gl.sum(acc * gl.expand_dims(sc, 1), axis=0)  # [HEAD_DIM, BLOCK_G], SliceLayout(0, MMA)
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
-    go = gl.expand_dims(gl.arange(0, BLOCK_G, layout=gl.SliceLayout(1, OL)), 1)
-    do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, OL)), 0)
+    do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, OL)), 1)
+    go = gl.expand_dims(gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, OL)), 0)
     ws_row = item * num_kv_heads * GROUP + head * GROUP + go
     gl.store(ws_acc_ptr + ws_row.to(gl.int64) * HEAD_DIM + do, o, mask=(go < GROUP) & (do >= 0))
-    ML: gl.constexpr = gl.SliceLayout(0, ROW)
+    ML: gl.constexpr = gl.SliceLayout(0, HEADS)
     gm = gl.arange(0, BLOCK_G, layout=ML)
     ws_m_row = item * num_kv_heads * GROUP + head * GROUP + gm
     gl.store(ws_m_ptr + ws_m_row, m, mask=gm < GROUP)
