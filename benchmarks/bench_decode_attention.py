@@ -45,21 +45,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
 KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
-           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+gluon", "q3.5+gluon", "q3+gluon")
+           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+triton", "q3.5+triton", "q3+triton")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
 # --rope-min-ratio 2` keeps (27-42% of the pairs on SmolLM2 and Qwen2.5)
 COMPACT.update({f"{k}+rope": v for k, v in list(COMPACT.items())})
 COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
-# codebook lookups (KernelConfig.reg_lut_bits): by default in registers when K and V are both 3 bits
-# (q3), from pair tables in memory otherwise; "+pairs": always pair tables; "+lut4": always registers
+# q4, q3.5, q3 (no rotary term): the Gluon kernel (paged_decode_gluon, the default on the GPU);
+# "+triton": the Triton split kernel. Its codebook lookups (KernelConfig.reg_lut_bits): in registers
+# when K and V are both 3 bits (q3), from pair tables in memory otherwise; "+pairs": always pair
+# tables; "+lut4": always registers. The "+rope" kinds run the Triton kernel.
 LOOKUP = {"+pairs": 0, "+lut4": 4}
 COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4", "q3.5", "q3") for v in LOOKUP})
-# "+gluon": the Gluon split kernel (paged_decode_gluon: codes decoded into the tensor-core operand
-# registers, pair tables in shared memory), 16 tokens per warp and step, 4 warps
-COMPACT.update({f"{k}+gluon": COMPACT[k] for k in ("q4", "q3.5", "q3")})
-GLUON = dict(block_n=16, num_warps=4, num_stages=1, gluon=True)
+COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4", "q3.5", "q3")})
 
 
 def parse_args(argv=None):
@@ -218,8 +217,7 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config):
     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
     default = DEFAULT_CONFIGS[PAGE_COMPACT]
-    if config is not None and (config.reg_lut_bits != default.reg_lut_bits or config.gluon != default.gluon):
-        # the default kernel's output (fp32 sums aside)
+    if config is not None and config != default:  # the default kernel's output (fp32 sums aside)
         attn.config = default
         attn.plan([L] * B, bt)
         other = attn.run(q, kp, vp, **tabs, **extra).float()
@@ -429,11 +427,11 @@ def main(argv=None):
             if kind in COMPACT:
                 cfg = None
                 suffix = "+" + kind.split("+")[-1]
-                if suffix in LOOKUP or suffix == "+gluon":
+                if suffix in LOOKUP or suffix == "+triton":
                     from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
                     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-                    change = GLUON if suffix == "+gluon" else {"reg_lut_bits": LOOKUP[suffix]}
+                    change = {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})}
                     cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, **change})
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
             else:

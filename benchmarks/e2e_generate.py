@@ -15,6 +15,7 @@ its time is not a serving speed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -32,6 +33,11 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--formats", default="q4,q3.5,q3")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--force-gluon", action="store_true",
+                   help="the Gluon decode kernel however small the step (KernelConfig.gluon_min_work = 0)")
+    p.add_argument("--no-rope", action="store_true",
+                   help="drop the calibration's rotary K offsets (the Gluon decode kernel has no rotary term; "
+                        "with them the Triton kernel runs)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_generate"))
     a = p.parse_args(argv)
 
@@ -45,6 +51,13 @@ def main(argv=None) -> int:
     lm = load_causal_lm(a.model, verbose=False)
     lm.model.to(a.device)
     cal = Calibration.load(a.calibration)
+    if a.no_rope:
+        cal = dataclasses.replace(cal, rope_m=None, rope_phase=None)
+    if a.force_gluon:
+        from weightszip.kernels import DEFAULT_CONFIGS
+        from weightszip.kernels.paged_decode import PAGE_COMPACT
+
+        DEFAULT_CONFIGS[PAGE_COMPACT] = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], gluon_min_work=0)
     ids, files = tokenize_text(lm.tokenizer, pathlib.Path(a.text), a.prompt)
     def sync():
         if a.device == "cuda":
@@ -71,7 +84,8 @@ def main(argv=None) -> int:
         print(f"{fmt}: equal={first is None} first_difference={first} max_logit_diff={rows[-1]['max_logit_diff']} "
               f"paged {t1 - t0:.1f} s, reference {t2 - t1:.1f} s", flush=True)
     dev = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
-    res = dict(model=lm.name, calibration=a.calibration, text=files, prompt_tokens=a.prompt, new_tokens=a.new,
+    res = dict(model=lm.name, calibration=a.calibration, rotary_offsets=not a.no_rope, force_gluon=a.force_gluon,
+               text=files, prompt_tokens=a.prompt, new_tokens=a.new,
                device=dev, torch=torch.__version__, cmd=" ".join(sys.argv), rows=rows)
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """One launch of each kernel named on the command line, for Nsight Compute (nothing is timed here):
 ``exact`` (the exact-page decoder on 268 MB of real pages, 32 and 64 pages per program) and the
-decode-attention split kernel for ``fp8``, ``q4``, ``q3.5`` or ``q3`` at the Llama-3.1-8B shape,
+decode-attention split kernel for ``fp8``, ``q4``, ``q3.5`` or ``q3`` (the Gluon kernel; ``+triton``: the
+Triton one) at the Llama-3.1-8B shape,
 batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
 
-    ncu --clock-control none -k regex:"_decode_kernel|_paged_split_kernel" -c 8 \\
+    ncu --clock-control none -k regex:"_decode_kernel|_paged_split_kernel|compact_split_kernel" -c 8 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \\
         python benchmarks/ncu_probe.py --kv .boxdata/kv_pages_subset.npz exact fp8 q4 q3 > ncu.txt
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import COMPACT, GLUON, compact_inputs, make_paged  # noqa: E402
+from bench_decode_attention import COMPACT, compact_inputs, make_paged  # noqa: E402
 from bench_gpu_codec import calibrated_sets, device_pages  # noqa: E402
 
 from weightszip.kernels import PagedDecodeAttention  # noqa: E402
@@ -52,7 +53,7 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
         from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
         from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, **GLUON}) if kind.endswith("+gluon") else None
+        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, "gluon": not kind.endswith("+triton")})
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, device="cuda", config=cfg)
         attn.plan([L] * B, bt)
         attn.run(q, kp, vp, **tabs, **extra)

@@ -94,13 +94,18 @@ class KernelConfig:
     # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
     # in registers (a per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
-    # compact pages, compiled only: the Gluon split kernel (``paged_decode_gluon``; widths up to 4, no
-    # rotary term, else the Triton kernel runs): ``num_warps`` warps each on their own pages (``block_n``
-    # must be 16: one page per warp and step); ``maxnreg``: a register cap (0: none)
+    # compact pages, compiled only: the Gluon split kernel (``paged_decode_gluon``) where it applies
+    # (widths up to 4, no rotary term; else the Triton kernel with the fields above): ``gluon_warps``
+    # warps per program, each on its own pages (16 tokens per step); ``gluon_maxnreg``: a register cap
+    # (0: none; 128 keeps two programs of 8 warps per multiprocessor); ``gluon_ahead``: bit 0 loads V's
+    # plane words at the top of the step with K's, bit 1 K's words one step ahead (more registers)
     gluon: bool = False
-    maxnreg: int = 0
-    # Gluon kernel: bit 0 loads V's words at the top of the step (with K's), bit 1 K's words one step ahead
-    gluon_ahead: int = 0
+    # ... when the step's paged tokens times KV heads reach this (below it the Triton kernel was faster on
+    # the H200: few programs, each paying for its 16-64 KB of tables; 2**21 = batch 8 x 32k x 8 heads)
+    gluon_min_work: int = 1 << 21
+    gluon_warps: int = 8
+    gluon_maxnreg: int = 128
+    gluon_ahead: int = 1
 
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
@@ -110,8 +115,11 @@ DEFAULT_CONFIGS = {
     PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024),
     # `bench_decode_attention.py --tune-compact` (2026-11-30): 128 tokens/step, 4 warps, 1 stage (the
     # next tile's planes are prefetched by hand; 2 stages would stage the codebook gathers through
-    # shared memory), tensor-core products (CUDA-core products 6-11x slower).
-    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024),
+    # shared memory), tensor-core products (CUDA-core products 6-11x slower). On the GPU the Gluon
+    # kernel runs where it applies: 8 warps, 128 registers, V's words loaded with K's
+    # (`benchmarks/results/box/decode_gluon_sweep_warps_s8.json`, 2026-12-01: the fastest of 6 settings
+    # for q4, q3.5 and q3 at three grid points).
+    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024, gluon=True),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
 }
@@ -871,8 +879,6 @@ class PagedDecodeAttention:
         self.block_size, self.sink_tokens, self.window = block_size, sink_tokens, window
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         self.config = config or DEFAULT_CONFIGS[self.page_type]
-        _check(not self.config.gluon or self.config.block_n == PAGE_TOKENS,
-               f"the Gluon kernel (config.gluon) steps one {PAGE_TOKENS}-token page per warp: block_n must be {PAGE_TOKENS}")
         _check(self.config.block_n % PAGE_TOKENS == 0 and self.config.block_n & (self.config.block_n - 1) == 0,
                f"config.block_n must be a power of two and a multiple of {PAGE_TOKENS}")
         self.device = torch.device(device)
@@ -951,6 +957,7 @@ class PagedDecodeAttention:
             item_indptr=torch.as_tensor(indptr, dtype=torch.int32, device=dev),
             n_items=int(seq_of.size),
             split_tokens=split_tokens,
+            paged_tokens=int(n_paged.sum()),
             max_block=max_block,
             ws_m=torch.empty(n_tot * self.num_kv_heads * g, dtype=torch.float32, device=dev),
             ws_l=torch.empty(n_tot * self.num_kv_heads * g, dtype=torch.float32, device=dev),
@@ -1052,7 +1059,8 @@ class PagedDecodeAttention:
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32
                        and tuple(t.shape) == (Hkv, GRID_SIZE) and t.is_contiguous(),
                        f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
-            if cfg.gluon and not cuda_dot and not has_rope and not _interpreting() and max(self.k_bits, self.v_bits) <= 4:
+            if (cfg.gluon and not cuda_dot and not has_rope and not _interpreting() and max(self.k_bits, self.v_bits) <= 4
+                    and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work):
                 from .paged_decode_gluon import interleaved_pair_table
 
                 gluon_tabs = interleaved_pair_table(k_codebook), interleaved_pair_table(v_codebook)
@@ -1119,18 +1127,17 @@ class PagedDecodeAttention:
             from . import paged_decode_gluon as pg
 
             k_tab, v_tab = gluon_tabs
-            words = _pow2_at_least((k_tab.shape[1] + v_tab.shape[1]) * 32, 1)
+            words = _pow2_at_least((max(k_tab.shape[1], v_tab.shape[1]) + v_tab.shape[1]) * 32, 1)
+            common = (qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
+                      pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
+                      k_tab, v_tab, k_grid, v_grid, qk_scale,
+                      qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
+                      v_pages.stride(1), pl["block_tables"].stride(0), Hkv)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
-                qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
-                pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
-                k_tab, v_tab, k_grid, v_grid, qk_scale,
-                qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
-                v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
-                GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
-                BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
-                TABLE_WORDS=words, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
-                num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-            )
+                *common, GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
+                BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None, TABLE_WORDS=words,
+                V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=cfg.gluon_warps,
+                **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
         elif pl["n_items"]:
             _paged_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages,

@@ -6,13 +6,13 @@ L1/shared-memory pipe on compact pages (Nsight Compute, BENCHMARKS.md): its code
 through L1 and every dequantized tile takes a shared-memory round trip into the operand layout of
 the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.experimental.gluon``):
 
-* **Operands in registers.** ``S = Q K^T`` and ``O += P V`` run on ``mma.sync`` (m16n8k16, bf16, fp32
-  accumulation) with K^T and V as B operands built directly in their register layout, and P reused
-  from the accumulator layout as the A operand (no data movement). Each warp owns its own tiles and
-  its own running softmax state (a batch dimension over the warps); the warps' states merge once at
-  the end of the program.
-* **Pair codes by bit arithmetic.** A thread's operand registers hold channel pairs (K^T: channels
-  2c, 2c + 1 of one token) or token pairs (V: tokens 2t, 2t + 1 of one channel). With the page's bit
+* **Operands in registers.** The products are transposed, ``S^T = K Q^T`` and ``O^T += V^T P^T`` on
+  ``mma.sync`` (m16n8k16, bf16, fp32 accumulation), so the GQA group sits on the 8-wide side; K and
+  V^T are A operands built directly in their register layout, Q^T and P^T the B operands. Each warp
+  owns every NW-th page of the split and its own running softmax state (a batch dimension over the
+  warps); the warps' states merge once at the end of the program.
+* **Pair codes by bit arithmetic.** A thread's operand registers hold channel pairs (K: channels
+  2c, 2c + 1 of one token) or token pairs (V^T: tokens 2t, 2t + 1 of one channel). With the page's bit
   planes (word m of a token row: byte i bit j = channel 32 m + 8 i + j), one shift and mask per plane
   word yields four pair codes, one per byte, whose bits interleave the two values' bits
   (``pair_index``).
@@ -26,8 +26,10 @@ fp32 sums, each token's grid scale on the fp32 logits (K) and on the softmax wei
 bf16 rounding (V), base-2 softmax with a running maximum. The split schedule, the workspace and the
 merge kernel are ``PagedDecodeAttention``'s.
 
-Compiled only: Gluon has no interpreter mode, so the CPU tests compile this kernel for sm_90 and the
-GPU tests compare it with the reference (``paged_decode_ref``) and the Triton kernel.
+Compiled only: Gluon has no interpreter mode, so the CPU tests run its decode math in PyTorch
+(``pair_index``, ``interleaved_pair_table``) and compile it for sm_90, and the GPU tests compare it
+with the reference (``paged_decode_ref``) and the Triton kernel. ``PagedDecodeAttention`` runs it
+for widths 2-4 without rotary offsets on steps large enough (``KernelConfig.gluon*``).
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ def _lds(addr):
 
 @gluon.jit
 def _fill_table(tab, src_ptr, E: gl.constexpr, NW: gl.constexpr):
-    """32 copies of the E-entry int32 table at ``src_ptr`` into ``tab`` (entry x, copy l at x * 32 + l)."""
+    """32 copies of the E-entry int32 table at ``src_ptr`` into ``tab`` (entry x, copy l at x * 32 + l:
+    lane l reads copy l, in bank l, so a warp's lookups never conflict)."""
     TL: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
     x = gl.arange(0, E * 32, layout=TL)
     tab.store(gl.load(src_ptr + x // 32))
@@ -175,11 +178,14 @@ def _plane(pages_ptr, poff, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.conste
 
 @gluon.jit
 def _planes(pages_ptr, poff, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
-    """Bit planes 0..BITS-1 (up to 4; the fourth repeats the third when BITS is 3)."""
+    """Bit planes 0..BITS-1 (2 to 4; the ones past BITS repeat the last, unused)."""
     w0 = _plane(pages_ptr, poff, r, m, 0, M, L)
     w1 = _plane(pages_ptr, poff, r, m, 1, M, L)
-    w2 = _plane(pages_ptr, poff, r, m, 2, M, L)
-    w3 = w2
+    w2 = w1
+    w3 = w1
+    if BITS > 2:
+        w2 = _plane(pages_ptr, poff, r, m, 2, M, L)
+        w3 = w2
     if BITS > 3:
         w3 = _plane(pages_ptr, poff, r, m, 3, M, L)
     return w0, w1, w2, w3
@@ -212,7 +218,8 @@ def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: 
     sh = 2 * t
     y = (w0 >> sh) & 0x03030303
     y |= ((w1 >> sh) & 0x03030303) << 2
-    y |= ((w2 >> sh) & 0x03030303) << 4
+    if BITS > 2:
+        y |= ((w2 >> sh) & 0x03030303) << 4
     if BITS > 3:
         y |= ((w3 >> sh) & 0x03030303) << 6
     x = (y >> (8 * _axis(4, 4, 7, LK))) & 0xFF
@@ -229,7 +236,8 @@ def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.const
     j = _axis(8, 4, 8, LV)
     y = ((a0 >> j) & 0x01010101) | (((b0 >> j) & 0x01010101) << 1)
     y |= (((a1 >> j) & 0x01010101) << 2) | (((b1 >> j) & 0x01010101) << 3)
-    y |= (((a2 >> j) & 0x01010101) << 4) | (((b2 >> j) & 0x01010101) << 5)
+    if BITS > 2:
+        y |= (((a2 >> j) & 0x01010101) << 4) | (((b2 >> j) & 0x01010101) << 5)
     if BITS > 3:
         y |= (((a3 >> j) & 0x01010101) << 6) | (((b3 >> j) & 0x01010101) << 7)
     x = (y >> (8 * (2 * _axis(2, 2, 8, LV) + _axis(2, 3, 8, LV)))) & 0xFF
@@ -279,10 +287,12 @@ def compact_split_kernel(
     t0 = gl.load(work_start_ptr + item)
     t1 = gl.load(work_end_ptr + item)
 
-    # the pair tables, K's then V's, 32 copies each: the kernel's first shared memory (offset 0)
+    # the pair tables, K's then V's, 32 copies each: the kernel's first shared memory (offset 0);
+    # TABLE_WORDS: a power of two >= 32 (max(EK, EV) + EV)
     tab = gl.allocate_shared_memory(gl.int32, [TABLE_WORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    VT: gl.constexpr = max(EK, EV) * 32  # V's table after K's, at a multiple of its size (Gluon's slices)
     _fill_table(tab.slice(0, EK * 32), k_tab_ptr + head * EK, EK, NW)
-    _fill_table(tab.slice(EK * 32, EV * 32), v_tab_ptr + head * EV, EV, NW)
+    _fill_table(tab.slice(VT, EV * 32), v_tab_ptr + head * EV, EV, NW)
     gl.thread_barrier()
 
     # Q^T (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
@@ -348,7 +358,7 @@ def compact_split_kernel(
         if not V_EARLY:  # V's words only now: fewer registers live across the K half
             a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
             b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
-        vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, EK * 128, HEAD_DIM, NW, LV, OPA)
+        vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, VT * 4, HEAD_DIM, NW, LV, OPA)
         acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
         m_i = m_new
         fr, ok, ov, kg, vg = nfr, nok, nov, nkg, nvg
