@@ -1128,13 +1128,13 @@ class PagedDecodeAttention:
 
             k_tab, v_tab = gluon_tabs
             words = _pow2_at_least((max(k_tab.shape[1], v_tab.shape[1]) + v_tab.shape[1]) * 32, 1)
-            common = (qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
-                      pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
-                      k_tab, v_tab, k_grid, v_grid, qk_scale,
-                      qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
-                      v_pages.stride(1), pl["block_tables"].stride(0), Hkv)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
-                *common, GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
+                qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
+                pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
+                k_tab, v_tab, k_grid, v_grid, qk_scale,
+                qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
+                v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
+                GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None, TABLE_WORDS=words,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=cfg.gluon_warps,
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
