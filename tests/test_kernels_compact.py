@@ -661,19 +661,29 @@ for name in compact_split_kernel.arg_names:
     sig[name] = "constexpr" if name in const else ptrs.get(
         name, "*i32" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
 k = triton.compile(GluonASTSource(fn=compact_split_kernel, signature=sig, constexprs=const),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "maxnreg": 128})
 ptx = k.asm["ptx"]
-print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, "local", "ld.local" in ptx)
+# ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers)
+import re, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+    f.write(ptx)
+    f.flush()
+    log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", f.name + ".o"],
+                         capture_output=True, text=True, check=True).stderr
+spills = sum(int(x) for x in re.findall(r"(\\d+) bytes spill stores", log))
+print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, "spills", spills)
 """
 
 
-@pytest.mark.parametrize("case", [(4, 4, 128, 4), (4, 3, 128, 8), (3, 3, 64, 3), (2, 3, 64, 3)],
-                         ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2"])
+@pytest.mark.parametrize("case", [(4, 4, 128, 4), (4, 3, 128, 8), (3, 3, 64, 3), (2, 3, 64, 3), (4, 4, 64, 16)],
+                         ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16"])
 def test_gluon_kernel_compiles_for_hopper(case):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
     time, so a wrong operand layout fails here; its lookups come from shared memory, its products
-    from mma.sync, nothing spills to local memory."""
+    from mma.sync, and at the default 128 registers ptxas spills nothing for the shapes it runs
+    (head_dim x padded group <= GLUON_MAX_ACC; the last case is at that limit)."""
     import subprocess
     import sys
 
@@ -681,4 +691,4 @@ def test_gluon_kernel_compiles_for_hopper(case):
     r = subprocess.run([sys.executable, "-c", _COMPILE_GLUON, *map(str, case)], capture_output=True, text=True,
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[-6:] == ["lds", "True", "mma", "True", "local", "False"], r.stdout
+    assert r.stdout.split()[-6:] == ["lds", "True", "mma", "True", "spills", "0"], r.stdout

@@ -68,6 +68,10 @@ PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_CO
 COMPACT_BITS = (2, 3, 4, 5)
 GRID_SIZE = 256  # scale steps per head of a compact format (codec.GRID_SIZE)
 PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
+# The Gluon kernel's per-warp output accumulator (head_dim x GQA group padded to >= 8, fp32) fits its
+# 128 registers up to this size without spilling (ptxas, sm_90: head_dim 128 x 8, 64 x 16, 32 x 32);
+# larger ones (head_dim 256, groups of 16 at 128) run the Triton kernel
+GLUON_MAX_ACC = 1024
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
 
@@ -95,7 +99,8 @@ class KernelConfig:
     # in registers (a per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
     # compact pages, compiled only: the Gluon split kernel (``paged_decode_gluon``) where it applies
-    # (widths up to 4, no rotary term; else the Triton kernel with the fields above): ``gluon_warps``
+    # (widths up to 4, no rotary term, head_dim x padded GQA group <= GLUON_MAX_ACC; else the Triton
+    # kernel with the fields above): ``gluon_warps``
     # warps per program, each on its own pages (16 tokens per step); ``gluon_maxnreg``: a register cap
     # (0: none; 128 keeps two programs of 8 warps per multiprocessor); ``gluon_ahead``: bit 0 loads V's
     # plane words at the top of the step with K's, bit 1 K's words one step ahead (more registers)
@@ -1060,7 +1065,7 @@ class PagedDecodeAttention:
                        and tuple(t.shape) == (Hkv, GRID_SIZE) and t.is_contiguous(),
                        f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
             if (cfg.gluon and not cuda_dot and not has_rope and not _interpreting() and max(self.k_bits, self.v_bits) <= 4
-                    and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work):
+                    and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work):
                 from .paged_decode_gluon import interleaved_pair_table
 
                 gluon_tabs = interleaved_pair_table(k_codebook), interleaved_pair_table(v_codebook)
