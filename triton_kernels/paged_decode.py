@@ -111,6 +111,9 @@ class KernelConfig:
     gluon_warps: int = 8
     gluon_maxnreg: int = 128
     gluon_ahead: int = 1
+    # the Gluon kernel with the rotary-offset term too (``paged_decode_gluon._rope_logits``); off until
+    # it has been checked on a GPU (written 2026-12-01 without device time: compiled for sm_90 only)
+    gluon_rope: bool = False
 
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
@@ -1064,7 +1067,8 @@ class PagedDecodeAttention:
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32
                        and tuple(t.shape) == (Hkv, GRID_SIZE) and t.is_contiguous(),
                        f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
-            if (cfg.gluon and not cuda_dot and not has_rope and not _interpreting() and max(self.k_bits, self.v_bits) <= 4
+            if (cfg.gluon and not cuda_dot and (cfg.gluon_rope or not has_rope) and not _interpreting()
+                    and max(self.k_bits, self.v_bits) <= 4
                     and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work):
                 from .paged_decode_gluon import interleaved_pair_table
 
@@ -1136,13 +1140,17 @@ class PagedDecodeAttention:
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
-                k_tab, v_tab, k_grid, v_grid, qk_scale,
+                k_tab, v_tab, k_grid, v_grid,
+                rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
+                rope_pairs if has_rope else dummy, rope_pairs.numel() if has_rope else 0, qk_scale,
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
+                ROPE_CHUNKS=-(-rope_pairs.numel() // 16) if has_rope else 0,
                 BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None, TABLE_WORDS=words,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=cfg.gluon_warps,
-                **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
+                # with the rotary term: no register cap (at 128 or 168 registers ptxas spills)
+                **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))
         elif pl["n_items"]:
             _paged_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages,

@@ -246,18 +246,67 @@ def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.const
     return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, 16]), OPA, assert_trivial=True)
 
 
+# cos and sin on the SFU (absolute error about 1e-6 near [-pi, pi]), as the Triton kernel's FAST path
+_COS = gl.constexpr("cos.approx.f32 $0, $1;")
+_SIN = gl.constexpr("sin.approx.f32 $0, $1;")
+
+
+@gluon.jit
+def _split_bf16(x):
+    """x (fp32) as hi + lo bf16 (about fp32 accuracy in three bf16 products)."""
+    hi = x.to(gl.bfloat16)
+    return hi, (x - hi.to(gl.float32)).to(gl.bfloat16)
+
+
+@gluon.jit
+def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, first, GROUP: gl.constexpr,
+                 BLOCK_G: gl.constexpr, HALF: gl.constexpr, NCHUNK: gl.constexpr, NW: gl.constexpr,
+                 MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
+    """The rotary-offset logits q . r(p) of a page's 16 keys, transposed [NW, 16 rows, BLOCK_G], as
+    ``paged_decode._rope_logits`` computes them: per listed RoPE pair i (16 per chunk), the exact
+    48-bit phase of the page's first position ``first`` ([NW, 1, 1], OPA), the angle of row n by one
+    fp32 multiply-add, cos/sin on the SFU, and the sums over pairs as hi/lo-split bf16 products on
+    the tensor cores (``cos [16 rows, 16 pairs]`` the A operand, the query's A / B coefficients
+    [16 pairs, BLOCK_G] the B operands)."""
+    acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
+    s64 = first.to(gl.int64)
+    nf = _axis(16, 1, 3, OPA).to(gl.float32)  # row within the page
+    jb = _axis(16, 1, 3, OPB)  # pair within the chunk (B operand rows)
+    gb = _axis(BLOCK_G, 2, 3, OPB)
+    rows = (seq * (num_kv_heads * GROUP) + head * GROUP + gb).to(gl.int64) * (2 * HALF) + 0 * _axis(NW, 0, 3, OPB)
+    for c in gl.static_range(NCHUNK):
+        ja = c * 16 + _axis(16, 2, 3, OPA)
+        ia = gl.minimum(gl.maximum(gl.load(pairs_ptr + ja, mask=ja < n_pairs, other=0), 0), HALF - 1)
+        f = gl.load(phase_ptr + ia)
+        ph = ((((s64 * (f >> 16)) & 0xFFFFFFFF) << 16) + s64 * (f & 0xFFFF)) & 0xFFFFFFFFFFFF
+        base = (ph >> 16).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
+        theta = f.to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
+        ang = base + nf * theta
+        ch, cl = _split_bf16(gl.inline_asm_elementwise(_COS, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
+        sh, sl = _split_bf16(gl.inline_asm_elementwise(_SIN, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
+        jj = c * 16 + jb
+        ib = gl.minimum(gl.maximum(gl.load(pairs_ptr + jj, mask=jj < n_pairs, other=0), 0), HALF - 1)
+        m = (jj < n_pairs) & (gb < GROUP)
+        ah, al = _split_bf16(gl.load(coef_ptr + rows + ib, mask=m, other=0.0))
+        bh, bl = _split_bf16(gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0))
+        acc = mma_v2(ch, ah, mma_v2(ch, al, mma_v2(cl, ah, acc)))
+        acc = mma_v2(sh, bh, mma_v2(sh, bl, mma_v2(sl, bh, acc)))
+    return acc
+
+
 @gluon.jit
 def compact_split_kernel(
     q_ptr, bias_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr,
     work_seq_ptr, work_start_ptr, work_end_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     k_tab_ptr, v_tab_ptr, k_grid_ptr, v_grid_ptr,
+    rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
     num_kv_heads,
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr, TABLE_WORDS: gl.constexpr,
-    V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False,
+    V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2), softmax mass and unnormalized fp32 sum of p * y into the workspace.
@@ -347,6 +396,10 @@ def compact_split_kernel(
         kk = _k_operand(k0, k1, k2, k3, BITS_K, 0, HEAD_DIM, NW, LK, OPA)
         s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA))
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
+        if ROPE_CHUNKS > 0:
+            s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
+                              _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2, ROPE_CHUNKS, NW,
+                              MMA, OPA, OPB) * qk_scale
         s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         alpha = gl.exp2(m_i - m_new)
