@@ -368,6 +368,42 @@ def test_gluon_rotary_offsets_match_reference_gpu(case):
     assert err <= 2.0**-6 * vmax, f"max error {err:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
 
 
+class _Launches:
+    """Stands in for a kernel: records each launch's constexprs (``kernel[grid](...)``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+@pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "wide-group", "config-off"])
+def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
+    """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
+    ``gluon_rope``, where the accumulator fits (head_dim x padded group <= GLUON_MAX_ACC) and the
+    step is large enough (``gluon_min_work``), on a GPU; the Triton kernel otherwise. (Both kernels
+    replaced by recorders; the GPU is simulated by turning the interpreter flag off.)"""
+    from weightszip.kernels import paged_decode as pd
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    tri, glu = _Launches(), _Launches()
+    monkeypatch.setattr(pd, "_interpreting", lambda: False)
+    monkeypatch.setattr(pd, "_paged_split_kernel", tri)
+    monkeypatch.setattr(pg, "compact_split_kernel", glu)
+    kb, rope, group = (5 if what == "5-bit" else 4), what.startswith("rope"), (32 if what == "wide-group" else 2)
+    c = make_case(lens=[200, 90], group=group, kb=kb, vb=3, S=0, W=0, rope=rope)
+    cfg = KernelConfig(gluon=what != "config-off", gluon_rope=what == "rope-on",
+                       gluon_min_work=10**9 if what == "small-step" else 0)
+    run(c, False, config=cfg)
+    want_gluon = what in ("gluon", "rope-on")
+    assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
+    if want_gluon:
+        assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
+        assert glu.calls[0]["num_warps"] == cfg.gluon_warps
+        assert ("maxnreg" in glu.calls[0]) == (not rope)
+
+
 def test_rotary_term_over_listed_pairs_only():
     """compact_tables lists the pairs with an offset; the kernel computes those only. With the other
     pairs' coefficients zero the output is the reference's (all pairs); leaving out a listed pair
