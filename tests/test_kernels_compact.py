@@ -703,9 +703,8 @@ kb, vb, d, group, chunks = (int(x) for x in sys.argv[1:6])
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64"}
-words = 1 << (((max(1 << 2 * kb, 1 << 2 * vb) + (1 << 2 * vb)) * 32) - 1).bit_length()
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
-             BITS_V=vb, HAS_BIAS=True, TABLE_WORDS=words, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks)
+             BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks)
 sig = {}
 for name in compact_split_kernel.arg_names:
     sig[name] = "constexpr" if name in const else ptrs.get(

@@ -1132,11 +1132,11 @@ class PagedDecodeAttention:
         split_block_g = _pow2_at_least(G, 1) if cuda_dot else block_g
         qk_scale = self.sm_scale * LOG2E
         dummy = pl["ws_m"]
-        if pl["n_items"] and compact and gluon_tabs is not None:
+        rope_chunks = -(-rope_pairs.numel() // 16) if has_rope else 0
+        if pl["n_items"] and gluon_tabs is not None:
             from . import paged_decode_gluon as pg
 
             k_tab, v_tab = gluon_tabs
-            words = _pow2_at_least((max(k_tab.shape[1], v_tab.shape[1]) + v_tab.shape[1]) * 32, 1)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1146,8 +1146,7 @@ class PagedDecodeAttention:
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
-                ROPE_CHUNKS=-(-rope_pairs.numel() // 16) if has_rope else 0,
-                BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None, TABLE_WORDS=words,
+                ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=cfg.gluon_warps,
                 # with the rotary term: no register cap (at 128 or 168 registers ptxas spills)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))
@@ -1174,7 +1173,7 @@ class PagedDecodeAttention:
                 BITS_K=self.k_bits or 0, BITS_V=self.v_bits or 0, CUDA_DOT=cuda_dot,
                 PAIRS_K=compact and not cuda_dot and self.k_bits <= 4,
                 PAIRS_V=compact and not cuda_dot and self.v_bits <= 4, HAS_ROPE=has_rope,
-                ROPE_CHUNKS=-(-rope_pairs.numel() // 16) if has_rope else 0,
+                ROPE_CHUNKS=rope_chunks,
                 FAST_TRIG=(has_rope or exact) and not _interpreting(), REG_LUT=reg_lut,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )

@@ -34,11 +34,15 @@ for widths 2-4 without rotary offsets on steps large enough (``KernelConfig.gluo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
+
+from .paged_decode import _as_int32, _bf16_bits
 
 NEG_BIG = gl.constexpr(-1.0e30)
 # One 32-bit lookup in shared memory at byte offset $1 of the kernel's dynamic shared memory
@@ -47,21 +51,24 @@ NEG_BIG = gl.constexpr(-1.0e30)
 _LDS = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
 
 
+@functools.lru_cache(maxsize=None)
+def _interleaved_codes(bits: int) -> tuple[list[int], list[int]]:
+    """For each interleaved pair code x (4**bits), the two codes a, b whose bits it interleaves."""
+    a, b = [], []
+    for x in range(1 << 2 * bits):
+        a.append(sum(((x >> 2 * p) & 1) << p for p in range(bits)))
+        b.append(sum(((x >> 2 * p + 1) & 1) << p for p in range(bits)))
+    return a, b
+
+
 def interleaved_pair_table(codebook: torch.Tensor) -> torch.Tensor:
     """int32 [H, 4**bits] from a codebook [H, 2**bits] (bits <= 4): entry ``x`` holds the bf16 bits of
     ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half, where bit ``2 p`` of ``x``
-    is bit ``p`` of ``a`` and bit ``2 p + 1`` bit ``p`` of ``b`` (the order ``pair_index`` makes)."""
-    h, n = codebook.shape
-    bits = n.bit_length() - 1
-    x = torch.arange(n * n, device=codebook.device)
-    a = torch.zeros_like(x)
-    b = torch.zeros_like(x)
-    for p in range(bits):
-        a |= ((x >> (2 * p)) & 1) << p
-        b |= ((x >> (2 * p + 1)) & 1) << p
-    u = codebook.to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    words = u[:, a] | (u[:, b] << 16)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    is bit ``p`` of ``a`` and bit ``2 p + 1`` bit ``p`` of ``b`` (the order ``pair_index`` makes);
+    ``paged_decode.compact_pair_table`` packs the same pairs in code order."""
+    a, b = (torch.tensor(v, device=codebook.device) for v in _interleaved_codes(codebook.shape[1].bit_length() - 1))
+    u = _bf16_bits(codebook)
+    return _as_int32(u[:, a] | (u[:, b] << 16))
 
 
 def pair_index(w_lo: torch.Tensor, w_hi: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
@@ -115,6 +122,14 @@ def _axis_layout(layout, dim, rank):
         if d != dim:
             layout = gl.SliceLayout(d, layout)
     return layout
+
+
+@constexpr_function
+def _table_words(ek, ev):
+    """Shared words of the pair tables: K's (ek entries, 32 copies), then V's at a multiple of its
+    size (Gluon's slices need it), rounded up to a power of two (allocations must be)."""
+    n = (max(ek, ev) + ev) * 32
+    return 1 << (n - 1).bit_length()
 
 
 @constexpr_function
@@ -305,7 +320,7 @@ def compact_split_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
     num_kv_heads,
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr, TABLE_WORDS: gl.constexpr,
+    BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
@@ -337,8 +352,7 @@ def compact_split_kernel(
     t1 = gl.load(work_end_ptr + item)
 
     # the pair tables, K's then V's, 32 copies each: the kernel's first shared memory (offset 0);
-    # TABLE_WORDS: a power of two >= 32 (max(EK, EV) + EV)
-    tab = gl.allocate_shared_memory(gl.int32, [TABLE_WORDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     VT: gl.constexpr = max(EK, EV) * 32  # V's table after K's, at a multiple of its size (Gluon's slices)
     _fill_table(tab.slice(0, EK * 32), k_tab_ptr + head * EK, EK, NW)
     _fill_table(tab.slice(VT, EV * 32), v_tab_ptr + head * EV, EV, NW)
