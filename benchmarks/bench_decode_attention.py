@@ -45,20 +45,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
 KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
-           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+triton", "q3.5+triton", "q3+triton")
+           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+triton", "q3.5+triton", "q3+triton",
+           "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
 # --rope-min-ratio 2` keeps (27-42% of the pairs on SmolLM2 and Qwen2.5)
 COMPACT.update({f"{k}+rope": v for k, v in list(COMPACT.items())})
 COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
-# q4, q3.5, q3 (no rotary term): the Gluon kernel (paged_decode_gluon, the default on the GPU);
+# q4, q3.5, q3 and the "+rope" kinds: the Gluon kernel (paged_decode_gluon, the default on the GPU);
 # "+triton": the Triton split kernel. Its codebook lookups (KernelConfig.reg_lut_bits): in registers
 # when K and V are both 3 bits (q3), from pair tables in memory otherwise; "+pairs": always pair
-# tables; "+lut4": always registers. The "+rope" kinds run the Triton kernel.
+# tables; "+lut4": always registers.
 LOOKUP = {"+pairs": 0, "+lut4": 4}
 COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4", "q3.5", "q3") for v in LOOKUP})
 COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4", "q3.5", "q3")})
+COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4+rope", "q4+rope24", "q3+rope24")})
 
 
 def parse_args(argv=None):
@@ -191,7 +193,7 @@ def compact_inputs(name, B, L, Hq, Hkv, D, gen):
         inv = 5e5 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # Llama-3's RoPE base
         coef = torch.randn(B, Hq, 2, D // 2, device="cuda", generator=gen)
         extra.update(rope_coef=coef, rope_phase=rope_phase_steps(inv).to("cuda"))
-        n_pairs = int(name.split("+rope")[1] or D // 2)
+        n_pairs = int(name.split("+rope")[1].split("+")[0] or D // 2)
         if n_pairs < D // 2:  # the listed pairs only; the others' coefficients 0, as calibration leaves them
             pairs = torch.randperm(D // 2, device="cuda", generator=gen)[:n_pairs].sort().values
             off = torch.ones(D // 2, dtype=torch.bool, device="cuda")

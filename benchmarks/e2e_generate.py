@@ -34,10 +34,11 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="q4,q3.5,q3")
     p.add_argument("--device", default="cuda")
     p.add_argument("--force-gluon", action="store_true",
-                   help="the Gluon decode kernel however small the step (KernelConfig.gluon_min_work = 0)")
+                   help="the Gluon decode kernel however small the step (KernelConfig.gluon_min_work and "
+                        "gluon_rope_min_work = 0)")
     p.add_argument("--no-rope", action="store_true",
-                   help="drop the calibration's rotary K offsets (the Gluon decode kernel has no rotary term; "
-                        "with them the Triton kernel runs)")
+                   help="drop the calibration's rotary K offsets (both decode kernels have the rotary term; "
+                        "this runs the format without it)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "e2e_generate"))
     a = p.parse_args(argv)
 
@@ -57,7 +58,8 @@ def main(argv=None) -> int:
         from weightszip.kernels import DEFAULT_CONFIGS
         from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-        DEFAULT_CONFIGS[PAGE_COMPACT] = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], gluon_min_work=0)
+        DEFAULT_CONFIGS[PAGE_COMPACT] = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], gluon_min_work=0,
+                                                              gluon_rope_min_work=0)
     ids, files = tokenize_text(lm.tokenizer, pathlib.Path(a.text), a.prompt)
     def sync():
         if a.device == "cuda":

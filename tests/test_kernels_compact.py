@@ -356,13 +356,15 @@ def test_attention_with_rotary_offsets_matches_reference(case):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
+@pytest.mark.parametrize("stages", [0, 2])
 @pytest.mark.parametrize("case", ["q4-gqa4-sinks-window", "k3v3-mha-window"])
-def test_gluon_rotary_offsets_match_reference_gpu(case):
+def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     """The Gluon kernel's rotary-offset term (``KernelConfig.gluon_rope``) against the reference, as
-    the Triton kernel's is above."""
+    the Triton kernel's is above (pages loaded into registers or staged in shared memory)."""
     lens, group, kb, vb, S, W = CASES[case]
     c = make_case(lens=lens, group=group, kb=kb, vb=vb, S=S, W=W, seed=len(case), rope=True)
-    out = run(c, False, config=KernelConfig(gluon=True, gluon_rope=True, gluon_min_work=0)).double().cpu()
+    cfg = KernelConfig(gluon=True, gluon_rope=True, gluon_min_work=0, gluon_rope_min_work=0, gluon_stages=stages)
+    out = run(c, False, config=cfg).double().cpu()
     _, vmax = true_attention(c)
     err = (out - reference(c).cpu()).abs().max().item()
     assert err <= 2.0**-6 * vmax, f"max error {err:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
@@ -378,11 +380,13 @@ class _Launches:
         return lambda *args, **kwargs: self.calls.append(kwargs)
 
 
-@pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "wide-group", "config-off"])
+@pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-small-step", "wide-group",
+                                  "config-off"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope``, where the accumulator fits (head_dim x padded group <= GLUON_MAX_ACC) and the
-    step is large enough (``gluon_min_work``), on a GPU; the Triton kernel otherwise. (Both kernels
+    step is large enough (``gluon_min_work``; with the rotary term ``gluon_rope_min_work``), on a GPU;
+    the Triton kernel otherwise. (Both kernels
     replaced by recorders; the GPU is simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
@@ -393,15 +397,17 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
     monkeypatch.setattr(pg, "compact_split_kernel", glu)
     kb, rope, group = (5 if what == "5-bit" else 4), what.startswith("rope"), (32 if what == "wide-group" else 2)
     c = make_case(lens=[200, 90], group=group, kb=kb, vb=3, S=0, W=0, rope=rope)
-    cfg = KernelConfig(gluon=what != "config-off", gluon_rope=what == "rope-on",
-                       gluon_min_work=10**9 if what == "small-step" else 0)
+    cfg = KernelConfig(gluon=what != "config-off", gluon_rope=what in ("rope-on", "rope-small-step"),
+                       gluon_min_work=10**9 if what == "small-step" else 0,
+                       gluon_rope_min_work=10**9 if what == "rope-small-step" else 0)
     run(c, False, config=cfg)
     want_gluon = what in ("gluon", "rope-on")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
-        assert glu.calls[0]["num_warps"] == cfg.gluon_warps
+        assert glu.calls[0]["num_warps"] == (cfg.gluon_rope_warps if rope else cfg.gluon_warps)
         assert ("maxnreg" in glu.calls[0]) == (not rope)
+        assert glu.calls[0]["STAGES"] == cfg.gluon_stages
 
 
 def test_rotary_term_over_listed_pairs_only():
@@ -533,14 +539,17 @@ def test_real_shapes_gpu(shape, cuda_dot, lookup):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
 @pytest.mark.parametrize("bits", [(4, 4), (4, 3), (3, 3), (2, 3)], ids=["q4", "q3.5", "q3", "k2v3"])
-@pytest.mark.parametrize("variant", [(8, 1, 128), (4, 0, 0), (2, 3, 0)], ids=["default", "w4", "w2-ahead3"])
+@pytest.mark.parametrize("variant", [(8, 1, 128, 0), (4, 0, 0, 0), (2, 3, 0, 0), (8, 0, 128, 2), (16, 0, 128, 2),
+                                     (4, 0, 128, 4)],
+                         ids=["default", "w4", "w2-ahead3", "staged2", "w16-staged2", "w4-staged4"])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
 def test_gluon_kernel_real_shapes_gpu(shape, variant, bits):
     """The Gluon split kernel against the reference within the tensor-core tolerance, and against the
     Triton kernel (the same bf16 operands; only the order of the fp32 sums differs)."""
     run, ref, vmax = _real_shape_case(shape, *bits)
-    warps, ahead, maxnreg = variant
-    out = run(KernelConfig(gluon=True, gluon_min_work=0, gluon_warps=warps, gluon_ahead=ahead, gluon_maxnreg=maxnreg))
+    warps, ahead, maxnreg, stages = variant
+    out = run(KernelConfig(gluon=True, gluon_min_work=0, gluon_warps=warps, gluon_ahead=ahead, gluon_maxnreg=maxnreg,
+                           gluon_stages=stages))
     assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
     triton_out = run(KernelConfig(block_n=64, reg_lut_bits=0))
     assert (out.double() - triton_out.double()).abs().max().item() <= 2.0**-7 * vmax
@@ -697,14 +706,16 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from weightszip.kernels.paged_decode_gluon import compact_split_kernel
+from weightszip.kernels.paged_decode_gluon import compact_split_kernel, smem_offsets
 
-kb, vb, d, group, chunks = (int(x) for x in sys.argv[1:6])
+kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
+tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, 8, stages)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64"}
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
-             BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks)
+             BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
+             TAB_OFF=tab_off, STAGE_OFF=stage_off)
 sig = {}
 for name in compact_split_kernel.arg_names:
     sig[name] = "constexpr" if name in const else ptrs.get(
@@ -722,22 +733,31 @@ with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
     log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", f.name + ".o"],
                          capture_output=True, text=True, check=True).stderr
 spills = sum(int(x) for x in re.findall(r"(\\d+) bytes spill stores", log))
+# the pair tables' fill (the kernel's first shared-memory store) at the offset the inline PTX reads
+# them from: Triton placed the allocations as smem_offsets says
+first = re.search(r"st\\.shared\\S*\\s+\\[%r\\d+(?:\\+(\\d+))?\\]", ptx)
+print("cp.async", ptx.count("cp.async.cg.shared.global") > 0, "tables_at", int(first.group(1) or 0) == tab_off,
+      "shared", k.metadata.shared >= smem_end)
 print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, "cos", "cos.approx" in ptx,
       "spills", spills)
 """
 
 
-@pytest.mark.parametrize("case", [(4, 4, 128, 4, 0), (4, 3, 128, 8, 0), (3, 3, 64, 3, 0), (2, 3, 64, 3, 0),
-                                  (4, 4, 64, 16, 0), (4, 4, 128, 4, 2), (3, 3, 64, 3, 2)],
-                         ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope", "q3-smollm2-rope"])
+@pytest.mark.parametrize("case", [(4, 4, 128, 4, 0, 0), (4, 3, 128, 8, 0, 0), (3, 3, 64, 3, 0, 0), (2, 3, 64, 3, 0, 0),
+                                  (4, 4, 64, 16, 0, 0), (4, 4, 128, 4, 2, 0), (3, 3, 64, 3, 2, 0),
+                                  (4, 4, 128, 4, 0, 2), (3, 3, 128, 4, 0, 2), (4, 3, 128, 8, 0, 4), (2, 3, 64, 3, 2, 2)],
+                         ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
+                              "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
+                              "k2v3-smollm2-rope-staged"])
 def test_gluon_kernel_compiles_for_hopper(case):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
     time, so a wrong operand layout fails here; its lookups come from shared memory, its products
     from mma.sync, and at the default 128 registers ptxas spills nothing for the shapes it runs
     (head_dim x padded group <= GLUON_MAX_ACC; q4-64x16 is at that limit). The rotary-offset term
-    (``KernelConfig.gluon_rope``, off by default: not yet checked on a GPU) compiles, without spills
-    when uncapped."""
+    (``KernelConfig.gluon_rope``) compiles, without spills when uncapped; the staged variants
+    (``KernelConfig.gluon_stages``) issue cp.async, and the pair tables lie where their lookups read
+    them (``smem_offsets``: the order Triton places the two allocations in)."""
     import subprocess
     import sys
 
@@ -746,4 +766,5 @@ def test_gluon_kernel_compiles_for_hopper(case):
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rope = str(case[4] > 0)
-    assert r.stdout.split()[-8:] == ["lds", "True", "mma", "True", "cos", rope, "spills", "0"], r.stdout
+    assert r.stdout.split()[-14:] == ["cp.async", str(case[5] > 0), "tables_at", "True", "shared", "True",
+                                      "lds", "True", "mma", "True", "cos", rope, "spills", "0"], r.stdout

@@ -99,8 +99,8 @@ class KernelConfig:
     # in registers (a per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
     # compact pages, compiled only: the Gluon split kernel (``paged_decode_gluon``) where it applies
-    # (widths up to 4, no rotary term, head_dim x padded GQA group <= GLUON_MAX_ACC; else the Triton
-    # kernel with the fields above): ``gluon_warps``
+    # (widths up to 4, the rotary term if ``gluon_rope``, head_dim x padded GQA group <= GLUON_MAX_ACC;
+    # else the Triton kernel with the fields above): ``gluon_warps``
     # warps per program, each on its own pages (16 tokens per step); ``gluon_maxnreg``: a register cap
     # (0: none; 128 keeps two programs of 8 warps per multiprocessor); ``gluon_ahead``: bit 0 loads V's
     # plane words at the top of the step with K's, bit 1 K's words one step ahead (more registers)
@@ -111,9 +111,17 @@ class KernelConfig:
     gluon_warps: int = 8
     gluon_maxnreg: int = 128
     gluon_ahead: int = 1
-    # the Gluon kernel with the rotary-offset term too (``paged_decode_gluon._rope_logits``); off until
-    # it has been checked on a GPU (written 2026-12-01 without device time: compiled for sm_90 only)
-    gluon_rope: bool = False
+    # the Gluon kernel with the rotary-offset term too (``paged_decode_gluon._rope_logits``), on
+    # ``gluon_rope_warps`` warps (no register cap): on the H200 1.4-1.6x faster than the Triton kernel
+    # with 24 of 64 RoPE pairs from batch 8 x 128k up (BENCHMARKS.md)
+    gluon_rope: bool = True
+    gluon_rope_warps: int = 16
+    # ... and from this step size (2**22; at batch 8 x 32k x 8 heads and 70B TP8 64 x 32k the Triton
+    # kernel was as fast or faster with the rotary term, from 8 x 128k x 8 heads up the Gluon kernel)
+    gluon_rope_min_work: int = 1 << 22
+    # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
+    # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
+    gluon_stages: int = 2
 
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
@@ -124,9 +132,10 @@ DEFAULT_CONFIGS = {
     # `bench_decode_attention.py --tune-compact` (2026-11-30): 128 tokens/step, 4 warps, 1 stage (the
     # next tile's planes are prefetched by hand; 2 stages would stage the codebook gathers through
     # shared memory), tensor-core products (CUDA-core products 6-11x slower). On the GPU the Gluon
-    # kernel runs where it applies: 8 warps, 128 registers, V's words loaded with K's
-    # (`benchmarks/results/box/decode_gluon_sweep_warps_s8.json`, 2026-12-01: the fastest of 6 settings
-    # for q4, q3.5 and q3 at three grid points).
+    # kernel runs where it applies: 8 warps, 128 registers, pages staged two deep in shared memory
+    # (`benchmarks/results/box/decode_gluon_sweep_warps_s8.json`: the fastest of 6 register settings;
+    # `decode_gluon_staged_s9_run1.json`, `decode_gluon_final_s9.json`: staging 1-5% faster, 16 warps
+    # slower but at 64 x 128k); with the rotary term 16 warps (`decode_gluon_rope_s9_run*.json`).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024, gluon=True),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
@@ -1069,7 +1078,8 @@ class PagedDecodeAttention:
                        f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
             if (cfg.gluon and not cuda_dot and (cfg.gluon_rope or not has_rope) and not _interpreting()
                     and max(self.k_bits, self.v_bits) <= 4
-                    and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work):
+                    and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
+                    and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
                 from .paged_decode_gluon import interleaved_pair_table
 
                 gluon_tabs = interleaved_pair_table(k_codebook), interleaved_pair_table(v_codebook)
@@ -1137,6 +1147,8 @@ class PagedDecodeAttention:
             from . import paged_decode_gluon as pg
 
             k_tab, v_tab = gluon_tabs
+            warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
+            tab_off, stage_off, _ = pg.smem_offsets(self.k_bits, self.v_bits, D, warps, cfg.gluon_stages)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1147,7 +1159,8 @@ class PagedDecodeAttention:
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
-                V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=cfg.gluon_warps,
+                V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
+                STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off,
                 # with the rotary term: no register cap (at 128 or 168 registers ptxas spills)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))
         elif pl["n_items"]:

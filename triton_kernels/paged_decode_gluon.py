@@ -13,13 +13,22 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   warps); the warps' states merge once at the end of the program.
 * **Pair codes by bit arithmetic.** A thread's operand registers hold channel pairs (K: channels
   2c, 2c + 1 of one token) or token pairs (V^T: tokens 2t, 2t + 1 of one channel). With the page's bit
-  planes (word m of a token row: byte i bit j = channel 32 m + 8 i + j), one shift and mask per plane
-  word yields four pair codes, one per byte, whose bits interleave the two values' bits
-  (``pair_index``).
+  planes (word m of a token row: byte i bit j = channel 32 m + 8 i + j), one rotate (funnel shift)
+  and mask per plane word yields its bits of four pair codes, one per byte, whose bits interleave
+  the two values' bits (``pair_index``); a pair's table address is one shift and one mask-or.
 * **Conflict-free table lookups.** The pair table (``interleaved_pair_table``: bf16 codebook[a] in the
   low half, codebook[b] in the high half) sits in shared memory 32 times over, copy ``l`` in bank ``l``;
   lane ``l`` reads copy ``l`` (``ld.shared`` through inline PTX, as Gluon has no shared-memory
   gather), so a warp's 32 lookups are one shared-memory wavefront whatever the codes.
+* **Pages staged by cp.async** (``STAGES``, ``KernelConfig.gluon_stages``): each warp copies its next
+  page's bit planes into its own slots of shared memory (16-byte ``cp.async`` through inline PTX,
+  so Triton inserts no block-wide barrier; a warp waits for its own copies and syncs its own lanes),
+  so no registers hold the page in flight. On the H200 this gave 1-5% over the register path; the
+  kernel is bound by its instruction issue (about 800 SASS instructions per 16-token page per
+  warp: 64 table lookups of 3 instructions, the pair codes' rotates and masks, 16 mma), not by
+  memory latency (BENCHMARKS.md).
+* **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
+  K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
 Numerics equal the Triton kernel's: bf16 codebook values (``codebook[code]``) on the tensor cores,
 fp32 sums, each token's grid scale on the fp32 logits (K) and on the softmax weights before their
@@ -29,12 +38,10 @@ merge kernel are ``PagedDecodeAttention``'s.
 Compiled only: Gluon has no interpreter mode, so the CPU tests run its decode math in PyTorch
 (``pair_index``, ``interleaved_pair_table``) and compile it for sm_90, and the GPU tests compare it
 with the reference (``paged_decode_ref``) and the Triton kernel. ``PagedDecodeAttention`` runs it
-for widths 2-4 without rotary offsets on steps large enough (``KernelConfig.gluon*``).
+for widths 2-4 on steps large enough (``KernelConfig.gluon*``).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from triton.experimental import gluon
@@ -51,22 +58,16 @@ NEG_BIG = gl.constexpr(-1.0e30)
 _LDS = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
 
 
-@functools.lru_cache(maxsize=None)
-def _interleaved_codes(bits: int) -> tuple[list[int], list[int]]:
-    """For each interleaved pair code x (4**bits), the two codes a, b whose bits it interleaves."""
-    a, b = [], []
-    for x in range(1 << 2 * bits):
-        a.append(sum(((x >> 2 * p) & 1) << p for p in range(bits)))
-        b.append(sum(((x >> 2 * p + 1) & 1) << p for p in range(bits)))
-    return a, b
-
-
 def interleaved_pair_table(codebook: torch.Tensor) -> torch.Tensor:
     """int32 [H, 4**bits] from a codebook [H, 2**bits] (bits <= 4): entry ``x`` holds the bf16 bits of
     ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half, where bit ``2 p`` of ``x``
     is bit ``p`` of ``a`` and bit ``2 p + 1`` bit ``p`` of ``b`` (the order ``pair_index`` makes);
-    ``paged_decode.compact_pair_table`` packs the same pairs in code order."""
-    a, b = (torch.tensor(v, device=codebook.device) for v in _interleaved_codes(codebook.shape[1].bit_length() - 1))
+    ``paged_decode.compact_pair_table`` packs the same pairs in code order. Device ops only (no host
+    to device copy), so a decode step that builds it can be captured in a CUDA graph."""
+    bits = codebook.shape[1].bit_length() - 1
+    x = torch.arange(1 << 2 * bits, device=codebook.device)
+    a = sum(((x >> 2 * p) & 1) << p for p in range(bits))
+    b = sum(((x >> 2 * p + 1) & 1) << p for p in range(bits))
     u = _bf16_bits(codebook)
     return _as_int32(u[:, a] | (u[:, b] << 16))
 
@@ -133,6 +134,38 @@ def _table_words(ek, ev):
 
 
 @constexpr_function
+def _slot_words(bits_k, bits_v, head_dim):
+    """Shared words of one staged page (K's bit planes, then V's: 16 rows of head_dim bits per plane;
+    the scale bytes after the planes are loaded as before), a power of two."""
+    return 1 << ((bits_k + bits_v) * head_dim // 2 - 1).bit_length()
+
+
+def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int) -> tuple[int, int, int]:
+    """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
+    the end of both. Triton places the larger of the two allocations first (at 0; the compile test
+    checks it), so the inline PTX, which addresses both from ``global_smem``, is told where each lies."""
+    tab = _table_words(1 << 2 * bits_k, 1 << 2 * bits_v) * 4
+    stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim) * 4
+    return (0, tab, tab + stg) if tab >= stg else (stg, 0, tab + stg)
+
+
+# One 16-byte cp.async (global $2 to shared byte offset $1 of ``global_smem``) when $3 is not 0
+_CP_ASYNC = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $3, 0; mov.u32 a, global_smem; "
+                         "add.u32 a, a, $1; @p cp.async.cg.shared.global [a], [$2], 16; mov.u32 $0, 0; }")
+# a warp barrier (the slot about to be overwritten was last read by this warp's lanes), nothing else
+_WARP_SYNC = gl.constexpr("bar.warp.sync -1; mov.u32 $0, 0;")
+_COMMIT = gl.constexpr("cp.async.commit_group; mov.u32 $0, 0;")
+
+
+@constexpr_function
+def _cp_wait_asm(n):
+    """Wait until at most ``n`` of this thread's commit groups are in flight, then a warp barrier (the
+    staged words were copied by the warp's other lanes); passes $1 through, so the loads whose
+    addresses derive from it cannot be scheduled before the wait."""
+    return f"cp.async.wait_group {n}; bar.warp.sync -1; mov.u32 $0, $1;"
+
+
+@constexpr_function
 def _other_dims(dim, rank):
     return tuple(d for d in range(rank) if d != dim)
 
@@ -147,6 +180,58 @@ def _axis(n: gl.constexpr, dim: gl.constexpr, rank: gl.constexpr, layout: gl.con
 def _lds(addr):
     """int32 at byte offset ``addr`` of the dynamic shared memory (elementwise)."""
     return gl.inline_asm_elementwise(_LDS, "=r,r", [addr], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _per_thread(asm: gl.constexpr, NW: gl.constexpr):
+    """``asm`` once in every thread (not pure: kept in program order with the other inline PTX)."""
+    WL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
+    gl.inline_asm_elementwise(asm, "=r,r", [gl.zeros([NW, 32], gl.int32, layout=WL)], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _issue_stage(k_pages_ptr, v_pages_ptr, ok, ov, dst, NK: gl.constexpr, NV: gl.constexpr, NCH: gl.constexpr,
+                 NW: gl.constexpr, IL: gl.constexpr):
+    """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``) into
+    shared memory at byte ``dst`` ([NW, 1, 1]: the warp's slot), as one commit group: chunk
+    c = lane + 32 i, K's chunks first. Inline PTX, so Triton adds no CTA barrier: each warp waits for
+    its own pages only."""
+    c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
+    src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
+    on = (c < NK + NV).to(gl.int32) + 0 * ok.to(gl.int32)
+    _per_thread(_WARP_SYNC, NW)
+    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [dst + 16 * c, src, on], dtype=gl.int32, is_pure=False, pack=1)
+    _per_thread(_COMMIT, NW)
+
+
+@gluon.jit
+def _wait_stage(slot, N: gl.constexpr):
+    """This warp's stages but the last ``N`` have landed and are visible to all its lanes; returns
+    ``slot`` (a scalar) through the wait: the staged loads' addresses are computed from it."""
+    return gl.inline_asm_elementwise(_cp_wait_asm(N), "=r,r", [slot], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _staged_plane(base, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
+    """Word m of bit plane p of rows ``r`` from a staged page at shared byte ``base`` (derived from
+    ``_wait_stage``'s result), relaid out to ``L``."""
+    return gl.convert_layout(_lds(base + p * (64 * M) + r * (4 * M) + 4 * m), L, assert_trivial=True)
+
+
+@gluon.jit
+def _staged_planes(base, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
+    """``_planes`` from a staged page."""
+    w0 = _staged_plane(base, r, m, 0, M, L)
+    w1 = _staged_plane(base, r, m, 1, M, L)
+    w2 = w1
+    w3 = w1
+    if BITS > 2:
+        w2 = _staged_plane(base, r, m, 2, M, L)
+        w3 = w2
+    if BITS > 3:
+        w3 = _staged_plane(base, r, m, 3, M, L)
+    return w0, w1, w2, w3
 
 
 @gluon.jit
@@ -173,9 +258,12 @@ def _page_offset(bt_row, first, t1, head, stride_b, stride_h, PB: gl.constexpr, 
 
 
 @gluon.jit
-def _scales(pages_ptr, grid_ptr, poff, first, r, t0, t1, head, SIDX_OFF: gl.constexpr):
-    """grid[head, k] of page rows ``r`` (k: the row's scale index; 0 outside [t0, t1))."""
+def _scales(pages_ptr, grid_ptr, bt_row, first, r, t0, t1, head, stride_b, stride_h, PB: gl.constexpr,
+            BLOCK_SIZE: gl.constexpr, SIDX_OFF: gl.constexpr):
+    """grid[head, k] of page rows ``r`` of the page of ``first`` (k: the row's scale index, stored after
+    the planes; 0 outside [t0, t1))."""
     valid = (first + r >= t0) & (first + r < t1)
+    poff = _page_offset(bt_row, first, t1, head, stride_b, stride_h, PB, BLOCK_SIZE)
     k = gl.load(pages_ptr + poff + SIDX_OFF + r, mask=valid, other=0).to(gl.int32)
     return gl.load(grid_ptr + head * 256 + k)
 
@@ -224,21 +312,76 @@ def _v_words(pages_ptr, poff, e: gl.constexpr, BITS: gl.constexpr, M: gl.constex
 
 
 @gluon.jit
+def _slot_base(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr, NW: gl.constexpr,
+               rank: gl.constexpr, L: gl.constexpr):
+    """Shared byte offset of each warp's slot ``slot`` ([NW, 1, ...] in ``L``): warp w's slots are
+    consecutive."""
+    return STAGE_OFF + (_axis(NW, 0, rank, L) * STAGES + slot) * (4 * SLOTW)
+
+
+@gluon.jit
+def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr, BITS: gl.constexpr,
+                    M: gl.constexpr, NW: gl.constexpr, LK: gl.constexpr):
+    """``_k_words`` from the warp's staged page in ``slot``."""
+    LW: gl.constexpr = words_layout(LK, 3)
+    r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
+    base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 7, LW)
+    return _staged_planes(base, r, _axis(M, 3, 7, LW), BITS, M, LK)
+
+
+@gluon.jit
+def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr,
+                    K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr):
+    """``_v_words`` from the warp's staged page in ``slot`` (V's planes after K's ``K_BYTES``)."""
+    LW: gl.constexpr = words_layout(LV, 1)
+    r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
+    base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW) + K_BYTES
+    return _staged_planes(base, r, _axis(M, 1, 8, LW), BITS, M, LV)
+
+
+# rotate right by $2 mod 32 (a funnel shift of the word with itself)
+_ROTR = gl.constexpr("shf.r.wrap.b32 $0, $1, $1, $2;")
+
+
+@gluon.jit
+def _rotr(w, n):
+    return gl.inline_asm_elementwise(_ROTR, "=r,r,r", [w, n & 31], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _bitsel(even, odd):
+    """The even bits of ``even`` and the odd bits of ``odd`` (one LOP3)."""
+    return (even & 0x55555555) | (odd & -1431655766)  # 0xAAAAAAAA
+
+
+@gluon.jit
+def _lookup(y, i, lane4, TAB: gl.constexpr):
+    """The pair table entry of byte ``i`` of ``y`` (an interleaved pair code) in this lane's copy: byte
+    offset TAB + code * 128 + lane4, the code shifted and masked into place and the lane's offset
+    (below 128) or-ed in."""
+    # byte i to bits 7-14 (i is a register index: each case folds to one constant shift); the lane's
+    # offset through an opaque move, so the mask and the or are one LOP3 (the compiler would otherwise
+    # fold the offset's own masking into that instruction's third operand)
+    x = gl.where(i == 0, y << 7, y >> (8 * i - 7)) & 0x7F80
+    return _lds(TAB + (x | gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [lane4], dtype=gl.int32,
+                                                        is_pure=True, pack=1)))
+
+
+@gluon.jit
 def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
                LK: gl.constexpr, OPA: gl.constexpr):
     """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout: thread (t, nl) holds the channel pairs
     8 i + 2 t of each word, so ``(w_p >> 2 t) & 0x03030303`` puts plane p's bits of four pairs in four
     bytes (``pair_index``)."""
     t = _axis(4, 5, 7, LK)
-    sh = 2 * t
-    y = (w0 >> sh) & 0x03030303
-    y |= ((w1 >> sh) & 0x03030303) << 2
+    # plane p's bits 2 t, 2 t + 1 of each byte rotated to bits 2 p, 2 p + 1 (one funnel shift each)
+    y = _rotr(w0, 2 * t) & 0x03030303
+    y |= _rotr(w1, 2 * t - 2) & 0x0C0C0C0C
     if BITS > 2:
-        y |= ((w2 >> sh) & 0x03030303) << 4
+        y |= _rotr(w2, 2 * t - 4) & 0x30303030
     if BITS > 3:
-        y |= ((w3 >> sh) & 0x03030303) << 6
-    x = (y >> (8 * _axis(4, 4, 7, LK))) & 0xFF
-    val = _lds(TAB + x * 128 + (t + 4 * _axis(8, 2, 7, LK)) * 4)  # lane t + 4 nl reads copy t + 4 nl
+        y |= _rotr(w3, 2 * t - 6) & -1061109568  # 0xC0C0C0C0
+    val = _lookup(y, _axis(4, 4, 7, LK), (t + 4 * _axis(8, 2, 7, LK)) * 4, TAB)  # lane t + 4 nl: copy t + 4 nl
     half = ((val >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
     return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
 
@@ -249,14 +392,16 @@ def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.const
     """V^T [NW, HEAD_DIM, 16] bf16 in the A-operand layout from the even (a) and odd (b) rows' plane
     words: thread (tl, j) holds the row pairs of channels 8 i + j."""
     j = _axis(8, 4, 8, LV)
-    y = ((a0 >> j) & 0x01010101) | (((b0 >> j) & 0x01010101) << 1)
-    y |= (((a1 >> j) & 0x01010101) << 2) | (((b1 >> j) & 0x01010101) << 3)
+    # bit j of each byte of row a's plane p to bit 2 p, of row b's to bit 2 p + 1: two funnel shifts,
+    # a bit select of the even bits from a and the odd from b, and the plane's mask
+    y = _bitsel(_rotr(a0, j), _rotr(b0, j - 1)) & 0x03030303
+    y |= _bitsel(_rotr(a1, j - 2), _rotr(b1, j - 3)) & 0x0C0C0C0C
     if BITS > 2:
-        y |= (((a2 >> j) & 0x01010101) << 4) | (((b2 >> j) & 0x01010101) << 5)
+        y |= _bitsel(_rotr(a2, j - 4), _rotr(b2, j - 5)) & 0x30303030
     if BITS > 3:
-        y |= (((a3 >> j) & 0x01010101) << 6) | (((b3 >> j) & 0x01010101) << 7)
-    x = (y >> (8 * (2 * _axis(2, 2, 8, LV) + _axis(2, 3, 8, LV)))) & 0xFF
-    val = _lds(TAB + x * 128 + (_axis(4, 6, 8, LV) + 4 * j) * 4)  # lane tl + 4 j reads copy tl + 4 j
+        y |= _bitsel(_rotr(a3, j - 6), _rotr(b3, j - 7)) & -1061109568  # 0xC0C0C0C0
+    i = 2 * _axis(2, 2, 8, LV) + _axis(2, 3, 8, LV)
+    val = _lookup(y, i, (_axis(4, 6, 8, LV) + 4 * j) * 4, TAB)  # lane tl + 4 j reads copy tl + 4 j
     half = ((val >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
     return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, 16]), OPA, assert_trivial=True)
 
@@ -322,6 +467,7 @@ def compact_split_kernel(
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
+    STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2), softmax mass and unnormalized fp32 sum of p * y into the workspace.
@@ -356,6 +502,15 @@ def compact_split_kernel(
     VT: gl.constexpr = max(EK, EV) * 32  # V's table after K's, at a multiple of its size (Gluon's slices)
     _fill_table(tab.slice(0, EK * 32), k_tab_ptr + head * EK, EK, NW)
     _fill_table(tab.slice(VT, EV * 32), v_tab_ptr + head * EV, EV, NW)
+    # STAGES > 0: each warp's next STAGES - 1 pages copied into its own slots of shared memory
+    # (cp.async, no registers held), at STAGE_OFF (``smem_offsets``)
+    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM)
+    NK: gl.constexpr = BITS_K * HEAD_DIM // 8
+    NV: gl.constexpr = BITS_V * HEAD_DIM // 8
+    NCH: gl.constexpr = 1 << ((NK + NV + 31) // 32 - 1).bit_length()
+    IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+    if STAGES > 0:
+        stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.thread_barrier()
 
     # Q^T (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
@@ -383,31 +538,53 @@ def compact_split_kernel(
     fr = _tile_first(lo, 0, NW, 2, ROWS)
     ok = _page_offset(bt_row, _tile_first(lo, 0, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
     ov = _page_offset(bt_row, _tile_first(lo, 0, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-    kg = _scales(k_pages_ptr, k_grid_ptr, _page_offset(bt_row, fr, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE),
-                 fr, rr, t0, t1, head, BITS_K * 2 * HEAD_DIM)
-    vg = _scales(v_pages_ptr, v_grid_ptr, _page_offset(bt_row, fr, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE),
-                 fr, rr, t0, t1, head, BITS_V * 2 * HEAD_DIM)
-    if K_AHEAD:
+    kg = _scales(k_pages_ptr, k_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE,
+                 BITS_K * 2 * HEAD_DIM)
+    vg = _scales(v_pages_ptr, v_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE,
+                 BITS_V * 2 * HEAD_DIM)
+    if STAGES > 0:
+        for s0 in gl.static_range(STAGES - 1):
+            _issue_stage(k_pages_ptr, v_pages_ptr,
+                         _page_offset(bt_row, _tile_first(lo, s0, NW, 3, IL), t1, head, stride_kb, stride_kh, PB_K,
+                                      BLOCK_SIZE),
+                         _page_offset(bt_row, _tile_first(lo, s0, NW, 3, IL), t1, head, stride_vb, stride_vh, PB_V,
+                                      BLOCK_SIZE),
+                         _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL), NK, NV, NCH, NW, IL)
+        # the offsets of the page the first step stages
+        sfirst = _tile_first(lo, STAGES - 1, NW, 3, IL)
+        sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
+        sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
+    if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
-        if not K_AHEAD:
+        if STAGES > 0:
+            # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
+            _issue_stage(k_pages_ptr, v_pages_ptr, sok, sov,
+                         _slot_base((j + STAGES - 1) % STAGES, STAGE_OFF, STAGES, SLOTW, NW, 3, IL), NK, NV, NCH, NW, IL)
+            sfirst = _tile_first(lo, j + STAGES, NW, 3, IL)
+            sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
+            sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
+            slot = _wait_stage(j % STAGES, STAGES - 1)
+            k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK)
+        elif not K_AHEAD:
             k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
-        if V_EARLY:
+        if V_EARLY and STAGES == 0:
             a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
             b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
         valid = (fr + rr >= t0) & (fr + rr < t1)
-        # the next page's offsets and scales
+        # the next page's offsets (for the register path) and scales
         nfr = _tile_first(lo, j + 1, NW, 2, ROWS)
-        nok = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-        nov = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-        nkg = _scales(k_pages_ptr, k_grid_ptr,
-                      _page_offset(bt_row, nfr, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE),
-                      nfr, rr, t0, t1, head, BITS_K * 2 * HEAD_DIM)
-        nvg = _scales(v_pages_ptr, v_grid_ptr,
-                      _page_offset(bt_row, nfr, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE),
-                      nfr, rr, t0, t1, head, BITS_V * 2 * HEAD_DIM)
+        if STAGES == 0:
+            nok = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K,
+                               BLOCK_SIZE)
+            nov = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V,
+                               BLOCK_SIZE)
+        nkg = _scales(k_pages_ptr, k_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE,
+                      BITS_K * 2 * HEAD_DIM)
+        nvg = _scales(v_pages_ptr, v_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE,
+                      BITS_V * 2 * HEAD_DIM)
 
-        kk = _k_operand(k0, k1, k2, k3, BITS_K, 0, HEAD_DIM, NW, LK, OPA)
+        kk = _k_operand(k0, k1, k2, k3, BITS_K, TAB_OFF, HEAD_DIM, NW, LK, OPA)
         s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA))
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
         if ROPE_CHUNKS > 0:
@@ -420,17 +597,26 @@ def compact_split_kernel(
         p = gl.exp2(s - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
-        if K_AHEAD:
-            k0, k1, k2, k3 = _k_words(k_pages_ptr, nok, BITS_K, M, LK)
-        if not V_EARLY:  # V's words only now: fewer registers live across the K half
-            a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
-            b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
-        vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, VT * 4, HEAD_DIM, NW, LV, OPA)
+        if STAGES > 0:
+            a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV)
+            b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV)
+        else:
+            if K_AHEAD:
+                k0, k1, k2, k3 = _k_words(k_pages_ptr, nok, BITS_K, M, LK)
+            if not V_EARLY:  # V's words only now: fewer registers live across the K half
+                a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
+                b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
+        vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, TAB_OFF + VT * 4, HEAD_DIM, NW, LV, OPA)
         acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
         m_i = m_new
-        fr, ok, ov, kg, vg = nfr, nok, nov, nkg, nvg
+        fr, kg, vg = nfr, nkg, nvg
+        if STAGES == 0:
+            ok, ov = nok, nov
     # every warp's last lookup before the merge below (whose scratch may reuse the tables' memory:
     # Triton's barrier analysis does not see the lookups, which are inline PTX)
+    if STAGES > 0:
+        _wait_stage(0, 0)  # the copies past the split's end, before the merge's scratch may reuse their memory
+        stg._keep_alive()
     gl.thread_barrier()
     tab._keep_alive()
 
