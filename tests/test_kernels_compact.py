@@ -709,7 +709,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from weightszip.kernels.paged_decode_gluon import compact_split_kernel, smem_offsets
 
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
-tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, 8, stages)
+warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
+tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64"}
@@ -721,10 +722,10 @@ for name in compact_split_kernel.arg_names:
     sig[name] = "constexpr" if name in const else ptrs.get(
         name, "*i32" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
 k = triton.compile(GluonASTSource(fn=compact_split_kernel, signature=sig, constexprs=const),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, **({} if chunks else {"maxnreg": 128})})
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **({} if chunks else {"maxnreg": 128})})
 ptx = k.asm["ptx"]
-# ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; no cap with
-# the rotary term, as PagedDecodeAttention launches it)
+# ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
+# rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 import re, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -755,7 +756,7 @@ def test_gluon_kernel_compiles_for_hopper(case):
     time, so a wrong operand layout fails here; its lookups come from shared memory, its products
     from mma.sync, and at the default 128 registers ptxas spills nothing for the shapes it runs
     (head_dim x padded group <= GLUON_MAX_ACC; q4-64x16 is at that limit). The rotary-offset term
-    (``KernelConfig.gluon_rope``) compiles, without spills when uncapped; the staged variants
+    (``KernelConfig.gluon_rope``) compiles at the 16 warps it runs on; the staged variants
     (``KernelConfig.gluon_stages``) issue cp.async, and the pair tables lie where their lookups read
     them (``smem_offsets``: the order Triton places the two allocations in)."""
     import subprocess
@@ -766,5 +767,9 @@ def test_gluon_kernel_compiles_for_hopper(case):
                        env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rope = str(case[4] > 0)
-    assert r.stdout.split()[-14:] == ["cp.async", str(case[5] > 0), "tables_at", "True", "shared", "True",
-                                      "lds", "True", "mma", "True", "cos", rope, "spills", "0"], r.stdout
+    out = r.stdout.split()
+    assert out[-14:-1] == ["cp.async", str(case[5] > 0), "tables_at", "True", "shared", "True",
+                           "lds", "True", "mma", "True", "cos", rope, "spills"], r.stdout
+    # with the rotary term ptxas spills a few words at 16 warps (4-32 bytes; measured faster on the
+    # H200 than 8 warps without spills for q4, BENCHMARKS.md); none otherwise
+    assert int(out[-1]) <= (32 if case[4] else 0), r.stdout

@@ -15,7 +15,8 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   2c, 2c + 1 of one token) or token pairs (V^T: tokens 2t, 2t + 1 of one channel). With the page's bit
   planes (word m of a token row: byte i bit j = channel 32 m + 8 i + j), one rotate (funnel shift)
   and mask per plane word yields its bits of four pair codes, one per byte, whose bits interleave
-  the two values' bits (``pair_index``); a pair's table address is one shift and one mask-or.
+  the two values' bits (``pair_index``); a pair's table address is one byte permute (ALU pipe) and
+  one multiply-add (FMA pipe: the kernel is bound by its ALU pipe).
 * **Conflict-free table lookups.** The pair table (``interleaved_pair_table``: bf16 codebook[a] in the
   low half, codebook[b] in the high half) sits in shared memory 32 times over, copy ``l`` in bank ``l``;
   lane ``l`` reads copy ``l`` (``ld.shared`` through inline PTX, as Gluon has no shared-memory
@@ -24,9 +25,9 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   page's bit planes into its own slots of shared memory (16-byte ``cp.async`` through inline PTX,
   so Triton inserts no block-wide barrier; a warp waits for its own copies and syncs its own lanes),
   so no registers hold the page in flight. On the H200 this gave 1-5% over the register path; the
-  kernel is bound by its instruction issue (about 800 SASS instructions per 16-token page per
-  warp: 64 table lookups of 3 instructions, the pair codes' rotates and masks, 16 mma), not by
-  memory latency (BENCHMARKS.md).
+  kernel is bound by its integer/logic (ALU) pipe (about 750 SASS instructions per 16-token page
+  per warp, about 390 of them on the ALU pipe: the pair codes' rotates and masks, the lookups' byte
+  permutes), not by memory latency (BENCHMARKS.md).
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
@@ -354,17 +355,19 @@ def _bitsel(even, odd):
     return (even & 0x55555555) | (odd & -1431655766)  # 0xAAAAAAAA
 
 
+# byte i of $1 (prmt with selector $2 = 0x444i: byte i of $1, then three zero bytes of the operand 0)
+# times 128 plus $3: the permute on the ALU pipe, the multiply-add on the FMA pipe (the kernel is
+# bound by the ALU pipe; a shift and a mask-or there measured 8-17% slower on the H200)
+_BYTE_ADDR = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, $2; mad.lo.u32 $0, t, 128, $3; }")
+
+
 @gluon.jit
 def _lookup(y, i, lane4, TAB: gl.constexpr):
     """The pair table entry of byte ``i`` of ``y`` (an interleaved pair code) in this lane's copy: byte
-    offset TAB + code * 128 + lane4, the code shifted and masked into place and the lane's offset
-    (below 128) or-ed in."""
-    # byte i to bits 7-14 (i is a register index: each case folds to one constant shift); the lane's
-    # offset through an opaque move, so the mask and the or are one LOP3 (the compiler would otherwise
-    # fold the offset's own masking into that instruction's third operand)
-    x = gl.where(i == 0, y << 7, y >> (8 * i - 7)) & 0x7F80
-    return _lds(TAB + (x | gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [lane4], dtype=gl.int32,
-                                                        is_pure=True, pack=1)))
+    offset TAB + code * 128 + lane4 (i is a register index, so the selector is a constant)."""
+    addr = gl.inline_asm_elementwise(_BYTE_ADDR, "=r,r,r,r", [y, 0x4440 + i, lane4], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+    return _lds(TAB + addr)
 
 
 @gluon.jit
