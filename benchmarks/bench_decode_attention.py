@@ -53,7 +53,8 @@ COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in ev
 # --rope-min-ratio 2` keeps (27-42% of the pairs on SmolLM2 and Qwen2.5)
 COMPACT.update({f"{k}+rope": v for k, v in list(COMPACT.items())})
 COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
-# q4, q3.5, q3 and the "+rope" kinds: the Gluon kernel (paged_decode_gluon, the default on the GPU);
+# q4, q3.5, q3 and the "+rope" kinds: the Gluon kernel (paged_decode_gluon, the default on the GPU,
+# from KernelConfig.gluon_min_work / gluon_rope_min_work of work; the Triton kernel below);
 # "+triton": the Triton split kernel. Its codebook lookups (KernelConfig.reg_lut_bits): in registers
 # when K and V are both 3 bits (q3), from pair tables in memory otherwise; "+pairs": always pair
 # tables; "+lut4": always registers.

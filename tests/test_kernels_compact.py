@@ -381,13 +381,13 @@ class _Launches:
 
 
 @pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-small-step", "wide-group",
-                                  "config-off"])
+                                  "rope-group-16", "config-off"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
-    ``gluon_rope``, where the accumulator fits (head_dim x padded group <= GLUON_MAX_ACC) and the
-    step is large enough (``gluon_min_work``; with the rotary term ``gluon_rope_min_work``), on a GPU;
-    the Triton kernel otherwise. (Both kernels
-    replaced by recorders; the GPU is simulated by turning the interpreter flag off.)"""
+    ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
+    group <= GLUON_MAX_ACC) and the step is large enough (``gluon_min_work``; with the rotary term
+    ``gluon_rope_min_work``), on a GPU; the Triton kernel otherwise. (Both kernels replaced by
+    recorders; the GPU is simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -395,9 +395,10 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
     monkeypatch.setattr(pd, "_interpreting", lambda: False)
     monkeypatch.setattr(pd, "_paged_split_kernel", tri)
     monkeypatch.setattr(pg, "compact_split_kernel", glu)
-    kb, rope, group = (5 if what == "5-bit" else 4), what.startswith("rope"), (32 if what == "wide-group" else 2)
+    kb, rope = (5 if what == "5-bit" else 4), what.startswith("rope")
+    group = {"wide-group": 32, "rope-group-16": 16}.get(what, 2)  # head_dim 64: 16 fits GLUON_MAX_ACC
     c = make_case(lens=[200, 90], group=group, kb=kb, vb=3, S=0, W=0, rope=rope)
-    cfg = KernelConfig(gluon=what != "config-off", gluon_rope=what in ("rope-on", "rope-small-step"),
+    cfg = KernelConfig(gluon=what != "config-off", gluon_rope=what in ("rope-on", "rope-small-step", "rope-group-16"),
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0)
     run(c, False, config=cfg)
@@ -408,6 +409,22 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
         assert glu.calls[0]["num_warps"] == (cfg.gluon_rope_warps if rope else cfg.gluon_warps)
         assert ("maxnreg" in glu.calls[0]) == (not rope)
         assert glu.calls[0]["STAGES"] == cfg.gluon_stages
+
+
+@pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
+                                 dict(block_n=24), dict(num_warps=0), dict(gluon_ahead=4), dict(gluon_maxnreg=8),
+                                 dict(gluon_min_work=-1)])
+def test_kernel_config_refuses_what_would_not_compile(bad):
+    """A KernelConfig outside what was built and measured (staging of 2 or 4 slots per warp: 8 slots of
+    q4 at 16 warps overflow shared memory, other counts were never run on a GPU), that Triton could
+    not compile or that would launch the wrong kernel is refused with a typed error naming the field,
+    not at the first launch."""
+    from weightszip.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
+        KernelConfig(**bad)
+    KernelConfig(**{k: {"gluon_stages": 4, "gluon_warps": 16, "gluon_rope_warps": 8, "block_n": 32, "num_warps": 8,
+                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0}[k] for k in bad})  # a valid value
 
 
 def test_rotary_term_over_listed_pairs_only():
@@ -668,6 +685,29 @@ def _plane_words(page: torch.Tensor, bits: int, d: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gluon_rotations_and_table_offsets_match_pair_index(bits):
+    """The kernel's own formulas (funnel-shift rotates by 2 t - 2 p for K, by j - 2 p and j - 2 p - 1 with
+    an even/odd bit select for V, the prmt byte select times 128 plus the lane's offset), emulated in
+    PyTorch, give ``pair_index``'s codes and the word x * 32 + lane of the interleaved table, for every
+    lane position and random words with all bits in play."""
+    from weightszip.kernels.paged_decode_gluon import pair_index, pair_table_offset, rotated_pair_codes
+
+    g = torch.Generator().manual_seed(10 + bits)
+    w = torch.randint(0, 1 << 32, (bits, 2, 64), generator=g, dtype=torch.int64)  # [plane, row, word]
+    for t in range(4):
+        want = pair_index(w[:, 0], w[:, 0] >> 1, 2 * t, bits)
+        assert torch.equal(rotated_pair_codes(w[:, 0], None, t, bits), want)
+    for j in range(8):
+        want = pair_index(w[:, 0], w[:, 1], j, bits)
+        assert torch.equal(rotated_pair_codes(w[:, 0], w[:, 1], j, bits), want)
+        for i in range(4):
+            for lane in (0, 17, 31):
+                off = pair_table_offset(want, i, lane)
+                assert torch.equal(off // 4, ((want >> 8 * i) & 0xFF) * 32 + lane)
+    assert int(want.max()) >= 1 << 24  # the top byte is in play (its bits wrap in the rotations)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_gluon_pair_codes_give_the_codebook_values(bits):
     """The Gluon kernel's operand math (``pair_index`` + ``interleaved_pair_table``), run in PyTorch on
     random pages: K's channel pairs (thread t: bits 2t, 2t + 1 of each byte of a row's word) and V's
@@ -737,8 +777,10 @@ spills = sum(int(x) for x in re.findall(r"(\\d+) bytes spill stores", log))
 # the pair tables' fill (the kernel's first shared-memory store) at the offset the inline PTX reads
 # them from: Triton placed the allocations as smem_offsets says
 first = re.search(r"st\\.shared\\S*\\s+\\[%r\\d+(?:\\+(\\d+))?\\]", ptx)
+# with staging, the two allocations exactly fill the kernel's shared memory: the tables where the
+# lookups read them and nothing between, so the staging buffer is the rest, at STAGE_OFF
 print("cp.async", ptx.count("cp.async.cg.shared.global") > 0, "tables_at", int(first.group(1) or 0) == tab_off,
-      "shared", k.metadata.shared >= smem_end)
+      "shared", k.metadata.shared == smem_end if stages else k.metadata.shared >= smem_end)
 print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, "cos", "cos.approx" in ptx,
       "spills", spills)
 """
@@ -746,10 +788,11 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
 
 @pytest.mark.parametrize("case", [(4, 4, 128, 4, 0, 0), (4, 3, 128, 8, 0, 0), (3, 3, 64, 3, 0, 0), (2, 3, 64, 3, 0, 0),
                                   (4, 4, 64, 16, 0, 0), (4, 4, 128, 4, 2, 0), (3, 3, 64, 3, 2, 0),
-                                  (4, 4, 128, 4, 0, 2), (3, 3, 128, 4, 0, 2), (4, 3, 128, 8, 0, 4), (2, 3, 64, 3, 2, 2)],
+                                  (4, 4, 128, 4, 0, 2), (3, 3, 128, 4, 0, 2), (4, 3, 128, 8, 0, 4), (2, 3, 64, 3, 2, 2),
+                                  (4, 4, 128, 4, 2, 2)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
-                              "k2v3-smollm2-rope-staged"])
+                              "k2v3-smollm2-rope-staged", "q4-8b-rope-staged"])
 def test_gluon_kernel_compiles_for_hopper(case):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile

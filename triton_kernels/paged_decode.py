@@ -111,7 +111,8 @@ class KernelConfig:
     gluon_warps: int = 8
     gluon_maxnreg: int = 128
     gluon_ahead: int = 1
-    # the Gluon kernel with the rotary-offset term too (``paged_decode_gluon._rope_logits``), on
+    # the Gluon kernel with the rotary-offset term too (``paged_decode_gluon._rope_logits``; GQA
+    # groups up to 8), on
     # ``gluon_rope_warps`` warps (no register cap): on the H200 with 24 of 64 RoPE pairs from batch
     # 8 x 128k up 1.5-1.7x (q4) and 1.1-1.4x (q3) faster than the Triton kernel (BENCHMARKS.md)
     gluon_rope: bool = True
@@ -122,6 +123,31 @@ class KernelConfig:
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
+
+    def __post_init__(self):
+        """Launch parameters that would not compile, or would compile into the wrong kernel, are
+        refused here with a typed error rather than by Triton at the first launch."""
+        pow2 = (1, 2, 4, 8, 16)
+        bad = [f"{name}={value!r} ({why})" for name, value, ok, why in (
+            ("block_n", self.block_n, self.block_n > 0 and self.block_n % PAGE_TOKENS == 0, "a positive multiple of 16"),
+            ("num_warps", self.num_warps, self.num_warps in pow2, "1, 2, 4, 8 or 16"),
+            ("num_stages", self.num_stages, self.num_stages >= 1, ">= 1"),
+            ("waves", self.waves, self.waves >= 1, ">= 1"),
+            ("min_split_tokens", self.min_split_tokens, self.min_split_tokens >= 1, ">= 1"),
+            ("reg_lut_bits", self.reg_lut_bits, 0 <= self.reg_lut_bits <= 8, "0 to 8"),
+            ("gluon_min_work", self.gluon_min_work, self.gluon_min_work >= 0, ">= 0"),
+            ("gluon_rope_min_work", self.gluon_rope_min_work, self.gluon_rope_min_work >= 0, ">= 0"),
+            ("gluon_warps", self.gluon_warps, self.gluon_warps in pow2, "1, 2, 4, 8 or 16"),
+            ("gluon_rope_warps", self.gluon_rope_warps, self.gluon_rope_warps in pow2, "1, 2, 4, 8 or 16"),
+            ("gluon_maxnreg", self.gluon_maxnreg, self.gluon_maxnreg == 0 or 24 <= self.gluon_maxnreg <= 255,
+             "0 or 24 to 255"),
+            ("gluon_ahead", self.gluon_ahead, self.gluon_ahead in (0, 1, 2, 3), "0 to 3"),
+            # 2 or 4 slots per warp, as built and measured (8 would not fit beside q4's tables at 16
+            # warps; 1 and 3 compile but never ran on a GPU)
+            ("gluon_stages", self.gluon_stages, self.gluon_stages in (0, 2, 4), "0, 2 or 4"),
+        ) if not ok]
+        if bad:
+            raise InvalidArgumentError("KernelConfig: " + "; ".join(bad))
 
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
@@ -1079,6 +1105,8 @@ class PagedDecodeAttention:
             if (cfg.gluon and not cuda_dot and (cfg.gluon_rope or not has_rope) and not _interpreting()
                     and max(self.k_bits, self.v_bits) <= 4
                     and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
+                    # with the rotary term, groups up to 8 (wider ones spill 200+ bytes at 16 warps)
+                    and not (has_rope and G > 8)
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
                 from .paged_decode_gluon import interleaved_pair_table
 
@@ -1161,7 +1189,8 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off,
-                # with the rotary term: no register cap (at 128 or 168 registers ptxas spills)
+                # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
+                # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))
         elif pl["n_items"]:
             _paged_split_kernel[(pl["n_items"], Hkv)](

@@ -54,8 +54,8 @@ from .paged_decode import _as_int32, _bf16_bits
 
 NEG_BIG = gl.constexpr(-1.0e30)
 # One 32-bit lookup in shared memory at byte offset $1 of the kernel's dynamic shared memory
-# (``global_smem``; the pair tables are the kernel's first allocation, at offset 0: the GPU tests
-# fail if they were not).
+# (``global_smem``; the pair tables lie at TAB_OFF and the staging slots at STAGE_OFF, where
+# ``smem_offsets`` says Triton places them: the compile test checks it).
 _LDS = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
 
 
@@ -77,12 +77,40 @@ def pair_index(w_lo: torch.Tensor, w_hi: torch.Tensor, shift: int, bits: int) ->
     """Reference of the kernel's pair codes (int64 words): for plane words ``w_lo``/``w_hi`` [bits, ...]
     of the pair's two values (the same words for a K channel pair), byte i of the result is the
     interleaved pair code of the bits at ``shift`` (``w_lo``) and ``shift + 1`` or ``shift`` of ``w_hi``.
-    Used by the tests to state the bit order; the kernel computes the same in registers."""
+    Used by the tests to state the bit order; the kernel computes the same in registers by other
+    formulas (``rotated_pair_codes``)."""
     y = torch.zeros_like(w_lo[0])
     for p in range(bits):
         y |= ((w_lo[p] >> shift) & 0x01010101) << (2 * p)
         y |= ((w_hi[p] >> shift) & 0x01010101) << (2 * p + 1)
     return y
+
+
+def _rotr32(w: torch.Tensor, n: int) -> torch.Tensor:
+    n %= 32
+    return ((w >> n) | (w << (32 - n))) & 0xFFFFFFFF
+
+
+def rotated_pair_codes(w_a: torch.Tensor, w_b: torch.Tensor | None, lane: int, bits: int) -> torch.Tensor:
+    """The kernel's pair-code formulas in PyTorch (int64 words holding 32-bit values), to hold them
+    against ``pair_index``. K (``w_b`` None; ``lane`` = t): plane p's word rotated right by 2 t - 2 p and
+    masked to bits 2 p, 2 p + 1 of each byte. V (``lane`` = j): rows a and b rotated right by j - 2 p
+    and j - 2 p - 1, the even bits taken from a and the odd from b, masked the same way."""
+    y = torch.zeros_like(w_a[0])
+    for p in range(bits):
+        mask = 0x03030303 << (2 * p)
+        if w_b is None:
+            y |= _rotr32(w_a[p], 2 * lane - 2 * p) & mask
+        else:
+            y |= ((_rotr32(w_a[p], lane - 2 * p) & 0x55555555) | (_rotr32(w_b[p], lane - 2 * p - 1) & 0xAAAAAAAA)) & mask
+    return y
+
+
+def pair_table_offset(y: torch.Tensor, i: int, lane: int) -> torch.Tensor:
+    """The kernel's table address of byte ``i`` of pair-code word ``y`` in lane ``lane``'s copy (byte
+    offset past the table's start): ``prmt`` selector 0x4440 + i (byte i, three zero bytes), times 128,
+    plus 4 x lane."""
+    return ((y >> (8 * i)) & 0xFF) * 128 + 4 * lane
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,7 +157,7 @@ def _axis_layout(layout, dim, rank):
 @constexpr_function
 def _table_words(ek, ev):
     """Shared words of the pair tables: K's (ek entries, 32 copies), then V's at a multiple of its
-    size (Gluon's slices need it), rounded up to a power of two (allocations must be)."""
+    size (Gluon's slices need it), rounded up to a power of two (as the tensors stored into it)."""
     n = (max(ek, ev) + ev) * 32
     return 1 << (n - 1).bit_length()
 
@@ -137,14 +165,16 @@ def _table_words(ek, ev):
 @constexpr_function
 def _slot_words(bits_k, bits_v, head_dim):
     """Shared words of one staged page (K's bit planes, then V's: 16 rows of head_dim bits per plane;
-    the scale bytes after the planes are loaded as before), a power of two."""
+    the scale bytes after the planes are loaded as before), rounded up to a power of two."""
     return 1 << ((bits_k + bits_v) * head_dim // 2 - 1).bit_length()
 
 
 def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
-    the end of both. Triton places the larger of the two allocations first (at 0; the compile test
-    checks it), so the inline PTX, which addresses both from ``global_smem``, is told where each lies."""
+    the end of both. Triton places the larger of the two allocations first, and of two the same size
+    the one allocated first (the tables: q4 at 16 warps x 2 stages, the rotary default); the compile
+    test checks both orders. The inline PTX, which addresses both from ``global_smem``, is told where
+    each lies."""
     tab = _table_words(1 << 2 * bits_k, 1 << 2 * bits_v) * 4
     stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim) * 4
     return (0, tab, tab + stg) if tab >= stg else (stg, 0, tab + stg)
@@ -357,7 +387,7 @@ def _bitsel(even, odd):
 
 # byte i of $1 (prmt with selector $2 = 0x444i: byte i of $1, then three zero bytes of the operand 0)
 # times 128 plus $3: the permute on the ALU pipe, the multiply-add on the FMA pipe (the kernel is
-# bound by the ALU pipe; a shift and a mask-or there measured 8-17% slower on the H200)
+# bound by the ALU pipe; a shift and a mask-or there measured 3-20% slower on the H200)
 _BYTE_ADDR = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, $2; mad.lo.u32 $0, t, 128, $3; }")
 
 
@@ -374,8 +404,8 @@ def _lookup(y, i, lane4, TAB: gl.constexpr):
 def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
                LK: gl.constexpr, OPA: gl.constexpr):
     """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout: thread (t, nl) holds the channel pairs
-    8 i + 2 t of each word, so ``(w_p >> 2 t) & 0x03030303`` puts plane p's bits of four pairs in four
-    bytes (``pair_index``)."""
+    8 i + 2 t of each word: rotating plane p's word right by 2 t - 2 p and masking puts its bits of
+    four pairs at bits 2 p, 2 p + 1 of four bytes (``pair_index``; ``rotated_pair_codes``)."""
     t = _axis(4, 5, 7, LK)
     # plane p's bits 2 t, 2 t + 1 of each byte rotated to bits 2 p, 2 p + 1 (one funnel shift each)
     y = _rotr(w0, 2 * t) & 0x03030303
@@ -479,7 +509,9 @@ def compact_split_kernel(
     ``S^T = K Q^T`` [16 rows, BLOCK_G heads] and ``O^T += V^T P^T`` [HEAD_DIM, BLOCK_G], K and V^T the
     A operands decoded in registers, Q^T and P^T the B operands. Each warp takes every NW-th page of
     the split (16 rows per step). The next page's offsets and scales are loaded one step ahead (a few
-    registers); its plane words are not (each word is held by the 4 or 8 lanes that decode from it)."""
+    registers); with STAGES > 0 its plane words are copied ahead into the warp's shared-memory slots,
+    with STAGES = 0 they are loaded at the step (each word is held by the 4 or 8 lanes that decode
+    from it)."""
     NW: gl.constexpr = gl.num_warps()
     M: gl.constexpr = HEAD_DIM // 32
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
@@ -500,7 +532,7 @@ def compact_split_kernel(
     t0 = gl.load(work_start_ptr + item)
     t1 = gl.load(work_end_ptr + item)
 
-    # the pair tables, K's then V's, 32 copies each: the kernel's first shared memory (offset 0);
+    # the pair tables, K's then V's, 32 copies each, at TAB_OFF (``smem_offsets``)
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     VT: gl.constexpr = max(EK, EV) * 32  # V's table after K's, at a multiple of its size (Gluon's slices)
     _fill_table(tab.slice(0, EK * 32), k_tab_ptr + head * EK, EK, NW)
@@ -539,8 +571,9 @@ def compact_split_kernel(
 
     # page 0's offsets (in the K, V and row layouts) and scales
     fr = _tile_first(lo, 0, NW, 2, ROWS)
-    ok = _page_offset(bt_row, _tile_first(lo, 0, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-    ov = _page_offset(bt_row, _tile_first(lo, 0, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
+    if STAGES == 0:
+        ok = _page_offset(bt_row, _tile_first(lo, 0, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
+        ov = _page_offset(bt_row, _tile_first(lo, 0, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
     kg = _scales(k_pages_ptr, k_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE,
                  BITS_K * 2 * HEAD_DIM)
     vg = _scales(v_pages_ptr, v_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE,
