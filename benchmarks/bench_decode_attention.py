@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
 KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
            "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+triton", "q3.5+triton", "q3+triton",
-           "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton")
+           "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton", "fp8+gluon")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
@@ -437,6 +437,12 @@ def main(argv=None):
                     change = {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})}
                     cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, **change})
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
+            elif kind == "fp8+gluon":  # the Gluon fp8 kernel (opt-in: KernelConfig.gluon)
+                from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+                from weightszip.kernels.paged_decode import PAGE_FP8
+
+                cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, "gluon": True})
+                t, nb, info = time_paged("fp8", B, L, Hq, Hkv, D, args.rep, gen, cfg)
             else:
                 t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)
             row[kind] = dict(time_s=t, bytes=nb, splits=info["items"], split_tokens=info["split_tokens"],

@@ -742,11 +742,8 @@ def test_gluon_pair_codes_give_the_codebook_values(bits):
 
 
 _COMPILE_GLUON = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from weightszip.kernels.paged_decode_gluon import compact_split_kernel, smem_offsets
+import re, sys
+from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_for_hopper, smem_offsets
 
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
@@ -757,23 +754,10 @@ ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_pt
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off)
-sig = {}
-for name in compact_split_kernel.arg_names:
-    sig[name] = "constexpr" if name in const else ptrs.get(
-        name, "*i32" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
-k = triton.compile(GluonASTSource(fn=compact_split_kernel, signature=sig, constexprs=const),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **({} if chunks else {"maxnreg": 128})})
-ptx = k.asm["ptx"]
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
-import re, subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
-with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-    f.write(ptx)
-    f.flush()
-    log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", f.name + ".o"],
-                         capture_output=True, text=True, check=True).stderr
-spills = sum(int(x) for x in re.findall(r"(\\d+) bytes spill stores", log))
+k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
+ptx = k.asm["ptx"]
 # the pair tables' fill (the kernel's first shared-memory store) at the offset the inline PTX reads
 # them from: Triton placed the allocations as smem_offsets says
 first = re.search(r"st\\.shared\\S*\\s+\\[%r\\d+(?:\\+(\\d+))?\\]", ptx)

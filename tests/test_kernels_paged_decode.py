@@ -272,3 +272,103 @@ def test_real_shapes_gpu(page_type, shape):
         c = make_case(B=len(lens), Hq=Hq, Hkv=Hkv, D=D, lens=lens, page_type=page_type, S=S, W=W, seed=S)
         out = run_kernel(c, config=None)
         assert_close(c, out, run_ref(c))
+
+
+# -- the Gluon fp8 kernel (paged_decode_gluon.fp8_split_kernel; opt-in: KernelConfig(gluon=True)) ------
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128), (12, 4, 64)], ids=["llama8b", "llama70b-tp8", "gqa3-64"])
+def test_gluon_fp8_matches_reference_gpu(shape, block_size):
+    """The Gluon fp8 kernel against the fp64 reference within the stated tolerance, with and without
+    sinks and a window; the slots past each sequence's end and the sinks' slots hold NaN codes (a
+    cache's unwritten positions may), which must not reach the output (the kernel zero-fills rows
+    outside each split)."""
+    Hq, Hkv, D = shape
+    lens = [4096, 1, 777, 16384 + 5]
+    for S, W in ((0, 0), (4, 128)):
+        c = make_case(B=len(lens), Hq=Hq, Hkv=Hkv, D=D, lens=lens, page_type="fp8", block_size=block_size, S=S,
+                      W=W, seed=S)
+        nan = torch.tensor(0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+        for b, L in enumerate(lens):
+            last = c["bt"][b, (L - 1) // block_size].item()
+            c["k"][last, :, (L - 1) % block_size + 1:] = nan
+            c["v"][last, :, (L - 1) % block_size + 1:] = nan
+            first = c["bt"][b, 0].item()  # the sinks' positions: kept beside the pages, never written there
+            c["k"][first, :, :min(S, L)] = nan
+            c["v"][first, :, :min(S, L)] = nan
+        out = run_kernel(c, config=KernelConfig(gluon=True, gluon_min_work=0))
+        assert torch.isfinite(out).all()
+        assert_close(c, out, run_ref(c))
+
+
+_COMPILE_GLUON_FP8 = """
+import sys
+from weightszip.kernels.paged_decode_gluon import compile_for_hopper, fp8_split_kernel
+
+d, group, stages = (int(x) for x in sys.argv[1:4])
+ptrs = {"q_ptr": "*bf16", "k_pages_ptr": "*fp8e4nv", "v_pages_ptr": "*fp8e4nv", "ws_m_ptr": "*fp32",
+        "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, STAGES=stages)
+k, spills = compile_for_hopper(fp8_split_kernel, const, ptrs, 8, 128)
+ptx = k.asm["ptx"]
+print("zfill", "cp.async.cg.shared.global [a], [" in ptx and "16, %r" in ptx, "cvt", "cvt.rn.f16x2.e4m3x2" in ptx,
+      "mma", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx, "shared", k.metadata.shared,
+      "spills", spills)
+"""
+
+
+@pytest.mark.parametrize("case", [(128, 4, 2), (128, 8, 4), (64, 3, 2), (64, 16, 2)],
+                         ids=["8b", "70b-4stages", "head64-gqa3", "head64-gqa16"])
+def test_gluon_fp8_kernel_compiles_for_hopper(case):
+    """The Gluon fp8 kernel compiles for sm_90 without a GPU (a child process: this module runs Triton
+    in its interpreter, which Gluon lacks): its operand layouts are asserted trivial at compile time,
+    the pages come by zero-filling cp.async, e4m3 pairs convert to f16 pairs for f16 mma.sync, its
+    shared memory is the staging PagedDecodeAttention budgets for (``fp8_gluon_smem``), and at 8 warps
+    and 128 registers ptxas spills nothing."""
+    import subprocess
+    import sys
+
+    from weightszip.kernels.paged_decode import fp8_gluon_smem
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_FP8, *map(str, case)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d, _, stages = case
+    assert r.stdout.split()[-10:] == ["zfill", "True", "cvt", "True", "mma", "True", "shared",
+                                      str(fp8_gluon_smem(d, 8, stages)), "spills", "0"], r.stdout
+
+
+class _Recorder:
+    """Stands in for a kernel: records each launch's keyword arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+@pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group"])
+def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch):
+    """fp8 pages run the Gluon kernel only with ``KernelConfig(gluon=True)`` (off by default until it
+    has run on a GPU), a large enough step and an accumulator that fits; the Triton kernel otherwise.
+    (Both kernels replaced by recorders; the GPU simulated by turning the interpreter flag off.)"""
+    from weightszip.kernels import paged_decode as pd
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    tri, glu = _Recorder(), _Recorder()
+    monkeypatch.setattr(pd, "_interpreting", lambda: False)
+    monkeypatch.setattr(pd, "_paged_split_kernel", tri)
+    monkeypatch.setattr(pg, "fp8_split_kernel", glu)
+    Hq = 64 if what == "wide-group" else 8  # a group of 32 at head_dim 64: 64 x 32 > GLUON_MAX_ACC
+    c = make_case(B=2, Hq=Hq, Hkv=2, D=64, lens=[40, 200], page_type="fp8")
+    cfg = None if what == "default" else KernelConfig(block_n=32, gluon=True,
+                                                      gluon_min_work=10**9 if what == "small-step" else 0)
+    run_kernel(c, config=cfg if cfg is not None else pd.DEFAULT_CONFIGS[pd.PAGE_FP8])
+    want = what == "gluon"
+    assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want else (0, 1))
+    if want:
+        assert glu.calls[0]["STAGES"] == cfg.gluon_stages and glu.calls[0]["num_warps"] == cfg.gluon_warps

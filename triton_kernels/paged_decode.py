@@ -72,6 +72,16 @@ PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
 # 128 registers up to this size without spilling (ptxas, sm_90: head_dim 128 x 8, 64 x 16, 32 x 32);
 # larger ones (head_dim 256, groups of 16 at 128) run the Triton kernel
 GLUON_MAX_ACC = 1024
+# shared memory a Gluon program may take (the H200 gives a block up to 227 KiB)
+GLUON_MAX_SMEM = 200 * 1024
+
+
+def fp8_gluon_smem(head_dim: int, num_warps: int, stages: int) -> int:
+    """Shared memory of the Gluon fp8 kernel's staging (``paged_decode_gluon.fp8_split_kernel``: a K and
+    a V page of 16 rows, each row head_dim bytes plus 16 of padding, per slot)."""
+    return num_warps * stages * 32 * (head_dim + 16)
+
+
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
 
@@ -98,6 +108,9 @@ class KernelConfig:
     # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
     # in registers (a per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
+    # fp8 pages: ``gluon`` runs ``paged_decode_gluon.fp8_split_kernel`` (with ``gluon_warps``,
+    # ``gluon_stages`` (at least 2), ``gluon_maxnreg``, ``gluon_min_work``); off in the fp8 default
+    # until it has run on a GPU.
     # compact pages, compiled only: the Gluon split kernel (``paged_decode_gluon``) where it applies
     # (widths up to 4, the rotary term if ``gluon_rope``, head_dim x padded GQA group <= GLUON_MAX_ACC;
     # else the Triton kernel with the fields above): ``gluon_warps``
@@ -1093,6 +1106,13 @@ class PagedDecodeAttention:
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
         gluon_tabs = None  # the Gluon kernel's pair tables (KernelConfig.gluon)
+        # fp8 pages on the Gluon kernel (KernelConfig.gluon, off for fp8 by default: compiled and
+        # CPU-tested only, not yet run on a GPU)
+        gluon_fp8 = (fp8 and cfg.gluon and not _interpreting() and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
+                     and D % 32 == 0 and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
+                     and fp8_gluon_smem(D, cfg.gluon_warps, max(cfg.gluon_stages, 2)) <= GLUON_MAX_SMEM
+                     and all(t.stride(2) == D and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+                             and t.stride(1) % 16 == 0 for t in (k_pages, v_pages)))
         if compact:
             for name, t, bits in (("k_codebook", k_codebook, self.k_bits), ("v_codebook", v_codebook, self.v_bits)):
                 _check(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16)
@@ -1171,7 +1191,18 @@ class PagedDecodeAttention:
         qk_scale = self.sm_scale * LOG2E
         dummy = pl["ws_m"]
         rope_chunks = -(-rope_pairs.numel() // 16) if has_rope else 0
-        if pl["n_items"] and gluon_tabs is not None:
+        if pl["n_items"] and gluon_fp8:
+            from . import paged_decode_gluon as pg
+
+            pg.fp8_split_kernel[(pl["n_items"], Hkv)](
+                qp, k_pages, v_pages, pl["block_tables"], pl["work_seq"], pl["work_start"], pl["work_end"],
+                pl["ws_m"], pl["ws_l"], pl["ws_acc"], k_scale, v_scale, qk_scale,
+                qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
+                v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
+                GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
+                STAGES=max(cfg.gluon_stages, 2), num_warps=cfg.gluon_warps,
+                **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
+        elif pl["n_items"] and gluon_tabs is not None:
             from . import paged_decode_gluon as pg
 
             k_tab, v_tab = gluon_tabs

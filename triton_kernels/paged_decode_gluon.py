@@ -36,6 +36,13 @@ fp32 sums, each token's grid scale on the fp32 logits (K) and on the softmax wei
 bf16 rounding (V), base-2 softmax with a running maximum. The split schedule, the workspace and the
 merge kernel are ``PagedDecodeAttention``'s.
 
+``fp8_split_kernel``: the same pattern for fp8 e4m3 pages (the baseline the compact formats are
+measured against, whose Triton kernel reaches only half of bf16's bandwidth efficiency): pages staged
+by zero-filling cp.async into padded rows, e4m3 pairs converted to f16 pairs in registers (Hopper has
+no e4m3 -> bf16 conversion), f16 products. About 460 instructions per 16-token page and warp (the
+compact kernel: 750 for half the bytes). Opt-in (``KernelConfig(gluon=True)`` for fp8 pages):
+written and compile-tested without a GPU, not yet run on one.
+
 Compiled only: Gluon has no interpreter mode, so the CPU tests run its decode math in PyTorch
 (``pair_index``, ``interleaved_pair_table``) and compile it for sm_90, and the GPU tests compare it
 with the reference (``paged_decode_ref``) and the Triton kernel. ``PagedDecodeAttention`` runs it
@@ -111,6 +118,34 @@ def pair_table_offset(y: torch.Tensor, i: int, lane: int) -> torch.Tensor:
     offset past the table's start): ``prmt`` selector 0x4440 + i (byte i, three zero bytes), times 128,
     plus 4 x lane."""
     return ((y >> (8 * i)) & 0xFF) * 128 + 4 * lane
+
+
+def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int, maxnreg: int | None = None):
+    """Compile a Gluon kernel of this module for sm_90 without a GPU (as the CPU tests do): arguments in
+    ``constexprs`` are constants, those in ``pointers`` have the given pointer types, other ``*_ptr``
+    arguments are int32 pointers, ``qk_scale`` fp32, the rest int32. Returns the compiled kernel and
+    the bytes ptxas spills (its own report of the PTX, as the driver would assemble it)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {n: "constexpr" if n in constexprs else pointers.get(
+        n, "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32") for n in kernel.arg_names}
+    k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/k.ptx"
+        with open(path, "w") as f:
+            f.write(k.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", path + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    return k, sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -488,6 +523,60 @@ def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_head
 
 
 @gluon.jit
+def _q_operand(q_ptr, seq, head, stride_qb, stride_qh, dtype: gl.constexpr, GROUP: gl.constexpr,
+               BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr):
+    """Q^T of the KV head's query heads (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
+    in ``dtype``, heads past the group 0."""
+    dq = _axis(HEAD_DIM, 1, 3, OPB)
+    gq = _axis(BLOCK_G, 2, 3, OPB)
+    wq = _axis(NW, 0, 3, OPB)
+    q_ptrs = q_ptr + seq.to(gl.int64) * stride_qb + (head * GROUP + gq) * stride_qh + dq + 0 * wq
+    return gl.load(q_ptrs, mask=(gq < GROUP) & (wq >= 0), other=0.0).to(dtype)
+
+
+@gluon.jit
+def _fresh_state(NW: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, MMA: gl.constexpr,
+                 HEADS: gl.constexpr):
+    """Each warp's softmax state before its first page: running max, mass and the fp32 sum of p v."""
+    return (gl.full([NW, BLOCK_G], NEG_BIG, gl.float32, layout=HEADS), gl.zeros([NW, BLOCK_G], gl.float32, layout=HEADS),
+            gl.zeros([NW, HEAD_DIM, BLOCK_G], gl.float32, layout=MMA))
+
+
+@gluon.jit
+def _softmax_step(s, valid, m_i, l_i):
+    """One page of the running base-2 softmax of each warp: logits ``s`` [NW, 16, BLOCK_G] (rows not
+    ``valid`` [NW, 16] get -inf), the running max and mass [NW, BLOCK_G]; the page's weights, the old
+    sum's rescale, the new max and mass."""
+    s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _store_split(m_i, l_i, acc, out_scale, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+                 GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, MMA: gl.constexpr,
+                 HEADS: gl.constexpr):
+    """The warps' softmax states merged and written to the split's workspace rows (max, mass and the
+    unnormalized sum times ``out_scale``), as ``paged_decode._paged_split_kernel`` writes them."""
+    m = gl.max(m_i, axis=0)
+    sc = gl.exp2(m_i - gl.expand_dims(m, 0))
+    l = gl.sum(l_i * sc, axis=0)
+    o = gl.sum(acc * gl.expand_dims(sc, 1), axis=0) * out_scale  # [HEAD_DIM, BLOCK_G], SliceLayout(0, MMA)
+    OL: gl.constexpr = gl.SliceLayout(0, MMA)
+    do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, OL)), 1)
+    go = gl.expand_dims(gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, OL)), 0)
+    ws_row = item * num_kv_heads * GROUP + head * GROUP + go
+    gl.store(ws_acc_ptr + ws_row.to(gl.int64) * HEAD_DIM + do, o, mask=(go < GROUP) & (do >= 0))
+    ML: gl.constexpr = gl.SliceLayout(0, HEADS)
+    gm = gl.arange(0, BLOCK_G, layout=ML)
+    ws_m_row = item * num_kv_heads * GROUP + head * GROUP + gm
+    gl.store(ws_m_ptr + ws_m_row, m, mask=gm < GROUP)
+    gl.store(ws_l_ptr + ws_m_row, l, mask=gm < GROUP)
+
+
+@gluon.jit
 def compact_split_kernel(
     q_ptr, bias_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr,
     work_seq_ptr, work_start_ptr, work_end_ptr,
@@ -548,12 +637,7 @@ def compact_split_kernel(
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.thread_barrier()
 
-    # Q^T (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
-    dq = _axis(HEAD_DIM, 1, 3, OPB)
-    gq = _axis(BLOCK_G, 2, 3, OPB)
-    wq = _axis(NW, 0, 3, OPB)
-    q_ptrs = q_ptr + seq.to(gl.int64) * stride_qb + (head * GROUP + gq) * stride_qh + dq + 0 * wq
-    q = gl.load(q_ptrs, mask=(gq < GROUP) & (wq >= 0), other=0.0).to(gl.bfloat16)
+    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB)
     g_h = _axis(BLOCK_G, 1, 2, HEADS)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + seq * (num_kv_heads * GROUP) + head * GROUP + g_h + 0 * _axis(NW, 0, 2, HEADS),
@@ -561,9 +645,7 @@ def compact_split_kernel(
     else:
         bias = gl.zeros([NW, BLOCK_G], gl.float32, layout=HEADS)
 
-    m_i = gl.full([NW, BLOCK_G], NEG_BIG, gl.float32, layout=HEADS)
-    l_i = gl.zeros([NW, BLOCK_G], gl.float32, layout=HEADS)
-    acc = gl.zeros([NW, HEAD_DIM, BLOCK_G], gl.float32, layout=MMA)
+    m_i, l_i, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
     bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
     lo = t0 - t0 % 16
     n_iter = gl.cdiv(t1 - lo, NW * 16)
@@ -627,11 +709,7 @@ def compact_split_kernel(
             s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
                               _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2, ROPE_CHUNKS, NW,
                               MMA, OPA, OPB) * qk_scale
-        s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _softmax_step(s, valid, m_i, l_i)
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
         if STAGES > 0:
             a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV)
@@ -656,18 +734,160 @@ def compact_split_kernel(
     gl.thread_barrier()
     tab._keep_alive()
 
-    # merge the warps' states
-    m = gl.max(m_i, axis=0)
-    sc = gl.exp2(m_i - gl.expand_dims(m, 0))
-    l = gl.sum(l_i * sc, axis=0)
-    o = gl.sum(acc * gl.expand_dims(sc, 1), axis=0)  # [HEAD_DIM, BLOCK_G], SliceLayout(0, MMA)
-    OL: gl.constexpr = gl.SliceLayout(0, MMA)
-    do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, OL)), 1)
-    go = gl.expand_dims(gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, OL)), 0)
-    ws_row = item * num_kv_heads * GROUP + head * GROUP + go
-    gl.store(ws_acc_ptr + ws_row.to(gl.int64) * HEAD_DIM + do, o, mask=(go < GROUP) & (do >= 0))
-    ML: gl.constexpr = gl.SliceLayout(0, HEADS)
-    gm = gl.arange(0, BLOCK_G, layout=ML)
-    ws_m_row = item * num_kv_heads * GROUP + head * GROUP + gm
-    gl.store(ws_m_ptr + ws_m_row, m, mask=gm < GROUP)
-    gl.store(ws_l_ptr + ws_m_row, l, mask=gm < GROUP)
+    _store_split(m_i, l_i, acc, 1.0, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr, GROUP, BLOCK_G,
+                 HEAD_DIM, MMA, HEADS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp8 pages (the baseline): the same schedule, pages staged by cp.async, e4m3 pairs converted to f16
+# ----------------------------------------------------------------------------------------------------
+
+# the e4m3 pair at shared byte offset $1 (two consecutive channels of a row) as f16x2
+_LDS_E4M3X2 = gl.constexpr("{ .reg .b16 h; .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
+                           "ld.shared.b16 h, [a]; cvt.rn.f16x2.e4m3x2 $0, h; }")
+@constexpr_function
+def _lds_e4m3_rows_asm(row_bytes):
+    """The e4m3 values at shared byte offsets $1 and $1 + row_bytes (one channel of two rows) as f16x2
+    ($1's in the low half)."""
+    return ("{ .reg .b16 h; .reg .u32 a, x, y; mov.u32 a, global_smem; add.u32 a, a, $1; "
+            f"ld.shared.u8 x, [a]; ld.shared.u8 y, [a+{row_bytes}]; "
+            "prmt.b32 x, x, y, 0x3340; cvt.u16.u32 h, x; cvt.rn.f16x2.e4m3x2 $0, h; }")
+# a 16-byte cp.async that zero-fills when $3 is 0 (the source size): rows past the split's end
+_CP_ASYNC_ZFILL = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
+                               "cp.async.cg.shared.global [a], [$2], 16, $3; mov.u32 $0, 0; }")
+
+
+@constexpr_function
+def _fp8_row(head_dim):
+    """Bytes per staged row: head_dim and 16 of padding, so that the rows the lanes read at one
+    column fall 4 banks apart (8 rows: all 32 banks) and a load's address is a lane part plus an
+    immediate."""
+    return head_dim + 16
+
+
+@gluon.jit
+def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, CPR: gl.constexpr, NCH: gl.constexpr,
+               NW: gl.constexpr, IL: gl.constexpr):
+    """cp.async of one fp8 page of K and of V (16 rows x 16 CPR bytes each, ``ok``/``ov`` their byte
+    offsets, ``first`` the page's first token, all [NW, 1, 1] in ``IL``) into the warp's slot at ``dst``
+    (K's rows, then V's, each row padded: ``_fp8_row``): chunk c = lane + 32 i; rows outside [t0, t1)
+    are zero-filled (positions a cache never wrote, past a sequence's end or the sinks' slots, may hold
+    NaN codes, and a softmax weight of 0 times NaN is NaN)."""
+    c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)  # 0 .. 32 CPR - 1: K's 16 CPR chunks, then V's
+    is_v = c >= 16 * CPR
+    cc = c % (16 * CPR)
+    row = cc // CPR
+    src = gl.where(is_v, v_pages_ptr + ov, k_pages_ptr + ok) + 16 * cc
+    size = gl.where((first + row >= t0) & (first + row < t1), 16, 0)
+    ROW: gl.constexpr = _fp8_row(16 * CPR)
+    off = dst + (is_v.to(gl.int32) * 16 + row) * ROW + (cc % CPR) * 16
+    _per_thread(_WARP_SYNC, NW)
+    gl.inline_asm_elementwise(_CP_ASYNC_ZFILL, "=r,r,l,r", [off, src, size], dtype=gl.int32, is_pure=False, pack=1)
+    _per_thread(_COMMIT, NW)
+
+
+@gluon.jit
+def _fp8_k_operand(slot, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPA: gl.constexpr):
+    """K [NW, 16, HEAD_DIM] f16 in the A-operand layout from the warp's staged page in ``slot``: the K
+    pair tensor of ``k_layout`` (channels 32 m + 8 i + 2 t + b of row 8 nh + nl), one 16-bit load and
+    one e4m3x2 conversion per pair."""
+    M: gl.constexpr = HEAD_DIM // 32
+    LK: gl.constexpr = k_layout(NW, M)
+    row = 8 * _axis(2, 1, 7, LK) + _axis(8, 2, 7, LK)
+    ch = 32 * _axis(M, 3, 7, LK) + 8 * _axis(4, 4, 7, LK) + 2 * _axis(4, 5, 7, LK)
+    addr = _slot_base(slot, 0, STAGES, 8 * _fp8_row(HEAD_DIM), NW, 7, LK) + row * _fp8_row(HEAD_DIM) + ch
+    val = gl.inline_asm_elementwise(_LDS_E4M3X2, "=r,r", [addr], dtype=gl.int32, is_pure=True, pack=1)
+    half = ((val >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+    return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
+
+
+@gluon.jit
+def _fp8_v_operand(slot, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPA: gl.constexpr):
+    """V^T [NW, HEAD_DIM, 16] f16 in the A-operand layout from the warp's staged page in ``slot`` (V
+    after K's 16 rows): the V pair tensor of ``v_layout`` (rows 8 th + 2 tl + e of channel
+    32 m + 16 i1 + 8 i0 + j), two byte loads, a byte permute and one conversion per row pair."""
+    M: gl.constexpr = HEAD_DIM // 32
+    LV: gl.constexpr = v_layout(NW, M)
+    ROW: gl.constexpr = _fp8_row(HEAD_DIM)
+    ch = 32 * _axis(M, 1, 8, LV) + 16 * _axis(2, 2, 8, LV) + 8 * _axis(2, 3, 8, LV) + _axis(8, 4, 8, LV)
+    row = 8 * _axis(2, 5, 8, LV) + 2 * _axis(4, 6, 8, LV)  # the pair's even row
+    a = _slot_base(slot, 0, STAGES, 8 * ROW, NW, 8, LV) + (16 + row) * ROW + ch
+    val = gl.inline_asm_elementwise(_lds_e4m3_rows_asm(ROW), "=r,r", [a], dtype=gl.int32, is_pure=True, pack=1)
+    half = ((val >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
+    return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, 16]), OPA, assert_trivial=True)
+
+
+@gluon.jit
+def fp8_split_kernel(
+    q_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr, work_seq_ptr, work_start_ptr, work_end_ptr,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr, k_scale_ptr, v_scale_ptr,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
+    num_kv_heads,
+    GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One split of one KV head over fp8 e4m3 pages ([num_blocks, kv_heads, block_size, head_dim], one
+    fp32 scale per KV head), as ``paged_decode._paged_split_kernel`` with ``PAGE_TYPE`` fp8 computes it,
+    on ``compact_split_kernel``'s pattern: transposed products on mma.sync, each warp on every NW-th
+    16-token page with its own softmax state, the pages staged STAGES - 1 ahead per warp by cp.async.
+    The e4m3 codes convert exactly to f16 (Hopper converts e4m3 pairs to f16 pairs, not bf16), so the
+    products are f16: q and the softmax weights are rounded to f16 (the Triton kernel rounds them to
+    bf16); the K scale multiplies the fp32 logits, the V scale the fp32 sum."""
+    NW: gl.constexpr = gl.num_warps()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, BLOCK_G]
+    ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, 16]
+    CPR: gl.constexpr = HEAD_DIM // 16  # 16-byte chunks per row
+    SLOT: gl.constexpr = 32 * _fp8_row(HEAD_DIM)  # bytes per slot: a K and a V page, padded rows
+    NCH: gl.constexpr = CPR  # chunks per lane: 32 CPR in all
+    IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+    PB: gl.constexpr = 16 * HEAD_DIM  # bytes per 16-token page of one head
+
+    item = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.load(work_seq_ptr + item)
+    t0 = gl.load(work_start_ptr + item)
+    t1 = gl.load(work_end_ptr + item)
+    # the staging slots, the kernel's only shared memory (offset 0)
+    stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.float16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB)
+    k_scale = gl.load(k_scale_ptr + head) * qk_scale
+    v_scale = gl.load(v_scale_ptr + head)
+    m_i, l_i, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
+    bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
+    lo = t0 - t0 % 16
+    n_iter = gl.cdiv(t1 - lo, NW * 16)
+    rr = _axis(16, 1, 2, ROWS)
+    for s0 in gl.static_range(STAGES - 1):
+        f = _tile_first(lo, s0, NW, 3, IL)
+        _fp8_issue(k_pages_ptr, v_pages_ptr, _page_offset(bt_row, f, t1, head, stride_kb, stride_kh, PB, BLOCK_SIZE),
+                   _page_offset(bt_row, f, t1, head, stride_vb, stride_vh, PB, BLOCK_SIZE), f, t0, t1,
+                   (_axis(NW, 0, 3, IL) * STAGES + s0) * SLOT, CPR, NCH, NW, IL)
+    sfirst = _tile_first(lo, STAGES - 1, NW, 3, IL)
+    sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB, BLOCK_SIZE)
+    sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB, BLOCK_SIZE)
+    for j in range(0, n_iter):
+        # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
+        _fp8_issue(k_pages_ptr, v_pages_ptr, sok, sov, sfirst, t0, t1,
+                   (_axis(NW, 0, 3, IL) * STAGES + (j + STAGES - 1) % STAGES) * SLOT, CPR, NCH, NW, IL)
+        sfirst = _tile_first(lo, j + STAGES, NW, 3, IL)
+        sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB, BLOCK_SIZE)
+        sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB, BLOCK_SIZE)
+        slot = _wait_stage(j % STAGES, STAGES - 1)
+        fr = _tile_first(lo, j, NW, 2, ROWS)
+        kk = _fp8_k_operand(slot, STAGES, HEAD_DIM, NW, OPA)
+        s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)) * k_scale
+        p, alpha, m_new, l_i = _softmax_step(s, (fr + rr >= t0) & (fr + rr < t1), m_i, l_i)
+        pt = gl.convert_layout(p.to(gl.float16), OPB)
+        vt = _fp8_v_operand(slot, STAGES, HEAD_DIM, NW, OPA)
+        acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
+        m_i = m_new
+    _wait_stage(0, 0)  # the copies past the split's end, before the merge's scratch may reuse their memory
+    stg._keep_alive()
+    gl.thread_barrier()
+    _store_split(m_i, l_i, acc, v_scale, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr, GROUP, BLOCK_G,
+                 HEAD_DIM, MMA, HEADS)
