@@ -285,22 +285,39 @@ def test_gluon_fp8_matches_reference_gpu(shape, block_size):
     sinks and a window; the slots past each sequence's end and the sinks' slots hold NaN codes (a
     cache's unwritten positions may), which must not reach the output (the kernel zero-fills rows
     outside each split)."""
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    launches = []
+    real = pg.fp8_split_kernel
+
+    class Counted:  # the Gluon kernel must be the one that ran
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
     Hq, Hkv, D = shape
     lens = [4096, 1, 777, 16384 + 5]
     for S, W in ((0, 0), (4, 128)):
         c = make_case(B=len(lens), Hq=Hq, Hkv=Hkv, D=D, lens=lens, page_type="fp8", block_size=block_size, S=S,
                       W=W, seed=S)
-        nan = torch.tensor(0x7F, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+        bound = TOL * vmax(c)  # before the NaN codes below (they are never read, but max() would see them)
+        k8, v8 = c["k"].view(torch.uint8), c["v"].view(torch.uint8)
         for b, L in enumerate(lens):
             last = c["bt"][b, (L - 1) // block_size].item()
-            c["k"][last, :, (L - 1) % block_size + 1:] = nan
-            c["v"][last, :, (L - 1) % block_size + 1:] = nan
+            k8[last, :, (L - 1) % block_size + 1:] = 0x7F  # an e4m3 NaN
+            v8[last, :, (L - 1) % block_size + 1:] = 0x7F
             first = c["bt"][b, 0].item()  # the sinks' positions: kept beside the pages, never written there
-            c["k"][first, :, :min(S, L)] = nan
-            c["v"][first, :, :min(S, L)] = nan
-        out = run_kernel(c, config=KernelConfig(gluon=True, gluon_min_work=0))
+            k8[first, :, :min(S, L)] = 0x7F
+            v8[first, :, :min(S, L)] = 0x7F
+        pg.fp8_split_kernel = Counted()
+        try:
+            out = run_kernel(c, config=KernelConfig(gluon=True, gluon_min_work=0))
+        finally:
+            pg.fp8_split_kernel = real
+        assert launches, "the Gluon fp8 kernel did not run"
         assert torch.isfinite(out).all()
-        assert_close(c, out, run_ref(c))
+        err = (out.double() - run_ref(c)).abs().max().item()
+        assert err <= bound, f"max error {err:.3g} > {bound:.3g}"
 
 
 _COMPILE_GLUON_FP8 = """
@@ -351,10 +368,11 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append(kwargs)
 
 
-@pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group"])
+@pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group", "bias", "one-warp"])
 def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch):
     """fp8 pages run the Gluon kernel only with ``KernelConfig(gluon=True)`` (off by default until it
-    has run on a GPU), a large enough step and an accumulator that fits; the Triton kernel otherwise.
+    has run on a GPU), a large enough step, an accumulator that fits, no logit bias and 2 warps or
+    more; the Triton kernel otherwise.
     (Both kernels replaced by recorders; the GPU simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
@@ -365,9 +383,10 @@ def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch):
     monkeypatch.setattr(pg, "fp8_split_kernel", glu)
     Hq = 64 if what == "wide-group" else 8  # a group of 32 at head_dim 64: 64 x 32 > GLUON_MAX_ACC
     c = make_case(B=2, Hq=Hq, Hkv=2, D=64, lens=[40, 200], page_type="fp8")
-    cfg = None if what == "default" else KernelConfig(block_n=32, gluon=True,
+    cfg = None if what == "default" else KernelConfig(block_n=32, gluon=True, gluon_warps=1 if what == "one-warp" else 8,
                                                       gluon_min_work=10**9 if what == "small-step" else 0)
-    run_kernel(c, config=cfg if cfg is not None else pd.DEFAULT_CONFIGS[pd.PAGE_FP8])
+    extra = {"logit_bias": torch.zeros(2, Hq, device=DEVICE)} if what == "bias" else {}
+    run_kernel(c, config=cfg if cfg is not None else pd.DEFAULT_CONFIGS[pd.PAGE_FP8], **extra)
     want = what == "gluon"
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want else (0, 1))
     if want:

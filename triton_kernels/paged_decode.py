@@ -1108,7 +1108,10 @@ class PagedDecodeAttention:
         gluon_tabs = None  # the Gluon kernel's pair tables (KernelConfig.gluon)
         # fp8 pages on the Gluon kernel (KernelConfig.gluon, off for fp8 by default: compiled and
         # CPU-tested only, not yet run on a GPU)
-        gluon_fp8 = (fp8 and cfg.gluon and not _interpreting() and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
+        # (no logit bias: the kernel has none; 2 warps at least: with one, no Triton op touches shared
+        # memory and ptxas loses the symbol the inline PTX addresses it by)
+        gluon_fp8 = (fp8 and cfg.gluon and not _interpreting() and logit_bias is None and cfg.gluon_warps >= 2
+                     and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
                      and D % 32 == 0 and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
                      and fp8_gluon_smem(D, cfg.gluon_warps, max(cfg.gluon_stages, 2)) <= GLUON_MAX_SMEM
                      and all(t.stride(2) == D and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0

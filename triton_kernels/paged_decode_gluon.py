@@ -832,8 +832,9 @@ def fp8_split_kernel(
     on ``compact_split_kernel``'s pattern: transposed products on mma.sync, each warp on every NW-th
     16-token page with its own softmax state, the pages staged STAGES - 1 ahead per warp by cp.async.
     The e4m3 codes convert exactly to f16 (Hopper converts e4m3 pairs to f16 pairs, not bf16), so the
-    products are f16: q and the softmax weights are rounded to f16 (the Triton kernel rounds them to
-    bf16); the K scale multiplies the fp32 logits, the V scale the fp32 sum."""
+    products are f16: q times sm_scale log2(e) and the softmax weights are rounded to f16 (the Triton
+    kernel rounds q and the weights to bf16); the K scale multiplies the fp32 logits, the V scale the
+    fp32 sum. No logit bias (PagedDecodeAttention runs the Triton kernel when there is one)."""
     NW: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -851,11 +852,13 @@ def fp8_split_kernel(
     seq = gl.load(work_seq_ptr + item)
     t0 = gl.load(work_start_ptr + item)
     t1 = gl.load(work_end_ptr + item)
-    # the staging slots, the kernel's only shared memory (offset 0)
+    # the staging slots at offset 0 (the merge's scratch reuses them after the loop)
     stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.float16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB)
-    k_scale = gl.load(k_scale_ptr + head) * qk_scale
+    # q times sm_scale log2(e) in f16 (|q| up to about 3.6e5 before f16 overflows, not 65504)
+    q = (_q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.float32, GROUP, BLOCK_G, HEAD_DIM, NW, OPB)
+         * qk_scale).to(gl.float16)
+    k_scale = gl.load(k_scale_ptr + head)
     v_scale = gl.load(v_scale_ptr + head)
     m_i, l_i, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
     bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
