@@ -125,9 +125,8 @@ class KernelConfig:
     gluon_maxnreg: int = 128
     gluon_ahead: int = 1
     # the Gluon kernel with the rotary-offset term too (``paged_decode_gluon._rope_logits``; GQA
-    # groups up to 8), on
-    # ``gluon_rope_warps`` warps (no register cap): on the H200 with 24 of 64 RoPE pairs from batch
-    # 8 x 128k up 1.5-1.7x (q4) and 1.1-1.4x (q3) faster than the Triton kernel (BENCHMARKS.md)
+    # groups up to 8), on ``gluon_rope_warps`` warps (no register cap): on the H200 with 24 of 64
+    # RoPE pairs from batch 8 x 128k up 1.5-1.7x (q4) and 1.1-1.4x (q3) faster than the Triton kernel
     gluon_rope: bool = True
     gluon_rope_warps: int = 16
     # ... and from this step size (2**22; at batch 8 x 32k x 8 heads and 70B TP8 64 x 32k the Triton
