@@ -24,3 +24,19 @@ def _haystack_from_tests(monkeypatch):
 def _single_thread_default(monkeypatch):
     # Tests pass threads explicitly where they care; keep the default deterministic and light.
     monkeypatch.setenv("WEIGHTSZIP_THREADS", os.environ.get("WEIGHTSZIP_THREADS", "2"))
+
+
+class _Launches:
+    """Stands in for a kernel: records each launch's keyword arguments (``kernel[grid](...)``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(kwargs)
+
+
+@pytest.fixture
+def launch_recorder():
+    """A factory of kernel stand-ins that record their launches (for tests of which kernel runs)."""
+    return _Launches

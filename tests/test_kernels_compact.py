@@ -370,19 +370,9 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     assert err <= 2.0**-6 * vmax, f"max error {err:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
 
 
-class _Launches:
-    """Stands in for a kernel: records each launch's constexprs (``kernel[grid](...)``)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append(kwargs)
-
-
 @pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-small-step", "wide-group",
                                   "rope-group-16", "config-off"])
-def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
+def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
     group <= GLUON_MAX_ACC) and the step is large enough (``gluon_min_work``; with the rotary term
@@ -391,7 +381,7 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch):
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
-    tri, glu = _Launches(), _Launches()
+    tri, glu = launch_recorder(), launch_recorder()
     monkeypatch.setattr(pd, "_interpreting", lambda: False)
     monkeypatch.setattr(pd, "_paged_split_kernel", tri)
     monkeypatch.setattr(pg, "compact_split_kernel", glu)

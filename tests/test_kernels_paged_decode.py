@@ -342,12 +342,12 @@ def test_gluon_fp8_kernel_compiles_for_hopper(case):
     """The Gluon fp8 kernel compiles for sm_90 without a GPU (a child process: this module runs Triton
     in its interpreter, which Gluon lacks): its operand layouts are asserted trivial at compile time,
     the pages come by zero-filling cp.async, e4m3 pairs convert to f16 pairs for f16 mma.sync, its
-    shared memory is the staging PagedDecodeAttention budgets for (``fp8_gluon_smem``), and at 8 warps
+    shared memory is the staging PagedDecodeAttention budgets for (``fp8_smem_bytes``), and at 8 warps
     and 128 registers ptxas spills nothing."""
     import subprocess
     import sys
 
-    from weightszip.kernels.paged_decode import fp8_gluon_smem
+    from weightszip.kernels.paged_decode_gluon import fp8_smem_bytes
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_FP8, *map(str, case)], capture_output=True, text=True,
@@ -355,21 +355,11 @@ def test_gluon_fp8_kernel_compiles_for_hopper(case):
     assert r.returncode == 0, r.stderr[-3000:]
     d, _, stages = case
     assert r.stdout.split()[-10:] == ["zfill", "True", "cvt", "True", "mma", "True", "shared",
-                                      str(fp8_gluon_smem(d, 8, stages)), "spills", "0"], r.stdout
-
-
-class _Recorder:
-    """Stands in for a kernel: records each launch's keyword arguments."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append(kwargs)
+                                      str(fp8_smem_bytes(d, 8, stages)), "spills", "0"], r.stdout
 
 
 @pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group", "bias", "one-warp"])
-def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch):
+def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch, launch_recorder):
     """fp8 pages run the Gluon kernel only with ``KernelConfig(gluon=True)`` (off by default until it
     has run on a GPU), a large enough step, an accumulator that fits, no logit bias and 2 warps or
     more; the Triton kernel otherwise.
@@ -377,7 +367,7 @@ def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch):
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
-    tri, glu = _Recorder(), _Recorder()
+    tri, glu = launch_recorder(), launch_recorder()
     monkeypatch.setattr(pd, "_interpreting", lambda: False)
     monkeypatch.setattr(pd, "_paged_split_kernel", tri)
     monkeypatch.setattr(pg, "fp8_split_kernel", glu)

@@ -76,12 +76,6 @@ GLUON_MAX_ACC = 1024
 GLUON_MAX_SMEM = 200 * 1024
 
 
-def fp8_gluon_smem(head_dim: int, num_warps: int, stages: int) -> int:
-    """Shared memory of the Gluon fp8 kernel's staging (``paged_decode_gluon.fp8_split_kernel``: a K and
-    a V page of 16 rows, each row head_dim bytes plus 16 of padding, per slot)."""
-    return num_warps * stages * 32 * (head_dim + 16)
-
-
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
 
@@ -946,6 +940,16 @@ class PagedDecodeAttention:
             self._pairs_cache[key] = torch.arange(half, dtype=torch.int32, device=device)
         return self._pairs_cache[key]
 
+    def _pair_order(self, bits: int, device):
+        """The Gluon kernel's pair-table order for ``bits`` (``interleaved_pair_order``), made once: plan()
+        makes it, so a run captured in a CUDA graph only gathers the tables."""
+        key = ("pair_order", bits, str(device))
+        if key not in self._pairs_cache:
+            from .paged_decode_gluon import interleaved_pair_order
+
+            self._pairs_cache[key] = interleaved_pair_order(bits, device)
+        return self._pairs_cache[key]
+
     # -- plan ------------------------------------------------------------------------------------------
     def _num_sms(self) -> int:
         if self.device.type == "cuda":
@@ -1018,6 +1022,9 @@ class PagedDecodeAttention:
             ws_l=torch.empty(n_tot * self.num_kv_heads * g, dtype=torch.float32, device=dev),
             ws_acc=torch.empty(n_tot * self.num_kv_heads * g * self.head_dim, dtype=torch.float32, device=dev),
         )
+        if self.page_type == PAGE_COMPACT and dev.type == "cuda":
+            for bits in {self.k_bits, self.v_bits} & {2, 3, 4}:
+                self._pair_order(bits, dev)
         return {"items": int(seq_of.size), "split_tokens": split_tokens,
                 "paged_tokens": int(n_paged.sum())}
 
@@ -1109,12 +1116,16 @@ class PagedDecodeAttention:
         # CPU-tested only, not yet run on a GPU)
         # (no logit bias: the kernel has none; 2 warps at least: with one, no Triton op touches shared
         # memory and ptxas loses the symbol the inline PTX addresses it by)
+        fp8_stages = max(cfg.gluon_stages, 2)
         gluon_fp8 = (fp8 and cfg.gluon and not _interpreting() and logit_bias is None and cfg.gluon_warps >= 2
                      and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
                      and D % 32 == 0 and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
-                     and fp8_gluon_smem(D, cfg.gluon_warps, max(cfg.gluon_stages, 2)) <= GLUON_MAX_SMEM
                      and all(t.stride(2) == D and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
                              and t.stride(1) % 16 == 0 for t in (k_pages, v_pages)))
+        if gluon_fp8:
+            from .paged_decode_gluon import fp8_smem_bytes
+
+            gluon_fp8 = fp8_smem_bytes(D, cfg.gluon_warps, fp8_stages) <= GLUON_MAX_SMEM
         if compact:
             for name, t, bits in (("k_codebook", k_codebook, self.k_bits), ("v_codebook", v_codebook, self.v_bits)):
                 _check(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16)
@@ -1132,7 +1143,8 @@ class PagedDecodeAttention:
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
                 from .paged_decode_gluon import interleaved_pair_table
 
-                gluon_tabs = interleaved_pair_table(k_codebook), interleaved_pair_table(v_codebook)
+                gluon_tabs = (interleaved_pair_table(k_codebook, self._pair_order(self.k_bits, k_codebook.device)),
+                              interleaved_pair_table(v_codebook, self._pair_order(self.v_bits, v_codebook.device)))
             elif not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
                 lut_bits = min(self.config.reg_lut_bits, 4) if not _interpreting() else 0
@@ -1202,7 +1214,7 @@ class PagedDecodeAttention:
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
-                STAGES=max(cfg.gluon_stages, 2), num_warps=cfg.gluon_warps,
+                STAGES=fp8_stages, num_warps=cfg.gluon_warps,
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
         elif pl["n_items"] and gluon_tabs is not None:
             from . import paged_decode_gluon as pg

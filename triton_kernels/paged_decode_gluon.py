@@ -39,7 +39,7 @@ merge kernel are ``PagedDecodeAttention``'s.
 ``fp8_split_kernel``: the same pattern for fp8 e4m3 pages (the baseline the compact formats are
 measured against, whose Triton kernel reaches only half of bf16's bandwidth efficiency): pages staged
 by zero-filling cp.async into padded rows, e4m3 pairs converted to f16 pairs in registers (Hopper has
-no e4m3 -> bf16 conversion), f16 products. About 460 instructions per 16-token page and warp (the
+no e4m3 -> bf16 conversion), f16 products. About 470 instructions per 16-token page and warp (the
 compact kernel: 750 for half the bytes). Opt-in (``KernelConfig(gluon=True)`` for fp8 pages):
 written and compile-tested without a GPU, not yet run on one.
 
@@ -66,16 +66,22 @@ NEG_BIG = gl.constexpr(-1.0e30)
 _LDS = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
 
 
-def interleaved_pair_table(codebook: torch.Tensor) -> torch.Tensor:
+def interleaved_pair_order(bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each interleaved pair code x (4**bits), the codes a, b whose bits it interleaves (bit 2 p of
+    x is bit p of a, bit 2 p + 1 bit p of b), as index tensors on ``device`` (device ops only)."""
+    x = torch.arange(1 << 2 * bits, device=device)
+    return (sum(((x >> 2 * p) & 1) << p for p in range(bits)),
+            sum(((x >> 2 * p + 1) & 1) << p for p in range(bits)))
+
+
+def interleaved_pair_table(codebook: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """int32 [H, 4**bits] from a codebook [H, 2**bits] (bits <= 4): entry ``x`` holds the bf16 bits of
-    ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half, where bit ``2 p`` of ``x``
-    is bit ``p`` of ``a`` and bit ``2 p + 1`` bit ``p`` of ``b`` (the order ``pair_index`` makes);
-    ``paged_decode.compact_pair_table`` packs the same pairs in code order. Device ops only (no host
-    to device copy), so a decode step that builds it can be captured in a CUDA graph."""
-    bits = codebook.shape[1].bit_length() - 1
-    x = torch.arange(1 << 2 * bits, device=codebook.device)
-    a = sum(((x >> 2 * p) & 1) << p for p in range(bits))
-    b = sum(((x >> 2 * p + 1) & 1) << p for p in range(bits))
+    ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half (``interleaved_pair_order``,
+    the order ``pair_index`` makes; pass it to skip recomputing it); ``paged_decode.compact_pair_table``
+    packs the same pairs in code order. Device ops only (no host to device copy), so a decode step
+    that builds it can be captured in a CUDA graph."""
+    a, b = order if order is not None else interleaved_pair_order(codebook.shape[1].bit_length() - 1,
+                                                                   codebook.device)
     u = _bf16_bits(codebook)
     return _as_int32(u[:, a] | (u[:, b] << 16))
 
@@ -257,6 +263,15 @@ def _per_thread(asm: gl.constexpr, NW: gl.constexpr):
 
 
 @gluon.jit
+def _cp_async_group(asm: gl.constexpr, dst, src, arg, NW: gl.constexpr):
+    """One commit group of 16-byte cp.async (``asm``: to shared byte ``dst`` from ``src``, ``arg`` its
+    predicate or source size) after a warp barrier (the slot's last readers are this warp's lanes)."""
+    _per_thread(_WARP_SYNC, NW)
+    gl.inline_asm_elementwise(asm, "=r,r,l,r", [dst, src, arg], dtype=gl.int32, is_pure=False, pack=1)
+    _per_thread(_COMMIT, NW)
+
+
+@gluon.jit
 def _issue_stage(k_pages_ptr, v_pages_ptr, ok, ov, dst, NK: gl.constexpr, NV: gl.constexpr, NCH: gl.constexpr,
                  NW: gl.constexpr, IL: gl.constexpr):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``) into
@@ -266,9 +281,7 @@ def _issue_stage(k_pages_ptr, v_pages_ptr, ok, ov, dst, NK: gl.constexpr, NV: gl
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
     src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
     on = (c < NK + NV).to(gl.int32) + 0 * ok.to(gl.int32)
-    _per_thread(_WARP_SYNC, NW)
-    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [dst + 16 * c, src, on], dtype=gl.int32, is_pure=False, pack=1)
-    _per_thread(_COMMIT, NW)
+    _cp_async_group(_CP_ASYNC, dst + 16 * c, src, on, NW)
 
 
 @gluon.jit
@@ -283,21 +296,6 @@ def _staged_plane(base, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr)
     """Word m of bit plane p of rows ``r`` from a staged page at shared byte ``base`` (derived from
     ``_wait_stage``'s result), relaid out to ``L``."""
     return gl.convert_layout(_lds(base + p * (64 * M) + r * (4 * M) + 4 * m), L, assert_trivial=True)
-
-
-@gluon.jit
-def _staged_planes(base, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
-    """``_planes`` from a staged page."""
-    w0 = _staged_plane(base, r, m, 0, M, L)
-    w1 = _staged_plane(base, r, m, 1, M, L)
-    w2 = w1
-    w3 = w1
-    if BITS > 2:
-        w2 = _staged_plane(base, r, m, 2, M, L)
-        w3 = w2
-    if BITS > 3:
-        w3 = _staged_plane(base, r, m, 3, M, L)
-    return w0, w1, w2, w3
 
 
 @gluon.jit
@@ -346,17 +344,26 @@ def _plane(pages_ptr, poff, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.conste
 
 
 @gluon.jit
-def _planes(pages_ptr, poff, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
-    """Bit planes 0..BITS-1 (2 to 4; the ones past BITS repeat the last, unused)."""
-    w0 = _plane(pages_ptr, poff, r, m, 0, M, L)
-    w1 = _plane(pages_ptr, poff, r, m, 1, M, L)
+def _plane_or_staged(pages_ptr, off, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr):
+    if STAGED:
+        return _staged_plane(off, r, m, p, M, L)
+    else:
+        return _plane(pages_ptr, off, r, m, p, M, L)
+
+
+@gluon.jit
+def _planes(pages_ptr, off, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr = False):
+    """Bit planes 0..BITS-1 (2 to 4; the ones past BITS repeat the last, unused) of the page at byte
+    ``off`` of the pool, or (``STAGED``) at shared byte ``off``."""
+    w0 = _plane_or_staged(pages_ptr, off, r, m, 0, M, L, STAGED)
+    w1 = _plane_or_staged(pages_ptr, off, r, m, 1, M, L, STAGED)
     w2 = w1
     w3 = w1
     if BITS > 2:
-        w2 = _plane(pages_ptr, poff, r, m, 2, M, L)
+        w2 = _plane_or_staged(pages_ptr, off, r, m, 2, M, L, STAGED)
         w3 = w2
     if BITS > 3:
-        w3 = _plane(pages_ptr, poff, r, m, 3, M, L)
+        w3 = _plane_or_staged(pages_ptr, off, r, m, 3, M, L, STAGED)
     return w0, w1, w2, w3
 
 
@@ -392,7 +399,7 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 7, LW)
-    return _staged_planes(base, r, _axis(M, 3, 7, LW), BITS, M, LK)
+    return _planes(None, base, r, _axis(M, 3, 7, LW), BITS, M, LK, True)
 
 
 @gluon.jit
@@ -402,7 +409,7 @@ def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.c
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW) + K_BYTES
-    return _staged_planes(base, r, _axis(M, 1, 8, LW), BITS, M, LV)
+    return _planes(None, base, r, _axis(M, 1, 8, LW), BITS, M, LV, True)
 
 
 # rotate right by $2 mod 32 (a funnel shift of the word with itself)
@@ -765,6 +772,12 @@ def _fp8_row(head_dim):
     return head_dim + 16
 
 
+def fp8_smem_bytes(head_dim: int, num_warps: int, stages: int) -> int:
+    """Shared memory of ``fp8_split_kernel``'s staging: a K and a V page of 16 padded rows
+    (``_fp8_row``) per slot, ``stages`` slots per warp."""
+    return num_warps * stages * 32 * _fp8_row(head_dim)
+
+
 @gluon.jit
 def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, CPR: gl.constexpr, NCH: gl.constexpr,
                NW: gl.constexpr, IL: gl.constexpr):
@@ -781,9 +794,7 @@ def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, CPR: gl.con
     size = gl.where((first + row >= t0) & (first + row < t1), 16, 0)
     ROW: gl.constexpr = _fp8_row(16 * CPR)
     off = dst + (is_v.to(gl.int32) * 16 + row) * ROW + (cc % CPR) * 16
-    _per_thread(_WARP_SYNC, NW)
-    gl.inline_asm_elementwise(_CP_ASYNC_ZFILL, "=r,r,l,r", [off, src, size], dtype=gl.int32, is_pure=False, pack=1)
-    _per_thread(_COMMIT, NW)
+    _cp_async_group(_CP_ASYNC_ZFILL, off, src, size, NW)
 
 
 @gluon.jit
