@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
 KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
            "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+triton", "q3.5+triton", "q3+triton",
-           "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton", "fp8+gluon")
+           "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton", "fp8+triton", "fp8+gluon")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
@@ -75,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--write", action="store_true", help="time the compact cache-write kernel")
     p.add_argument("--compact-sweep", default=COMPACT_SWEEP,
                    help="--tune-compact's configurations: block_n:warps:stages:cuda_dot,...")
-    # (not by default: the rotary kinds, and the Gluon fp8 kernel until it has run on a GPU)
+    # "fp8": the fp8 default (the Gluon kernel from KernelConfig.gluon_min_work of work); "fp8+triton":
+    # the Triton kernel; "fp8+gluon": the Gluon kernel at any size (not by default, nor the rotary kinds)
     p.add_argument("--kernels", default=",".join(k for k in KERNELS if "+rope" not in k and k != "fp8+gluon"),
                    help=f"comma-separated, of {', '.join(KERNELS)}")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
@@ -438,11 +439,12 @@ def main(argv=None):
                     change = {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})}
                     cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, **change})
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
-            elif kind == "fp8+gluon":  # the Gluon fp8 kernel (opt-in: KernelConfig.gluon)
+            elif kind in ("fp8+gluon", "fp8+triton"):  # the fp8 default with the Gluon kernel forced / off
                 from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
                 from weightszip.kernels.paged_decode import PAGE_FP8
 
-                cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, "gluon": True})
+                change = {"gluon": True, "gluon_min_work": 0} if kind == "fp8+gluon" else {"gluon": False}
+                cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, **change})
                 t, nb, info = time_paged("fp8", B, L, Hq, Hkv, D, args.rep, gen, cfg)
             else:
                 t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One launch of each kernel named on the command line, for Nsight Compute (nothing is timed here):
 ``exact`` (the exact-page decoder on 268 MB of real pages, 32 and 64 pages per program) and the
-decode-attention split kernel for ``fp8``, ``q4``, ``q3.5`` or ``q3`` (the Gluon kernel; ``+triton``: the
+decode-attention split kernel for ``fp8`` (``fp8+gluon``: the Gluon fp8 kernel), ``q4``, ``q3.5`` or ``q3`` (the Gluon kernel; ``+triton``: the
 Triton one) at the Llama-3.1-8B shape,
 batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
 
@@ -41,9 +41,13 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
-    if kind == "fp8":
+    if kind in ("fp8", "fp8+gluon"):
+        from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+        from weightszip.kernels.paged_decode import PAGE_FP8
+
         k, v, bt = make_paged(B, L, Hkv, D, torch.float8_e4m3fn, gen)
-        attn = PagedDecodeAttention(Hq, Hkv, D, page_type="fp8", device="cuda")
+        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, "gluon": kind == "fp8+gluon"})
+        attn = PagedDecodeAttention(Hq, Hkv, D, page_type="fp8", device="cuda", config=cfg)
         attn.plan([L] * B, bt)
         s = torch.full((Hkv,), 1 / 64, device="cuda")
         attn.run(q, k, v, k_scale=s, v_scale=s)
@@ -64,7 +68,7 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz", help="real KV sets (for exact)")
-    ap.add_argument("kernels", nargs="+", choices=["exact", "fp8", *COMPACT])
+    ap.add_argument("kernels", nargs="+", choices=["exact", "fp8", "fp8+gluon", *COMPACT])
     args = ap.parse_args()
     for k in args.kernels:
         exact(args.kv) if k == "exact" else attention(k)

@@ -274,7 +274,7 @@ def test_real_shapes_gpu(page_type, shape):
         assert_close(c, out, run_ref(c))
 
 
-# -- the Gluon fp8 kernel (paged_decode_gluon.fp8_split_kernel; opt-in: KernelConfig(gluon=True)) ------
+# -- the Gluon fp8 kernel (paged_decode_gluon.fp8_split_kernel; KernelConfig(gluon=True), the fp8 default) --
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
@@ -359,9 +359,9 @@ def test_gluon_fp8_kernel_compiles_for_hopper(case):
 
 
 @pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group", "bias", "one-warp"])
-def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch, launch_recorder):
-    """fp8 pages run the Gluon kernel only with ``KernelConfig(gluon=True)`` (off by default until it
-    has run on a GPU), a large enough step, an accumulator that fits, no logit bias and 2 warps or
+def test_gluon_fp8_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
+    """fp8 pages run the Gluon kernel with ``KernelConfig(gluon=True)`` (the default), a large enough
+    step (the default's ``gluon_min_work``), an accumulator that fits, no logit bias and 2 warps or
     more; the Triton kernel otherwise.
     (Both kernels replaced by recorders; the GPU simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
@@ -376,8 +376,11 @@ def test_gluon_fp8_kernel_is_chosen_only_when_asked(what, monkeypatch, launch_re
     cfg = None if what == "default" else KernelConfig(block_n=32, gluon=True, gluon_warps=1 if what == "one-warp" else 8,
                                                       gluon_min_work=10**9 if what == "small-step" else 0)
     extra = {"logit_bias": torch.zeros(2, Hq, device=DEVICE)} if what == "bias" else {}
-    run_kernel(c, config=cfg if cfg is not None else pd.DEFAULT_CONFIGS[pd.PAGE_FP8], **extra)
-    want = what == "gluon"
+    default = pd.DEFAULT_CONFIGS[pd.PAGE_FP8]
+    run_kernel(c, config=cfg if cfg is not None else default, **extra)
+    assert default.gluon
+    want = what == "gluon" or (what == "default" and (40 + 200) * 2 >= default.gluon_min_work)
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want else (0, 1))
     if want:
-        assert glu.calls[0]["STAGES"] == cfg.gluon_stages and glu.calls[0]["num_warps"] == cfg.gluon_warps
+        used = cfg if cfg is not None else default
+        assert glu.calls[0]["STAGES"] == used.gluon_stages and glu.calls[0]["num_warps"] == used.gluon_warps

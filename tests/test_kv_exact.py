@@ -315,8 +315,7 @@ def _paged_pair(real, lens, seed=0):
 @pytest.mark.parametrize("lens,split", [([150, 40, 97], 64), ([33], None), ([16, 17, 300], 32)])
 def test_attention_bit_identical_to_bf16_pages(real, lens, split):
     """KV Exact pages give the output of the same kernel over the uncompressed bf16 pages bit for
-    bit (here; at head_dim 128 on the H200 Triton feeds the compiled kernels' tensor cores in a
-    different k order and the last bits differ: BENCHMARKS.md, "KV Exact")."""
+    bit (compiled, both take the same tensor-core operand layouts: the test below)."""
     c = _paged_pair(real, lens)
     outs = {}
     for pt in ("bf16", "exact"):
@@ -333,6 +332,45 @@ def test_attention_bit_identical_to_bf16_pages(real, lens, split):
                            k_side=c["ks"].cpu(), v_side=c["vs"].cpu())
     vmax = float(c["vp"].float().abs().max())
     assert (outs["exact"].cpu().double() - ref).abs().max() <= 2**-8 * vmax + 2**-8 * ref.abs().max()
+
+
+_COMPILE_OPERANDS = """
+import re
+from weightszip.kernels.paged_decode import DEFAULT_CONFIGS, PAGE_EXACT, _paged_split_kernel
+from weightszip.kernels.paged_decode_gluon import compile_for_hopper
+
+cfg = DEFAULT_CONFIGS[PAGE_EXACT]
+for d, group in ((128, 4), (64, 3)):
+    for page_type, pages in ((0, "*bf16"), (3, "*u8")):
+        const = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=d, BLOCK_SIZE=16, BLOCK_N=cfg.block_n, PAGE_TYPE=page_type,
+                     HAS_BIAS=False, BITS_K=4, BITS_V=4, CUDA_DOT=False, FAST_TRIG=page_type == 3)
+        ptrs = {"q_ptr": "*bf16", "k_pages_ptr": pages, "v_pages_ptr": pages, "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
+                "ws_acc_ptr": "*fp32", "k_off_ptr": "*i64", "v_off_ptr": "*i64", "k_cb_ptr": "*u8", "v_cb_ptr": "*u8"}
+        k, _ = compile_for_hopper(_paged_split_kernel, const, ptrs, cfg.num_warps, num_stages=cfg.num_stages)
+        dots = re.findall(r"= tt\\.dot .*", k.asm["ttgir"])
+        print(d, page_type, len(dots), "|".join(sorted(set(re.findall(r"#ttg\\.dot_op<[^>]*>", " ".join(dots))))))
+"""
+
+
+def test_compiled_exact_tiles_feed_the_tensor_cores_as_bf16_pages_do():
+    """Compiled for sm_90 (a child process, without a GPU), the KV Exact kernel's two products take
+    the tensor-core operand layouts of the same kernel over bf16 pages: Triton picks the layout's k
+    grouping (kWidth) from the narrowest load behind an operand, here the pages' uint8 raw bytes,
+    which gave the exact tiles a different k order inside each mma.sync and so different fp32
+    roundings on the H200 (BENCHMARKS.md, "KV Exact"); ``_exact_decode`` hides them behind a copy."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_OPERANDS], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split(maxsplit=3) for line in r.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 4, r.stdout
+    got = {(int(d), int(pt)): (n, ops) for d, pt, n, ops in rows}
+    for d in (128, 64):
+        assert got[(d, 3)] == got[(d, 0)], got
+        assert got[(d, 0)][0] == "2" and "kWidth = 2" in got[(d, 0)][1], got
 
 
 def test_attention_argument_checks(real):

@@ -102,9 +102,9 @@ class KernelConfig:
     # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
     # in registers (a per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
-    # fp8 pages: ``gluon`` runs ``paged_decode_gluon.fp8_split_kernel`` (with ``gluon_warps``,
-    # ``gluon_stages`` (at least 2), ``gluon_maxnreg``, ``gluon_min_work``); off in the fp8 default
-    # until it has run on a GPU.
+    # fp8 pages, compiled only: ``gluon`` runs ``paged_decode_gluon.fp8_split_kernel`` (with
+    # ``gluon_warps``, ``gluon_stages`` (at least 2), ``gluon_maxnreg``, ``gluon_min_work``); on in the
+    # fp8 default (H200: 1.3-1.7x faster than the Triton kernel from batch 8 x 32k up, BENCHMARKS.md).
     # compact pages, compiled only: the Gluon split kernel (``paged_decode_gluon``) where it applies
     # (widths up to 4, the rotary term if ``gluon_rope``, head_dim x padded GQA group <= GLUON_MAX_ACC;
     # else the Triton kernel with the fields above): ``gluon_warps``
@@ -160,7 +160,12 @@ class KernelConfig:
 # over four grid points among the sweep in that script (benchmarks/results/decode_attention.json).
 DEFAULT_CONFIGS = {
     PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
-    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024),
+    # fp8: the Gluon kernel where it applies, at any step size (H200, `box/dec_fp8gluon.json`,
+    # `box/s10_run31/dec_fp8_small.json`: 0.59-0.90 of the read bandwidth against the Triton kernel's
+    # 0.44-0.54 from batch 8 x 32k x 8 heads up; at 70B TP8 batch 8 as fast or 3% faster), else the
+    # Triton kernel with these fields
+    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024, gluon=True,
+                           gluon_min_work=0),
     # `bench_decode_attention.py --tune-compact` (2026-11-30): 128 tokens/step, 4 warps, 1 stage (the
     # next tile's planes are prefetched by hand; 2 stages would stage the codebook gathers through
     # shared memory), tensor-core products (CUDA-core products 6-11x slower). On the GPU the Gluon
@@ -446,6 +451,12 @@ def _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_D
     base = tl.load(base_ptr + head * HEAD_DIM + offs_d).to(tl.int32)
     e = tl.where(esc, e_esc, base[None, :] - codes)
     bits = ((raw & 0x80) << 8) | (e << 7) | (raw & 0x7F)
+    if FAST:
+        # A copy the compiler may not look through (not pure): Triton picks the tensor-core operand
+        # layout (kWidth) from the narrowest load behind a dot operand, here the uint8 raw bytes,
+        # which would give these tiles (and q) another k order inside each mma than bf16 pages get,
+        # so other fp32 roundings. Behind the copy the tiles count as 16-bit values, as bf16 pages.
+        bits = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [bits], dtype=tl.int32, is_pure=False, pack=1)
     x = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return tl.where(valid[:, None], x, 0.0)
 
@@ -1112,8 +1123,7 @@ class PagedDecodeAttention:
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
         gluon_tabs = None  # the Gluon kernel's pair tables (KernelConfig.gluon)
-        # fp8 pages on the Gluon kernel (KernelConfig.gluon, off for fp8 by default: compiled and
-        # CPU-tested only, not yet run on a GPU)
+        # fp8 pages on the Gluon kernel (KernelConfig.gluon)
         # (no logit bias: the kernel has none; 2 warps at least: with one, no Triton op touches shared
         # memory and ptxas loses the symbol the inline PTX addresses it by)
         fp8_stages = max(cfg.gluon_stages, 2)

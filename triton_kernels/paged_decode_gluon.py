@@ -126,11 +126,13 @@ def pair_table_offset(y: torch.Tensor, i: int, lane: int) -> torch.Tensor:
     return ((y >> (8 * i)) & 0xFF) * 128 + 4 * lane
 
 
-def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int, maxnreg: int | None = None):
-    """Compile a Gluon kernel of this module for sm_90 without a GPU (as the CPU tests do): arguments in
-    ``constexprs`` are constants, those in ``pointers`` have the given pointer types, other ``*_ptr``
-    arguments are int32 pointers, ``qk_scale`` fp32, the rest int32. Returns the compiled kernel and
-    the bytes ptxas spills (its own report of the PTX, as the driver would assemble it)."""
+def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int, maxnreg: int | None = None,
+                       num_stages: int | None = None):
+    """Compile a Gluon kernel of this module (or a Triton one) for sm_90 without a GPU (as the CPU tests
+    do): arguments in ``constexprs`` are constants, those in ``pointers`` have the given pointer types,
+    other ``*_ptr`` arguments are int32 pointers, ``qk_scale`` fp32, the rest int32. Returns the
+    compiled kernel and the bytes ptxas spills (its own report of the PTX, as the driver would
+    assemble it)."""
     import re
     import subprocess
     import tempfile
@@ -138,13 +140,16 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int,
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     sig = {n: "constexpr" if n in constexprs else pointers.get(
         n, "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32") for n in kernel.arg_names}
-    k = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=constexprs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})})
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+               **({"num_stages": num_stages} if num_stages else {})}
+    k = triton.compile(source(fn=kernel, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                       options=options)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/k.ptx"
         with open(path, "w") as f:
