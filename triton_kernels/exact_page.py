@@ -346,9 +346,12 @@ def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, bu
     # The kernel writes raw bytes and code words; zero the rest first: the header (its padding)
     # and each page's last 8 bytes (the up to 4 bytes that pad it to 8; the kernel then writes
     # any code word among them).
+    # (index_fill_, not ``b64[idx] = 0``: assigning a Python number copies it to the GPU as a tensor
+    # from pageable memory, a host wait for the stream's queued work, twice per call; profiled on
+    # the H200 in offload: 105 ms of 214 ms in stream synchronizations.)
     b64 = buf.view(torch.int64)
-    b64[(offsets[:-1, None] // 8 + torch.arange(H // 8, device=dev)).reshape(-1)] = 0
-    b64[offsets[1:] // 8 - 1] = 0
+    b64.index_fill_(0, (offsets[:-1, None] // 8 + torch.arange(H // 8, device=dev)).reshape(-1), 0)
+    b64.index_fill_(0, offsets[1:] // 8 - 1, 0)
     # Headers: u16 word counts at each page's start.
     buf.view(torch.int16)[(offsets[:-1, None] // 2 + torch.arange(S, device=dev)).reshape(-1)] = words.reshape(-1).to(torch.int16)
     _encode_kernel[(triton.cdiv(n, block_pages), S)](

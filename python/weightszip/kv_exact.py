@@ -51,6 +51,16 @@ def _check(cond: bool, msg: str) -> None:
         raise InvalidArgumentError(msg)
 
 
+def _to_device(x, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (lists, numpy) on ``device`` without a host wait: on CUDA through pinned memory and
+    a non-blocking copy (a copy from pageable memory waits for the stream's queued work, so every
+    index array of a decode step would hold the host until the GPU caught up)."""
+    t = torch.as_tensor(x, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _bases(bases, channels: int) -> bytes:
     b = bases.detach().cpu().numpy() if isinstance(bases, torch.Tensor) else np.asarray(bases)
     _check(b.dtype == np.uint8 and b.size == channels, f"bases must be {channels} uint8 window tops")
@@ -470,14 +480,14 @@ class KVExactCache:
         L0 = self.length[layer, seqs]
         _check(bool((L0 + T <= self.max_pages * PAGE).all()), f"a sequence would exceed {self.max_pages * PAGE} tokens")
         k, v = k.to(self.device), v.to(self.device)
-        rows = torch.as_tensor(seqs, device=self.device)
+        rows = _to_device(seqs, self.device)
         # Pages completed by this append: per sequence, ring positions of its open page + new tokens.
         r = L0 % PAGE
         nfull = (r + T) // PAGE
         if nfull.any():
             if T == 1:  # a decode step: the completing sequences' rings hold 15 tokens of the page
                 c = np.flatnonzero(nfull)
-                ct = torch.as_tensor(c, device=self.device)
+                ct = _to_device(c, self.device)
                 pk = self.ring[layer, 0, rows[ct]].clone()
                 pv = self.ring[layer, 1, rows[ct]].clone()
                 pk[:, PAGE - 1], pv[:, PAGE - 1] = k[ct, 0], v[ct, 0]
@@ -495,7 +505,7 @@ class KVExactCache:
             self._store_pages(layer, where, pk, pv)
         # ring: positions max(L0, L0 + T - 16) .. L0 + T - 1 at slot p % 16, all sequences at once
         keep = min(T, PAGE)
-        slots = (torch.as_tensor(L0, device=self.device)[:, None] + (T - keep)
+        slots = (_to_device(L0, self.device)[:, None] + (T - keep)
                  + torch.arange(keep, device=self.device)[None, :]) % PAGE
         self.ring[layer, 0][rows[:, None], slots] = k[:, T - keep:]
         self.ring[layer, 1][rows[:, None], slots] = v[:, T - keep:]
@@ -516,7 +526,7 @@ class KVExactCache:
                 new_blocks.append((s, j))
         blocks_np = np.asarray([self._bt[s, j] for s, j in where], dtype=np.int64)
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
-        blocks_t = torch.as_tensor(blocks_np, device=self.device)
+        blocks_t = _to_device(blocks_np, self.device)
         encoded, placed, new_bases = [], [], {}
         kernel = _write_kernels(self.device, self.H, self.D) if self.write_kernels else None
         try:
@@ -543,11 +553,11 @@ class KVExactCache:
         for kind, bases in new_bases.items():
             self.bases[layer, kind] = bases
             self._calibrated[layer, kind] = True
-        seq_idx = torch.as_tensor([s for s, _ in where], device=self.device)
-        page_idx = torch.as_tensor([j for _, j in where], device=self.device)
+        seq_idx = _to_device([s for s, _ in where], self.device)
+        page_idx = _to_device([j for _, j in where], self.device)
         self.block_table[seq_idx, page_idx] = blocks_t.to(torch.int32)
         for kind, (enc, (offs, sizes)) in enumerate(zip(encoded, placed)):
-            offs_t = torch.as_tensor(offs, device=self.device)
+            offs_t = _to_device(offs, self.device)
             if kernel:
                 kernel.write_pages(enc[0], enc[1], enc[2], offs_t, self.heap.buf)
             else:
@@ -576,9 +586,9 @@ class KVExactCache:
                 rows_np.append(s)
                 cols_np.append(j)
         if rows_np:
-            self.block_table[torch.as_tensor(rows_np, device=self.device), torch.as_tensor(cols_np, device=self.device)] = \
-                torch.as_tensor(self._bt[rows_np, cols_np], dtype=torch.int32, device=self.device)
-        rows = torch.as_tensor(seqs, device=self.device)
+            self.block_table[_to_device(rows_np, self.device), _to_device(cols_np, self.device)] = \
+                _to_device(self._bt[rows_np, cols_np], self.device, torch.int32)
+        rows = _to_device(seqs, self.device)
         self._planned = (np.asarray(seqs), lens)
         self._bt_rows = self.block_table[rows].contiguous()
         return self.attn.plan(lens, self._bt_rows)
@@ -593,7 +603,7 @@ class KVExactCache:
         seqs, lens = self._planned
         _check(bool((self.length[layer, seqs] == lens).all()),
                f"layer {layer}: the sequences' lengths differ from the planned ones (append first)")
-        ring = self.ring[layer][:, torch.as_tensor(seqs, device=self.device)]
+        ring = self.ring[layer][:, _to_device(seqs, self.device)]
         if reference:
             from weightszip.kernels import PagedDecodeAttention
             from weightszip.kernels.paged_decode import dequantize_exact_pages

@@ -236,18 +236,51 @@ def digest(values: torch.Tensor) -> torch.Tensor:
     return (rows * _weights(n, x.device)).sum()
 
 
+class _Digests:
+    """Each chunk's digest written into its slot of a device tensor as the chunk is processed, and
+    all of them moved to pinned host memory by one kernel queued after the last (``read`` after the
+    streams are synchronized): no stack of scalars and device-to-host copy after the last chunk,
+    which cost about 0.5 ms of host time at the end of a restore (H200 profile)."""
+
+    def __init__(self, n: int, device: torch.device, pinned: bool):
+        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pinned) if device.type != "cpu" else self.dev
+
+    def put(self, i: int, values: torch.Tensor) -> None:
+        self.dev[i : i + 1] = digest(values)
+
+    def collect(self) -> None:
+        """Queue the move to host memory on the current stream (after the last ``put``)."""
+        if self.host is not self.dev:
+            from weightszip.kernels.regions import POST_MAX, post
+
+            for a in range(0, self.dev.numel(), POST_MAX):
+                post(self.dev[a : a + POST_MAX], self.host[a : a + POST_MAX])
+
+    def read(self) -> list[int]:
+        return self.host.tolist()
+
+
 # --- streams --------------------------------------------------------------------------------
 
 
+_STREAM_PAIRS: dict = {}
+
+
 class _Streams:
-    """A compute and a copy stream on CUDA; no-ops elsewhere (the Triton interpreter, tests)."""
+    """A compute and a copy stream on CUDA; no-ops elsewhere (the Triton interpreter, tests).
+    The same two streams for every call on a device: torch's caching allocator keeps freed blocks
+    for the stream they were allocated on, so new streams per call would cudaMalloc the staging
+    and ring buffers (hundreds of MB) again on every call, before the first copy could start."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.cur = torch.cuda.current_stream(device)
-            self.comp = torch.cuda.Stream(device)
-            self.copy = torch.cuda.Stream(device)
+            key = device.index if device.index is not None else torch.cuda.current_device()
+            if key not in _STREAM_PAIRS:
+                _STREAM_PAIRS[key] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self.comp, self.copy = _STREAM_PAIRS[key]
             # Work the caller queued on its stream (the pages, the output) comes first.
             self.comp.wait_stream(self.cur)
             self.copy.wait_stream(self.cur)
@@ -376,7 +409,8 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
 
     ring = [None] * nslots
     max_pages = max(b - a for a, b in plan)
-    d2h_done, digests = [], []
+    d2h_done = []
+    digests = _Digests(len(plan), dev, st.cuda)
     size_pass(0)
     for i, (a, b) in enumerate(plan):
         if i + 1 < len(plan):
@@ -404,15 +438,17 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
             buf[t:nr].zero_()
             layouts[i] = None  # its offsets are in the buffer now
             enc_done = st.record("comp")
-            digests.append(digest(pages_gpu[a:b]))
+            digests.put(i, pages_gpu[a:b])
         region = _host_region(host, nr, session)
         with st.on("copy"):
             st.wait("copy", enc_done)
             region.copy_(buf[:nr], non_blocking=True)
             d2h_done.append(st.record("copy"))
         session.chunks.append(Chunk(a, b - a, nb, region, 0))
+    with st.on("comp"):
+        digests.collect()
     st.finish()
-    for c, d in zip(session.chunks, torch.stack(digests).cpu().tolist()):
+    for c, d in zip(session.chunks, digests.read()):
         c.digest = int(d)
     return session
 
@@ -442,10 +478,14 @@ def _rust_encode_chunk(codec, vals: torch.Tensor, tids: np.ndarray, start: int, 
 # --- restore --------------------------------------------------------------------------------
 
 
-def _chunk_parts(c: Chunk):
-    """(page bytes, offsets int64, table ids int32) views of a chunk region (on its device)."""
+def _check_region(c: Chunk) -> None:
     if c.host.numel() < c.region_bytes:
         raise TruncatedError(f"chunk at page {c.start}: {c.host.numel()} bytes, expected {c.region_bytes}")
+
+
+def _chunk_parts(c: Chunk):
+    """(page bytes, offsets int64, table ids int32) views of a chunk region (on its device)."""
+    _check_region(c)
     o = c.nbytes
     offs = c.host[o : o + 8 * (c.n_pages + 1)].view(torch.int64)
     t = o + 8 * (c.n_pages + 1)
@@ -490,12 +530,13 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
     slack = _staging_slack(codec.channels)
     size = max(c.region_bytes for c in chunks) + slack
     for c in chunks:
-        _chunk_parts(c)  # region sizes, before anything is queued
+        _check_region(c)  # region sizes, before anything is queued
     st = _Streams(dev)
     with st.on("copy"):  # allocated on the copy stream: its first use
         staging = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(min(depth, len(chunks)))]
     nslots = len(staging)
-    copied, decoded, digests = [None] * len(chunks), [None] * len(chunks), []
+    copied, decoded = [None] * len(chunks), [None] * len(chunks)
+    digests = _Digests(len(chunks), dev, st.cuda) if verify else None
 
     def issue_copy(i):
         with st.on("copy"):
@@ -521,11 +562,14 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
             dst = out16[c.start : c.start + c.n_pages]
             decode_into(buf, offs, tables, dst, tids, block_pages)  # ids clamped above: no host read
             if verify:
-                digests.append(digest(dst))
+                digests.put(i, dst)
             decoded[i] = st.record("comp")
+    if verify:
+        with st.on("comp"):
+            digests.collect()
     st.finish()
     if verify:
-        for c, d in zip(chunks, torch.stack(digests).cpu().tolist()):
+        for c, d in zip(chunks, digests.read()):
             if int(d) != c.digest:
                 raise ChecksumMismatchError(f"chunk of pages {c.start}..{c.start + c.n_pages}: decoded pages differ from the offloaded ones")
     return out_pages_gpu
