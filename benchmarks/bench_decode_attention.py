@@ -75,8 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--write", action="store_true", help="time the compact cache-write kernel")
     p.add_argument("--compact-sweep", default=COMPACT_SWEEP,
                    help="--tune-compact's configurations: block_n:warps:stages:cuda_dot,...")
-    # "fp8": the fp8 default (the Gluon kernel from KernelConfig.gluon_min_work of work); "fp8+triton":
-    # the Triton kernel; "fp8+gluon": the Gluon kernel at any size (not by default, nor the rotary kinds)
+    # "fp8": the fp8 default (the Gluon kernel where it applies); "fp8+triton": the Triton kernel;
+    # "fp8+gluon": the Gluon kernel with gluon_min_work 0 (the default's value now; not by default,
+    # nor the rotary kinds)
     p.add_argument("--kernels", default=",".join(k for k in KERNELS if "+rope" not in k and k != "fp8+gluon"),
                    help=f"comma-separated, of {', '.join(KERNELS)}")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")

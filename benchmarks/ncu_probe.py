@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """One launch of each kernel named on the command line, for Nsight Compute (nothing is timed here):
 ``exact`` (the exact-page decoder on 268 MB of real pages, 32 and 64 pages per program) and the
-decode-attention split kernel for ``fp8`` (``fp8+gluon``: the Gluon fp8 kernel), ``q4``, ``q3.5`` or ``q3`` (the Gluon kernel; ``+triton``: the
+decode-attention split kernel for ``fp8`` (the default: the Gluon fp8 kernel; ``fp8+triton``: the Triton one), ``q4``, ``q3.5`` or ``q3`` (the Gluon kernel; ``+triton``: the
 Triton one) at the Llama-3.1-8B shape,
 batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
 
-    ncu --clock-control none -k regex:"_decode_kernel|_paged_split_kernel|compact_split_kernel" -c 8 \\
+    ncu --clock-control none -k regex:"_decode_kernel|_paged_split_kernel|compact_split_kernel|fp8_split_kernel" -c 8 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \\
         python benchmarks/ncu_probe.py --kv .boxdata/kv_pages_subset.npz exact fp8 q4 q3 > ncu.txt
@@ -41,12 +41,12 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
-    if kind in ("fp8", "fp8+gluon"):
+    if kind in ("fp8", "fp8+triton"):
         from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
         from weightszip.kernels.paged_decode import PAGE_FP8
 
         k, v, bt = make_paged(B, L, Hkv, D, torch.float8_e4m3fn, gen)
-        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, "gluon": kind == "fp8+gluon"})
+        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, "gluon": kind == "fp8"})
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="fp8", device="cuda", config=cfg)
         attn.plan([L] * B, bt)
         s = torch.full((Hkv,), 1 / 64, device="cuda")
@@ -68,7 +68,7 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz", help="real KV sets (for exact)")
-    ap.add_argument("kernels", nargs="+", choices=["exact", "fp8", "fp8+gluon", *COMPACT])
+    ap.add_argument("kernels", nargs="+", choices=["exact", "fp8", "fp8+triton", *COMPACT])
     args = ap.parse_args()
     for k in args.kernels:
         exact(args.kv) if k == "exact" else attention(k)

@@ -358,11 +358,12 @@ def test_gluon_fp8_kernel_compiles_for_hopper(case):
                                       str(fp8_smem_bytes(d, 8, stages)), "spills", "0"], r.stdout
 
 
-@pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group", "bias", "one-warp"])
+@pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group", "group16", "head32", "bias",
+                                  "one-warp"])
 def test_gluon_fp8_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """fp8 pages run the Gluon kernel with ``KernelConfig(gluon=True)`` (the default), a large enough
-    step (the default's ``gluon_min_work``), an accumulator that fits, no logit bias and 2 warps or
-    more; the Triton kernel otherwise.
+    step (the default's ``gluon_min_work``), head_dim 64 or 128 and a GQA group up to 8 (the shapes
+    its GPU tests cover), no logit bias and 2 warps or more; the Triton kernel otherwise.
     (Both kernels replaced by recorders; the GPU simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
@@ -371,8 +372,9 @@ def test_gluon_fp8_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_r
     monkeypatch.setattr(pd, "_interpreting", lambda: False)
     monkeypatch.setattr(pd, "_paged_split_kernel", tri)
     monkeypatch.setattr(pg, "fp8_split_kernel", glu)
-    Hq = 64 if what == "wide-group" else 8  # a group of 32 at head_dim 64: 64 x 32 > GLUON_MAX_ACC
-    c = make_case(B=2, Hq=Hq, Hkv=2, D=64, lens=[40, 200], page_type="fp8")
+    # a group of 32 at head_dim 64: 64 x 32 > GLUON_MAX_ACC; a group of 16 fits it but has not run on a GPU
+    Hq = {"wide-group": 64, "group16": 32}.get(what, 8)
+    c = make_case(B=2, Hq=Hq, Hkv=2, D=32 if what == "head32" else 64, lens=[40, 200], page_type="fp8")
     cfg = None if what == "default" else KernelConfig(block_n=32, gluon=True, gluon_warps=1 if what == "one-warp" else 8,
                                                       gluon_min_work=10**9 if what == "small-step" else 0)
     extra = {"logit_bias": torch.zeros(2, Hq, device=DEVICE)} if what == "bias" else {}

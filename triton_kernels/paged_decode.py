@@ -33,8 +33,11 @@ Read me first:
 * **Numerics.** Products on the tensor cores with bf16 operands (q, page values, and the softmax
   weights rounded to bf16, as flash attention does), every sum in fp32, the softmax in base 2 with the
   running maximum (log-sum-exp merge of the splits). fp8 codes convert to bf16 exactly; the fp8 scale
-  multiplies the fp32 logits and the fp32 output sum. The stated tolerance against the fp64 reference
-  (``paged_decode_ref``) is in ``tests/test_kernels_paged_decode.py``.
+  multiplies the fp32 logits and the fp32 output sum. On the GPU fp8 pages run the Gluon kernel
+  (``paged_decode_gluon.fp8_split_kernel``) where it applies, whose products are f16 (Hopper converts
+  e4m3 to f16): q times sm_scale log2(e) and the softmax weights are rounded to f16 instead of bf16
+  (3 more mantissa bits; q must stay below about 3.6e5 in magnitude, where f16 overflows). The stated
+  tolerance against the fp64 reference (``paged_decode_ref``) is in ``tests/test_kernels_paged_decode.py``.
 * **Schedule.** ``plan()`` cuts each sequence's paged range into splits of ``split_tokens`` tokens
   (a multiple of ``BLOCK_N``; chosen so that the grid fills the GPU a few times over) and lays out one
   work item per split; the split kernel runs a program per (work item, KV head), all the query heads
@@ -1127,9 +1130,11 @@ class PagedDecodeAttention:
         # (no logit bias: the kernel has none; 2 warps at least: with one, no Triton op touches shared
         # memory and ptxas loses the symbol the inline PTX addresses it by)
         fp8_stages = max(cfg.gluon_stages, 2)
+        # (head_dim 64 or 128 and groups up to 8: the shapes its GPU tests run; others compile for
+        # sm_90 but have not run on a GPU)
         gluon_fp8 = (fp8 and cfg.gluon and not _interpreting() and logit_bias is None and cfg.gluon_warps >= 2
-                     and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
-                     and D % 32 == 0 and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
+                     and D in (64, 128) and G <= 8 and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
+                     and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
                      and all(t.stride(2) == D and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
                              and t.stride(1) % 16 == 0 for t in (k_pages, v_pages)))
         if gluon_fp8:

@@ -40,8 +40,9 @@ merge kernel are ``PagedDecodeAttention``'s.
 measured against, whose Triton kernel reaches only half of bf16's bandwidth efficiency): pages staged
 by zero-filling cp.async into padded rows, e4m3 pairs converted to f16 pairs in registers (Hopper has
 no e4m3 -> bf16 conversion), f16 products. About 470 instructions per 16-token page and warp (the
-compact kernel: 750 for half the bytes). Opt-in (``KernelConfig(gluon=True)`` for fp8 pages):
-written and compile-tested without a GPU, not yet run on one.
+compact kernel: 750 for half the bytes). The fp8 default on the GPU (``KernelConfig.gluon``; on the
+H200 0.59-0.90 of read bandwidth against the Triton kernel's 0.44-0.54, BENCHMARKS.md) for head_dim
+64 or 128 and GQA groups up to 8, the shapes its GPU tests cover; the Triton kernel otherwise.
 
 Compiled only: Gluon has no interpreter mode, so the CPU tests run its decode math in PyTorch
 (``pair_index``, ``interleaved_pair_table``) and compile it for sm_90, and the GPU tests compare it
@@ -143,6 +144,15 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int,
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
+    import inspect
+
+    # constexpr parameters not given take their defaults, as at a launch (else they would compile
+    # as i32 arguments: another kernel than the one that runs)
+    constexprs = {**{p.name: p.default for p in kernel.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs}
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise ValueError(f"compile_for_hopper: no value for constexpr parameters {missing}")
     sig = {n: "constexpr" if n in constexprs else pointers.get(
         n, "*i32" if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32") for n in kernel.arg_names}
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource

@@ -96,4 +96,6 @@ def post(src: torch.Tensor, dst: torch.Tensor) -> None:
     _check(dst.device == src.device or dst.is_pinned() or src.device.type == "cpu",
            "dst must be on src's device or in pinned host memory")
     if n:
-        _post_kernel[(1,)](src, dst, n, BLOCK=triton.next_power_of_2(n), num_warps=1)
+        # one block size for every n: a variant per power of two would compile on first use, on the
+        # critical path of the first offload or restore with a new chunk count
+        _post_kernel[(1,)](src, dst, n, BLOCK=POST_MAX, num_warps=1)

@@ -188,7 +188,7 @@ def _pipelined(device: torch.device, chunks, first, second, *, copy_first: bool 
 
     if not chunks:
         return
-    st = _Streams(device)
+    st = _Streams(device, "kv-exact-restore" if copy_first else "kv-exact-offload")
     roles = ("copy", "comp") if copy_first else ("comp", "copy")
     size = max(c[3] for c in chunks)
     bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(chunks)))]
@@ -420,6 +420,7 @@ class KVExactCache:
         self.attn = PagedDecodeAttention(num_q_heads, kv_heads, head_dim, page_type="exact", block_size=PAGE,
                                          window=PAGE, sm_scale=sm_scale, config=config, device=self.device)
         self._planned: tuple[np.ndarray, np.ndarray] | None = None
+        self._rows: torch.Tensor | None = None
 
     # -- sequences -------------------------------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -590,6 +591,7 @@ class KVExactCache:
                 _to_device(self._bt[rows_np, cols_np], self.device, torch.int32)
         rows = _to_device(seqs, self.device)
         self._planned = (np.asarray(seqs), lens)
+        self._rows = rows  # attend() reads every layer's ring at these rows
         self._bt_rows = self.block_table[rows].contiguous()
         return self.attn.plan(lens, self._bt_rows)
 
@@ -603,7 +605,7 @@ class KVExactCache:
         seqs, lens = self._planned
         _check(bool((self.length[layer, seqs] == lens).all()),
                f"layer {layer}: the sequences' lengths differ from the planned ones (append first)")
-        ring = self.ring[layer][:, _to_device(seqs, self.device)]
+        ring = self.ring[layer][:, self._rows]
         if reference:
             from weightszip.kernels import PagedDecodeAttention
             from weightszip.kernels.paged_decode import dequantize_exact_pages
@@ -749,7 +751,7 @@ class KVExactCache:
         if direct:
             from weightszip.offload import _Streams
 
-            st = _Streams(self.device)
+            st = _Streams(self.device, "kv-exact-restore")
             with st.on("copy"):
                 self.heap.buf[top:top + total].copy_(off.data, non_blocking=True)
         try:

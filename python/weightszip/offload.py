@@ -243,7 +243,8 @@ class _Digests:
     which cost about 0.5 ms of host time at the end of a restore (H200 profile)."""
 
     def __init__(self, n: int, device: torch.device, pinned: bool):
-        self.dev = torch.zeros(n, dtype=torch.int64, device=device)
+        # (made on the stream that writes the slots: every slot is written before collect())
+        self.dev = torch.empty(n, dtype=torch.int64, device=device)
         self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pinned) if device.type != "cpu" else self.dev
 
     def put(self, i: int, values: torch.Tensor) -> None:
@@ -269,15 +270,18 @@ _STREAM_PAIRS: dict = {}
 
 class _Streams:
     """A compute and a copy stream on CUDA; no-ops elsewhere (the Triton interpreter, tests).
-    The same two streams for every call on a device: torch's caching allocator keeps freed blocks
-    for the stream they were allocated on, so new streams per call would cudaMalloc the staging
-    and ring buffers (hundreds of MB) again on every call, before the first copy could start."""
+    The same two streams for every call of one ``role`` on a device: torch's caching allocator
+    keeps freed blocks for the stream they were allocated on, so new streams per call would
+    cudaMalloc the staging and ring buffers (hundreds of MB) again on every call, before the first
+    copy could start. One pair per role (offload, restore, KV Exact moves), so that an offload and a
+    restore running at once keep their own copy streams (the two bus directions overlap); calls of
+    the same role from several threads queue behind each other on its streams."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, role: str):
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.cur = torch.cuda.current_stream(device)
-            key = device.index if device.index is not None else torch.cuda.current_device()
+            key = (device.index if device.index is not None else torch.cuda.current_device(), role)
             if key not in _STREAM_PAIRS:
                 _STREAM_PAIRS[key] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
             self.comp, self.copy = _STREAM_PAIRS[key]
@@ -382,7 +386,7 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
 
     dev = pages_gpu.device
     tables = codec.tables(dev)
-    st = _Streams(dev)
+    st = _Streams(dev, "offload")
     plan = plan_chunks(n, chunk_pages)
 
     def bits(a, b):  # a chunk's 16-bit patterns (a view unless the pages are strided)
@@ -410,7 +414,8 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
     ring = [None] * nslots
     max_pages = max(b - a for a, b in plan)
     d2h_done = []
-    digests = _Digests(len(plan), dev, st.cuda)
+    with st.on("comp"):
+        digests = _Digests(len(plan), dev, st.cuda)
     size_pass(0)
     for i, (a, b) in enumerate(plan):
         if i + 1 < len(plan):
@@ -531,12 +536,13 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
     size = max(c.region_bytes for c in chunks) + slack
     for c in chunks:
         _check_region(c)  # region sizes, before anything is queued
-    st = _Streams(dev)
+    st = _Streams(dev, "restore")
     with st.on("copy"):  # allocated on the copy stream: its first use
         staging = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(min(depth, len(chunks)))]
     nslots = len(staging)
     copied, decoded = [None] * len(chunks), [None] * len(chunks)
-    digests = _Digests(len(chunks), dev, st.cuda) if verify else None
+    with st.on("comp"):
+        digests = _Digests(len(chunks), dev, st.cuda) if verify else None
 
     def issue_copy(i):
         with st.on("copy"):
