@@ -134,6 +134,7 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int,
     other ``*_ptr`` arguments are int32 pointers, ``qk_scale`` fp32, the rest int32. Returns the
     compiled kernel and the bytes ptxas spills (its own report of the PTX, as the driver would
     assemble it)."""
+    import inspect
     import re
     import subprocess
     import tempfile
@@ -143,8 +144,6 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int,
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
-
-    import inspect
 
     # constexpr parameters not given take their defaults, as at a launch (else they would compile
     # as i32 arguments: another kernel than the one that runs)
