@@ -75,6 +75,28 @@ def test_triton_both_directions_bit_exact(real_kv, dtype):
     assert torch.equal(ep.stream_bits(t_in, tb), _ref_bits(t_in, tb))
 
 
+@pytest.mark.parametrize("channels", [32, 96])
+def test_triton_encoder_writes_every_byte(real_kv, channels):
+    """``encode_into`` writes every byte of its pages (headers, their padding, raw bytes, code words,
+    the padding to ``align``) into a buffer full of garbage, for align 8, 16 and 32: the bytes equal
+    the Rust encoder's with the same align. (96 channels: 3 streams, a header of 6 bytes padded to 8;
+    32: 1 stream, 2 bytes padded to 8.)"""
+    x, p = _pages(real_kv, layer=1, kind=1, channels=channels)
+    p = p[:3]
+    cb = pages.calibrate(x[32:], "bfloat16")
+    tb = ep.PageTables.from_codebook(cb)
+    t_in = torch.from_numpy(p.view(np.int16).copy())
+    tids = torch.zeros(len(p), dtype=torch.int32)
+    for align in (8, 16, 32):
+        want, woffs = pages.encode_pages(cb, p, align)
+        layout = ep.page_layout(t_in, tb, tids, align)
+        assert (layout[1].numpy() == woffs).all(), align
+        buf = torch.full((len(want) + 64,), 0xAB, dtype=torch.uint8)
+        ep.encode_into(t_in, tb, tids, buf, layout, block_pages=2, align=align)
+        assert bytes(buf[: len(want)].numpy()) == want, align
+        assert (buf[len(want):] == 0xAB).all(), align  # nothing past the last page
+
+
 def _ref_bits(values, tb):
     lens = (tb.enc[0] & 31).to(torch.int64)
     v = values.to(torch.int32) & 0xFFFF
@@ -156,3 +178,37 @@ def test_hostile_inputs_raise_typed_errors(real_kv):
             pages.decode_pages(cb, junk, [0, len(junk)])
         except CorruptDataError:
             pass
+
+
+_COMPILE_CODEC = """
+from weightszip.kernels import exact_page as ep, regions
+from weightszip.kernels.paged_decode_gluon import compile_for_hopper
+
+enc = {"vals_ptr": "*i64", "enc_ptr": "*i32", "buf32_ptr": "*i32", "buf16_ptr": "*i16", "off_ptr": "*i64",
+       "words_ptr": "*i32", "wstart_ptr": "*i32", "tid_ptr": "*i32"}
+for c, s, h, tail in ((1024, 32, 64, 1), (96, 3, 8, 3)):
+    _, a = compile_for_hopper(ep._layout_kernel, dict(C=c, S=s, SP=32, H=h, ALIGN=4 * (tail + 1), IS_BF16=True),
+                              {"vals_ptr": "*i16", "enc_ptr": "*i32", "tid_ptr": "*i32", "words_ptr": "*i32",
+                               "wstart_ptr": "*i32", "size_ptr": "*i64"}, 4)
+    _, b = compile_for_hopper(ep._encode_kernel, dict(C=c, S=s, H=h, TAIL_WORDS=tail, IS_BF16=True, BLOCK_PAGES=64),
+                              enc, 2)
+    print("spills", a, b)
+k, w = compile_for_hopper(regions._weighted_sum_kernel, dict(ROWS=16, BLOCK=1024),
+                          {"x_ptr": "*i64", "a_ptr": "*i64", "b_ptr": "*i64", "out_ptr": "*i64"}, 4)
+print("spills", w, 0, "atomic", "atom.global.gpu.acq_rel.add.u64" in k.asm["ptx"])
+"""
+
+
+def test_codec_kernels_compile_for_hopper():
+    """The encoder's layout and encode kernels (headers and padding written in the kernel) and the
+    offload's digest kernel compile for sm_90 without a GPU (a child process: this module runs
+    Triton in its interpreter), without spills, the digest with a 64-bit atomic add."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_CODEC], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("spills")]
+    assert [ln[1:3] for ln in lines] == [["0", "0"]] * 3 and lines[-1][-1] == "True", r.stdout

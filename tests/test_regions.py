@@ -91,3 +91,27 @@ def test_post_refuses_bad_arguments():
     if DEVICE == "cuda":
         with pytest.raises(InvalidArgumentError, match="pinned"):
             post(src, torch.zeros(4, dtype=torch.int64))  # pageable host memory: not for a kernel
+
+
+@pytest.mark.parametrize("n,w", [(1, 1), (37, 4096), (40, 1500), (16, 1024)])
+def test_weighted_sum_equals_the_reference(n, w):
+    """The offload's digest kernel: int64 products and sums modulo 2**64, added into out, for row
+    counts around its 16 rows per program and widths around its 1024-word block; and on the offload's
+    digest itself (kernel on a GPU, reference elsewhere) against a big-integer sum."""
+    from weightszip import offload as ol
+    from weightszip.kernels.regions import weighted_sum
+    from weightszip.kernels.regions_ref import weighted_sum_ref
+
+    rng = np.random.default_rng(n * w)
+    t = lambda a: torch.from_numpy(a).to(DEVICE)  # noqa: E731
+    x = t(rng.integers(-(2**63), 2**63 - 1, (n, w), dtype=np.int64))
+    a, b = t(ol._splitmix_odd(w)), t(ol._splitmix_odd(n))
+    out = t(np.array([12345], np.int64))
+    want = out.clone()
+    weighted_sum(x, a, b, out)
+    weighted_sum_ref(x, a, b, want)
+    exact = (sum(int(v) * int(u) for v, u in zip(x.cpu().numpy().astype(object) @ a.cpu().numpy().astype(object),
+                                                 b.cpu().numpy().astype(object))) + 12345) % 2**64
+    assert torch.equal(out, want) and int(out) % 2**64 == exact
+    with pytest.raises(InvalidArgumentError):
+        weighted_sum(x.int(), a, b, out)

@@ -85,18 +85,9 @@ def _split(v, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _stream_bits_kernel(
-    vals_ptr,  # int16 [n, 16, C]
-    enc_ptr,  # int32 [C, 257]
-    bits_ptr,  # int32 [n, S]
-    tid_ptr,  # int32 [n] codebook of each page
-    C: tl.constexpr,
-    S: tl.constexpr,
-    SP: tl.constexpr,  # next power of two >= S
-    IS_BF16: tl.constexpr,
-):
-    # One program per page: bits of every stream = sum of its code lengths.
-    p = tl.program_id(0).to(tl.int64)
+def _page_stream_bits(vals_ptr, enc_ptr, tid_ptr, p, C: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                      IS_BF16: tl.constexpr):
+    # Bits of every stream of page p (int64) = the sum of its code lengths; [SP], 0 past S.
     enc_ptr += tl.load(tid_ptr + p).to(tl.int64) * (C * 257)
     t = tl.arange(0, 16)[:, None, None]
     s = tl.arange(0, SP)[None, :, None]
@@ -109,9 +100,52 @@ def _stream_bits_kernel(
     esc = tl.load(enc_ptr + c * 257 + 256, mask=m, other=0)
     ln = tl.where((e & 31) == 0, (esc & 31) + 8, e & 31)
     ln = tl.where(m, ln, 0)
-    bits = tl.sum(tl.sum(ln, axis=2), axis=0)
+    return tl.sum(tl.sum(ln, axis=2), axis=0)
+
+
+@triton.jit
+def _stream_bits_kernel(
+    vals_ptr,  # int16 [n, 16, C]
+    enc_ptr,  # int32 [C, 257]
+    bits_ptr,  # int32 [n, S]
+    tid_ptr,  # int32 [n] codebook of each page
+    C: tl.constexpr,
+    S: tl.constexpr,
+    SP: tl.constexpr,  # next power of two >= S
+    IS_BF16: tl.constexpr,
+):
+    # One program per page: bits of every stream = sum of its code lengths.
+    p = tl.program_id(0).to(tl.int64)
+    bits = _page_stream_bits(vals_ptr, enc_ptr, tid_ptr, p, C, S, SP, IS_BF16)
     sv = tl.arange(0, SP)
     tl.store(bits_ptr + p * S + sv, bits, mask=sv < S)
+
+
+@triton.jit
+def _layout_kernel(
+    vals_ptr,  # int16 [n, 16, C]
+    enc_ptr,  # int32 [C, 257]
+    tid_ptr,  # int32 [n] codebook of each page
+    words_ptr,  # int32 [n, S] out: words of each stream
+    wstart_ptr,  # int32 [n, S] out: each stream's first word in the page's code region
+    size_ptr,  # int64 [n + 1] out: 0, then each page's size padded to ALIGN (offsets once summed)
+    C: tl.constexpr,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    H: tl.constexpr,
+    ALIGN: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
+    # One program per page: pass 1 of the encoder in one launch (page_layout).
+    p = tl.program_id(0).to(tl.int64)
+    words = (_page_stream_bits(vals_ptr, enc_ptr, tid_ptr, p, C, S, SP, IS_BF16) + 31) // 32
+    sv = tl.arange(0, SP)
+    tl.store(words_ptr + p * S + sv, words, mask=sv < S)
+    tl.store(wstart_ptr + p * S + sv, tl.cumsum(words, 0) - words, mask=sv < S)
+    size = H + 16 * C + 4 * tl.sum(words, 0).to(tl.int64)
+    tl.store(size_ptr + p + 1, (size + ALIGN - 1) // ALIGN * ALIGN)
+    if p == 0:
+        tl.store(size_ptr, size * 0)
 
 
 @triton.jit
@@ -165,26 +199,40 @@ def _encode_kernel(
     vals_ptr,  # int64 view of int16 [n, 16, C] (4 values per element)
     enc_ptr,  # int32 [C, 257]
     buf32_ptr,  # int32 view of the output buffer
+    buf16_ptr,  # int16 view of the same buffer (headers)
     off_ptr,  # int64 [n + 1] page offsets in bytes (multiples of 8)
+    words_ptr,  # int32 [n, S] words of each stream
     wstart_ptr,  # int32 [n, S] first word of each stream, relative to the page's code region
     tid_ptr,  # int32 [n] codebook of each page
     n_pages,
     C: tl.constexpr,
     S: tl.constexpr,
     H: tl.constexpr,
+    TAIL_WORDS: tl.constexpr,  # most 4-byte words that pad a page to its alignment
     IS_BF16: tl.constexpr,
     BLOCK_PAGES: tl.constexpr,
 ):
     # The decoder's mapping (one thread per page and stream, a program per stream and block of
-    # pages); a token's 32 input values and 32 raw bytes of every page move as one tile each.
+    # pages); a token's 32 input values and 32 raw bytes of every page move as one tile each. Every
+    # byte of a page is written here (so ``buf`` need not be zero): the program of stream s writes
+    # the stream's word count in the header, that of stream 0 the header's padding, that of the
+    # last stream the zero words that pad the page after its last code word.
     s = tl.program_id(1)
     p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
     ok = p < n_pages
     p64 = p.to(tl.int64)
     off = tl.load(off_ptr + p64, mask=ok, other=0)
     tab = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64) * (C * 257)
+    nw = tl.load(words_ptr + p64 * S + s, mask=ok, other=0)
+    tl.store(buf16_ptr + off // 2 + s, nw.to(tl.int16), mask=ok)
+    for k in tl.static_range((H - 2 * S) // 2):
+        tl.store(buf16_ptr + off // 2 + S + k, tl.zeros([BLOCK_PAGES], dtype=tl.int16), mask=ok & (s == 0))
     raw_w = (off + H) // 4 + s * 8  # the stream's first raw word of token 0
     wpos = (off + H + 16 * C) // 4 + tl.load(wstart_ptr + p64 * S + s, mask=ok, other=0)
+    end = wpos + nw  # past the stream's last word: for the last stream, the page's padding
+    nxt = tl.load(off_ptr + p64 + 1, mask=ok, other=0) // 4
+    for k in tl.static_range(TAIL_WORDS):
+        tl.store(buf32_ptr + end + k, tl.zeros([BLOCK_PAGES], dtype=tl.int32), mask=ok & (s == S - 1) & (end + k < nxt))
     acc = tl.zeros([BLOCK_PAGES], dtype=tl.uint64)
     nacc = tl.zeros([BLOCK_PAGES], dtype=tl.int32)
     col = tl.arange(0, 8)[None, :]
@@ -323,40 +371,38 @@ def _stream_bits(values: torch.Tensor, tables: PageTables, tids: torch.Tensor) -
 def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, align: int = 8):
     """Where ``n`` pages will lie, on the device and without host reads (``tids``: int32 [n] table
     ids, already checked): (words per stream int32 [n, S], page offsets int64 [n + 1], pages padded
-    to ``align``, each stream's first word int32 [n, S]). Pass 1 of the encoder."""
+    to ``align``, each stream's first word int32 [n, S]). Pass 1 of the encoder: one kernel and a
+    prefix sum (the offload calls it once per chunk, and the host's calls per chunk are what bound
+    its first chunks)."""
     n, C = values.shape[0], tables.channels
-    words = (_stream_bits(values, tables, tids) + 31) // 32
-    sizes = header_len(C) + 16 * C + 4 * words.sum(1, dtype=torch.int64)
-    offsets = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
-    offsets[1:] = torch.cumsum((sizes + align - 1) // align * align, 0)
-    wstart = (torch.cumsum(words, 1) - words).to(torch.int32).contiguous()
+    S = C // STREAM_CHANNELS
+    dev = values.device
+    words = torch.empty(n, S, dtype=torch.int32, device=dev)
+    wstart = torch.empty(n, S, dtype=torch.int32, device=dev)
+    offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
+    if n:
+        _layout_kernel[(n,)](values, tables.enc, tids, words, wstart, offsets, C=C, S=S,
+                             SP=triton.next_power_of_2(S), H=header_len(C), ALIGN=align, IS_BF16=tables.is_bf16)
+        offsets[1:].cumsum_(0)
+    else:
+        offsets.zero_()
     return words, offsets, wstart
 
 
 def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, buf: torch.Tensor, layout,
-                block_pages: int = 128) -> None:
-    """Pass 2: write the pages at ``layout`` (``page_layout``'s) into ``buf`` (uint8, at least
-    ``offsets[-1]`` bytes, need not be zero), headers and padding included; no host reads."""
+                block_pages: int = 128, align: int = 8) -> None:
+    """Pass 2: write the pages at ``layout`` (``page_layout``'s, with the same ``align``) into ``buf``
+    (uint8, at least ``offsets[-1]`` bytes, need not be zero), headers and padding included; one
+    kernel, no host reads."""
     words, offsets, wstart = layout
     n, C = values.shape[0], tables.channels
     if not n:
         return
     S, H = C // STREAM_CHANNELS, header_len(C)
-    dev = values.device
-    # The kernel writes raw bytes and code words; zero the rest first: the header (its padding)
-    # and each page's last 8 bytes (the up to 4 bytes that pad it to 8; the kernel then writes
-    # any code word among them).
-    # (index_fill_, not ``b64[idx] = 0``: assigning a Python number copies it to the GPU as a tensor
-    # from pageable memory, a host wait for the stream's queued work, twice per call; profiled on
-    # the H200 in offload: 105 ms of 214 ms in stream synchronizations.)
-    b64 = buf.view(torch.int64)
-    b64.index_fill_(0, (offsets[:-1, None] // 8 + torch.arange(H // 8, device=dev)).reshape(-1), 0)
-    b64.index_fill_(0, offsets[1:] // 8 - 1, 0)
-    # Headers: u16 word counts at each page's start.
-    buf.view(torch.int16)[(offsets[:-1, None] // 2 + torch.arange(S, device=dev)).reshape(-1)] = words.reshape(-1).to(torch.int16)
     _encode_kernel[(triton.cdiv(n, block_pages), S)](
-        values.view(torch.int64), tables.enc, buf.view(torch.int32), offsets, wstart, tids, n,
-        C=C, S=S, H=H, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
+        values.view(torch.int64), tables.enc, buf.view(torch.int32), buf.view(torch.int16), offsets, words, wstart,
+        tids, n, C=C, S=S, H=H, TAIL_WORDS=align // 4 - 1, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages,
+        num_warps=max(1, min(8, block_pages // 32)),
     )
 
 
@@ -372,8 +418,8 @@ def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tens
     values = values.contiguous().view(torch.int16)
     tids = _table_ids(table_ids, values.shape[0], tables, values.device)
     layout = page_layout(values, tables, tids, align)
-    buf = torch.zeros(int(layout[1][-1]), dtype=torch.uint8, device=values.device)
-    encode_into(values, tables, tids, buf, layout, block_pages)
+    buf = torch.empty(int(layout[1][-1]), dtype=torch.uint8, device=values.device)
+    encode_into(values, tables, tids, buf, layout, block_pages, align)
     return buf, layout[1]
 
 

@@ -7,6 +7,10 @@ index per 16 bytes moved, built per chunk). The two were not timed against each 
 
     copy_regions(src, src_offsets, dst, dst_offsets, sizes)   # uint8 buffers, int64 [n] each
     post(src, dst)   # a few int64 words from the GPU into pinned host memory, written by the SMs
+    weighted_sum(x, a, b, out)   # out[0] += sum of x[p, j] * a[j] * b[p], int64 modulo 2**64
+
+``weighted_sum`` is the offload's chunk digest (``offload.digest``) in one launch, added into a slot
+of a device tensor (the torch formula makes a temporary the size of the chunk and takes five calls).
 
 ``post`` exists for sizes the host needs while bulk copies run: a device-to-host copy goes to a copy
 engine and waits behind every copy queued before it in that direction (a 12 GB offload: up to 0.2 s),
@@ -99,3 +103,32 @@ def post(src: torch.Tensor, dst: torch.Tensor) -> None:
         # one block size for every n: a variant per power of two would compile on first use, on the
         # critical path of the first offload or restore with a new chunk count
         _post_kernel[(1,)](src, dst, n, BLOCK=POST_MAX, num_warps=1)
+
+
+@triton.jit
+def _weighted_sum_kernel(x_ptr, a_ptr, b_ptr, out_ptr, n_rows, W, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS rows per program; int64 products and sums wrap (modulo 2**64), as torch's do.
+    total = tl.zeros([BLOCK], dtype=tl.int64)
+    for r in range(ROWS):
+        p = tl.program_id(0).to(tl.int64) * ROWS + r
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for j0 in range(0, W, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            m = (j < W) & (p < n_rows)
+            acc += tl.load(x_ptr + p * W + j, mask=m, other=0) * tl.load(a_ptr + j, mask=m, other=0)
+        total += acc * tl.load(b_ptr + p, mask=p < n_rows, other=0)
+    tl.atomic_add(out_ptr, tl.sum(total, 0))
+
+
+def weighted_sum(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[0] += sum over p, j of x[p, j] * a[j] * b[p]`` in int64 modulo 2**64, on the current stream:
+    x int64 [n, W] contiguous, a int64 [W], b int64 [n], out int64 [1], all on one device (the
+    reference: ``regions_ref.weighted_sum_ref``)."""
+    n, w = x.shape if x.dim() == 2 else (-1, -1)
+    _check(all(t.dtype == torch.int64 and t.is_contiguous() for t in (x, a, b, out)) and x.dim() == 2
+           and tuple(a.shape) == (w,) and tuple(b.shape) == (n,) and out.numel() == 1,
+           "weighted_sum takes contiguous int64 x [n, W], a [W], b [n], out [1]")
+    _check(len({t.device for t in (x, a, b, out)}) == 1, "weighted_sum's tensors must be on one device")
+    if n and w:
+        rows = 16
+        _weighted_sum_kernel[(triton.cdiv(n, rows),)](x, a, b, out, n, w, ROWS=rows, BLOCK=1024, num_warps=4)

@@ -1,5 +1,5 @@
-"""Plain-PyTorch references of regions.copy_regions (the same copy through 16-byte row indices) and
-regions.post (a copy)."""
+"""Plain-PyTorch references of regions.copy_regions (the same copy through 16-byte row indices),
+regions.post (a copy) and regions.weighted_sum."""
 
 from __future__ import annotations
 
@@ -23,3 +23,7 @@ def copy_regions_ref(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Te
 
 def post_ref(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+def weighted_sum_ref(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    out += ((x * a).sum(1) * b).sum()
