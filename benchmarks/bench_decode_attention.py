@@ -32,6 +32,7 @@ waves) at four grid points and uses, per page type, the one with the best geomet
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -377,7 +378,7 @@ def tune(shapes, rep):
             return min(scores, key=scores.get)
 
         b = sweep([KernelConfig(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in sweeps[kind]], "launch")
-        waves = [KernelConfig(**{**b.__dict__, "waves": w, "min_split_tokens": m})
+        waves = [dataclasses.replace(b, waves=w, min_split_tokens=m)
                  for w, m in itertools.product((2, 4, 8), (512, 1024))]
         best[kind] = sweep(waves, "split")
         DEFAULT_CONFIGS[PAGE_TYPES[kind]] = best[kind]
@@ -434,18 +435,18 @@ def main(argv=None):
                 cfg = None
                 suffix = "+" + kind.split("+")[-1]
                 if suffix in LOOKUP or suffix == "+triton":
-                    from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+                    from weightszip.kernels import DEFAULT_CONFIGS
                     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
                     change = {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})}
-                    cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, **change})
+                    cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
             elif kind in ("fp8+gluon", "fp8+triton"):  # the fp8 default with the Gluon kernel forced / off
-                from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+                from weightszip.kernels import DEFAULT_CONFIGS
                 from weightszip.kernels.paged_decode import PAGE_FP8
 
                 change = {"gluon": True, "gluon_min_work": 0} if kind == "fp8+gluon" else {"gluon": False}
-                cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, **change})
+                cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_FP8], **change)
                 t, nb, info = time_paged("fp8", B, L, Hq, Hkv, D, args.rep, gen, cfg)
             else:
                 t, nb, info = time_paged(kind, B, L, Hq, Hkv, D, args.rep, gen, None)

@@ -14,6 +14,7 @@ batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -42,11 +43,11 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
     gen.manual_seed(0)
     q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     if kind in ("fp8", "fp8+triton"):
-        from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+        from weightszip.kernels import DEFAULT_CONFIGS
         from weightszip.kernels.paged_decode import PAGE_FP8
 
         k, v, bt = make_paged(B, L, Hkv, D, torch.float8_e4m3fn, gen)
-        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_FP8].__dict__, "gluon": kind == "fp8"})
+        cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_FP8], gluon=kind == "fp8")
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="fp8", device="cuda", config=cfg)
         attn.plan([L] * B, bt)
         s = torch.full((Hkv,), 1 / 64, device="cuda")
@@ -54,10 +55,10 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
     else:
         kp, vp, bt, tabs, extra = compact_inputs(kind, B, L, Hq, Hkv, D, gen)
         kb, vb = COMPACT[kind]
-        from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+        from weightszip.kernels import DEFAULT_CONFIGS
         from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-        cfg = KernelConfig(**{**DEFAULT_CONFIGS[PAGE_COMPACT].__dict__, "gluon": not kind.endswith("+triton")})
+        cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], gluon=not kind.endswith("+triton"))
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, device="cuda", config=cfg)
         attn.plan([L] * B, bt)
         attn.run(q, kp, vp, **tabs, **extra)

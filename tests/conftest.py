@@ -40,3 +40,23 @@ class _Launches:
 def launch_recorder():
     """A factory of kernel stand-ins that record their launches (for tests of which kernel runs)."""
     return _Launches
+
+
+def _compile_in_child(code: str, *args, timeout: int = 900) -> str:
+    """Run ``code`` (a script that compiles kernels for sm_90 and prints what it found) in a child
+    Python without TRITON_INTERPRET (test modules run Triton in its interpreter, which cannot compile
+    for a GPU, and Gluon has none); returns its stdout, failing the test on a non-zero exit."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.fixture
+def compile_in_child():
+    """``compile_in_child(code, *args)``: a kernel-compiling script run in a child process (its stdout)."""
+    return _compile_in_child

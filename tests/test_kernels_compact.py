@@ -767,7 +767,7 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged"])
-def test_gluon_kernel_compiles_for_hopper(case):
+def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
     time, so a wrong operand layout fails here; its lookups come from shared memory, its products
@@ -776,17 +776,11 @@ def test_gluon_kernel_compiles_for_hopper(case):
     (``KernelConfig.gluon_rope``) compiles at the 16 warps it runs on; the staged variants
     (``KernelConfig.gluon_stages``) issue cp.async, and the pair tables lie where their lookups read
     them (``smem_offsets``: the order Triton places the two allocations in)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_GLUON, *map(str, case)], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
-    out = r.stdout.split()
+    out = stdout.split()
     assert out[-14:-1] == ["cp.async", str(case[5] > 0), "tables_at", "True", "shared", "True",
-                           "lds", "True", "mma", "True", "cos", rope, "spills"], r.stdout
+                           "lds", "True", "mma", "True", "cos", rope, "spills"], stdout
     # with the rotary term ptxas spills a few words at 16 warps (4-32 bytes; measured faster on the
     # H200 than 8 warps without spills for q4, BENCHMARKS.md); none otherwise
-    assert int(out[-1]) <= (32 if case[4] else 0), r.stdout
+    assert int(out[-1]) <= (32 if case[4] else 0), stdout

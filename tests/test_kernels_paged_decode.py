@@ -338,24 +338,18 @@ print("zfill", "cp.async.cg.shared.global [a], [" in ptx and "16, %r" in ptx, "c
 
 @pytest.mark.parametrize("case", [(128, 4, 2), (128, 8, 4), (64, 3, 2), (64, 16, 2)],
                          ids=["8b", "70b-4stages", "head64-gqa3", "head64-gqa16"])
-def test_gluon_fp8_kernel_compiles_for_hopper(case):
+def test_gluon_fp8_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon fp8 kernel compiles for sm_90 without a GPU (a child process: this module runs Triton
     in its interpreter, which Gluon lacks): its operand layouts are asserted trivial at compile time,
     the pages come by zero-filling cp.async, e4m3 pairs convert to f16 pairs for f16 mma.sync, its
     shared memory is the staging PagedDecodeAttention budgets for (``fp8_smem_bytes``), and at 8 warps
     and 128 registers ptxas spills nothing."""
-    import subprocess
-    import sys
-
     from weightszip.kernels.paged_decode_gluon import fp8_smem_bytes
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_FP8, *map(str, case)], capture_output=True, text=True,
-                       env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out = compile_in_child(_COMPILE_GLUON_FP8, *case, timeout=600)
     d, _, stages = case
-    assert r.stdout.split()[-10:] == ["zfill", "True", "cvt", "True", "mma", "True", "shared",
-                                      str(fp8_smem_bytes(d, 8, stages)), "spills", "0"], r.stdout
+    assert out.split()[-10:] == ["zfill", "True", "cvt", "True", "mma", "True", "shared",
+                                 str(fp8_smem_bytes(d, 8, stages)), "spills", "0"], out
 
 
 @pytest.mark.parametrize("what", ["gluon", "default", "small-step", "wide-group", "group16", "head32", "bias",

@@ -371,21 +371,15 @@ for d, group in ((128, 4), (64, 3)):
 """
 
 
-def test_compiled_exact_tiles_feed_the_tensor_cores_as_bf16_pages_do():
+def test_compiled_exact_tiles_feed_the_tensor_cores_as_bf16_pages_do(compile_in_child):
     """Compiled for sm_90 (a child process, without a GPU), the KV Exact kernel's two products take
     the tensor-core operand layouts of the same kernel over bf16 pages: Triton picks the layout's k
     grouping (kWidth) from the narrowest load behind an operand, here the pages' uint8 raw bytes,
     which gave the exact tiles a different k order inside each mma.sync and so different fp32
     roundings on the H200 (BENCHMARKS.md, "KV Exact"); ``_exact_decode`` hides them behind a copy."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_OPERANDS], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split(maxsplit=3) for line in r.stdout.splitlines() if line[:1].isdigit()]
-    assert len(rows) == 4, r.stdout
+    out = compile_in_child(_COMPILE_OPERANDS)
+    rows = [line.split(maxsplit=3) for line in out.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 4, out
     got = {(int(d), int(pt)): (n, ops) for d, pt, n, ops in rows}
     for d in (128, 64):
         assert got[(d, 3)] == got[(d, 0)], got

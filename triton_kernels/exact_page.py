@@ -355,13 +355,10 @@ def _table_ids(table_ids, n, tables, device) -> torch.Tensor:
 
 
 def stream_bits(values: torch.Tensor, tables: PageTables, table_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 [n, S]: coded bits of every stream of every page (pass 1 of the encoder)."""
-    return _stream_bits(values, tables, _table_ids(table_ids, values.shape[0], tables, values.device))
-
-
-def _stream_bits(values: torch.Tensor, tables: PageTables, tids: torch.Tensor) -> torch.Tensor:
+    """int32 [n, S]: coded bits of every stream of every page (what ``page_layout`` sizes pages from)."""
     n, C = values.shape[0], tables.channels
     S = C // STREAM_CHANNELS
+    tids = _table_ids(table_ids, n, tables, values.device)
     bits = torch.empty(n, S, dtype=torch.int32, device=values.device)
     if n:
         _stream_bits_kernel[(n,)](values, tables.enc, bits, tids, C=C, S=S, SP=triton.next_power_of_2(S), IS_BF16=tables.is_bf16)

@@ -1133,7 +1133,7 @@ class PagedDecodeAttention:
         # (head_dim 64 or 128 and groups up to 8: the shapes its GPU tests run; others compile for
         # sm_90 but have not run on a GPU)
         gluon_fp8 = (fp8 and cfg.gluon and not _interpreting() and logit_bias is None and cfg.gluon_warps >= 2
-                     and D in (64, 128) and G <= 8 and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
+                     and D in (64, 128) and G <= 8  # (so D x the padded group <= GLUON_MAX_ACC)
                      and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
                      and all(t.stride(2) == D and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
                              and t.stride(1) % 16 == 0 for t in (k_pages, v_pages)))

@@ -336,6 +336,15 @@ def _page_offset(bt_row, first, t1, head, stride_b, stride_h, PB: gl.constexpr, 
 
 
 @gluon.jit
+def _kv_page_offsets(bt_row, first, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB_K: gl.constexpr,
+                     PB_V: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """``_page_offset`` of the K and of the V page holding token ``first`` (one block-id load)."""
+    blk = gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0).to(gl.int64)
+    pib = (first % BLOCK_SIZE) // 16
+    return blk * stride_kb + head * stride_kh + pib * PB_K, blk * stride_vb + head * stride_vh + pib * PB_V
+
+
+@gluon.jit
 def _scales(pages_ptr, grid_ptr, bt_row, first, r, t0, t1, head, stride_b, stride_h, PB: gl.constexpr,
             BLOCK_SIZE: gl.constexpr, SIDX_OFF: gl.constexpr):
     """grid[head, k] of page rows ``r`` of the page of ``first`` (k: the row's scale index, stored after
@@ -683,16 +692,13 @@ def compact_split_kernel(
                  BITS_V * 2 * HEAD_DIM)
     if STAGES > 0:
         for s0 in gl.static_range(STAGES - 1):
-            _issue_stage(k_pages_ptr, v_pages_ptr,
-                         _page_offset(bt_row, _tile_first(lo, s0, NW, 3, IL), t1, head, stride_kb, stride_kh, PB_K,
-                                      BLOCK_SIZE),
-                         _page_offset(bt_row, _tile_first(lo, s0, NW, 3, IL), t1, head, stride_vb, stride_vh, PB_V,
-                                      BLOCK_SIZE),
-                         _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL), NK, NV, NCH, NW, IL)
+            ok0, ov0 = _kv_page_offsets(bt_row, _tile_first(lo, s0, NW, 3, IL), t1, head, stride_kb, stride_kh,
+                                        stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
+            _issue_stage(k_pages_ptr, v_pages_ptr, ok0, ov0, _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL),
+                         NK, NV, NCH, NW, IL)
         # the offsets of the page the first step stages
-        sfirst = _tile_first(lo, STAGES - 1, NW, 3, IL)
-        sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-        sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
+        sok, sov = _kv_page_offsets(bt_row, _tile_first(lo, STAGES - 1, NW, 3, IL), t1, head, stride_kb, stride_kh,
+                                    stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
@@ -700,9 +706,8 @@ def compact_split_kernel(
             # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
             _issue_stage(k_pages_ptr, v_pages_ptr, sok, sov,
                          _slot_base((j + STAGES - 1) % STAGES, STAGE_OFF, STAGES, SLOTW, NW, 3, IL), NK, NV, NCH, NW, IL)
-            sfirst = _tile_first(lo, j + STAGES, NW, 3, IL)
-            sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
-            sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
+            sok, sov = _kv_page_offsets(bt_row, _tile_first(lo, j + STAGES, NW, 3, IL), t1, head, stride_kb,
+                                        stride_kh, stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
             slot = _wait_stage(j % STAGES, STAGES - 1)
             k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK)
         elif not K_AHEAD:
@@ -892,19 +897,19 @@ def fp8_split_kernel(
     rr = _axis(16, 1, 2, ROWS)
     for s0 in gl.static_range(STAGES - 1):
         f = _tile_first(lo, s0, NW, 3, IL)
-        _fp8_issue(k_pages_ptr, v_pages_ptr, _page_offset(bt_row, f, t1, head, stride_kb, stride_kh, PB, BLOCK_SIZE),
-                   _page_offset(bt_row, f, t1, head, stride_vb, stride_vh, PB, BLOCK_SIZE), f, t0, t1,
-                   (_axis(NW, 0, 3, IL) * STAGES + s0) * SLOT, CPR, NCH, NW, IL)
+        ok0, ov0 = _kv_page_offsets(bt_row, f, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, PB,
+                                    BLOCK_SIZE)
+        _fp8_issue(k_pages_ptr, v_pages_ptr, ok0, ov0, f, t0, t1, _slot_base(s0, 0, STAGES, SLOT // 4, NW, 3, IL),
+                   CPR, NCH, NW, IL)
     sfirst = _tile_first(lo, STAGES - 1, NW, 3, IL)
-    sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB, BLOCK_SIZE)
-    sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB, BLOCK_SIZE)
+    sok, sov = _kv_page_offsets(bt_row, sfirst, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, PB, BLOCK_SIZE)
     for j in range(0, n_iter):
         # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
         _fp8_issue(k_pages_ptr, v_pages_ptr, sok, sov, sfirst, t0, t1,
-                   (_axis(NW, 0, 3, IL) * STAGES + (j + STAGES - 1) % STAGES) * SLOT, CPR, NCH, NW, IL)
+                   _slot_base((j + STAGES - 1) % STAGES, 0, STAGES, SLOT // 4, NW, 3, IL), CPR, NCH, NW, IL)
         sfirst = _tile_first(lo, j + STAGES, NW, 3, IL)
-        sok = _page_offset(bt_row, sfirst, t1, head, stride_kb, stride_kh, PB, BLOCK_SIZE)
-        sov = _page_offset(bt_row, sfirst, t1, head, stride_vb, stride_vh, PB, BLOCK_SIZE)
+        sok, sov = _kv_page_offsets(bt_row, sfirst, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, PB,
+                                    BLOCK_SIZE)
         slot = _wait_stage(j % STAGES, STAGES - 1)
         fr = _tile_first(lo, j, NW, 2, ROWS)
         kk = _fp8_k_operand(slot, STAGES, HEAD_DIM, NW, OPA)
