@@ -146,10 +146,10 @@ def speed_main(args):
     import torch
 
     try:
-        from weightszip.kernels.exact_page import PageTables, decode_pages, encode_pages
+        from weightszip.kernels.exact_page import PageTables, decode_pages, encode_pages, gluon_applies
     except ImportError:  # a checkout without the python/weightszip/kernels link
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from triton_kernels.exact_page import PageTables, decode_pages, encode_pages
+        from triton_kernels.exact_page import PageTables, decode_pages, encode_pages, gluon_applies
 
     dev = args.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -202,8 +202,8 @@ def speed_main(args):
 
     out = torch.empty_like(big)
 
-    def dec_all(bp=128):
-        decode_pages(enc["b"], enc["o"], tb, out=out, table_ids=tids, block_pages=bp)
+    def dec_all(bp=None, kernel="auto"):
+        decode_pages(enc["b"], enc["o"], tb, out=out, table_ids=tids, block_pages=bp, kernel=kernel)
 
     enc_all()
     sync()
@@ -211,8 +211,20 @@ def speed_main(args):
     dec_all()
     sync()
     res["checks"]["tiled_round_trip"] = bool(torch.equal(out, big))
+    gluon = gluon_applies(enc["b"], tb, out)  # the Gluon decoder (opt-in) on the same bytes
+    if gluon:
+        out.zero_()
+        dec_all(kernel="gluon")
+        res["checks"]["tiled_round_trip_gluon"] = bool(torch.equal(out, big))
+        # from page 16 on, every 64-page program straddles two of the 256-page sets (two codebooks)
+        mixed = decode_pages(enc["b"], enc["o"][16:], tb, table_ids=tids[16:], block_pages=64, kernel="gluon")
+        res["checks"]["gluon_mixed_codebook_programs"] = bool(torch.equal(mixed, big[16:]))
+        del mixed
     t_enc, te = _timed(enc_all, args.repeats, torch)
     t_dec, td = _timed(dec_all, args.repeats, torch)
+    if gluon:
+        t_gl, _ = _timed(lambda: dec_all(kernel="gluon"), args.repeats, torch)
+        res["decode_gluon_GBps"] = total_raw / t_gl / 1e9
     flat = big.reshape(-1)
     t_copy, _ = _timed(lambda: flat.clone(), args.repeats, torch)
     t_sum, _ = _timed(lambda: flat.view(torch.int32).sum(dtype=torch.int64), args.repeats, torch)
@@ -222,9 +234,12 @@ def speed_main(args):
     sweep = {}
     for bp in args.block_pages:
         try:
-            d, _ = _timed(lambda: dec_all(bp), args.repeats, torch)
+            d, _ = _timed(lambda: dec_all(bp, "triton"), args.repeats, torch)
             e, _ = _timed(lambda: enc_all(bp), args.repeats, torch)
             sweep[bp] = dict(decode_GBps=total_raw / d / 1e9, encode_GBps=total_raw / e / 1e9)
+            if gluon and bp in (32, 64, 128, 256):
+                g, _ = _timed(lambda: dec_all(bp, "gluon"), args.repeats, torch)
+                sweep[bp]["decode_gluon_GBps"] = total_raw / g / 1e9
         except Exception as ex:
             sweep[bp] = {"error": f"{type(ex).__name__}: {ex}"}
         print("block_pages", bp, sweep[bp], flush=True)

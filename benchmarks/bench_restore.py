@@ -55,7 +55,8 @@ def main():
     ap.add_argument("--channels", type=int, default=1024)
     ap.add_argument("--chunk-pages", type=int, default=8192)
     ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--block-pages", type=int, default=32)
+    ap.add_argument("--block-pages", type=int, default=32, help="the encoder's pages per program")
+    ap.add_argument("--decode-block-pages", type=int, default=None, help="the decoder's (default: its own)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048, 4096, 16384])
     ap.add_argument("--in-sample", action="store_true", help="tile the session from all tokens (half of them calibrated the codebooks)")
@@ -129,7 +130,7 @@ def main():
     flat = lambda s: b"".join(bytes(c.host[: c.region_bytes].cpu().numpy()) for c in s.chunks)  # noqa: E731
     res["checks"]["gpu_session_bytes_equal_rust"] = flat(sg) == flat(sr)
     res["checks"]["rust_restores_gpu_session"] = bool(torch.equal(ol.restore(sg, backend="rust", device="cpu"), x[:m].cpu()))
-    ol.restore(sg, torch.empty_like(x[:m]), block_pages=args.block_pages)
+    ol.restore(sg, torch.empty_like(x[:m]), block_pages=args.decode_block_pages)
     step("checked against Rust")
 
     # Pinned host memory, allocated once (not timed in the copies).
@@ -151,6 +152,7 @@ def main():
     step("raw copies")
 
     kw = dict(depth=args.depth, block_pages=args.block_pages)
+    rkw = dict(depth=args.depth, block_pages=args.decode_block_pages)
     holder = {}
 
     def do_offload(cp=args.chunk_pages, host=arena):
@@ -163,9 +165,9 @@ def main():
                ratio=s.nbytes / raw, pinned_fallbacks=s.pinned_fallbacks)
     step("offload")
     out.zero_()
-    res["restore_s"], res["restore_times"] = timed(lambda: ol.restore(s, out, verify=True, **kw))
+    res["restore_s"], res["restore_times"] = timed(lambda: ol.restore(s, out, verify=True, **rkw))
     res["checks"]["restore_bit_exact"] = bool(torch.equal(out, x))
-    res["restore_noverify_s"], res["restore_noverify_times"] = timed(lambda: ol.restore(s, out, verify=False, **kw))
+    res["restore_noverify_s"], res["restore_noverify_times"] = timed(lambda: ol.restore(s, out, verify=False, **rkw))
     step("restore")
 
     # Parts: the same chunks' copies alone, through a ring of staging buffers on one stream.
@@ -182,8 +184,8 @@ def main():
     do_offload(host=garena)
     res["encode_only_s"], _ = timed(lambda: do_offload(host=garena))
     sdev = holder["s"]
-    res["decode_only_s"], _ = timed(lambda: ol.restore(sdev, out, verify=True, **kw))
-    res["decode_only_noverify_s"], _ = timed(lambda: ol.restore(sdev, out, verify=False, **kw))
+    res["decode_only_s"], _ = timed(lambda: ol.restore(sdev, out, verify=True, **rkw))
+    res["decode_only_noverify_s"], _ = timed(lambda: ol.restore(sdev, out, verify=False, **rkw))
     res["checks"]["decode_only_bit_exact"] = bool(torch.equal(out, x))
 
     def d2h_only():  # the same bytes at the same places as the session s (same sequence of arena slices)
@@ -197,7 +199,7 @@ def main():
     sweep = {}
     for cp in args.sweep:
         off, _ = timed(lambda: do_offload(cp=cp), 1)
-        rst, _ = timed(lambda: ol.restore(holder["s"], out, verify=True, **kw), 1)
+        rst, _ = timed(lambda: ol.restore(holder["s"], out, verify=True, **rkw), 1)
         sweep[cp] = dict(offload_s=off, restore_s=rst, chunks=len(holder["s"].chunks), ok=bool(torch.equal(out, x)))
     res["chunk_sweep"] = sweep
     step("sweep")
@@ -205,7 +207,7 @@ def main():
     if args.trace and is_cuda:
         try:
             res["trace"] = {"offload": copy_gaps(lambda: do_offload(), outdir / "restore_trace_offload.json", "DtoH"),
-                            "restore": copy_gaps(lambda: ol.restore(holder["s"], out, verify=True, **kw), outdir / "restore_trace_restore.json", "HtoD")}
+                            "restore": copy_gaps(lambda: ol.restore(holder["s"], out, verify=True, **rkw), outdir / "restore_trace_restore.json", "HtoD")}
         except Exception as e:  # report, never hide
             res["trace"] = {"error": f"{type(e).__name__}: {e}"}
         print("trace", json.dumps(res["trace"]), flush=True)

@@ -28,6 +28,13 @@ pytest.importorskip("triton")
 from weightszip.kernels import exact_page as ep  # noqa: E402
 from weightszip.kernels import exact_page_ref as ref  # noqa: E402
 
+# the Triton kernels run in the interpreter here, compiled on a GPU with TRITON_INTERPRET=0
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() else "cpu"
+
+
+def _dev(a):
+    return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
+
 
 def _pages(real_kv, layer=1, kind=0, channels=192):
     x = real_kv[kind, layer][:, :channels]  # [64, C] uint16 bits
@@ -64,15 +71,15 @@ def test_triton_both_directions_bit_exact(real_kv, dtype):
     x, p = _pages(real_kv, layer=2, kind=0, channels=32)
     p = p[:2]
     cb = pages.calibrate(x[32:], dtype)
-    tb = ep.PageTables.from_codebook(cb)
+    tb = ep.PageTables.from_codebook(cb, device=DEVICE)
     buf, offs = pages.encode_pages(cb, p)
-    t_in = torch.from_numpy(p.view(np.int16).copy())
-    dec = ep.decode_pages(torch.from_numpy(np.frombuffer(buf, np.uint8).copy()), torch.from_numpy(offs), tb)
+    t_in = _dev(p.view(np.int16))
+    dec = ep.decode_pages(_dev(np.frombuffer(buf, np.uint8)), _dev(offs), tb)
     assert torch.equal(dec, t_in)
-    gbuf, goffs = ep.encode_pages(t_in, tb, block_pages=2)
+    gbuf, goffs = (a.cpu() for a in ep.encode_pages(t_in, tb, block_pages=2))
     assert bytes(gbuf.numpy()) == buf and (goffs.numpy() == offs).all()
     assert (pages.decode_pages(cb, gbuf.numpy(), goffs.numpy()) == p).all()
-    assert torch.equal(ep.stream_bits(t_in, tb), _ref_bits(t_in, tb))
+    assert torch.equal(ep.stream_bits(t_in, tb).cpu(), _ref_bits(t_in.cpu(), ep.PageTables.from_codebook(cb)))
 
 
 @pytest.mark.parametrize("channels", [32, 96])
@@ -84,15 +91,16 @@ def test_triton_encoder_writes_every_byte(real_kv, channels):
     x, p = _pages(real_kv, layer=1, kind=1, channels=channels)
     p = p[:3]
     cb = pages.calibrate(x[32:], "bfloat16")
-    tb = ep.PageTables.from_codebook(cb)
-    t_in = torch.from_numpy(p.view(np.int16).copy())
-    tids = torch.zeros(len(p), dtype=torch.int32)
+    tb = ep.PageTables.from_codebook(cb, device=DEVICE)
+    t_in = _dev(p.view(np.int16))
+    tids = torch.zeros(len(p), dtype=torch.int32, device=DEVICE)
     for align in (8, 16, 32):
         want, woffs = pages.encode_pages(cb, p, align)
         layout = ep.page_layout(t_in, tb, tids, align)
-        assert (layout[1].numpy() == woffs).all(), align
-        buf = torch.full((len(want) + 64,), 0xAB, dtype=torch.uint8)
+        assert (layout[1].cpu().numpy() == woffs).all(), align
+        buf = torch.full((len(want) + 64,), 0xAB, dtype=torch.uint8, device=DEVICE)
         ep.encode_into(t_in, tb, tids, buf, layout, block_pages=2, align=align)
+        buf = buf.cpu()
         assert bytes(buf[: len(want)].numpy()) == want, align
         assert (buf[len(want):] == 0xAB).all(), align  # nothing past the last page
 
@@ -117,11 +125,11 @@ def test_triton_escapes_and_bf16_specials():
     p = rng.integers(0, 1 << 16, (1, 16, 32), dtype=np.uint16)
     p[0, 0, :8] = special
     buf, offs = pages.encode_pages(cb, p)
-    tb = ep.PageTables.from_codebook(cb)
-    dec = ep.decode_pages(torch.from_numpy(np.frombuffer(buf, np.uint8).copy()), torch.from_numpy(offs), tb)
-    assert (dec.numpy().view(np.uint16) == p).all()
-    gbuf, _ = ep.encode_pages(torch.from_numpy(p.view(np.int16)), tb)
-    assert bytes(gbuf.numpy()) == buf
+    tb = ep.PageTables.from_codebook(cb, device=DEVICE)
+    dec = ep.decode_pages(_dev(np.frombuffer(buf, np.uint8)), _dev(offs), tb, kernel="triton")
+    assert (dec.cpu().numpy().view(np.uint16) == p).all()
+    gbuf, _ = ep.encode_pages(_dev(p.view(np.int16)), tb)
+    assert bytes(gbuf.cpu().numpy()) == buf
 
 
 @settings(max_examples=25, deadline=None)
@@ -206,3 +214,164 @@ def test_codec_kernels_compile_for_hopper(compile_in_child):
     out = compile_in_child(_COMPILE_CODEC)
     lines = [ln.split() for ln in out.splitlines() if ln.startswith("spills")]
     assert [ln[1:3] for ln in lines] == [["0", "0"]] * 3 and lines[-1][-1] == "True", out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The Gluon decoder (exact_page_gluon): its math in PyTorch on the CPU, compiled for sm_90 on the CPU,
+# run on a Hopper GPU (TRITON_INTERPRET=0) against the Rust codec and the Triton decoder.
+# ---------------------------------------------------------------------------------------------------
+
+from weightszip.kernels import exact_page_gluon as eg  # noqa: E402
+
+HOPPER = (os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
+          and torch.cuda.get_device_capability()[0] == 9)
+
+
+def _rust_pages(bits, dtype, max_len, cal):
+    cb = pages.calibrate(cal, dtype, max_len)
+    buf, offs = pages.encode_pages(cb, bits)
+    return cb, torch.from_numpy(np.frombuffer(buf, np.uint8).copy()), torch.from_numpy(offs)
+
+
+@pytest.mark.parametrize("max_len", [8, 10, 12])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_window_decoder_math_inverts_rust_pages(real_kv, dtype, max_len):
+    """The Gluon decoder's math (window tables, three-word window, escapes from the window's top),
+    in PyTorch, decodes the Rust encoder's pages of real K and V bit for bit."""
+    for kind in (0, 1):
+        x, p = _pages(real_kv, layer=1, kind=kind)
+        cb, buf, offs = _rust_pages(p, dtype, max_len, x[:32])
+        tb = ep.PageTables.from_codebook(cb)
+        assert torch.equal(tb.wlut, ep.window_table(tb.lut))
+        dec = eg.window_decode_ref(buf, offs, tb.wlut[0], tb.max_len, tb.is_bf16)
+        assert (dec.numpy().view(np.uint16) == p).all()
+
+
+def test_window_decoder_math_escapes_and_window_table():
+    rng = np.random.default_rng(7)
+    cal = (rng.standard_normal((64, 32)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    cb = pages.calibrate(cal, "bfloat16")
+    p = rng.integers(0, 1 << 16, (3, 16, 32), dtype=np.uint16)  # most symbols escaped (20-bit codes)
+    p[0, 0, :8] = [0x7FC0, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F, 0x0000, 0xFFFF]
+    _, buf, offs = _rust_pages(p, "bfloat16", 8, cal)
+    tb = ep.PageTables.from_codebook(cb)
+    dec = eg.window_decode_ref(buf, offs, tb.wlut[0], tb.max_len, True)
+    assert (dec.numpy().view(np.uint16) == p).all()
+    # entry layout: used bits in 0-4, symbol in 5-12, escape in the sign bit with 8 more bits used
+    lut = tb.lut[0].to(torch.int32)
+    w = tb.wlut[0].to(torch.int32)
+    esc = (lut >> 4) == 256
+    assert esc.any() and (~esc).any()
+    assert torch.equal(w < 0, esc)
+    assert torch.equal(w & 31, (lut & 15) + 8 * esc)
+    assert torch.equal(torch.where(esc, 0, (w >> 5) & 0xFF), torch.where(esc, 0, lut >> 4))
+
+
+def test_gluon_decoder_refuses_what_it_cannot_run(real_kv):
+    x, p = _pages(real_kv, channels=32)
+    cb, buf, offs = _rust_pages(p, "bfloat16", 8, x)
+    tb = ep.PageTables.from_codebook(cb)
+    assert not ep.gluon_applies(buf, tb, torch.empty(4, 16, 32, dtype=torch.int16))  # not on a GPU
+    with pytest.raises(InvalidArgumentError):
+        ep.decode_pages(buf, offs, tb, kernel="gluon")
+    with pytest.raises(InvalidArgumentError):
+        ep.decode_pages(buf, offs, tb, kernel="cuda")
+    with pytest.raises(InvalidArgumentError):
+        ep.decode_pages(buf, offs, tb, out=torch.empty(4, 16, 64, dtype=torch.int16))
+    with pytest.raises(InvalidArgumentError):  # not 8-byte aligned
+        ep.decode_pages(buf, offs, tb, out=torch.empty(4 * 16 * 32 + 1, dtype=torch.int16)[1:].view(4, 16, 32))
+    with pytest.raises(InvalidArgumentError):
+        eg.decode_into(buf, offs, tb.wlut, 8, 32, True, torch.empty(4, 16, 32, dtype=torch.int16),
+                       torch.zeros(4, dtype=torch.int32), block_pages=96)
+    with pytest.raises(InvalidArgumentError):
+        eg.decode_into(buf, offs, tb.wlut, 8, 32, True, torch.empty(4, 16, 32, dtype=torch.int16),
+                       torch.zeros(4, dtype=torch.int32), stage=300)
+
+
+_COMPILE_GLUON_DECODER = """
+import sys
+from weightszip.kernels import exact_page_gluon as eg
+from weightszip.kernels.paged_decode_gluon import compile_for_hopper
+
+for c, bp, ml, st in ((1024, 32, 8, 64), (96, 32, 10, 0), (192, 128, 8, 96), (4096, 256, 8, 0), (1024, 64, 8, 64)):
+    s = c // 32
+    k, spill = compile_for_hopper(eg.decode_kernel, dict(C=c, S=s, SP=1 << (s - 1).bit_length(), H=(2 * s + 7) // 8 * 8,
+                                  L=ml, IS_BF16=True, BLOCK_PAGES=bp, STAGE=st),
+                                  {"buf16_ptr": "*i16", "buf64_ptr": "*i64", "off_ptr": "*i64", "wlut_ptr": "*i16"},
+                                  bp // 32)
+    ptx = k.asm["ptx"]
+    print("case", c, bp, ml, st, spill, k.metadata.shared, "ld.shared.s16" in ptx, "st.global.v4.b32" in ptx,
+          "shf.l.clamp.b32" in ptx, ("cp.async.ca.shared.global" in ptx) == (st > 0))
+"""
+
+
+def test_gluon_decoder_compiles_for_hopper(compile_in_child):
+    """The Gluon decoder compiles for sm_90 without a GPU, spilling at most 16 bytes; its only shared
+    memory is one buffer (so it lies at offset 0 of ``global_smem``, where the inline PTX reads the
+    tables and the staged words): the stream's 32 tables, then STAGE words per page, rounded up to a
+    power of two."""
+    out = compile_in_child(_COMPILE_GLUON_DECODER)
+    cases = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("case")]
+    assert len(cases) == 5, out
+    for c, bp, ml, st, spill, shared, *flags in cases:
+        words = (32 << int(ml)) // 2 + int(st) * int(bp)
+        assert int(spill) <= 16 and int(shared) == 4 << (words - 1).bit_length(), out
+        assert flags == ["True"] * 4, out
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decoder runs on a Hopper GPU (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("channels,block_pages,stage", [(32, 32, 64), (192, 32, 64), (96, 64, 0), (192, 256, 64),
+                                                       (96, 128, 96)])
+def test_gluon_decoder_equals_rust_and_triton_on_gpu(real_kv, channels, block_pages, stage):
+    """Real K and V of three layers, each its own codebook, pages interleaved so that programs mix
+    codebooks (the global-table path) or not (shared tables), a page count no block size divides;
+    the Gluon decoder gives back the Rust encoder's inputs and equals the Triton decoder."""
+    tabs, bufs, offs, bits, base = [], [], [], [], 0
+    for kind, layer in [(0, 0), (1, 1), (0, 2)]:  # max_len 10 (stacked codebooks share it)
+        x = real_kv[kind, layer][:, :channels]
+        p = np.concatenate([x.reshape(4, 16, channels)] * 25)  # 100 pages
+        cb, b, o = _rust_pages(p, "bfloat16", 10, x[:32])
+        tabs.append(ep.PageTables.from_codebook(cb, device="cuda"))
+        bufs.append(b)
+        offs.append(o[:-1] + base)
+        base += b.numel()
+        bits.append(p)
+    # pages 0-99 codebook 0 (uniform programs), then codebooks 1 and 2 alternating page by page
+    # (mixed programs); pages out of the buffer's order: any offsets work
+    order = list(range(100)) + [j for k in range(100) for j in (100 + k, 200 + k)]
+    tb = ep.PageTables.stack(tabs)
+    buf = torch.cat(bufs).cuda()
+    offsets = torch.cat([torch.cat(offs)[order], torch.tensor([base])]).cuda()
+    tid = torch.tensor([i for i in range(3) for _ in range(100)], dtype=torch.int32)[order].cuda()
+    cat_bits = np.concatenate(bits)[order]
+    want = torch.from_numpy(cat_bits.view(np.int16).copy()).cuda()
+    g = torch.zeros_like(want)
+    eg.decode_into(buf, offsets, tb.wlut, tb.max_len, channels, True, g, tid, block_pages, stage)
+    t = ep.decode_pages(buf, offsets, tb, table_ids=tid, kernel="triton")
+    assert torch.equal(t, want)
+    assert torch.equal(g, want)
+    assert torch.equal(ep.decode_pages(buf, offsets, tb, table_ids=tid, kernel="gluon"), want)  # its defaults
+    # out 8 bytes past a 16-byte boundary: the Triton decoder takes it, "gluon" refuses; 2 bytes
+    # past: refused (the Triton decoder writes 8-byte words)
+    raw = torch.empty(want.numel() + 4, dtype=torch.int16, device="cuda")
+    out = raw[4:].view(want.shape)
+    assert not ep.gluon_applies(buf, tb, out)
+    assert torch.equal(ep.decode_pages(buf, offsets, tb, out=out, table_ids=tid), want)
+    with pytest.raises(InvalidArgumentError):
+        ep.decode_pages(buf, offsets, tb, out=out, table_ids=tid, kernel="gluon")
+    with pytest.raises(InvalidArgumentError):
+        ep.decode_pages(buf, offsets, tb, out=raw[1:-3].view(want.shape), table_ids=tid)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon decoder runs on a Hopper GPU (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gluon_decoder_escapes_and_specials_on_gpu(dtype):
+    rng = np.random.default_rng(11)
+    cal = (rng.standard_normal((64, 64)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    p = rng.integers(0, 1 << 16, (70, 16, 64), dtype=np.uint16)
+    p[:35] = cal[:16][None]  # half the pages mostly short codes, half mostly escapes
+    p[0, 0, :8] = [0x7FC0, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F, 0x0000, 0xFFFF]
+    cb, buf, offs = _rust_pages(p, dtype, 8, cal)
+    tb = ep.PageTables.from_codebook(cb, device="cuda")
+    g = ep.decode_pages(buf.cuda(), offs.cuda(), tb, kernel="gluon")
+    assert (g.cpu().numpy().view(np.uint16) == p).all()

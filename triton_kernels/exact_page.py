@@ -8,8 +8,10 @@ channel's table (a few cache lines) and differ only in the page. A token's raw b
 or input values (encoder) of the program's pages, and the decoder's outputs, move as one
 [pages, 8]-word tile per token (whole 32-byte sectors; Triton hands each thread its row through
 shared memory): one access per thread and four symbols made the kernels L2-bound. The decoder
-also merges a stream word loaded at the previous refill. H200 (BENCHMARKS.md): decode 159 -> 518
-GB/s, encode 124 -> 242 GB/s of bf16.
+also merges a stream word loaded at the previous refill; the encoder looks each symbol up once in
+a table with the escapes folded in (``folded_encode_table``). H200 (BENCHMARKS.md): decode 159 ->
+470-510 GB/s, encode 124 -> 320-330 GB/s of bf16. ``exact_page_gluon`` is a Gluon decoder with the
+tables and stream words in shared memory (``decode_pages(..., kernel="gluon")``), not faster.
 
     tables = PageTables.from_codebook(codebook, device="cuda")
     buf, offsets = encode_pages(values, tables)        # values: [n, 16, C] bf16/fp16/int16
@@ -35,6 +37,7 @@ _interpreter_compat()
 
 PAGE_TOKENS = 16
 STREAM_CHANNELS = 32
+ESC = 256
 
 
 def header_len(channels: int) -> int:
@@ -45,13 +48,22 @@ def header_len(channels: int) -> int:
 class PageTables:
     """Codebook tables on a device: ``lut`` int16 [G, C, 2**max_len] (decode), ``enc`` int32
     [G, C, 257] (encode) for G codebooks (e.g. every layer's K and V) of one dtype, max_len and
-    channel count; a page names its codebook by a table id (default 0)."""
+    channel count; a page names its codebook by a table id (default 0). The kernels read the forms
+    derived from them: ``fenc`` (the encoders) and ``wlut`` (the Gluon decoder)."""
 
     lut: torch.Tensor
     enc: torch.Tensor
     max_len: int
     channels: int
     is_bf16: bool
+    wlut: torch.Tensor | None = None  # the Gluon decoder's window tables (``window_table``)
+    fenc: torch.Tensor | None = None  # the encoder's tables, escapes folded in (``folded_encode_table``)
+
+    def __post_init__(self):
+        if self.wlut is None:
+            self.wlut = window_table(self.lut)
+        if self.fenc is None:
+            self.fenc = folded_encode_table(self.enc)
 
     @classmethod
     def from_codebook(cls, codebook: bytes, device="cpu") -> "PageTables":
@@ -72,7 +84,31 @@ class PageTables:
         t0 = tables[0]
         if any((t.max_len, t.channels, t.is_bf16) != (t0.max_len, t0.channels, t0.is_bf16) for t in tables):
             raise InvalidArgumentError("stacked codebooks must share dtype, max_len and channels")
-        return cls(torch.cat([t.lut for t in tables]), torch.cat([t.enc for t in tables]), t0.max_len, t0.channels, t0.is_bf16)
+        return cls(torch.cat([t.lut for t in tables]), torch.cat([t.enc for t in tables]), t0.max_len, t0.channels,
+                   t0.is_bf16, torch.cat([t.wlut for t in tables]), torch.cat([t.fenc for t in tables]))
+
+
+def window_table(lut: torch.Tensor) -> torch.Tensor:
+    """The Gluon decoder's table (``exact_page_gluon``) from the canonical one (int16 ``symbol << 4 |
+    length``, any shape): int16 ``used | symbol << 5``, where ``used`` is the bits the entry's symbol
+    takes (its code; for the escape the code plus the 8 symbol bits after it) and an escape has
+    symbol 0 and the sign bit set. Device ops only."""
+    e = lut.to(torch.int32)
+    sym, ln = e >> 4, e & 15
+    esc = sym == ESC
+    w = torch.where(esc, (ln + 8) | 0x8000, ln | (sym << 5))
+    return ((w + 0x8000) % 0x10000 - 0x8000).to(torch.int16)
+
+
+def folded_encode_table(enc: torch.Tensor) -> torch.Tensor:
+    """The encoder's table from the canonical one (int32 [..., 257], ``code << 5 | length``, length 0
+    for a symbol that takes the escape, entry 256 the escape's code): int32 [..., 256] with every
+    symbol's own bits, an escaped symbol's being the escape's code followed by its 8 bits (at most
+    12 + 8 bits: ``code << 5 | length`` fits). One lookup per symbol; device ops only."""
+    e, esc = enc[..., :256], enc[..., 256:]
+    sym = torch.arange(256, dtype=enc.dtype, device=enc.device)
+    escaped = ((((esc >> 5) << 8) | sym) << 5) | ((esc & 31) + 8)
+    return torch.where((e & 31) == 0, escaped, e).contiguous()
 
 
 @triton.jit
@@ -88,7 +124,7 @@ def _split(v, IS_BF16: tl.constexpr):
 def _page_stream_bits(vals_ptr, enc_ptr, tid_ptr, p, C: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
                       IS_BF16: tl.constexpr):
     # Bits of every stream of page p (int64) = the sum of its code lengths; [SP], 0 past S.
-    enc_ptr += tl.load(tid_ptr + p).to(tl.int64) * (C * 257)
+    enc_ptr += tl.load(tid_ptr + p).to(tl.int64) * (C * 256)
     t = tl.arange(0, 16)[:, None, None]
     s = tl.arange(0, SP)[None, :, None]
     j = tl.arange(0, 32)[None, None, :]
@@ -96,17 +132,14 @@ def _page_stream_bits(vals_ptr, enc_ptr, tid_ptr, p, C: tl.constexpr, S: tl.cons
     m = s < S
     v = tl.load(vals_ptr + p * 16 * C + t * C + c, mask=m, other=0).to(tl.int32) & 0xFFFF
     sym, _ = _split(v, IS_BF16)
-    e = tl.load(enc_ptr + c * 257 + sym, mask=m, other=0)
-    esc = tl.load(enc_ptr + c * 257 + 256, mask=m, other=0)
-    ln = tl.where((e & 31) == 0, (esc & 31) + 8, e & 31)
-    ln = tl.where(m, ln, 0)
+    ln = tl.load(enc_ptr + c * 256 + sym, mask=m, other=0) & 31
     return tl.sum(tl.sum(ln, axis=2), axis=0)
 
 
 @triton.jit
 def _stream_bits_kernel(
     vals_ptr,  # int16 [n, 16, C]
-    enc_ptr,  # int32 [C, 257]
+    enc_ptr,  # int32 [G, C, 256] (folded_encode_table)
     bits_ptr,  # int32 [n, S]
     tid_ptr,  # int32 [n] codebook of each page
     C: tl.constexpr,
@@ -124,7 +157,7 @@ def _stream_bits_kernel(
 @triton.jit
 def _layout_kernel(
     vals_ptr,  # int16 [n, 16, C]
-    enc_ptr,  # int32 [C, 257]
+    enc_ptr,  # int32 [G, C, 256] (folded_encode_table)
     tid_ptr,  # int32 [n] codebook of each page
     words_ptr,  # int32 [n, S] out: words of each stream
     wstart_ptr,  # int32 [n, S] out: each stream's first word in the page's code region
@@ -178,11 +211,9 @@ def _encode4(x, acc, nacc, wpos, ok, enc_ptr, tab, buf32_ptr, c0, IS_BF16: tl.co
         v = ((x >> (16 * j)) & 0xFFFF).to(tl.uint32)
         sym, raw = _split(v, IS_BF16)
         raws = raws | (raw << (8 * j))
-        e = tl.load(enc_ptr + tab + (c0 + j) * 257 + sym.to(tl.int32))
-        esc = tl.load(enc_ptr + tab + (c0 + j) * 257 + 256)
-        escaped = (e & 31) == 0
-        ln = tl.where(escaped, (esc & 31) + 8, e & 31)
-        code = tl.where(escaped, ((esc >> 5) << 8) | sym.to(tl.int32), e >> 5)
+        e = tl.load(enc_ptr + tab + (c0 + j) * 256 + sym.to(tl.int32))  # escapes folded in
+        ln = e & 31
+        code = e >> 5
         # Append MSB-first; nacc < 32 before, so nacc + ln <= 51 < 64.
         acc = acc | (code.to(tl.uint64) << (64 - nacc - ln).to(tl.uint64))
         nacc = nacc + ln
@@ -197,7 +228,7 @@ def _encode4(x, acc, nacc, wpos, ok, enc_ptr, tab, buf32_ptr, c0, IS_BF16: tl.co
 @triton.jit
 def _encode_kernel(
     vals_ptr,  # int64 view of int16 [n, 16, C] (4 values per element)
-    enc_ptr,  # int32 [C, 257]
+    enc_ptr,  # int32 [G, C, 256] (folded_encode_table)
     buf32_ptr,  # int32 view of the output buffer
     buf16_ptr,  # int16 view of the same buffer (headers)
     off_ptr,  # int64 [n + 1] page offsets in bytes (multiples of 8)
@@ -222,7 +253,7 @@ def _encode_kernel(
     ok = p < n_pages
     p64 = p.to(tl.int64)
     off = tl.load(off_ptr + p64, mask=ok, other=0)
-    tab = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64) * (C * 257)
+    tab = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64) * (C * 256)
     nw = tl.load(words_ptr + p64 * S + s, mask=ok, other=0)
     tl.store(buf16_ptr + off // 2 + s, nw.to(tl.int16), mask=ok)
     for k in tl.static_range((H - 2 * S) // 2):
@@ -361,7 +392,7 @@ def stream_bits(values: torch.Tensor, tables: PageTables, table_ids: torch.Tenso
     tids = _table_ids(table_ids, n, tables, values.device)
     bits = torch.empty(n, S, dtype=torch.int32, device=values.device)
     if n:
-        _stream_bits_kernel[(n,)](values, tables.enc, bits, tids, C=C, S=S, SP=triton.next_power_of_2(S), IS_BF16=tables.is_bf16)
+        _stream_bits_kernel[(n,)](values, tables.fenc, bits, tids, C=C, S=S, SP=triton.next_power_of_2(S), IS_BF16=tables.is_bf16)
     return bits
 
 
@@ -378,7 +409,7 @@ def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, al
     wstart = torch.empty(n, S, dtype=torch.int32, device=dev)
     offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
     if n:
-        _layout_kernel[(n,)](values, tables.enc, tids, words, wstart, offsets, C=C, S=S,
+        _layout_kernel[(n,)](values, tables.fenc, tids, words, wstart, offsets, C=C, S=S,
                              SP=triton.next_power_of_2(S), H=header_len(C), ALIGN=align, IS_BF16=tables.is_bf16)
         offsets[1:].cumsum_(0)
     else:
@@ -397,7 +428,7 @@ def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, bu
         return
     S, H = C // STREAM_CHANNELS, header_len(C)
     _encode_kernel[(triton.cdiv(n, block_pages), S)](
-        values.view(torch.int64), tables.enc, buf.view(torch.int32), buf.view(torch.int16), offsets, words, wstart,
+        values.view(torch.int64), tables.fenc, buf.view(torch.int32), buf.view(torch.int16), offsets, words, wstart,
         tids, n, C=C, S=S, H=H, TAIL_WORDS=align // 4 - 1, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages,
         num_warps=max(1, min(8, block_pages // 32)),
     )
@@ -420,35 +451,71 @@ def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tens
     return buf, layout[1]
 
 
+# the Gluon decoder: a stream's 32 tables of 2**max_len int16 entries in shared memory (16 KB at
+# max_len 8, 64 KB at 10)
+MAX_SHARED_LEN = 10
+# the Gluon decoder's pages per program and stream words staged per page, its fastest on the H200
+# (2026-12-01, 537 MB of real pages, two runs: 32 pages and 64 words 517 / 524 GB/s against the
+# Triton decoder's 469 / 508 in the same runs; BENCHMARKS.md)
+GLUON_BLOCK_PAGES = 32
+GLUON_STAGE = 64
+
+
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor | None = None,
-                 table_ids: torch.Tensor | None = None, block_pages: int = 32) -> torch.Tensor:
+                 table_ids: torch.Tensor | None = None, block_pages: int | None = None, kernel: str = "auto") -> torch.Tensor:
     """Decode the pages at ``offsets`` (int64 [n + 1], multiples of 8) of ``buf`` (uint8, its
     length a multiple of 8), page i with codebook ``table_ids[i]`` (default 0), into int16
-    [n, 16, C] (``out`` if given)."""
+    [n, 16, C] (``out`` if given). ``kernel``: "auto" or "triton" (the Triton decoder), "gluon" (the
+    Gluon one, ``exact_page_gluon``: Hopper only, not faster on the H200; BENCHMARKS.md)."""
     n = offsets.numel() - 1
     if buf.dtype != torch.uint8 or buf.numel() % 8:
         raise InvalidArgumentError("buf must be uint8 with a length that is a multiple of 8")
+    if kernel not in ("auto", "triton", "gluon"):
+        raise InvalidArgumentError(f"kernel must be auto, triton or gluon, got {kernel!r}")
     if out is None:
         out = torch.empty(n, PAGE_TOKENS, tables.channels, dtype=torch.int16, device=buf.device)
-    decode_into(buf, offsets, tables, out, _table_ids(table_ids, n, tables, buf.device), block_pages)
+    elif (out.shape != (n, PAGE_TOKENS, tables.channels) or out.dtype != torch.int16 or not out.is_contiguous()
+          or out.data_ptr() % 8):
+        raise InvalidArgumentError(f"out must be contiguous int16 [{n}, {PAGE_TOKENS}, {tables.channels}], 8-byte aligned")
+    if kernel == "gluon" and not gluon_applies(buf, tables, out):
+        raise InvalidArgumentError(f"the Gluon decoder needs a Hopper GPU, max_len <= {MAX_SHARED_LEN} and a "
+                                   "16-byte aligned out")
+    decode_into(buf, offsets, tables, out, _table_ids(table_ids, n, tables, buf.device), block_pages, kernel)
     return out
 
 
+def gluon_applies(buf: torch.Tensor, tables: PageTables, out: torch.Tensor) -> bool:
+    """Whether the Gluon decoder (``exact_page_gluon``) can run these pages: on Hopper (capability 9.x),
+    tables of max_len up to MAX_SHARED_LEN (16 KB of shared memory per stream at 8), out 16-byte
+    aligned."""
+    return (buf.is_cuda and torch.cuda.get_device_capability(buf.device)[0] == 9
+            and tables.max_len <= MAX_SHARED_LEN and out.data_ptr() % 16 == 0)
+
+
 def decode_into(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor, tids: torch.Tensor,
-                block_pages: int = 32) -> None:
+                block_pages: int | None = None, kernel: str = "auto") -> None:
     """``decode_pages`` without argument checks or host reads (the table ids' range check reads
     them back): ``tids`` int32 [n] on buf's device, already in range (the restore path clamps
-    them on the GPU), ``out`` int16 [n, 16, C]."""
+    them on the GPU), ``out`` contiguous int16 [n, 16, C]. The Triton decoder (``kernel`` "auto" or
+    "triton"; block_pages default 32) or the Gluon one ("gluon"; default GLUON_BLOCK_PAGES)."""
     C = tables.channels
     n = offsets.numel() - 1
-    if n:
-        S = C // STREAM_CHANNELS
-        grid = (triton.cdiv(n, block_pages), S)
-        _decode_kernel[grid](
-            buf.view(torch.int32), buf.view(torch.int16), offsets, tables.lut, out.view(torch.int64), tids, n,
-            C=C, S=S, SP=triton.next_power_of_2(S), H=header_len(C), L=tables.max_len,
-            IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
-        )
+    if not n:
+        return
+    if kernel == "gluon":
+        from .exact_page_gluon import decode_into as gluon_decode_into
+
+        bp = block_pages or GLUON_BLOCK_PAGES
+        gluon_decode_into(buf, offsets, tables.wlut, tables.max_len, C, tables.is_bf16, out, tids, bp, GLUON_STAGE)
+        return
+    block_pages = block_pages or 32
+    S = C // STREAM_CHANNELS
+    grid = (triton.cdiv(n, block_pages), S)
+    _decode_kernel[grid](
+        buf.view(torch.int32), buf.view(torch.int16), offsets, tables.lut, out.view(torch.int64), tids, n,
+        C=C, S=S, SP=triton.next_power_of_2(S), H=header_len(C), L=tables.max_len,
+        IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
+    )
 
 
-__all__ = ["PageTables", "encode_pages", "decode_pages", "decode_into", "stream_bits", "header_len"]
+__all__ = ["PageTables", "encode_pages", "decode_pages", "decode_into", "gluon_applies", "stream_bits", "header_len"]

@@ -508,11 +508,12 @@ def _chunk_parts(c: Chunk):
 
 
 def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = None, *, depth: int = 3,
-            verify: bool = True, backend: str = "auto", device=None, block_pages: int = 32) -> torch.Tensor:
+            verify: bool = True, backend: str = "auto", device=None, block_pages: int | None = None) -> torch.Tensor:
     """Decode ``session`` into ``out_pages_gpu`` ([n, 16, C], allocated on ``device`` when not
     given) and return it. Raises ChecksumMismatchError when ``verify`` finds a chunk whose
     decoded pages differ from what was offloaded; the Rust backend also raises CorruptDataError
-    or TruncatedError for damaged structure."""
+    or TruncatedError for damaged structure. ``block_pages``: the GPU decoder's pages per program
+    (default: ``exact_page.decode_into``'s)."""
     if not isinstance(session, CompressedSession):
         raise InvalidArgumentError(f"restore takes a CompressedSession, got {type(session).__name__}")
     codec = session.codec

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""The exact-page decoders side by side on the real pages of ``--kv`` (the 16 sets, tiled to the
+Llama-3.1-8B shape as bench_gpu_codec.py tiles them, repeated ``--rep`` times), each checked for a
+bit-exact round trip and timed (CUDA events, median of 10, after one warm-up): the Triton decoder
+(``triton:BLOCK_PAGES``) and the Gluon one (``gluon:BLOCK_PAGES:STAGE``, STAGE words per page
+staged in shared memory, 0 for none). With ``--ncu`` one launch each, for Nsight Compute:
+
+    python benchmarks/probe_exact_decoders.py --kv .boxdata/kv_pages_subset.npz
+    ncu --clock-control none -k regex:"decode_kernel" -c 3 --section WarpStateStats ... \
+        python benchmarks/probe_exact_decoders.py --ncu --rep 2 triton:32 gluon:64:0 gluon:64:64
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_codec import calibrated_sets, device_pages  # noqa: E402
+
+from weightszip.kernels import exact_page_gluon as eg  # noqa: E402
+from weightszip.kernels.exact_page import PageTables, decode_into, encode_pages  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz")
+ap.add_argument("--rep", type=int, default=4)
+ap.add_argument("--ncu", action="store_true")
+ap.add_argument("variants", nargs="*", default=["triton:32", "gluon:32:0", "gluon:64:0", "gluon:32:64", "gluon:64:64",
+                                                   "gluon:32:128", "gluon:64:96", "gluon:128:96"])
+a = ap.parse_args()
+tb, vu, tu = device_pages(calibrated_sets([a.kv]), "cuda", PageTables)
+vu, tu = vu.repeat(a.rep, 1, 1), tu.repeat(a.rep)
+b, o = encode_pages(vu, tb, tu)
+out = torch.empty_like(vu)
+print(f"{vu.numel() * 2 / 1e9:.3f} GB of bf16, ratio {b.numel() / vu.numel() / 2:.4f}", flush=True)
+
+
+def run(v):
+    k, *rest = v.split(":")
+    if k == "triton":
+        decode_into(b, o, tb, out, tu, int(rest[0]), kernel="triton")
+    else:
+        eg.decode_into(b, o, tb.wlut, tb.max_len, tb.channels, tb.is_bf16, out, tu, *map(int, rest))
+
+
+for v in tqdm(a.variants, desc="decoders", disable=a.ncu):
+    out.zero_()
+    run(v)
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(out, vu))
+    if a.ncu:
+        print(v, "exact", ok, flush=True)
+        continue
+    ts = []
+    for i in range(11):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run(v)
+        e1.record()
+        torch.cuda.synchronize()
+        if i:
+            ts.append(e0.elapsed_time(e1) / 1e3)
+    t = statistics.median(ts)
+    tqdm.write(f"{v:>14} exact {ok}  {t * 1e3:.3f} ms  {vu.numel() * 2 / t / 1e9:.0f} GB/s")

@@ -1,0 +1,1 @@
+../../../triton_kernels/exact_page_gluon.py

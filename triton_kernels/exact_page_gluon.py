@@ -1,0 +1,349 @@
+"""Decoder of the exact page profile in Gluon (Hopper): the Triton decoder's mapping (one thread per
+page and stream, a program per stream and block of pages) with the code tables and the stream
+words in shared memory.
+
+Why a second decoder: Nsight Compute on the H200 (BENCHMARKS.md) showed the Triton decoder
+(``exact_page._decode_kernel``) stalled on global loads (long scoreboard: 15.7 of its 19.6 cycles
+per instruction) at 44 instructions per symbol and warp: every symbol waits for a table entry in
+global memory (a stream's 32 tables, 16 KB at max_len 8, times the codebooks of the programs
+resident on a multiprocessor do not stay in L1: hit rate 21-23%) and for the stream word loaded at
+the previous symbol. Here (``decode_kernel``), 28 instructions per symbol:
+
+* **Tables in shared memory.** A program whose pages share one codebook (every program in
+  practice: one layer's K or V pages lie together) copies its stream's 32 tables into shared
+  memory once, and each symbol is one ``ld.shared`` (inline PTX at a constant offset per channel,
+  as Gluon has no shared-memory gather).
+* **Stream words in shared memory** (``STAGE``): each thread copies its stream's first STAGE words
+  into its own slots (4-byte ``cp.async``; word i of lane l at slot i * B + l, so a warp's reads
+  never share a bank) and waits for its own copies only. Read from global memory instead, the word
+  loaded at one symbol is waited for at the next (a register the window's select reads every
+  symbol): 331-353 GB/s against 511-517 staged on the H200.
+* **Window tables** (``exact_page.window_table``): each entry holds the bits the symbol uses (its
+  code, plus 8 for the escape), the symbol, and the escape flag in the sign bit, so a symbol is a
+  lookup and a few integer operations.
+* **A three-word bit window** (``cur``, ``nxt``, ``nn``): the next 32 bits are one funnel shift
+  (``shf.l.clamp``); when the position passes a word the window moves by one word.
+* **Whole-sector memory access per thread**: a token's 32 raw bytes as four 8-byte loads (fetched
+  a token ahead), its 32 outputs as four 16-byte stores (inline PTX ``st.global.v4``).
+
+Programs whose pages mix codebooks, or whose streams exceed STAGE words, take the same loop with
+tables and words in global memory (``decode_stream``'s SHARED=False branch).
+
+**Where it stands: not faster than the Triton decoder** (H200, BENCHMARKS.md: 517 / 524 GB/s against
+469 / 508 in two runs, 499 against 509 in a third), so ``exact_page.decode_pages`` uses it only when
+asked (``kernel="gluon"``). It runs fewer instructions (28 per symbol against 44) and no longer waits
+on global memory (long-scoreboard stalls 2.2 cycles per instruction against 15.7), but waits on
+shared memory instead (5.5) at 18% occupancy: the staged words (8 KB per warp) and the tables
+(16 KB per program) fill shared memory, so too few decode chains run per multiprocessor. Two pages
+per thread (two chains) measured slower (479 against 524 GB/s). What would move it: fewer staged
+words per page (a ring refilled per token, with a fallback for escape-heavy tokens) to run more
+chains.
+
+``window_decode_ref`` is the same math in PyTorch (the CPU tests hold it against the pages the Rust
+encoder writes); Gluon has no interpreter, so the CPU tests compile the kernel for sm_90 and the
+GPU tests compare it with the Triton decoder and the Rust codec. ``exact_page.decode_into`` runs it
+(``kernel="gluon"``) on Hopper (capability 9.x) for max_len up to ``MAX_SHARED_LEN``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.runtime.jit import constexpr_function
+
+from weightszip.errors import InvalidArgumentError
+
+from .exact_page import MAX_SHARED_LEN, PAGE_TOKENS, STREAM_CHANNELS  # noqa: F401
+
+_TOKENS = gl.constexpr(PAGE_TOKENS)
+_CHANNELS = gl.constexpr(STREAM_CHANNELS)
+
+# the next 32 bits of the window: (cur:nxt) << pos, upper half (pos clamped to 32)
+_SHF = gl.constexpr("shf.l.clamp.b32 $0, $1, $2, $3;")
+_CP_COMMIT_WAIT = gl.constexpr("cp.async.commit_group; cp.async.wait_group 0; mov.u32 $0, $1;")
+# the 32-bit word at shared byte $1
+_LDS32 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
+# four words to 16 bytes at $1 when $6 is not 0
+_ST_V4 = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $6, 0; @p st.global.v4.b32 [$1], {$2, $3, $4, $5}; "
+                      "mov.u32 $0, 0; }")
+
+
+def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, max_len: int,
+                      is_bf16: bool) -> torch.Tensor:
+    """The kernel's math in PyTorch, every (page, stream) at once: the three-word window, the
+    window-table entries, the escape's 8 bits taken from the top of the window. buf uint8 (length a
+    multiple of 4), offsets int64 [n + 1], wlut int16 [C, 2**max_len] (``exact_page.window_table``). Returns int16
+    [n, 16, C]."""
+    C = wlut.shape[0]
+    S = C // STREAM_CHANNELS
+    H = (2 * S + 7) // 8 * 8
+    n = offsets.numel() - 1
+    b = buf.to(torch.int64)
+    words = b.view(-1, 4)
+    words = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
+    off = offsets[:-1].to(torch.int64)
+    hdr = (b[off[:, None] + 2 * torch.arange(S)] | b[off[:, None] + 2 * torch.arange(S) + 1] << 8)  # [n, S]
+    start = torch.cumsum(hdr, 1) - hdr
+    wbase = (off[:, None] + H + PAGE_TOKENS * C) // 4 + start  # [n, S]
+    nw = hdr
+    last = words.numel() - 1
+
+    def word(k):  # word k of each stream, or (past its end) any value: the kernel keeps a stale one
+        return torch.where(k < nw, words[torch.clamp(wbase + k, max=last)], 0)
+
+    cur, nxt, nn = word(torch.zeros_like(nw)), word(torch.ones_like(nw)), word(torch.full_like(nw, 2))
+    k = torch.full_like(nw, 3)
+    pos = torch.zeros_like(nw)
+    ch = torch.arange(S)[None, :] * STREAM_CHANNELS
+    w = wlut.to(torch.int64)
+    out = torch.zeros(n, PAGE_TOKENS, C, dtype=torch.int64)
+    for t in range(PAGE_TOKENS):
+        raw = b[off[:, None, None] + H + t * C + ch[..., None] + torch.arange(STREAM_CHANNELS)]  # [n, S, 32]
+        for j in range(STREAM_CHANNELS):
+            peek = ((cur << pos) | (nxt >> (32 - pos))) & 0xFFFFFFFF
+            e = w[ch + j, peek >> (32 - max_len)]
+            used = e & 31
+            sym = torch.where(e < 0, (peek >> (32 - used)) & 0xFF, (e >> 5) & 0xFF)
+            pos = pos + used
+            adv = pos >= 32
+            cur, nxt = torch.where(adv, nxt, cur), torch.where(adv, nn, nxt)
+            nn = torch.where(adv & (k < nw), word(k), nn)
+            k = k + adv.to(k.dtype)
+            pos = pos & 31
+            r = raw[..., j]
+            v = ((r & 0x80) << 8) | (sym << 7) | (r & 0x7F) if is_bf16 else (sym << 8) | r
+            out[:, t, ch[0] + j] = v
+    return ((out + 0x8000) % 0x10000 - 0x8000).to(torch.int16)
+
+
+@constexpr_function
+def _pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
+@constexpr_function
+def _cp_async4_asm(dst_imm, src_imm):
+    """One 4-byte word from global $2 + src_imm to shared byte $1 + dst_imm of ``global_smem`` ($3
+    bytes read: 4, or 0 for a zero); immediates, so the copies of a stream share two registers."""
+    return ("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
+            f"cp.async.ca.shared.global [a+{dst_imm}], [$2+{src_imm}], 4, $3; mov.u32 $0, 0; }}")
+
+
+@constexpr_function
+def _lds16_asm(imm):
+    """int16 at shared byte offset $1 + imm (sign-extended)."""
+    return f"{{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.s16 $0, [a+{imm}]; }}"
+
+
+@gluon.jit
+def _entry(peek, j: gl.constexpr, wlut_ptr, row, L: gl.constexpr, SHARED: gl.constexpr):
+    """The window-table entry of channel j of the stream for the next bits ``peek``."""
+    idx = (peek >> (32 - L)).to(gl.int32)
+    if SHARED:
+        return gl.inline_asm_elementwise(_lds16_asm(j * (2 << L)), "=r,r", [idx * 2], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return gl.load(wlut_ptr + row + (j << L) + idx).to(gl.int32)
+
+
+@gluon.jit
+def _symbol(raws, j: gl.constexpr, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L: gl.constexpr,
+            IS_BF16: gl.constexpr, SHARED: gl.constexpr, STAGE: gl.constexpr, lane, B: gl.constexpr):
+    """Channel j of the stream (of this token): its 16-bit value (raw byte from ``raws``, word j // 4
+    of the token's raw bytes) and the window after it."""
+    peek = gl.inline_asm_elementwise(_SHF, "=r,r,r,r", [nxt, cur, pos], dtype=gl.uint32, is_pure=True, pack=1)
+    e = _entry(peek, j, wlut_ptr, row, L, SHARED)
+    used = e & 31
+    sym = gl.where(e < 0, ((peek >> (32 - used).to(gl.uint32)) & 0xFF).to(gl.int32), (e >> 5) & 0xFF)
+    pos = pos + used
+    adv = pos >= 32
+    cur = gl.where(adv, nxt, cur)
+    nxt = gl.where(adv, nn, nxt)
+    if STAGE > 0:
+        # the stream's words staged in shared memory (word i of lane l at slot i * B + l, so a warp's
+        # reads never share a bank): nn re-read every symbol, a read the next one waits for briefly
+        k = k + adv.to(gl.int32)
+        slot = gl.minimum(k - 1, STAGE - 1) * B + lane
+        nn = gl.inline_asm_elementwise(_LDS32, "=r,r", [(_CHANNELS << (L + 1)) + 4 * slot], dtype=gl.uint32,
+                                       is_pure=True, pack=1)
+    else:
+        # past the stream's end the window keeps a stale word: bits a valid stream never uses
+        nn = gl.load(wptr + k, mask=adv & (k < nw), other=nn)
+        k = k + adv.to(gl.int32)
+    pos = pos & 31
+    raw = ((raws >> (8 * (j % 4))) & 0xFF).to(gl.int32)
+    if IS_BF16:
+        v = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
+    else:
+        v = (sym << 8) | raw
+    return v, cur, nxt, nn, pos, k
+
+
+@gluon.jit
+def _raw_words(buf64_ptr, rbase, t, ok, C: gl.constexpr):
+    """A token's 32 raw bytes of the stream as 8 uint32 words (four 8-byte loads)."""
+    a = gl.load(buf64_ptr + rbase + t * (C // 8), mask=ok, other=0).to(gl.uint64, bitcast=True)
+    b = gl.load(buf64_ptr + rbase + t * (C // 8) + 1, mask=ok, other=0).to(gl.uint64, bitcast=True)
+    c = gl.load(buf64_ptr + rbase + t * (C // 8) + 2, mask=ok, other=0).to(gl.uint64, bitcast=True)
+    d = gl.load(buf64_ptr + rbase + t * (C // 8) + 3, mask=ok, other=0).to(gl.uint64, bitcast=True)
+    return a, b, c, d
+
+
+@gluon.jit
+def _eight(raw64, q: gl.constexpr, st, wptr, wlut_ptr, row, L: gl.constexpr, IS_BF16: gl.constexpr,
+           SHARED: gl.constexpr, STAGE: gl.constexpr, lane, B: gl.constexpr):
+    """Channels 8q .. 8q + 7 (raw bytes in ``raw64``): four output words (pairs of values), the window after."""
+    cur, nxt, nn, pos, k, nw = st
+    lo = (raw64 & 0xFFFFFFFF).to(gl.uint32)
+    hi = (raw64 >> 32).to(gl.uint32)
+    v0, cur, nxt, nn, pos, k = _symbol(lo, 8 * q, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    v1, cur, nxt, nn, pos, k = _symbol(lo, 8 * q + 1, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    v2, cur, nxt, nn, pos, k = _symbol(lo, 8 * q + 2, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    v3, cur, nxt, nn, pos, k = _symbol(lo, 8 * q + 3, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    v4, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 4, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    v5, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 5, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    v6, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 6, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    v7, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 7, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+    return (v0 | (v1 << 16), v2 | (v3 << 16), v4 | (v5 << 16), v6 | (v7 << 16)), (cur, nxt, nn, pos, k, nw)
+
+
+@gluon.jit
+def _store4(ptr, ws, ok):
+    gl.inline_asm_elementwise(_ST_V4, "=r,l,r,r,r,r,r", [ptr, ws[0], ws[1], ws[2], ws[3], ok.to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, row, p64, ok, s, off, start, nw, lane, C: gl.constexpr,
+                  H: gl.constexpr, L: gl.constexpr, IS_BF16: gl.constexpr, SHARED: gl.constexpr,
+                  STAGE: gl.constexpr, B: gl.constexpr):
+    """Stream s of the pages ``p64`` (one per thread): its 16 tokens x 32 channels into ``out``."""
+    wptr = buf32_ptr + (off + H + _TOKENS * C) // 4 + start
+    if STAGE > 0:
+        # the stream's first STAGE words (zeros past its end) into this lane's slots; each lane
+        # reads only its own slots, so it waits for its own copies (no barrier)
+        dst = (_CHANNELS << (L + 1)) + 4 * lane
+        for i in gl.static_range(STAGE):
+            gl.inline_asm_elementwise(_cp_async4_asm(4 * i * B, 4 * i), "=r,r,l,r", [dst, wptr, gl.where(ok & (i < nw), 4, 0)],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+        lane = gl.inline_asm_elementwise(_CP_COMMIT_WAIT, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+    cur = gl.load(wptr, mask=ok & (nw > 0), other=0).to(gl.uint32, bitcast=True)
+    nxt = gl.load(wptr + 1, mask=ok & (nw > 1), other=0).to(gl.uint32, bitcast=True)
+    nn = gl.load(wptr + 2, mask=ok & (nw > 2), other=0).to(gl.uint32, bitcast=True)
+    wptr = wptr.to(gl.pointer_type(gl.uint32), bitcast=True)
+    st = (cur, nxt, nn, gl.zeros_like(nw), gl.full_like(nw, 3), nw)
+    rbase = (off + H) // 8 + s * 4
+    optr = out32_ptr + (p64 * _TOKENS * C + s * _CHANNELS) // 2
+    ra, rb, rc, rd = _raw_words(buf64_ptr, rbase, 0, ok, C)
+    for t in range(_TOKENS):
+        na, nb, nc, nd = _raw_words(buf64_ptr, rbase, t + 1, ok & (t + 1 < _TOKENS), C)
+        w, st = _eight(ra, 0, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        _store4(optr + t * (C // 2), w, ok)
+        w, st = _eight(rb, 1, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        _store4(optr + t * (C // 2) + 4, w, ok)
+        w, st = _eight(rc, 2, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        _store4(optr + t * (C // 2) + 8, w, ok)
+        w, st = _eight(rd, 3, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        _store4(optr + t * (C // 2) + 12, w, ok)
+        ra, rb, rc, rd = na, nb, nc, nd
+
+
+@gluon.jit
+def decode_kernel(
+    buf32_ptr,  # int32 view of the page buffer
+    buf16_ptr,  # int16 view (headers)
+    buf64_ptr,  # int64 view (raw bytes)
+    off_ptr,  # int64 [n + 1] page offsets in bytes (multiples of 8)
+    wlut_ptr,  # int16 [G, C, 2**L] window tables (``exact_page.window_table``)
+    out32_ptr,  # int32 view of int16 [n, 16, C] (16-byte aligned)
+    tid_ptr,  # int32 [n] codebook of each page
+    n_pages,
+    C: gl.constexpr,
+    S: gl.constexpr,
+    SP: gl.constexpr,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    IS_BF16: gl.constexpr,
+    BLOCK_PAGES: gl.constexpr,
+    STAGE: gl.constexpr = 0,  # words per page and stream staged in shared memory (0: read from global)
+):
+    """A program decodes stream s of BLOCK_PAGES pages, a thread one page; its 32 tables (and with
+    STAGE the stream words) in shared memory when its pages share a codebook."""
+    NW: gl.constexpr = gl.num_warps()
+    HC: gl.constexpr = min(SP, 32)  # header words read at a time
+    HL: gl.constexpr = gl.BlockedLayout([1, HC], [32, 1], [NW, 1], [1, 0])
+    P1: gl.constexpr = gl.SliceLayout(1, HL)
+    # every thread holds UN pages' table ids at a time: the uniformity test reduces in registers
+    UN: gl.constexpr = 16
+    UL: gl.constexpr = gl.BlockedLayout([UN], [32], [NW], [0])
+    TL: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
+    TW: gl.constexpr = _CHANNELS << L  # table entries of a stream
+
+    s = gl.program_id(1)
+    p0 = gl.program_id(0) * BLOCK_PAGES
+    p = p0 + gl.arange(0, BLOCK_PAGES, layout=P1)
+    ok = p < n_pages
+    p64 = p.to(gl.int64)
+    off = gl.load(off_ptr + p64, mask=ok, other=0)
+    # words per stream from the header; this stream starts after the streams before it
+    start = gl.zeros_like(p)
+    nw = gl.zeros_like(p)
+    for h in range(SP // HC):
+        sj = h * HC + gl.expand_dims(gl.arange(0, HC, layout=gl.SliceLayout(0, HL)), 0)
+        hdr = gl.load(buf16_ptr + gl.expand_dims(off // 2, 1) + sj, mask=gl.expand_dims(ok, 1) & (sj < S), other=0)
+        hdr = hdr.to(gl.int32) & 0xFFFF
+        start += gl.sum(gl.where(sj < s, hdr, 0), axis=1)
+        nw += gl.sum(gl.where(sj == s, hdr, 0), axis=1)
+
+    # the shared path when the program's pages share a codebook (and, with STAGE, every page's stream
+    # fits its STAGE slots): every thread holds UN pages' table ids and word counts at a time, so the
+    # test reduces in registers
+    t0 = gl.load(tid_ptr + p0)
+    fast = t0 == t0
+    for c in range(BLOCK_PAGES // UN):
+        pu = p0 + c * UN + gl.arange(0, UN, layout=UL)
+        tu = gl.load(tid_ptr + pu, mask=pu < n_pages, other=t0)
+        fast = fast & (gl.min(tu, 0) == t0) & (gl.max(tu, 0) == t0)
+        if STAGE > 0:
+            ou = gl.load(off_ptr + pu, mask=pu < n_pages, other=0)
+            wu = gl.load(buf16_ptr + ou // 2 + s, mask=pu < n_pages, other=0).to(gl.int32) & 0xFFFF
+            fast = fast & (gl.max(wu, 0) <= STAGE)
+    smem = gl.allocate_shared_memory(gl.int32, [_pow2(TW // 2 + STAGE * BLOCK_PAGES)],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    lane = p - p0
+    if fast:
+        x = gl.arange(0, TW // 2, layout=TL)
+        base = (t0.to(gl.int64) * C + s * _CHANNELS) << L
+        smem.slice(0, TW // 2).store(gl.load(wlut_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + base // 2 + x))
+        gl.thread_barrier()
+        decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, 0, p64, ok, s, off, start, nw, lane, C, H, L,
+                      IS_BF16, True, STAGE, BLOCK_PAGES)
+    else:
+        row = (gl.load(tid_ptr + p64, mask=ok, other=0).to(gl.int64) * C + s * _CHANNELS) << L
+        decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, row, p64, ok, s, off, start, nw, lane, C, H, L,
+                      IS_BF16, False, 0, BLOCK_PAGES)
+
+
+def decode_into(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, max_len: int, channels: int,
+                is_bf16: bool, out: torch.Tensor, tids: torch.Tensor, block_pages: int = 32, stage: int = 64) -> None:
+    """``exact_page.decode_into`` on Hopper: ``wlut`` the window tables (int16 [G, C, 2**max_len]),
+    ``out`` int16 [n, 16, C], 16-byte aligned; ``stage``: words per page and stream staged in shared
+    memory (0: read from global memory); no host reads."""
+    if block_pages not in (32, 64, 128, 256):
+        raise InvalidArgumentError(f"the Gluon decoder takes 32, 64, 128 or 256 pages per program, got {block_pages}")
+    if not 0 <= stage <= 256:
+        raise InvalidArgumentError(f"stage must lie in [0, 256] words, got {stage}")
+    n = offsets.numel() - 1
+    if not n:
+        return
+    S = channels // STREAM_CHANNELS
+    grid = (-(-n // block_pages), S)
+    decode_kernel[grid](
+        buf.view(torch.int32), buf.view(torch.int16), buf.view(torch.int64), offsets, wlut, out.view(torch.int32),
+        tids, n, C=channels, S=S, SP=1 << (S - 1).bit_length(), H=(2 * S + 7) // 8 * 8, L=max_len,
+        IS_BF16=is_bf16, BLOCK_PAGES=block_pages, STAGE=stage, num_warps=block_pages // 32,
+    )
+
+
+__all__ = ["window_decode_ref", "decode_kernel", "decode_into", "MAX_SHARED_LEN"]
