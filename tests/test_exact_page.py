@@ -251,7 +251,7 @@ def test_window_decoder_math_escapes_and_window_table():
     rng = np.random.default_rng(7)
     cal = (rng.standard_normal((64, 32)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     cb = pages.calibrate(cal, "bfloat16")
-    p = rng.integers(0, 1 << 16, (3, 16, 32), dtype=np.uint16)  # most symbols escaped (20-bit codes)
+    p = rng.integers(0, 1 << 16, (3, 16, 32), dtype=np.uint16)  # most symbols escaped (up to 16-bit codes)
     p[0, 0, :8] = [0x7FC0, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F, 0x0000, 0xFFFF]
     _, buf, offs = _rust_pages(p, "bfloat16", 8, cal)
     tb = ep.PageTables.from_codebook(cb)
@@ -283,13 +283,13 @@ def test_gluon_decoder_refuses_what_it_cannot_run(real_kv):
     with pytest.raises(InvalidArgumentError):
         eg.decode_into(buf, offs, tb.wlut, 8, 32, True, torch.empty(4, 16, 32, dtype=torch.int16),
                        torch.zeros(4, dtype=torch.int32), block_pages=96)
-    with pytest.raises(InvalidArgumentError):
-        eg.decode_into(buf, offs, tb.wlut, 8, 32, True, torch.empty(4, 16, 32, dtype=torch.int16),
-                       torch.zeros(4, dtype=torch.int32), stage=300)
+    for bp, stage in ((32, 300), (256, 256)):  # 256 x 256 words: 512 KB of shared memory
+        with pytest.raises(InvalidArgumentError):
+            eg.decode_into(buf, offs, tb.wlut, 8, 32, True, torch.empty(4, 16, 32, dtype=torch.int16),
+                           torch.zeros(4, dtype=torch.int32), bp, stage)
 
 
 _COMPILE_GLUON_DECODER = """
-import sys
 from weightszip.kernels import exact_page_gluon as eg
 from weightszip.kernels.paged_decode_gluon import compile_for_hopper
 

@@ -56,6 +56,7 @@ from weightszip.errors import InvalidArgumentError
 
 from .exact_page import MAX_SHARED_LEN, PAGE_TOKENS, STREAM_CHANNELS  # noqa: F401
 
+HOPPER_SMEM = 227 * 1024  # shared memory a program may take on Hopper
 _TOKENS = gl.constexpr(PAGE_TOKENS)
 _CHANNELS = gl.constexpr(STREAM_CHANNELS)
 
@@ -73,8 +74,8 @@ def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tens
                       is_bf16: bool) -> torch.Tensor:
     """The kernel's math in PyTorch, every (page, stream) at once: the three-word window, the
     window-table entries, the escape's 8 bits taken from the top of the window. buf uint8 (length a
-    multiple of 4), offsets int64 [n + 1], wlut int16 [C, 2**max_len] (``exact_page.window_table``). Returns int16
-    [n, 16, C]."""
+    multiple of 4), offsets int64 [n + 1], wlut int16 [C, 2**max_len] (``exact_page.window_table``).
+    Returns int16 [n, 16, C]."""
     C = wlut.shape[0]
     S = C // STREAM_CHANNELS
     H = (2 * S + 7) // 8 * 8
@@ -148,10 +149,12 @@ def _entry(peek, j: gl.constexpr, wlut_ptr, row, L: gl.constexpr, SHARED: gl.con
 
 
 @gluon.jit
-def _symbol(raws, j: gl.constexpr, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L: gl.constexpr,
-            IS_BF16: gl.constexpr, SHARED: gl.constexpr, STAGE: gl.constexpr, lane, B: gl.constexpr):
+def _symbol(raws, j: gl.constexpr, st, ctx, L: gl.constexpr, IS_BF16: gl.constexpr, SHARED: gl.constexpr,
+            STAGE: gl.constexpr, B: gl.constexpr):
     """Channel j of the stream (of this token): its 16-bit value (raw byte from ``raws``, word j // 4
-    of the token's raw bytes) and the window after it."""
+    of the token's raw bytes) and the window ``st`` after it (``ctx``: where words and tables are)."""
+    cur, nxt, nn, pos, k, nw = st
+    wptr, wlut_ptr, row, lane = ctx
     peek = gl.inline_asm_elementwise(_SHF, "=r,r,r,r", [nxt, cur, pos], dtype=gl.uint32, is_pure=True, pack=1)
     e = _entry(peek, j, wlut_ptr, row, L, SHARED)
     used = e & 31
@@ -177,7 +180,7 @@ def _symbol(raws, j: gl.constexpr, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row
         v = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
     else:
         v = (sym << 8) | raw
-    return v, cur, nxt, nn, pos, k
+    return v, (cur, nxt, nn, pos, k, nw)
 
 
 @gluon.jit
@@ -191,21 +194,21 @@ def _raw_words(buf64_ptr, rbase, t, ok, C: gl.constexpr):
 
 
 @gluon.jit
-def _eight(raw64, q: gl.constexpr, st, wptr, wlut_ptr, row, L: gl.constexpr, IS_BF16: gl.constexpr,
-           SHARED: gl.constexpr, STAGE: gl.constexpr, lane, B: gl.constexpr):
-    """Channels 8q .. 8q + 7 (raw bytes in ``raw64``): four output words (pairs of values), the window after."""
-    cur, nxt, nn, pos, k, nw = st
+def _eight(raw64, q: gl.constexpr, st, ctx, L: gl.constexpr, IS_BF16: gl.constexpr, SHARED: gl.constexpr,
+           STAGE: gl.constexpr, B: gl.constexpr):
+    """Channels 8q .. 8q + 7 (raw bytes in ``raw64``): four output words (pairs of values), the window
+    after them."""
     lo = (raw64 & 0xFFFFFFFF).to(gl.uint32)
     hi = (raw64 >> 32).to(gl.uint32)
-    v0, cur, nxt, nn, pos, k = _symbol(lo, 8 * q, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    v1, cur, nxt, nn, pos, k = _symbol(lo, 8 * q + 1, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    v2, cur, nxt, nn, pos, k = _symbol(lo, 8 * q + 2, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    v3, cur, nxt, nn, pos, k = _symbol(lo, 8 * q + 3, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    v4, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 4, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    v5, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 5, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    v6, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 6, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    v7, cur, nxt, nn, pos, k = _symbol(hi, 8 * q + 7, cur, nxt, nn, pos, k, nw, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
-    return (v0 | (v1 << 16), v2 | (v3 << 16), v4 | (v5 << 16), v6 | (v7 << 16)), (cur, nxt, nn, pos, k, nw)
+    v0, st = _symbol(lo, 8 * q, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v1, st = _symbol(lo, 8 * q + 1, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v2, st = _symbol(lo, 8 * q + 2, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v3, st = _symbol(lo, 8 * q + 3, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v4, st = _symbol(hi, 8 * q + 4, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v5, st = _symbol(hi, 8 * q + 5, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v6, st = _symbol(hi, 8 * q + 6, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v7, st = _symbol(hi, 8 * q + 7, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    return (v0 | (v1 << 16), v2 | (v3 << 16), v4 | (v5 << 16), v6 | (v7 << 16)), st
 
 
 @gluon.jit
@@ -225,26 +228,28 @@ def decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, row, p64, ok, s, of
         # reads only its own slots, so it waits for its own copies (no barrier)
         dst = (_CHANNELS << (L + 1)) + 4 * lane
         for i in gl.static_range(STAGE):
-            gl.inline_asm_elementwise(_cp_async4_asm(4 * i * B, 4 * i), "=r,r,l,r", [dst, wptr, gl.where(ok & (i < nw), 4, 0)],
-                                      dtype=gl.int32, is_pure=False, pack=1)
+            gl.inline_asm_elementwise(_cp_async4_asm(4 * i * B, 4 * i), "=r,r,l,r",
+                                      [dst, wptr, gl.where(ok & (i < nw), 4, 0)], dtype=gl.int32, is_pure=False,
+                                      pack=1)
         lane = gl.inline_asm_elementwise(_CP_COMMIT_WAIT, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
     cur = gl.load(wptr, mask=ok & (nw > 0), other=0).to(gl.uint32, bitcast=True)
     nxt = gl.load(wptr + 1, mask=ok & (nw > 1), other=0).to(gl.uint32, bitcast=True)
     nn = gl.load(wptr + 2, mask=ok & (nw > 2), other=0).to(gl.uint32, bitcast=True)
     wptr = wptr.to(gl.pointer_type(gl.uint32), bitcast=True)
     st = (cur, nxt, nn, gl.zeros_like(nw), gl.full_like(nw, 3), nw)
+    ctx = (wptr, wlut_ptr, row, lane)
     rbase = (off + H) // 8 + s * 4
     optr = out32_ptr + (p64 * _TOKENS * C + s * _CHANNELS) // 2
     ra, rb, rc, rd = _raw_words(buf64_ptr, rbase, 0, ok, C)
     for t in range(_TOKENS):
         na, nb, nc, nd = _raw_words(buf64_ptr, rbase, t + 1, ok & (t + 1 < _TOKENS), C)
-        w, st = _eight(ra, 0, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        w, st = _eight(ra, 0, st, ctx, L, IS_BF16, SHARED, STAGE, B)
         _store4(optr + t * (C // 2), w, ok)
-        w, st = _eight(rb, 1, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        w, st = _eight(rb, 1, st, ctx, L, IS_BF16, SHARED, STAGE, B)
         _store4(optr + t * (C // 2) + 4, w, ok)
-        w, st = _eight(rc, 2, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        w, st = _eight(rc, 2, st, ctx, L, IS_BF16, SHARED, STAGE, B)
         _store4(optr + t * (C // 2) + 8, w, ok)
-        w, st = _eight(rd, 3, st, wptr, wlut_ptr, row, L, IS_BF16, SHARED, STAGE, lane, B)
+        w, st = _eight(rd, 3, st, ctx, L, IS_BF16, SHARED, STAGE, B)
         _store4(optr + t * (C // 2) + 12, w, ok)
         ra, rb, rc, rd = na, nb, nc, nd
 
@@ -334,6 +339,10 @@ def decode_into(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, ma
         raise InvalidArgumentError(f"the Gluon decoder takes 32, 64, 128 or 256 pages per program, got {block_pages}")
     if not 0 <= stage <= 256:
         raise InvalidArgumentError(f"stage must lie in [0, 256] words, got {stage}")
+    smem = 4 * (1 << ((16 << max_len) + stage * block_pages - 1).bit_length())
+    if smem > HOPPER_SMEM:
+        raise InvalidArgumentError(f"{block_pages} pages per program and {stage} staged words need {smem} bytes of "
+                                   f"shared memory, more than a Hopper program's {HOPPER_SMEM}")
     n = offsets.numel() - 1
     if not n:
         return
