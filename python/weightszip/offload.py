@@ -404,10 +404,7 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
 
     if not plan:
         return session
-    # each chunk's table ids go to the GPU with its size pass (at most 32 KB, queued without a host
-    # wait), not the session's at once: a pageable copy of 2 MB and a sync before the first kernel
-    # (0.5 ms in the H200 trace of session 11, while the first chunks are host-bound)
-    chunk_tids = []
+    tids_dev = torch.from_numpy(tids).to(dev)
     nslots = min(depth, len(plan))
     # Chunk i's size must reach the host before its copy is queued. The encoder's size pass
     # (no serial chain, ~870 GB/s on an H200) runs one chunk ahead of the encoding, and the size
@@ -420,8 +417,7 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
     def size_pass(i):
         a, b = plan[i]
         with st.on("comp"):
-            chunk_tids.append(torch.from_numpy(tids[a:b]).to(dev, non_blocking=True))
-            layouts.append(ep.page_layout(bits(a, b), tables, chunk_tids[i]))
+            layouts.append(ep.page_layout(bits(a, b), tables, tids_dev[a:b]))
             post(layouts[i][1][-1:], sizes[i : i + 1])
             sized.append(st.record("comp"))
 
@@ -450,12 +446,12 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
                 full = max(nr, nb // n_i * max_pages + _region_bytes(0, max_pages))
                 ring[slot] = _ring_buffer((full + full // 4) // 8 * 8 + 64, dev)
             buf = ring[slot]
-            ep.encode_into(bits(a, b), tables, chunk_tids[i], buf, layouts[i], block_pages)
+            ep.encode_into(bits(a, b), tables, tids_dev[a:b], buf, layouts[i], block_pages)
             o, t = nb + 8 * (n_i + 1), nb + 8 * (n_i + 1) + 4 * n_i
             buf[nb:o].copy_(layouts[i][1].view(torch.uint8))
-            buf[o:t].copy_(chunk_tids[i].view(torch.uint8))
+            buf[o:t].copy_(tids_dev[a:b].view(torch.uint8))
             buf[t:nr].zero_()
-            layouts[i] = chunk_tids[i] = None  # in the buffer now
+            layouts[i] = None  # its offsets are in the buffer now
             enc_done = st.record("comp")
             digests.put(i, pages_gpu[a:b])
         region = _host_region(host, nr, session)
