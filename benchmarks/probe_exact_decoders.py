@@ -2,8 +2,9 @@
 """The exact-page decoders side by side on the real pages of ``--kv`` (the 16 sets, tiled to the
 Llama-3.1-8B shape as bench_gpu_codec.py tiles them, repeated ``--rep`` times), each checked for a
 bit-exact round trip and timed (CUDA events, median of 10, after one warm-up): the Triton decoder
-(``triton:BLOCK_PAGES``) and the Gluon one (``gluon:BLOCK_PAGES:STAGE``, STAGE words per page
-staged in shared memory, 0 for none). With ``--ncu`` one launch each, for Nsight Compute:
+(``triton:BLOCK_PAGES``) and the Gluon one (``gluon:BLOCK_PAGES:STAGE[:1]``, STAGE words per page
+staged in shared memory, 0 for none; a last field 1: the STAGE slots are a ring refilled every 8
+symbols). With ``--ncu`` one launch each, for Nsight Compute:
 
     python benchmarks/probe_exact_decoders.py --kv .boxdata/kv_pages_subset.npz
     ncu --clock-control none -k regex:"decode_kernel" -c 3 --section WarpStateStats ... \
@@ -27,8 +28,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz")
 ap.add_argument("--rep", type=int, default=4)
 ap.add_argument("--ncu", action="store_true")
-ap.add_argument("variants", nargs="*", default=["triton:32", "gluon:32:0", "gluon:64:0", "gluon:32:64", "gluon:64:64",
-                                                   "gluon:32:128", "gluon:64:96", "gluon:128:96"])
+ap.add_argument("variants", nargs="*", default=["triton:32", "gluon:32:0", "gluon:32:64", "gluon:64:64",
+                                                   "gluon:64:16:1", "gluon:128:16:1", "gluon:256:16:1"])
 a = ap.parse_args()
 tb, vu, tu = device_pages(calibrated_sets([a.kv]), "cuda", PageTables)
 vu, tu = vu.repeat(a.rep, 1, 1), tu.repeat(a.rep)

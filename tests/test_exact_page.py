@@ -267,6 +267,25 @@ def test_window_decoder_math_escapes_and_window_table():
     assert torch.equal(torch.where(esc, 0, (w >> 5) & 0xFF), torch.where(esc, 0, lut >> 4))
 
 
+@pytest.mark.parametrize("max_len", [8, 10])
+def test_ring_schedule_keeps_every_word_the_window_reads(real_kv, max_len):
+    """The Gluon decoder's RING schedule (16 slots per stream, refilled every 8 symbols, a copy waited
+    for two refills later), modelled in PyTorch with each copy landing as late and as early as the
+    kernel allows: real pages and escape-heavy ones (up to max_len + 8 bits per symbol) decode bit
+    for bit. With 8 slots, under the bound of 3 refills + 1, the escape-heavy pages do not."""
+    rng = np.random.default_rng(3)
+    x, p = _pages(real_kv, layer=1, kind=0)
+    p = p.copy()
+    p[1:3] = rng.integers(0, 1 << 16, (2, 16, p.shape[2]), dtype=np.uint16)
+    cb, buf, offs = _rust_pages(p, "bfloat16", max_len, x[:32])
+    tb = ep.PageTables.from_codebook(cb)
+    for early in (False, True):
+        dec = eg.window_decode_ref(buf, offs, tb.wlut[0], max_len, True, ring=16, early=early)
+        assert (dec.numpy().view(np.uint16) == p).all(), early
+    short = eg.window_decode_ref(buf, offs, tb.wlut[0], max_len, True, ring=8)
+    assert not (short.numpy().view(np.uint16) == p).all()
+
+
 def test_gluon_decoder_refuses_what_it_cannot_run(real_kv):
     x, p = _pages(real_kv, channels=32)
     cb, buf, offs = _rust_pages(p, "bfloat16", 8, x)
@@ -283,20 +302,22 @@ def test_gluon_decoder_refuses_what_it_cannot_run(real_kv):
     with pytest.raises(InvalidArgumentError):
         eg.decode_into(buf, offs, tb.wlut, 8, 32, True, torch.empty(4, 16, 32, dtype=torch.int16),
                        torch.zeros(4, dtype=torch.int32), block_pages=96)
-    for bp, stage in ((32, 300), (256, 256)):  # 256 x 256 words: 512 KB of shared memory
+    # 256 x 256 words: 512 KB of shared memory; rings of 24 (not a power of two) and 8 (too short) words
+    for bp, stage, ring in ((32, 300, False), (256, 256, False), (64, 24, True), (64, 8, True)):
         with pytest.raises(InvalidArgumentError):
             eg.decode_into(buf, offs, tb.wlut, 8, 32, True, torch.empty(4, 16, 32, dtype=torch.int16),
-                           torch.zeros(4, dtype=torch.int32), bp, stage)
+                           torch.zeros(4, dtype=torch.int32), bp, stage, ring)
 
 
 _COMPILE_GLUON_DECODER = """
 from weightszip.kernels import exact_page_gluon as eg
 from weightszip.kernels.paged_decode_gluon import compile_for_hopper
 
-for c, bp, ml, st in ((1024, 32, 8, 64), (96, 32, 10, 0), (192, 128, 8, 96), (4096, 256, 8, 0), (1024, 64, 8, 64)):
+for c, bp, ml, st, ring in ((1024, 32, 8, 64, 0), (96, 32, 10, 0, 0), (192, 128, 8, 96, 0), (4096, 256, 8, 0, 0),
+                            (1024, 128, 8, 16, 1), (96, 256, 10, 16, 1)):
     s = c // 32
     k, spill = compile_for_hopper(eg.decode_kernel, dict(C=c, S=s, SP=1 << (s - 1).bit_length(), H=(2 * s + 7) // 8 * 8,
-                                  L=ml, IS_BF16=True, BLOCK_PAGES=bp, STAGE=st),
+                                  L=ml, IS_BF16=True, BLOCK_PAGES=bp, STAGE=st, RING=bool(ring)),
                                   {"buf16_ptr": "*i16", "buf64_ptr": "*i64", "off_ptr": "*i64", "wlut_ptr": "*i16"},
                                   bp // 32)
     ptx = k.asm["ptx"]
@@ -308,11 +329,11 @@ for c, bp, ml, st in ((1024, 32, 8, 64), (96, 32, 10, 0), (192, 128, 8, 96), (40
 def test_gluon_decoder_compiles_for_hopper(compile_in_child):
     """The Gluon decoder compiles for sm_90 without a GPU, spilling at most 16 bytes; its only shared
     memory is one buffer (so it lies at offset 0 of ``global_smem``, where the inline PTX reads the
-    tables and the staged words): the stream's 32 tables, then STAGE words per page, rounded up to a
-    power of two."""
+    tables and the staged words): the stream's 32 tables, then STAGE words per page (all of a stream's
+    first words, or a ring), rounded up to a power of two."""
     out = compile_in_child(_COMPILE_GLUON_DECODER)
     cases = [ln.split()[1:] for ln in out.splitlines() if ln.startswith("case")]
-    assert len(cases) == 5, out
+    assert len(cases) == 6, out
     for c, bp, ml, st, spill, shared, *flags in cases:
         words = (32 << int(ml)) // 2 + int(st) * int(bp)
         assert int(spill) <= 16 and int(shared) == 4 << (words - 1).bit_length(), out
@@ -320,9 +341,10 @@ def test_gluon_decoder_compiles_for_hopper(compile_in_child):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Gluon decoder runs on a Hopper GPU (TRITON_INTERPRET=0)")
-@pytest.mark.parametrize("channels,block_pages,stage", [(32, 32, 64), (192, 32, 64), (96, 64, 0), (192, 256, 64),
-                                                       (96, 128, 96)])
-def test_gluon_decoder_equals_rust_and_triton_on_gpu(real_kv, channels, block_pages, stage):
+@pytest.mark.parametrize("channels,block_pages,stage,ring", [(32, 32, 64, 0), (192, 32, 64, 0), (96, 64, 0, 0),
+                                                            (192, 256, 64, 0), (96, 128, 96, 0), (32, 128, 16, 1),
+                                                            (192, 256, 16, 1)])
+def test_gluon_decoder_equals_rust_and_triton_on_gpu(real_kv, channels, block_pages, stage, ring):
     """Real K and V of three layers, each its own codebook, pages interleaved so that programs mix
     codebooks (the global-table path) or not (shared tables), a page count no block size divides;
     the Gluon decoder gives back the Rust encoder's inputs and equals the Triton decoder."""
@@ -346,7 +368,7 @@ def test_gluon_decoder_equals_rust_and_triton_on_gpu(real_kv, channels, block_pa
     cat_bits = np.concatenate(bits)[order]
     want = torch.from_numpy(cat_bits.view(np.int16).copy()).cuda()
     g = torch.zeros_like(want)
-    eg.decode_into(buf, offsets, tb.wlut, tb.max_len, channels, True, g, tid, block_pages, stage)
+    eg.decode_into(buf, offsets, tb.wlut, tb.max_len, channels, True, g, tid, block_pages, stage, bool(ring))
     t = ep.decode_pages(buf, offsets, tb, table_ids=tid, kernel="triton")
     assert torch.equal(t, want)
     assert torch.equal(g, want)
@@ -375,3 +397,7 @@ def test_gluon_decoder_escapes_and_specials_on_gpu(dtype):
     tb = ep.PageTables.from_codebook(cb, device="cuda")
     g = ep.decode_pages(buf.cuda(), offs.cuda(), tb, kernel="gluon")
     assert (g.cpu().numpy().view(np.uint16) == p).all()
+    r = torch.zeros_like(g)  # the ring: escape-heavy streams at up to 16 bits per symbol
+    eg.decode_into(buf.cuda(), offs.cuda(), tb.wlut, 8, 64, dtype == "bfloat16", r,
+                   torch.zeros(len(p), dtype=torch.int32, device="cuda"), 128, 16, True)
+    assert torch.equal(r, g)

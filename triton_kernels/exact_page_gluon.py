@@ -35,9 +35,17 @@ asked (``kernel="gluon"``). It runs fewer instructions (28 per symbol against 44
 on global memory (long-scoreboard stalls 2.2 cycles per instruction against 15.7), but waits on
 shared memory instead (5.5) at 18% occupancy: the staged words (8 KB per warp) and the tables
 (16 KB per program) fill shared memory, so too few decode chains run per multiprocessor. Two pages
-per thread (two chains) measured slower (479 against 524 GB/s). What would move it: fewer staged
-words per page (a ring refilled per token, with a fallback for escape-heavy tokens) to run more
-chains.
+per thread (two chains) measured slower (479 against 524 GB/s).
+
+**Built after the last GPU run, not yet measured: the ring** (``RING``): STAGE = 16 slots per stream
+instead of 64 (2 KB of shared memory per warp instead of 8), refilled every 8 symbols
+(``_refill``: 4-byte ``cp.async`` of the words after the last copied one into the slots of words
+already read, waited for two refills later), and no limit on a stream's length. The slots must hold
+the words of 16 symbols plus the lookahead: at least 3 refills + 1 (13 words at max_len 8, 16 at
+10); ``window_decode_ref(..., ring=16)`` models the schedule with copies landing as late and as
+early as the kernel allows, and decodes real and escape-heavy pages (CPU tests). With 128 pages per
+program it compiles to 62 registers and 32 KB of shared memory: 24 warps per multiprocessor (32
+at 256 pages) against 12 for the measured 64 words.
 
 ``window_decode_ref`` is the same math in PyTorch (the CPU tests hold it against the pages the Rust
 encoder writes); Gluon has no interpreter, so the CPU tests compile the kernel for sm_90 and the
@@ -63,6 +71,10 @@ _CHANNELS = gl.constexpr(STREAM_CHANNELS)
 # the next 32 bits of the window: (cur:nxt) << pos, upper half (pos clamped to 32)
 _SHF = gl.constexpr("shf.l.clamp.b32 $0, $1, $2, $3;")
 _CP_COMMIT_WAIT = gl.constexpr("cp.async.commit_group; cp.async.wait_group 0; mov.u32 $0, $1;")
+_CP_COMMIT = gl.constexpr("cp.async.commit_group; mov.u32 $0, 0;")
+# all this thread's copy groups but the newest have landed; passes $1 through (reads of the staged
+# words take their addresses from it, so they cannot move above the wait)
+_CP_WAIT_1 = gl.constexpr("cp.async.wait_group 1; mov.u32 $0, $1;")
 # the 32-bit word at shared byte $1
 _LDS32 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
 # four words to 16 bytes at $1 when $6 is not 0
@@ -71,11 +83,16 @@ _ST_V4 = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $6, 0; @p st.global.v4.b32
 
 
 def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, max_len: int,
-                      is_bf16: bool) -> torch.Tensor:
+                      is_bf16: bool, ring: int = 0, early: bool = False) -> torch.Tensor:
     """The kernel's math in PyTorch, every (page, stream) at once: the three-word window, the
     window-table entries, the escape's 8 bits taken from the top of the window. buf uint8 (length a
     multiple of 4), offsets int64 [n + 1], wlut int16 [C, 2**max_len] (``exact_page.window_table``).
-    Returns int16 [n, 16, C]."""
+    Returns int16 [n, 16, C].
+
+    ``ring`` > 0: the kernel's RING schedule (``_refill``) with that many slots per stream, the window's
+    third word read from its slot every symbol. A copy lands, in the kernel, at any time between its
+    refill and the wait two refills later: ``early`` False lands it at that wait, True at once; the
+    schedule is right if both decode the pages."""
     C = wlut.shape[0]
     S = C // STREAM_CHANNELS
     H = (2 * S + 7) // 8 * 8
@@ -99,9 +116,33 @@ def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tens
     ch = torch.arange(S)[None, :] * STREAM_CHANNELS
     w = wlut.to(torch.int64)
     out = torch.zeros(n, PAGE_TOKENS, C, dtype=torch.int64)
+    if ring:
+        slots = torch.zeros(n, S, ring, dtype=torch.int64)
+        for i in range(2, ring + 2):  # the initial copies, waited for
+            slots[..., i % ring] = word(torch.full_like(nw, i))
+        filled = torch.full_like(nw, ring + 2)
+        pending = []  # per refill: (slot, value, mask) copies in flight
+        refills = (8 * (max_len + 8) + 31) // 32
+
+    def land(copies):
+        for slot, value, m in copies:
+            cur_v = slots.gather(2, slot[..., None])[..., 0]
+            slots.scatter_(2, slot[..., None], torch.where(m, value, cur_v)[..., None])
+
     for t in range(PAGE_TOKENS):
         raw = b[off[:, None, None] + H + t * C + ch[..., None] + torch.arange(STREAM_CHANNELS)]  # [n, S, 32]
         for j in range(STREAM_CHANNELS):
+            if ring and j % 8 == 0:  # _refill: wait for the copies of two refills ago, copy ahead
+                if len(pending) >= 2:
+                    land(pending.pop(-2))
+                limit = k + ring - 1
+                copies = [((filled + i) % ring, word(filled + i), (filled + i < limit) & (filled + i < nw))
+                          for i in range(refills)]
+                if early:
+                    land(copies)
+                    copies = []
+                pending.append(copies)
+                filled = torch.minimum(filled + refills, limit)
             peek = ((cur << pos) | (nxt >> (32 - pos))) & 0xFFFFFFFF
             e = w[ch + j, peek >> (32 - max_len)]
             used = e & 31
@@ -109,8 +150,12 @@ def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tens
             pos = pos + used
             adv = pos >= 32
             cur, nxt = torch.where(adv, nxt, cur), torch.where(adv, nn, nxt)
-            nn = torch.where(adv & (k < nw), word(k), nn)
-            k = k + adv.to(k.dtype)
+            if ring:
+                k = k + adv.to(k.dtype)
+                nn = slots.gather(2, ((k - 1) % ring)[..., None])[..., 0]
+            else:
+                nn = torch.where(adv & (k < nw), word(k), nn)
+                k = k + adv.to(k.dtype)
             pos = pos & 31
             r = raw[..., j]
             v = ((r & 0x80) << 8) | (sym << 7) | (r & 0x7F) if is_bf16 else (sym << 8) | r
@@ -132,6 +177,20 @@ def _cp_async4_asm(dst_imm, src_imm):
 
 
 @constexpr_function
+def _cp_async4_pred_asm(src_imm):
+    """One 4-byte word from global $2 + src_imm to shared byte $1 of ``global_smem`` when $3 is not 0."""
+    return ("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $3, 0; mov.u32 a, global_smem; add.u32 a, a, $1; "
+            f"@p cp.async.ca.shared.global [a], [$2+{src_imm}], 4; mov.u32 $0, 0; }}")
+
+
+@constexpr_function
+def _ring_refill_words(L):
+    """Words a stream can move past in 8 symbols (at most L + 8 bits each): what one refill of the
+    ring must be able to add."""
+    return (8 * (L + 8) + 31) // 32
+
+
+@constexpr_function
 def _lds16_asm(imm):
     """int16 at shared byte offset $1 + imm (sign-extended)."""
     return f"{{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.s16 $0, [a+{imm}]; }}"
@@ -150,7 +209,7 @@ def _entry(peek, j: gl.constexpr, wlut_ptr, row, L: gl.constexpr, SHARED: gl.con
 
 @gluon.jit
 def _symbol(raws, j: gl.constexpr, st, ctx, L: gl.constexpr, IS_BF16: gl.constexpr, SHARED: gl.constexpr,
-            STAGE: gl.constexpr, B: gl.constexpr):
+            STAGE: gl.constexpr, B: gl.constexpr, RING: gl.constexpr):
     """Channel j of the stream (of this token): its 16-bit value (raw byte from ``raws``, word j // 4
     of the token's raw bytes) and the window ``st`` after it (``ctx``: where words and tables are)."""
     cur, nxt, nn, pos, k, nw = st
@@ -167,7 +226,10 @@ def _symbol(raws, j: gl.constexpr, st, ctx, L: gl.constexpr, IS_BF16: gl.constex
         # the stream's words staged in shared memory (word i of lane l at slot i * B + l, so a warp's
         # reads never share a bank): nn re-read every symbol, a read the next one waits for briefly
         k = k + adv.to(gl.int32)
-        slot = gl.minimum(k - 1, STAGE - 1) * B + lane
+        if RING:  # word i in slot i mod STAGE
+            slot = ((k - 1) & (STAGE - 1)) * B + lane
+        else:
+            slot = gl.minimum(k - 1, STAGE - 1) * B + lane
         nn = gl.inline_asm_elementwise(_LDS32, "=r,r", [(_CHANNELS << (L + 1)) + 4 * slot], dtype=gl.uint32,
                                        is_pure=True, pack=1)
     else:
@@ -195,20 +257,40 @@ def _raw_words(buf64_ptr, rbase, t, ok, C: gl.constexpr):
 
 @gluon.jit
 def _eight(raw64, q: gl.constexpr, st, ctx, L: gl.constexpr, IS_BF16: gl.constexpr, SHARED: gl.constexpr,
-           STAGE: gl.constexpr, B: gl.constexpr):
+           STAGE: gl.constexpr, B: gl.constexpr, RING: gl.constexpr):
     """Channels 8q .. 8q + 7 (raw bytes in ``raw64``): four output words (pairs of values), the window
     after them."""
     lo = (raw64 & 0xFFFFFFFF).to(gl.uint32)
     hi = (raw64 >> 32).to(gl.uint32)
-    v0, st = _symbol(lo, 8 * q, st, ctx, L, IS_BF16, SHARED, STAGE, B)
-    v1, st = _symbol(lo, 8 * q + 1, st, ctx, L, IS_BF16, SHARED, STAGE, B)
-    v2, st = _symbol(lo, 8 * q + 2, st, ctx, L, IS_BF16, SHARED, STAGE, B)
-    v3, st = _symbol(lo, 8 * q + 3, st, ctx, L, IS_BF16, SHARED, STAGE, B)
-    v4, st = _symbol(hi, 8 * q + 4, st, ctx, L, IS_BF16, SHARED, STAGE, B)
-    v5, st = _symbol(hi, 8 * q + 5, st, ctx, L, IS_BF16, SHARED, STAGE, B)
-    v6, st = _symbol(hi, 8 * q + 6, st, ctx, L, IS_BF16, SHARED, STAGE, B)
-    v7, st = _symbol(hi, 8 * q + 7, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+    v0, st = _symbol(lo, 8 * q, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
+    v1, st = _symbol(lo, 8 * q + 1, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
+    v2, st = _symbol(lo, 8 * q + 2, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
+    v3, st = _symbol(lo, 8 * q + 3, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
+    v4, st = _symbol(hi, 8 * q + 4, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
+    v5, st = _symbol(hi, 8 * q + 5, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
+    v6, st = _symbol(hi, 8 * q + 6, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
+    v7, st = _symbol(hi, 8 * q + 7, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
     return (v0 | (v1 << 16), v2 | (v3 << 16), v4 | (v5 << 16), v6 | (v7 << 16)), st
+
+
+@gluon.jit
+def _refill(st, ctx, filled, ok, L: gl.constexpr, STAGE: gl.constexpr, B: gl.constexpr):
+    """Before 8 symbols, the ring (STAGE slots per lane): wait for the copies issued two refills ago,
+    then copy the words after ``filled`` into the slots of words already read, up to the STAGE - 1
+    words after nn's (word k - 1). The copies issued here are waited for two refills later, so the
+    ring must hold the words of 16 symbols and the lookahead: STAGE >= 3 refills + 1."""
+    cur, nxt, nn, pos, k, nw = st
+    wptr, wlut_ptr, row, lane = ctx
+    lane = gl.inline_asm_elementwise(_CP_WAIT_1, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+    limit = k + STAGE - 1
+    src = wptr + filled
+    for i in gl.static_range(_ring_refill_words(L)):
+        w = filled + i
+        gl.inline_asm_elementwise(_cp_async4_pred_asm(4 * i), "=r,r,l,r",
+                                  [(_CHANNELS << (L + 1)) + 4 * ((w & (STAGE - 1)) * B + lane), src,
+                                   (ok & (w < limit) & (w < nw)).to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_CP_COMMIT, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
+    return (wptr, wlut_ptr, row, lane), gl.minimum(filled + _ring_refill_words(L), limit)
 
 
 @gluon.jit
@@ -220,15 +302,16 @@ def _store4(ptr, ws, ok):
 @gluon.jit
 def decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, row, p64, ok, s, off, start, nw, lane, C: gl.constexpr,
                   H: gl.constexpr, L: gl.constexpr, IS_BF16: gl.constexpr, SHARED: gl.constexpr,
-                  STAGE: gl.constexpr, B: gl.constexpr):
+                  STAGE: gl.constexpr, B: gl.constexpr, RING: gl.constexpr):
     """Stream s of the pages ``p64`` (one per thread): its 16 tokens x 32 channels into ``out``."""
     wptr = buf32_ptr + (off + H + _TOKENS * C) // 4 + start
     if STAGE > 0:
-        # the stream's first STAGE words (zeros past its end) into this lane's slots; each lane
-        # reads only its own slots, so it waits for its own copies (no barrier)
+        # the stream's first words (zeros past its end) into this lane's slots: STAGE of them, or
+        # with RING words 2 .. STAGE + 1 (words 0-2 start in registers) in slots i mod STAGE; each
+        # lane reads only its own slots, so it waits for its own copies (no barrier)
         dst = (_CHANNELS << (L + 1)) + 4 * lane
-        for i in gl.static_range(STAGE):
-            gl.inline_asm_elementwise(_cp_async4_asm(4 * i * B, 4 * i), "=r,r,l,r",
+        for i in gl.static_range(2 * RING, STAGE + 2 * RING):
+            gl.inline_asm_elementwise(_cp_async4_asm(4 * (i % STAGE) * B, 4 * i), "=r,r,l,r",
                                       [dst, wptr, gl.where(ok & (i < nw), 4, 0)], dtype=gl.int32, is_pure=False,
                                       pack=1)
         lane = gl.inline_asm_elementwise(_CP_COMMIT_WAIT, "=r,r", [lane], dtype=gl.int32, is_pure=False, pack=1)
@@ -240,16 +323,25 @@ def decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, row, p64, ok, s, of
     ctx = (wptr, wlut_ptr, row, lane)
     rbase = (off + H) // 8 + s * 4
     optr = out32_ptr + (p64 * _TOKENS * C + s * _CHANNELS) // 2
+    filled = gl.full_like(nw, STAGE + 2)  # RING: the next word to copy
     ra, rb, rc, rd = _raw_words(buf64_ptr, rbase, 0, ok, C)
     for t in range(_TOKENS):
         na, nb, nc, nd = _raw_words(buf64_ptr, rbase, t + 1, ok & (t + 1 < _TOKENS), C)
-        w, st = _eight(ra, 0, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+        if RING:
+            ctx, filled = _refill(st, ctx, filled, ok, L, STAGE, B)
+        w, st = _eight(ra, 0, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
         _store4(optr + t * (C // 2), w, ok)
-        w, st = _eight(rb, 1, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+        if RING:
+            ctx, filled = _refill(st, ctx, filled, ok, L, STAGE, B)
+        w, st = _eight(rb, 1, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
         _store4(optr + t * (C // 2) + 4, w, ok)
-        w, st = _eight(rc, 2, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+        if RING:
+            ctx, filled = _refill(st, ctx, filled, ok, L, STAGE, B)
+        w, st = _eight(rc, 2, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
         _store4(optr + t * (C // 2) + 8, w, ok)
-        w, st = _eight(rd, 3, st, ctx, L, IS_BF16, SHARED, STAGE, B)
+        if RING:
+            ctx, filled = _refill(st, ctx, filled, ok, L, STAGE, B)
+        w, st = _eight(rd, 3, st, ctx, L, IS_BF16, SHARED, STAGE, B, RING)
         _store4(optr + t * (C // 2) + 12, w, ok)
         ra, rb, rc, rd = na, nb, nc, nd
 
@@ -272,6 +364,7 @@ def decode_kernel(
     IS_BF16: gl.constexpr,
     BLOCK_PAGES: gl.constexpr,
     STAGE: gl.constexpr = 0,  # words per page and stream staged in shared memory (0: read from global)
+    RING: gl.constexpr = False,  # the STAGE slots a ring refilled every 8 symbols (STAGE a power of two)
 ):
     """A program decodes stream s of BLOCK_PAGES pages, a thread one page; its 32 tables (and with
     STAGE the stream words) in shared memory when its pages share a codebook."""
@@ -310,7 +403,7 @@ def decode_kernel(
         pu = p0 + c * UN + gl.arange(0, UN, layout=UL)
         tu = gl.load(tid_ptr + pu, mask=pu < n_pages, other=t0)
         fast = fast & (gl.min(tu, 0) == t0) & (gl.max(tu, 0) == t0)
-        if STAGE > 0:
+        if STAGE > 0 and not RING:
             ou = gl.load(off_ptr + pu, mask=pu < n_pages, other=0)
             wu = gl.load(buf16_ptr + ou // 2 + s, mask=pu < n_pages, other=0).to(gl.int32) & 0xFFFF
             fast = fast & (gl.max(wu, 0) <= STAGE)
@@ -323,15 +416,16 @@ def decode_kernel(
         smem.slice(0, TW // 2).store(gl.load(wlut_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + base // 2 + x))
         gl.thread_barrier()
         decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, 0, p64, ok, s, off, start, nw, lane, C, H, L,
-                      IS_BF16, True, STAGE, BLOCK_PAGES)
+                      IS_BF16, True, STAGE, BLOCK_PAGES, RING)
     else:
         row = (gl.load(tid_ptr + p64, mask=ok, other=0).to(gl.int64) * C + s * _CHANNELS) << L
         decode_stream(buf32_ptr, buf64_ptr, out32_ptr, wlut_ptr, row, p64, ok, s, off, start, nw, lane, C, H, L,
-                      IS_BF16, False, 0, BLOCK_PAGES)
+                      IS_BF16, False, 0, BLOCK_PAGES, False)
 
 
 def decode_into(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, max_len: int, channels: int,
-                is_bf16: bool, out: torch.Tensor, tids: torch.Tensor, block_pages: int = 32, stage: int = 64) -> None:
+                is_bf16: bool, out: torch.Tensor, tids: torch.Tensor, block_pages: int = 32, stage: int = 64,
+                ring: bool = False) -> None:
     """``exact_page.decode_into`` on Hopper: ``wlut`` the window tables (int16 [G, C, 2**max_len]),
     ``out`` int16 [n, 16, C], 16-byte aligned; ``stage``: words per page and stream staged in shared
     memory (0: read from global memory); no host reads."""
@@ -339,6 +433,8 @@ def decode_into(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, ma
         raise InvalidArgumentError(f"the Gluon decoder takes 32, 64, 128 or 256 pages per program, got {block_pages}")
     if not 0 <= stage <= 256:
         raise InvalidArgumentError(f"stage must lie in [0, 256] words, got {stage}")
+    if ring and (stage & (stage - 1) or stage < 3 * (8 * (max_len + 8) + 31) // 32 + 1):
+        raise InvalidArgumentError(f"a ring needs a power of two of at least 3 refills + 1 words, got {stage}")
     smem = 4 * (1 << ((16 << max_len) + stage * block_pages - 1).bit_length())
     if smem > HOPPER_SMEM:
         raise InvalidArgumentError(f"{block_pages} pages per program and {stage} staged words need {smem} bytes of "
@@ -351,7 +447,7 @@ def decode_into(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, ma
     decode_kernel[grid](
         buf.view(torch.int32), buf.view(torch.int16), buf.view(torch.int64), offsets, wlut, out.view(torch.int32),
         tids, n, C=channels, S=S, SP=1 << (S - 1).bit_length(), H=(2 * S + 7) // 8 * 8, L=max_len,
-        IS_BF16=is_bf16, BLOCK_PAGES=block_pages, STAGE=stage, num_warps=block_pages // 32,
+        IS_BF16=is_bf16, BLOCK_PAGES=block_pages, STAGE=stage, RING=ring, num_warps=block_pages // 32,
     )
 
 
