@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The exact-page decoders side by side on the real pages of ``--kv`` (the 16 sets, tiled to the
 Llama-3.1-8B shape as bench_gpu_codec.py tiles them, repeated ``--rep`` times), each checked for a
-bit-exact round trip and timed (CUDA events, median of 10, after one warm-up): the Triton decoder
+bit-exact round trip and timed (bench_gpu_codec's CUDA-event timing: median of 10 after one warm-up): the Triton decoder
 (``triton:BLOCK_PAGES``) and the Gluon one (``gluon:BLOCK_PAGES:STAGE[:1]``, STAGE words per page
 staged in shared memory, 0 for none; a last field 1: the STAGE slots are a ring refilled every 8
 symbols). With ``--ncu`` one launch each, for Nsight Compute:
@@ -11,7 +11,6 @@ symbols). With ``--ncu`` one launch each, for Nsight Compute:
         python benchmarks/probe_exact_decoders.py --ncu --rep 2 triton:32 gluon:64:0 gluon:64:64
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_codec import calibrated_sets, device_pages  # noqa: E402
+from bench_gpu_codec import _timed, calibrated_sets, device_pages  # noqa: E402
 
 from weightszip.kernels import exact_page_gluon as eg  # noqa: E402
 from weightszip.kernels.exact_page import PageTables, decode_into, encode_pages  # noqa: E402
@@ -54,14 +53,5 @@ for v in tqdm(a.variants, desc="decoders", disable=a.ncu):
     if a.ncu:
         print(v, "exact", ok, flush=True)
         continue
-    ts = []
-    for i in range(11):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        run(v)
-        e1.record()
-        torch.cuda.synchronize()
-        if i:
-            ts.append(e0.elapsed_time(e1) / 1e3)
-    t = statistics.median(ts)
+    t, _ = _timed(lambda: run(v), 10, torch)
     tqdm.write(f"{v:>14} exact {ok}  {t * 1e3:.3f} ms  {vu.numel() * 2 / t / 1e9:.0f} GB/s")

@@ -50,7 +50,7 @@ at 256 pages) against 12 for the measured 64 words.
 ``window_decode_ref`` is the same math in PyTorch (the CPU tests hold it against the pages the Rust
 encoder writes); Gluon has no interpreter, so the CPU tests compile the kernel for sm_90 and the
 GPU tests compare it with the Triton decoder and the Rust codec. ``exact_page.decode_into`` runs it
-(``kernel="gluon"``) on Hopper (capability 9.x) for max_len up to ``MAX_SHARED_LEN``.
+(``kernel="gluon"``) on Hopper (capability 9.x) for max_len up to ``exact_page.MAX_SHARED_LEN``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from triton.runtime.jit import constexpr_function
 
 from weightszip.errors import InvalidArgumentError
 
-from .exact_page import MAX_SHARED_LEN, PAGE_TOKENS, STREAM_CHANNELS  # noqa: F401
+from .exact_page import PAGE_TOKENS, STREAM_CHANNELS
 
 HOPPER_SMEM = 227 * 1024  # shared memory a program may take on Hopper
 _TOKENS = gl.constexpr(PAGE_TOKENS)
@@ -122,7 +122,7 @@ def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tens
             slots[..., i % ring] = word(torch.full_like(nw, i))
         filled = torch.full_like(nw, ring + 2)
         pending = []  # per refill: (slot, value, mask) copies in flight
-        refills = (8 * (max_len + 8) + 31) // 32
+        refills = _ring_refill_words(max_len)
 
     def land(copies):
         for slot, value, m in copies:
@@ -164,8 +164,10 @@ def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tens
 
 
 @constexpr_function
-def _pow2(n):
-    return 1 << (n - 1).bit_length()
+def _smem_words(L, stage, block_pages):
+    """The kernel's one shared buffer, in 4-byte words: a stream's 32 tables of 2**L int16 entries,
+    then ``stage`` words per page, rounded up to a power of two (as Gluon's shapes are)."""
+    return 1 << ((16 << L) + stage * block_pages - 1).bit_length()
 
 
 @constexpr_function
@@ -407,7 +409,7 @@ def decode_kernel(
             ou = gl.load(off_ptr + pu, mask=pu < n_pages, other=0)
             wu = gl.load(buf16_ptr + ou // 2 + s, mask=pu < n_pages, other=0).to(gl.int32) & 0xFFFF
             fast = fast & (gl.max(wu, 0) <= STAGE)
-    smem = gl.allocate_shared_memory(gl.int32, [_pow2(TW // 2 + STAGE * BLOCK_PAGES)],
+    smem = gl.allocate_shared_memory(gl.int32, [_smem_words(L, STAGE, BLOCK_PAGES)],
                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
     lane = p - p0
     if fast:
@@ -433,9 +435,9 @@ def decode_into(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, ma
         raise InvalidArgumentError(f"the Gluon decoder takes 32, 64, 128 or 256 pages per program, got {block_pages}")
     if not 0 <= stage <= 256:
         raise InvalidArgumentError(f"stage must lie in [0, 256] words, got {stage}")
-    if ring and (stage & (stage - 1) or stage < 3 * (8 * (max_len + 8) + 31) // 32 + 1):
+    if ring and (stage & (stage - 1) or stage < 3 * _ring_refill_words(max_len) + 1):
         raise InvalidArgumentError(f"a ring needs a power of two of at least 3 refills + 1 words, got {stage}")
-    smem = 4 * (1 << ((16 << max_len) + stage * block_pages - 1).bit_length())
+    smem = 4 * _smem_words(max_len, stage, block_pages)
     if smem > HOPPER_SMEM:
         raise InvalidArgumentError(f"{block_pages} pages per program and {stage} staged words need {smem} bytes of "
                                    f"shared memory, more than a Hopper program's {HOPPER_SMEM}")

@@ -129,7 +129,7 @@ def pair_table_offset(y: torch.Tensor, i: int, lane: int) -> torch.Tensor:
 
 def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int, maxnreg: int | None = None,
                        num_stages: int | None = None):
-    """Compile a Gluon kernel of this module (or a Triton one) for sm_90 without a GPU (as the CPU tests
+    """Compile a Gluon or Triton kernel (of any module here) for sm_90 without a GPU (as the CPU tests
     do): arguments in ``constexprs`` are constants, those in ``pointers`` have the given pointer types,
     other ``*_ptr`` arguments are int32 pointers, ``qk_scale`` fp32, the rest int32. Returns the
     compiled kernel and the bytes ptxas spills (its own report of the PTX, as the driver would
