@@ -37,9 +37,11 @@ shared memory instead (5.5) at 18% occupancy: the staged words (8 KB per warp) a
 (16 KB per program) fill shared memory, so too few decode chains run per multiprocessor. Two pages
 per thread (two chains) measured slower (479 against 524 GB/s).
 
-**Built after the last GPU run, not yet measured: the ring** (``RING``): STAGE = 16 slots per stream
-instead of 64 (2 KB of shared memory per warp instead of 8), refilled every 8 symbols
-(``_refill``: 4-byte ``cp.async`` of the words after the last copied one into the slots of words
+**The ring, measured slower** (``RING``; H200, session 12: 368 / 303 / 306 GB/s at 64 / 128 / 256
+pages per program against 507 for the Triton decoder and 503 for 64 staged words; Nsight Compute:
+35% occupancy against 9%, but 24% more instructions and 29.5 cycles per instruction against 6.1,
+19 of them waiting on shared memory): STAGE = 16 slots per stream instead of 64 (2 KB of shared
+memory per warp instead of 8), refilled every 8 symbols (``_refill``: 4-byte ``cp.async`` of the words after the last copied one into the slots of words
 already read, waited for two refills later), and no limit on a stream's length. The slots must hold
 the words of 16 symbols plus the lookahead: at least 3 refills + 1 (13 words at max_len 8, 16 at
 10); ``window_decode_ref(..., ring=16)`` models the schedule with copies landing as late and as
