@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--in-sample", action="store_true", help="tile the session from all tokens (half of them calibrated the codebooks)")
     ap.add_argument("--trace", action="store_true", help="then one offload and one restore under torch.profiler: "
                     "where the copy engine sits idle (restore_trace_*.json and a summary in restore.json)")
+    ap.add_argument("--timeline", action="store_true", help="then one offload without the profiler, timed by CUDA "
+                    "events: when each chunk's copy ends against the same copy alone (restore.json's timeline)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
@@ -212,6 +214,10 @@ def main():
             res["trace"] = {"error": f"{type(e).__name__}: {e}"}
         print("trace", json.dumps(res["trace"]), flush=True)
 
+    if args.timeline and is_cuda:
+        res["timeline"] = offload_timeline(lambda: do_offload(), lambda: holder["s"], dev)
+        print("timeline", json.dumps({k: v for k, v in res["timeline"].items() if k != "chunks"}), flush=True)
+
     res["restore_speedup_vs_raw_h2d"] = res["raw_h2d_s"] / res["restore_s"]
     res["restore_noverify_speedup"] = res["raw_h2d_s"] / res["restore_noverify_s"]
     res["offload_speedup_vs_raw_d2h"] = res["raw_d2h_s"] / res["offload_s"]
@@ -238,6 +244,54 @@ def main():
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("_times") and k != "table_md"}, indent=1))
     (outdir / "restore.json").write_text(json.dumps(res, indent=1))
     (outdir / "restore.md").write_text(table + "\n")
+
+
+def offload_timeline(run, session, dev, first: int = 12):
+    """One offload (``run``) with no profiler: every event the offload records (its
+    ``_Streams.record``, swapped for timing events for this call) is timed against an event queued on
+    the idle GPU just before the call, and the host's clock is read at each. Then each chunk's copy
+    alone (the same bytes from a GPU buffer into the same pinned region, one stream, events around
+    each) gives its duration, so each copy's start and the bus's idle time before it follow
+    (start = end - duration). Times in ms from the call; ``chunks`` lists the first ``first``."""
+    import torch
+
+    recs = []
+
+    def record(self, name):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(getattr(self, name))
+        recs.append((name, ev, time.perf_counter()))
+        return ev
+
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    orig, ol._Streams.record = ol._Streams.record, record
+    try:
+        start.record()
+        h0 = time.perf_counter()
+        run()
+        h1 = time.perf_counter()
+        torch.cuda.synchronize()
+    finally:
+        ol._Streams.record = orig
+    ends = [(start.elapsed_time(ev), (h - h0) * 1e3) for name, ev, h in recs if name == "copy"]
+    chunks = session().chunks
+    src = torch.empty(max(c.region_bytes for c in chunks), dtype=torch.uint8, device=dev)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(chunks) + 1)]
+    marks[0].record()
+    for c, m in zip(chunks, marks[1:]):
+        c.host[: c.region_bytes].copy_(src[: c.region_bytes], non_blocking=True)
+        m.record()
+    torch.cuda.synchronize()
+    dur = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    starts = [e - d for (e, _), d in zip(ends, dur)]
+    idle = [starts[0]] + [max(0.0, b - a[0]) for a, b in zip(ends, starts[1:])]
+    return {"call_ms": (h1 - h0) * 1e3, "gpu_done_ms": ends[-1][0], "copies_alone_ms": sum(dur),
+            "first_copy_start_ms": starts[0], "bus_idle_between_ms": sum(idle[1:]),
+            "after_last_copy_host_ms": (h1 - h0) * 1e3 - ends[-1][0],
+            "chunks": [{"pages": c.n_pages, "copy_queued_host_ms": q, "copy_start_ms": st, "copy_end_ms": e,
+                        "copy_alone_ms": d, "bus_idle_before_ms": i}
+                       for c, (e, q), st, d, i in zip(chunks[:first], ends, starts, dur, idle)]}
 
 
 def copy_gaps(fn, path, direction):
