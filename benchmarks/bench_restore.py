@@ -64,6 +64,8 @@ def main():
                     "where the copy engine sits idle (restore_trace_*.json and a summary in restore.json)")
     ap.add_argument("--timeline", action="store_true", help="then one offload without the profiler, timed by CUDA "
                     "events: when each chunk's copy ends against the same copy alone (restore.json's timeline)")
+    ap.add_argument("--host-profile", action="store_true", help="then one offload under cProfile: the host's time "
+                    "by function (restore_host_profile.txt)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
@@ -217,6 +219,19 @@ def main():
     if args.timeline and is_cuda:
         res["timeline"] = offload_timeline(lambda: do_offload(), lambda: holder["s"], dev)
         print("timeline", json.dumps({k: v for k, v in res["timeline"].items() if k != "chunks"}), flush=True)
+
+    if args.host_profile:
+        import cProfile
+        import io
+        import pstats
+
+        sync()
+        prof = cProfile.Profile()
+        prof.runcall(do_offload)
+        sync()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        (outdir / "restore_host_profile.txt").write_text(text.getvalue())
 
     res["restore_speedup_vs_raw_h2d"] = res["raw_h2d_s"] / res["restore_s"]
     res["restore_noverify_speedup"] = res["raw_h2d_s"] / res["restore_noverify_s"]
