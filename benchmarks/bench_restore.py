@@ -267,28 +267,56 @@ def offload_timeline(run, session, dev, first: int = 12):
     the idle GPU just before the call, and the host's clock is read at each. Then each chunk's copy
     alone (the same bytes from a GPU buffer into the same pinned region, one stream, events around
     each) gives its duration, so each copy's start and the bus's idle time before it follow
-    (start = end - duration). Times in ms from the call; ``chunks`` lists the first ``first``."""
+    (start = end - duration). Times in ms from the call; ``chunks`` lists the first ``first``.
+    ``host_steps``: when the host entered and left the offload's steps (its helpers and kernels'
+    wrappers, wrapped for this call) until the first chunk's copy was queued."""
     import torch
 
-    recs = []
+    from weightszip.kernels import exact_page, regions
+
+    recs, steps = [], []
+
+    class Event(torch.cuda.Event):  # the host's wait for an event is a step too
+        def synchronize(self):
+            t = time.perf_counter()
+            super().synchronize()
+            steps.append(("event wait", t, time.perf_counter()))
 
     def record(self, name):
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = Event(enable_timing=True)
         ev.record(getattr(self, name))
         recs.append((name, ev, time.perf_counter()))
         return ev
 
+    def stamped(label, fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                steps.append((label, t, time.perf_counter()))
+        return call
+
+    swaps = [(ol._Streams, "record", record)] + [
+        (mod, name, stamped(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", getattr(mod, name)))
+        for mod, names in [(ol, ["_check_pages", "_check_table_ids", "plan_chunks", "_ids_to_device", "_Digests",
+                                 "_host_region", "_ring_buffer", "_Streams", "_digest_into"]),
+                           (exact_page, ["page_layout", "encode_into"]), (regions, ["post"])]
+        for name in names if hasattr(mod, name)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
-    orig, ol._Streams.record = ol._Streams.record, record
     try:
+        for obj, name, new in swaps:
+            setattr(obj, name, new)
         start.record()
         h0 = time.perf_counter()
         run()
         h1 = time.perf_counter()
         torch.cuda.synchronize()
     finally:
-        ol._Streams.record = orig
+        for obj, name, old in saved:
+            setattr(obj, name, old)
     ends = [(start.elapsed_time(ev), (h - h0) * 1e3) for name, ev, h in recs if name == "copy"]
     chunks = session().chunks
     src = torch.empty(max(c.region_bytes for c in chunks), dtype=torch.uint8, device=dev)
@@ -301,7 +329,10 @@ def offload_timeline(run, session, dev, first: int = 12):
     dur = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
     starts = [e - d for (e, _), d in zip(ends, dur)]
     idle = [starts[0]] + [max(0.0, b - a[0]) for a, b in zip(ends, starts[1:])]
-    return {"call_ms": (h1 - h0) * 1e3, "gpu_done_ms": ends[-1][0], "copies_alone_ms": sum(dur),
+    first_queued = ends[0][1] if ends else 0.0
+    host_steps = [(label, round((a - h0) * 1e3, 3), round((b - h0) * 1e3, 3)) for label, a, b in sorted(steps, key=lambda e: e[1])
+                  if (a - h0) * 1e3 <= first_queued]
+    return {"call_ms": (h1 - h0) * 1e3, "gpu_done_ms": ends[-1][0], "copies_alone_ms": sum(dur), "host_steps": host_steps,
             "first_copy_start_ms": starts[0], "bus_idle_between_ms": sum(idle[1:]),
             "after_last_copy_host_ms": (h1 - h0) * 1e3 - ends[-1][0],
             "chunks": [{"pages": c.n_pages, "copy_queued_host_ms": q, "copy_start_ms": st, "copy_end_ms": e,
