@@ -244,6 +244,24 @@ def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pag
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("where,what", [("first", "negative"), ("last", "count"), ("last", "wraps")])
+def test_triton_offload_rejects_table_ids_out_of_range_and_frees_its_arena(small_session, device, where, what):
+    # The Triton path checks the ids' range only once the first chunk's copy is queued (the
+    # kernels read them clamped until then); the call still raises, and the arena slices it took
+    # are free again. A uint64 id of 2**32 + 1 would wrap to 1 as int32: it is caught too.
+    x, tids, codec = small_session
+    t = tids.astype(np.uint64 if what == "wraps" else np.int64)
+    t[0 if where == "first" else -1] = {"negative": -1, "count": len(codec), "wraps": 2**32 + 1}[what]
+    arena = ol.HostArena(1 << 20, device="cpu", pin=False)
+    arena.take(16)
+    with pytest.raises(InvalidArgumentError, match="must lie in"):
+        ol.offload(x.to(device), codec, t, chunk_pages=4, host=arena, backend="triton")
+    assert arena.used == 16
+    s = ol.offload(x.to(device), codec, tids, chunk_pages=4, host=arena, backend="triton")  # the arena still serves
+    assert torch.equal(ol.restore(s, torch.empty_like(x.to(device)), backend="triton"), x.to(device))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_offload_grows_its_ring_for_a_larger_chunk(small_session, device, monkeypatch):
     # The encode ring is sized from the first chunk's bytes per page; a later chunk of random bits
     # (escapes everywhere: larger than raw) no longer fits its slot, which gets a new buffer.
