@@ -23,7 +23,7 @@ import numpy as np
 def subset(paths, layers_per_model: int, tokens: int) -> dict[str, np.ndarray]:
     out = {}
     for p in map(Path, paths):
-        kv = np.load(p, mmap_mode="r")  # [2, layers, tokens, channels]
+        kv = np.load(p)["kv"] if p.suffix == ".npz" else np.load(p, mmap_mode="r")  # [2, layers, tokens, channels]
         if kv.ndim != 4 or kv.shape[0] != 2 or kv.dtype != np.uint16:
             raise SystemExit(f"{p}: expected a capture_kv.py array [2, layers, tokens, C] uint16, got {kv.shape} {kv.dtype}")
         if kv.shape[2] < tokens:
@@ -37,7 +37,7 @@ def subset(paths, layers_per_model: int, tokens: int) -> dict[str, np.ndarray]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("captures", nargs="+", help=".npy files from capture_kv.py")
+    ap.add_argument("captures", nargs="+", help=".npy (or .npz) files from capture_kv.py")
     ap.add_argument("-o", "--out", required=True, type=Path)
     ap.add_argument("--layers", type=int, default=4, help="layers per model, evenly spaced (first and last included)")
     ap.add_argument("--tokens", type=int, default=4096, help="the first this many tokens")

@@ -243,6 +243,17 @@ def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pag
     assert torch.equal(ol.restore(s, backend="rust", device="cpu"), x)
 
 
+def test_ids_reach_the_kernels_clamped():
+    # Until the offload's range check (after the first chunk is under way), the kernels read the
+    # ids clamped to the codebooks: never an index outside the tables.
+    st = ol._Streams(torch.device("cpu"), "offload")
+    ids = np.array([-1, 1, 2**31 - 1, 5, 0], np.int32)
+    assert ol._ids_to_device(ids, 3, torch.device("cpu"), st).tolist() == [0, 1, 2, 2, 0]
+    assert ids.tolist() == [-1, 1, 2**31 - 1, 5, 0]  # the caller's array is left alone
+    with pytest.raises(InvalidArgumentError):
+        ol.plan_chunks(10, 8.5)
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("where,what", [("first", "negative"), ("last", "count"), ("last", "wraps")])
 def test_triton_offload_rejects_table_ids_out_of_range_and_frees_its_arena(small_session, device, where, what):

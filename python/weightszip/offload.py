@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -190,9 +191,13 @@ def _staging_slack(channels: int) -> int:
 def plan_chunks(n_pages: int, chunk_pages: int) -> list[tuple[int, int]]:
     """(start, stop) page ranges of at most ``chunk_pages`` (``_plan``'s, cached: 0.1 ms of host
     time for a 128k-token session otherwise, before the first copy)."""
+    try:
+        n_pages, chunk_pages = operator.index(n_pages), operator.index(chunk_pages)
+    except TypeError:
+        raise InvalidArgumentError(f"n_pages and chunk_pages must be integers, got {n_pages!r}, {chunk_pages!r}") from None
     if chunk_pages < 1:
         raise InvalidArgumentError("chunk_pages must be >= 1")
-    return list(_plan(int(n_pages), int(chunk_pages)))
+    return list(_plan(n_pages, chunk_pages))
 
 
 @functools.lru_cache(maxsize=64)
