@@ -32,12 +32,12 @@ import triton.language as tl
 from weightszip.errors import InvalidArgumentError
 
 from ._interpreter_compat import apply as _interpreter_compat
+from .exact_page_ref import ESC  # the canonical decode table's escape symbol
 
 _interpreter_compat()
 
 PAGE_TOKENS = 16
 STREAM_CHANNELS = 32
-ESC = 256
 
 
 def header_len(channels: int) -> int:
@@ -85,7 +85,7 @@ class PageTables:
         if any((t.max_len, t.channels, t.is_bf16) != (t0.max_len, t0.channels, t0.is_bf16) for t in tables):
             raise InvalidArgumentError("stacked codebooks must share dtype, max_len and channels")
         return cls(torch.cat([t.lut for t in tables]), torch.cat([t.enc for t in tables]), t0.max_len, t0.channels,
-                   t0.is_bf16, torch.cat([t.wlut for t in tables]), torch.cat([t.fenc for t in tables]))
+                   t0.is_bf16)  # its window and folded tables derived from these
 
 
 def window_table(lut: torch.Tensor) -> torch.Tensor:

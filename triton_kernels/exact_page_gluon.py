@@ -58,13 +58,15 @@ GPU tests compare it with the Triton decoder and the Rust codec. ``exact_page.de
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.runtime.jit import constexpr_function
 
 from weightszip.errors import InvalidArgumentError
 
-from .exact_page import PAGE_TOKENS, STREAM_CHANNELS
+from .exact_page import PAGE_TOKENS, STREAM_CHANNELS, header_len
+from .exact_page_ref import join_ref
 
 HOPPER_SMEM = 227 * 1024  # shared memory a program may take on Hopper
 _TOKENS = gl.constexpr(PAGE_TOKENS)
@@ -97,7 +99,7 @@ def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tens
     schedule is right if both decode the pages."""
     C = wlut.shape[0]
     S = C // STREAM_CHANNELS
-    H = (2 * S + 7) // 8 * 8
+    H = header_len(C)
     n = offsets.numel() - 1
     b = buf.to(torch.int64)
     words = b.view(-1, 4)
@@ -159,9 +161,7 @@ def window_decode_ref(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tens
                 nn = torch.where(adv & (k < nw), word(k), nn)
                 k = k + adv.to(k.dtype)
             pos = pos & 31
-            r = raw[..., j]
-            v = ((r & 0x80) << 8) | (sym << 7) | (r & 0x7F) if is_bf16 else (sym << 8) | r
-            out[:, t, ch[0] + j] = v
+            out[:, t, ch[0] + j] = join_ref(sym, raw[..., j], is_bf16)
     return ((out + 0x8000) % 0x10000 - 0x8000).to(torch.int16)
 
 
@@ -450,9 +450,9 @@ def decode_into(buf: torch.Tensor, offsets: torch.Tensor, wlut: torch.Tensor, ma
     grid = (-(-n // block_pages), S)
     decode_kernel[grid](
         buf.view(torch.int32), buf.view(torch.int16), buf.view(torch.int64), offsets, wlut, out.view(torch.int32),
-        tids, n, C=channels, S=S, SP=1 << (S - 1).bit_length(), H=(2 * S + 7) // 8 * 8, L=max_len,
+        tids, n, C=channels, S=S, SP=triton.next_power_of_2(S), H=header_len(channels), L=max_len,
         IS_BF16=is_bf16, BLOCK_PAGES=block_pages, STAGE=stage, RING=ring, num_warps=block_pages // 32,
     )
 
 
-__all__ = ["window_decode_ref", "decode_kernel", "decode_into", "MAX_SHARED_LEN"]
+__all__ = ["window_decode_ref", "decode_kernel", "decode_into"]
