@@ -47,7 +47,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
 KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
            "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+triton", "q3.5+triton", "q3+triton",
-           "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton", "fp8+triton", "fp8+gluon")
+           "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton", "fp8+triton", "fp8+gluon", "q4+gluon",
+           "q3.5+gluon", "q3+gluon")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
@@ -63,6 +64,8 @@ LOOKUP = {"+pairs": 0, "+lut4": 4}
 COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4", "q3.5", "q3") for v in LOOKUP})
 COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4", "q3.5", "q3")})
 COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4+rope", "q4+rope24", "q3+rope24")})
+# "+gluon": the Gluon kernel at any amount of work (gluon_min_work 0), as "fp8+gluon"
+COMPACT.update({f"{k}+gluon": COMPACT[k] for k in ("q4", "q3.5", "q3")})
 
 
 def parse_args(argv=None):
@@ -79,7 +82,7 @@ def parse_args(argv=None):
     # "fp8": the fp8 default (the Gluon kernel where it applies); "fp8+triton": the Triton kernel;
     # "fp8+gluon": the Gluon kernel with gluon_min_work 0 (the default's value now; not by default,
     # nor the rotary kinds)
-    p.add_argument("--kernels", default=",".join(k for k in KERNELS if "+rope" not in k and k != "fp8+gluon"),
+    p.add_argument("--kernels", default=",".join(k for k in KERNELS if "+rope" not in k and not k.endswith("+gluon")),
                    help=f"comma-separated, of {', '.join(KERNELS)}")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_attention"),
@@ -434,11 +437,12 @@ def main(argv=None):
             if kind in COMPACT:
                 cfg = None
                 suffix = "+" + kind.split("+")[-1]
-                if suffix in LOOKUP or suffix == "+triton":
+                if suffix in LOOKUP or suffix in ("+triton", "+gluon"):
                     from weightszip.kernels import DEFAULT_CONFIGS
                     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-                    change = {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})}
+                    change = ({"gluon": True, "gluon_min_work": 0} if suffix == "+gluon" else
+                              {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})})
                     cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
             elif kind in ("fp8+gluon", "fp8+triton"):  # the fp8 default with the Gluon kernel forced / off

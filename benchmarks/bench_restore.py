@@ -299,10 +299,10 @@ def offload_timeline(run, session, dev, first: int = 12):
 
     swaps = [(ol._Streams, "record", record)] + [
         (mod, name, stamped(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", getattr(mod, name)))
-        for mod, names in [(ol, ["_check_pages", "_check_table_ids", "plan_chunks", "_ids_to_device", "_Digests",
+        for mod, names in [(ol, ["_check_pages", "_check_table_ids", "plan_chunks", "_IdStager", "_Digests",
                                  "_host_region", "_ring_buffer", "_Streams", "_digest_into"]),
                            (exact_page, ["page_layout", "encode_into"]), (regions, ["post"])]
-        for name in names if hasattr(mod, name)]
+        for name in names if hasattr(mod, name)] + [(ol._IdStager, "stage", stamped("offload._IdStager.stage", ol._IdStager.stage))]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)

@@ -4,7 +4,9 @@ Llama-3.1-8B shape as bench_gpu_codec.py tiles them, repeated ``--rep`` times), 
 bit-exact round trip and timed (bench_gpu_codec's CUDA-event timing: median of 10 after one warm-up): the Triton decoder
 (``triton:BLOCK_PAGES``) and the Gluon one (``gluon:BLOCK_PAGES:STAGE[:1]``, STAGE words per page
 staged in shared memory, 0 for none; a last field 1: the STAGE slots are a ring refilled every 8
-symbols). With ``--ncu`` one launch each, for Nsight Compute:
+symbols); ``triton:BLOCK_PAGES:WARPS`` with fewer warps than BLOCK_PAGES / 32 gives each thread several
+pages; ``enc:BLOCK_PAGES[:WARPS]`` times the Triton encoder's second pass (its bytes checked against
+``encode_pages``'s). With ``--ncu`` one launch each, for Nsight Compute:
 
     python benchmarks/probe_exact_decoders.py --kv .boxdata/kv_pages_subset.npz
     ncu --clock-control none -k regex:"decode_kernel" -c 3 --section WarpStateStats ... \
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_codec import _timed, calibrated_sets, device_pages  # noqa: E402
 
 from weightszip.kernels import exact_page_gluon as eg  # noqa: E402
-from weightszip.kernels.exact_page import PageTables, decode_into, encode_pages  # noqa: E402
+from weightszip.kernels.exact_page import PageTables, decode_into, encode_into, encode_pages, page_layout  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz")
@@ -37,19 +39,28 @@ out = torch.empty_like(vu)
 print(f"{vu.numel() * 2 / 1e9:.3f} GB of bf16, ratio {b.numel() / vu.numel() / 2:.4f}", flush=True)
 
 
+layout = None
+
+
 def run(v):
+    global layout
     k, *rest = v.split(":")
-    if k == "triton":
-        decode_into(b, o, tb, out, tu, int(rest[0]), kernel="triton")
+    if k == "triton":  # triton:BLOCK_PAGES[:WARPS] (fewer warps than BLOCK_PAGES / 32: pages per thread)
+        decode_into(b, o, tb, out, tu, int(rest[0]), kernel="triton", num_warps=int(rest[1]) if len(rest) > 1 else None)
+    elif k == "enc":  # the Triton encoder's pass 2 into ``eb``, enc:BLOCK_PAGES[:WARPS]
+        layout = layout or page_layout(vu, tb, tu)
+        encode_into(vu, tb, tu, eb, layout, int(rest[0]), num_warps=int(rest[1]) if len(rest) > 1 else None)
     else:
         eg.decode_into(b, o, tb.wlut, tb.max_len, tb.channels, tb.is_bf16, out, tu, *map(int, rest))
 
 
+eb = torch.empty_like(b)
 for v in tqdm(a.variants, desc="decoders", disable=a.ncu):
     out.zero_()
+    eb.zero_()
     run(v)
     torch.cuda.synchronize()
-    ok = bool(torch.equal(out, vu))
+    ok = bool(torch.equal(eb, b) if v.startswith("enc") else torch.equal(out, vu))
     if a.ncu:
         print(v, "exact", ok, flush=True)
         continue

@@ -243,13 +243,22 @@ def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pag
     assert torch.equal(ol.restore(s, backend="rust", device="cpu"), x)
 
 
-def test_ids_reach_the_kernels_clamped():
-    # Until the offload's range check (after the first chunk is under way), the kernels read the
-    # ids clamped to the codebooks: never an index outside the tables.
+def test_id_stager_checks_each_chunk_before_staging_it():
+    # The GPU path stages the table ids chunk by chunk; a chunk with an id outside the codebooks
+    # is refused before anything of it reaches the device copy, which the kernels then never read.
     st = ol._Streams(torch.device("cpu"), "offload")
-    ids = np.array([-1, 1, 2**31 - 1, 5, 0], np.int32)
-    assert ol._ids_to_device(ids, 3, torch.device("cpu"), st).tolist() == [0, 1, 2, 2, 0]
-    assert ids.tolist() == [-1, 1, 2**31 - 1, 5, 0]  # the caller's array is left alone
+    ids = np.array([0, 1, 2, 5, 0, 1], np.int64)
+    s = ol._IdStager(ids, 3, torch.device("cpu"), st)
+    s.stage(0, 3)
+    assert s.dev[:3].tolist() == [0, 1, 2] and s.dev.dtype == torch.int32
+    before = s.dev[3:].clone()
+    with pytest.raises(InvalidArgumentError, match="must lie in"):
+        s.stage(3, 6)
+    assert torch.equal(s.dev[3:], before)
+    s.stage(4, 6)
+    assert s.dev[4:].tolist() == [0, 1]
+    with pytest.raises(InvalidArgumentError, match="must lie in"):
+        ol._IdStager(np.array([-1], np.int32), 3, torch.device("cpu"), st).stage(0, 1)
     with pytest.raises(InvalidArgumentError):
         ol.plan_chunks(10, 8.5)
 
@@ -257,8 +266,8 @@ def test_ids_reach_the_kernels_clamped():
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("where,what", [("first", "negative"), ("last", "count"), ("last", "wraps")])
 def test_triton_offload_rejects_table_ids_out_of_range_and_frees_its_arena(small_session, device, where, what):
-    # The Triton path checks the ids' range only once the first chunk's copy is queued (the
-    # kernels read them clamped until then); the call still raises, and the arena slices it took
+    # The Triton path checks each chunk's ids as it stages them (an id in the last chunk is found
+    # after the earlier chunks are under way); the call still raises, and the arena slices it took
     # are free again. A uint64 id of 2**32 + 1 would wrap to 1 as int32: it is caught too.
     x, tids, codec = small_session
     t = tids.astype(np.uint64 if what == "wraps" else np.int64)

@@ -418,10 +418,11 @@ def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, al
 
 
 def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, buf: torch.Tensor, layout,
-                block_pages: int = 128, align: int = 8) -> None:
+                block_pages: int = 128, align: int = 8, num_warps: int | None = None) -> None:
     """Pass 2: write the pages at ``layout`` (``page_layout``'s, with the same ``align``) into ``buf``
     (uint8, at least ``offsets[-1]`` bytes, need not be zero), headers and padding included; one
-    kernel, no host reads."""
+    kernel, no host reads. ``num_warps`` (default: a page per thread) below ``block_pages / 32``
+    gives each thread several pages' serial chains."""
     words, offsets, wstart = layout
     n, C = values.shape[0], tables.channels
     if not n:
@@ -430,7 +431,7 @@ def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, bu
     _encode_kernel[(triton.cdiv(n, block_pages), S)](
         values.view(torch.int64), tables.fenc, buf.view(torch.int32), buf.view(torch.int16), offsets, words, wstart,
         tids, n, C=C, S=S, H=H, TAIL_WORDS=align // 4 - 1, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages,
-        num_warps=max(1, min(8, block_pages // 32)),
+        num_warps=num_warps or max(1, min(8, block_pages // 32)),
     )
 
 
@@ -493,11 +494,12 @@ def gluon_applies(buf: torch.Tensor, tables: PageTables, out: torch.Tensor) -> b
 
 
 def decode_into(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor, tids: torch.Tensor,
-                block_pages: int | None = None, kernel: str = "auto") -> None:
+                block_pages: int | None = None, kernel: str = "auto", num_warps: int | None = None) -> None:
     """``decode_pages`` without argument checks or host reads (the table ids' range check reads
     them back): ``tids`` int32 [n] on buf's device, already in range (the restore path clamps
     them on the GPU), ``out`` contiguous int16 [n, 16, C]. The Triton decoder (``kernel`` "auto" or
-    "triton"; block_pages default 32) or the Gluon one ("gluon"; default GLUON_BLOCK_PAGES)."""
+    "triton"; block_pages default 32; ``num_warps`` as ``encode_into``'s) or the Gluon one ("gluon";
+    default GLUON_BLOCK_PAGES)."""
     C = tables.channels
     n = offsets.numel() - 1
     if not n:
@@ -514,7 +516,7 @@ def decode_into(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, ou
     _decode_kernel[grid](
         buf.view(torch.int32), buf.view(torch.int16), offsets, tables.lut, out.view(torch.int64), tids, n,
         C=C, S=S, SP=triton.next_power_of_2(S), H=header_len(C), L=tables.max_len,
-        IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=max(1, min(8, block_pages // 32)),
+        IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=num_warps or max(1, min(8, block_pages // 32)),
     )
 
 

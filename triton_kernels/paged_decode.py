@@ -115,8 +115,9 @@ class KernelConfig:
     # (0: none; 128 keeps two programs of 8 warps per multiprocessor); ``gluon_ahead``: bit 0 loads V's
     # plane words at the top of the step with K's, bit 1 K's words one step ahead (more registers)
     gluon: bool = False
-    # ... when the step's paged tokens times KV heads reach this (below it the Triton kernel was faster on
-    # the H200: few programs, each paying for its 16-64 KB of tables; 2**21 = batch 8 x 32k x 8 heads)
+    # ... when the step's paged tokens times KV heads reach this (in session 8 the Triton kernel was
+    # faster below 2**21 = batch 8 x 32k x 8 heads on the H200; since session 9's kernel the compact
+    # default uses 2**18, the fp8 default 0)
     gluon_min_work: int = 1 << 21
     gluon_warps: int = 8
     gluon_maxnreg: int = 128
@@ -176,7 +177,10 @@ DEFAULT_CONFIGS = {
     # (`benchmarks/results/box/decode_gluon_sweep_warps_s8.json`: the fastest of 6 register settings;
     # `decode_gluon_staged_s9_run1.json`, `decode_gluon_final_s9.json`: staging 1-5% faster, 16 warps
     # slower but at 64 x 128k); with the rotary term 16 warps (`decode_gluon_rope_s9_run*.json`).
-    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024, gluon=True),
+    # From 2**18 of work (70B TP8 batch 8 x 32k, the smallest step measured): there the Gluon kernel
+    # was 6-18% faster than the Triton kernel, at 8 x 128k 1.33-1.36x (`box/s13_run01/dec_small.json`).
+    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024, gluon=True,
+                               gluon_min_work=1 << 18),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
 }

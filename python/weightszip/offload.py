@@ -265,16 +265,25 @@ class _Digests:
     streams are synchronized): no stack of scalars and device-to-host copy after the last chunk,
     which cost about 0.5 ms of host time at the end of a restore (H200 profile)."""
 
-    def __init__(self, n: int, device: torch.device, pinned: bool):
+    def __init__(self, n: int, device: torch.device, pinned: bool, pin_now: bool = True):
         # (made on the stream that writes the slots)
         self.dev = torch.zeros(n, dtype=torch.int64, device=device)
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=pinned) if device.type != "cpu" else self.dev
+        self.pinned = pinned
+        self.host = None if device.type != "cpu" else self.dev
+        if pin_now:
+            self.pin()
+
+    def pin(self) -> None:
+        """The host buffer ``collect`` moves the digests into (made by ``collect`` if not yet)."""
+        if self.host is None:
+            self.host = torch.zeros(self.dev.numel(), dtype=torch.int64, pin_memory=self.pinned)
 
     def put(self, i: int, values: torch.Tensor) -> None:
         _digest_into(values, self.dev[i : i + 1])
 
     def collect(self) -> None:
         """Queue the move to host memory on the current stream (after the last ``put``)."""
+        self.pin()
         if self.host is not self.dev:
             from weightszip.kernels.regions import POST_MAX, post
 
@@ -398,19 +407,20 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
             depth: int = 3, host: HostArena | None = None, backend: str = "auto", block_pages: int = 64) -> CompressedSession:
     """Compress ``[n, 16, C]`` pages into a :class:`CompressedSession` in host memory (slices of
     ``host`` when given, else pinned allocations per chunk). Returns when every byte has arrived.
-    Table ids outside ``[0, len(codec))`` raise InvalidArgumentError (on the GPU path once the first
-    chunk is under way: its kernels read the ids clamped, and ``host`` gets its slices back)."""
+    Table ids outside ``[0, len(codec))`` raise InvalidArgumentError (on the GPU path when the chunk
+    that holds them is reached: no kernel reads them, the earlier chunks' work is finished and
+    dropped, and ``host`` gets its slices back)."""
     _check_pages(pages_gpu, codec, "pages")
     if depth < 2:
         raise InvalidArgumentError("depth must be >= 2 (one chunk encoding while one is copied)")
     n = pages_gpu.shape[0]
     rust = _backend(backend, pages_gpu.device) == "rust"
-    # The GPU path checks the ids' range while the first chunk's copy runs (0.3 ms of host time at
-    # 128k tokens, before the bus could start); until then the kernels read them clamped.
+    # The GPU path checks each chunk's ids as it stages them (``_IdStager``): 0.3 ms of host
+    # time for all of a 128k-token session's, before the bus could start.
     ids_given = _check_table_ids(table_ids, n, codec, check_range=rust)
-    tids = np.ascontiguousarray(ids_given, dtype=np.int32)  # no copy when it is already that
     session = CompressedSession(codec, n, pages_gpu.dtype if pages_gpu.is_floating_point() else _TORCH_DTYPES[codec.dtype])
     if rust:
+        tids = np.ascontiguousarray(ids_given, dtype=np.int32)  # no copy when it is already that
         for a, b in plan_chunks(n, chunk_pages):
             session.chunks.append(_rust_encode_chunk(codec, pages_gpu[a:b].cpu(), tids[a:b], a, host, session))
         return session
@@ -428,7 +438,13 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
 
     if not plan:
         return session
-    tids_dev = _ids_to_device(tids, len(codec), dev, st)
+    # The first chunks' ids before the bus starts (up to 4 * chunk_pages pages: 10 chunks of the
+    # default plan, 128 KB), the rest in one go once the host is well ahead of the bus (each
+    # staging costs the host about 0.25 ms on the H200 box whatever its size: staged chunk by
+    # chunk, the host fell behind the bus in chunks 1-5).
+    ids = _IdStager(ids_given, len(codec), dev, st)
+    ids.stage(0, next(b for a, b in plan if b >= min(n, 4 * chunk_pages)))
+    tids_dev = ids.dev
     arena_used = host.used if host is not None else 0
     bad_ids = None
     nslots = min(depth, len(plan))
@@ -451,7 +467,7 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
     max_pages = max(b - a for a, b in plan)
     d2h_done = []
     with st.on("comp"):
-        digests = _Digests(len(plan), dev, st.cuda)
+        digests = _Digests(len(plan), dev, st.cuda, pin_now=False)  # pinned with the rest of the ids
     size_pass(0)
     for i, (a, b) in enumerate(plan):
         if sized[i] is not None:
@@ -488,15 +504,16 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
         # Queued ahead of the encoding, it delayed the first copy; one more chunk ahead, the host
         # had two size passes to queue during the first chunk's copy, and the bus waited.
         if i + 1 < len(plan):
+            if ids.staged < plan[i + 1][1]:
+                try:
+                    ids.stage(ids.staged, n)
+                except InvalidArgumentError as e:
+                    bad_ids = e
+                    break
+                digests.pin()
             size_pass(i + 1)
         with st.on("comp"):
             digests.put(i, pages_gpu[a:b])
-        if i == 0:
-            try:
-                _check_id_range(ids_given, codec)
-            except InvalidArgumentError as e:
-                bad_ids = e
-                break
     if bad_ids is not None:  # nothing of this call is kept: its work ends, its arena slices are free again
         st.finish()
         if host is not None:
@@ -510,17 +527,33 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
     return session
 
 
-def _ids_to_device(tids: np.ndarray, n_codebooks: int, dev: torch.device, st: _Streams) -> torch.Tensor:
-    """The table ids on the GPU, clamped to ``[0, n_codebooks)`` (their range is checked on the
-    host later), queued on the compute stream with no host wait: a copy from pageable memory makes
-    the host wait for it (0.5 ms for a 128k-token session's 2 MB), one from pinned memory does not
-    (torch's pinned-block cache keeps the block until the copy has run)."""
-    if not st.cuda:  # a copy: ``tids`` may be the caller's (read-only) array
-        return torch.from_numpy(np.array(tids)).to(dev).clamp_(0, n_codebooks - 1)
-    staged = torch.empty(tids.shape, dtype=torch.int32, pin_memory=True)
-    staged.numpy()[...] = tids
-    with st.on("comp"):
-        return staged.to(dev, non_blocking=True).clamp_(0, n_codebooks - 1)
+class _IdStager:
+    """The table ids reach the GPU in parts, each before the first size pass that reads it:
+    ``stage(a, b)`` checks ids ``[a, b)`` on the host (InvalidArgumentError outside
+    ``[0, n_codebooks)``: nothing of that part is queued), copies them into one pinned buffer and
+    queues their copy into ``dev`` on the compute stream; ``staged`` is the end of the last part.
+    Staging all of a 128k-token session's ids (2 MB) and checking their range before the first
+    chunk held the bus back about 0.9 ms (H200 host). From pinned memory the copy makes the host
+    wait for nothing (from pageable memory it waits for the stream's queued work); torch's
+    pinned-block cache keeps the buffer until the copies queued from it have run."""
+
+    def __init__(self, ids: np.ndarray, n_codebooks: int, dev: torch.device, st: _Streams):
+        self.ids, self.n_codebooks, self.st, self.staged = ids, n_codebooks, st, 0
+        with st.on("comp"):  # used on the compute stream only
+            self.dev = torch.empty(len(ids), dtype=torch.int32, device=dev)
+        self.pinned = torch.empty(len(ids), dtype=torch.int32, pin_memory=True) if st.cuda else None
+
+    def stage(self, a: int, b: int) -> None:
+        part = self.ids[a:b]
+        if b > a and (int(part.min()) < 0 or int(part.max()) >= self.n_codebooks):
+            raise InvalidArgumentError(f"table ids must lie in [0, {self.n_codebooks})")
+        self.staged = b
+        if self.pinned is None:
+            self.dev[a:b] = torch.from_numpy(part.astype(np.int32))
+            return
+        self.pinned.numpy()[a:b] = part
+        with self.st.on("comp"):
+            self.dev[a:b].copy_(self.pinned[a:b], non_blocking=True)
 
 
 def _ring_buffer(nbytes: int, device) -> torch.Tensor:
