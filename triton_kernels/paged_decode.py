@@ -162,13 +162,19 @@ class KernelConfig:
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
 # over four grid points among the sweep in that script (benchmarks/results/decode_attention.json).
+# The split geometry of bf16, fp8 and compact pages (2 programs per multiprocessor, splits of at least
+# 2048 tokens) since session 13: the best geometric mean of each of the four kinds swept (bf16, fp8,
+# q4, q3) over the 8 points of the issue-5 grid among 9 (waves, min_split_tokens) pairs
+# (`benchmarks/results/box/s13_run04/split_sweep.json`): against the previous 4 (8 for fp8) x 1024,
+# 3% (bf16), 17% (fp8), 7% (q4) and 8% (q3) less time; fp8 at 70B TP8 batch 8 x 128k 0.316 -> 0.145 ms
+# (1024 splits of 1024 tokens, each program's fixed cost dominating).
 DEFAULT_CONFIGS = {
-    PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
+    PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=2, min_split_tokens=2048),
     # fp8: the Gluon kernel where it applies, at any step size (H200, `box/dec_fp8gluon.json`,
     # `box/s10_run31/dec_fp8_small.json`: 0.59-0.90 of the read bandwidth against the Triton kernel's
     # 0.44-0.54 from batch 8 x 32k x 8 heads up; at 70B TP8 batch 8 as fast or 3% faster), else the
     # Triton kernel with these fields
-    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=8, min_split_tokens=1024, gluon=True,
+    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=2, min_split_tokens=2048, gluon=True,
                            gluon_min_work=0),
     # `bench_decode_attention.py --tune-compact` (2026-11-30): 128 tokens/step, 4 warps, 1 stage (the
     # next tile's planes are prefetched by hand; 2 stages would stage the codebook gathers through
@@ -179,7 +185,7 @@ DEFAULT_CONFIGS = {
     # slower but at 64 x 128k); with the rotary term 16 warps (`decode_gluon_rope_s9_run*.json`).
     # From 2**18 of work (70B TP8 batch 8 x 32k, the smallest step measured): there the Gluon kernel
     # was 6-18% faster than the Triton kernel, at 8 x 128k 1.33-1.36x (`box/s13_run01/dec_small.json`).
-    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=4, min_split_tokens=1024, gluon=True,
+    PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
                                gluon_min_work=1 << 18),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
