@@ -243,9 +243,9 @@ def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pag
     assert torch.equal(ol.restore(s, backend="rust", device="cpu"), x)
 
 
-def test_id_stager_checks_each_chunk_before_staging_it():
-    # The GPU path stages the table ids chunk by chunk; a chunk with an id outside the codebooks
-    # is refused before anything of it reaches the device copy, which the kernels then never read.
+def test_id_stager_checks_each_part_before_staging_it():
+    # The GPU path stages the table ids in parts; a part with an id outside the codebooks is
+    # refused before anything of it reaches the device copy, which the kernels then never read.
     st = ol._Streams(torch.device("cpu"), "offload")
     ids = np.array([0, 1, 2, 5, 0, 1], np.int64)
     s = ol._IdStager(ids, 3, torch.device("cpu"), st)
@@ -266,7 +266,7 @@ def test_id_stager_checks_each_chunk_before_staging_it():
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("where,what", [("first", "negative"), ("last", "count"), ("last", "wraps")])
 def test_triton_offload_rejects_table_ids_out_of_range_and_frees_its_arena(small_session, device, where, what):
-    # The Triton path checks each chunk's ids as it stages them (an id in the last chunk is found
+    # The Triton path checks the ids as it stages them, in parts (an id in the last chunk is found
     # after the earlier chunks are under way); the call still raises, and the arena slices it took
     # are free again. A uint64 id of 2**32 + 1 would wrap to 1 as int32: it is caught too.
     x, tids, codec = small_session

@@ -407,15 +407,15 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
             depth: int = 3, host: HostArena | None = None, backend: str = "auto", block_pages: int = 64) -> CompressedSession:
     """Compress ``[n, 16, C]`` pages into a :class:`CompressedSession` in host memory (slices of
     ``host`` when given, else pinned allocations per chunk). Returns when every byte has arrived.
-    Table ids outside ``[0, len(codec))`` raise InvalidArgumentError (on the GPU path when the chunk
-    that holds them is reached: no kernel reads them, the earlier chunks' work is finished and
-    dropped, and ``host`` gets its slices back)."""
+    Table ids outside ``[0, len(codec))`` raise InvalidArgumentError (on the GPU path when the part
+    of the ids that holds them is staged: no kernel reads them, the earlier chunks' work is
+    finished and dropped, and ``host`` gets its slices back)."""
     _check_pages(pages_gpu, codec, "pages")
     if depth < 2:
         raise InvalidArgumentError("depth must be >= 2 (one chunk encoding while one is copied)")
     n = pages_gpu.shape[0]
     rust = _backend(backend, pages_gpu.device) == "rust"
-    # The GPU path checks each chunk's ids as it stages them (``_IdStager``): 0.3 ms of host
+    # The GPU path checks the ids as it stages them, in two parts (``_IdStager``): 0.3 ms of host
     # time for all of a 128k-token session's, before the bus could start.
     ids_given = _check_table_ids(table_ids, n, codec, check_range=rust)
     session = CompressedSession(codec, n, pages_gpu.dtype if pages_gpu.is_floating_point() else _TORCH_DTYPES[codec.dtype])
@@ -439,9 +439,10 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
     if not plan:
         return session
     # The first chunks' ids before the bus starts (up to 4 * chunk_pages pages: 10 chunks of the
-    # default plan, 128 KB), the rest in one go once the host is well ahead of the bus (each
-    # staging costs the host about 0.25 ms on the H200 box whatever its size: staged chunk by
-    # chunk, the host fell behind the bus in chunks 1-5).
+    # default plan, 128 KB), the rest in one go once the host is well ahead of the bus. Staged
+    # chunk by chunk, the host fell behind the bus in chunks 1-5 (H200 box, BENCHMARKS.md: each
+    # staging about 0.25 ms of the offload's host time, though its steps timed alone add up to
+    # 40 us).
     ids = _IdStager(ids_given, len(codec), dev, st)
     ids.stage(0, next(b for a, b in plan if b >= min(n, 4 * chunk_pages)))
     tids_dev = ids.dev
