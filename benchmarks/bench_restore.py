@@ -16,7 +16,11 @@ Measured (wall time around a synchronized call, median of --repeats):
   pinned chunks), end to end; bytes in transit and ratio;
 - parts: the compressed chunks' copies alone (H2D, D2H; same chunks and buffers), the decode
   alone and encode alone (chunks resident in GPU memory, so the "copies" are device-to-device);
-- a chunk-size sweep (one run each).
+- a chunk-size sweep (one run each);
+- with ``--timeline``: one offload and one restore timed by CUDA events (when each chunk's copy
+  starts and ends, the bus's idle time, the host's steps until the first copy);
+- with ``--paired N``: N rounds of raw H2D, raw D2H, offload and restore, each speedup against its
+  own round's raw copy (the bus drifts by about 1% between separate medians on the GPU box).
 
     python benchmarks/bench_restore.py --kv .boxdata/kv_pages_subset.npz --out $OUT
     # CPU smoke (Triton interpreter, tiny): TRITON_INTERPRET=1 python benchmarks/bench_restore.py \
@@ -64,6 +68,8 @@ def main():
                     "where the copy engine sits idle (restore_trace_*.json and a summary in restore.json)")
     ap.add_argument("--timeline", action="store_true", help="then one offload without the profiler, timed by CUDA "
                     "events: when each chunk's copy ends against the same copy alone (restore.json's timeline)")
+    ap.add_argument("--paired", type=int, default=0, help="then this many rounds of raw H2D, restore, raw D2H, "
+                    "offload: the median of each round's speedup against its own raw copy")
     ap.add_argument("--host-profile", action="store_true", help="then one offload under cProfile: the host's time "
                     "by function (restore_host_profile.txt)")
     ap.add_argument("--device", default="cuda")
@@ -219,6 +225,31 @@ def main():
     if args.timeline and is_cuda:
         res["timeline"] = offload_timeline(lambda: do_offload(), lambda: holder["s"], dev)
         print("timeline", json.dumps({k: v for k, v in res["timeline"].items() if k != "chunks"}), flush=True)
+        try:  # written after the offload's timeline was first measured (session 13): report, never hide
+            res["restore_timeline"] = offload_timeline(lambda: ol.restore(holder["s"], out, verify=True, **rkw),
+                                                       lambda: holder["s"], dev, direction="HtoD")
+        except Exception as e:  # noqa: BLE001
+            res["restore_timeline"] = {"error": f"{type(e).__name__}: {e}"}
+        print("restore timeline", json.dumps({k: v for k, v in res["restore_timeline"].items() if k != "chunks"}),
+              flush=True)
+
+    if args.paired:
+        # Rounds of (raw H2D, raw D2H, offload, restore), each speedup against the raw copy of its
+        # own round: the bus's speed drifts between the runs' separate medians (about 1% on the box).
+        # The raw D2H overwrites the pinned arena, so each round offloads again before restoring.
+        rounds = []
+        for _ in range(args.paired):
+            r = {}
+            r["raw_h2d"], _ = timed(lambda: ob.copy_(host_raw, non_blocking=True), 1)
+            r["raw_d2h"], _ = timed(lambda: host_raw.copy_(xb, non_blocking=True), 1)
+            r["offload"], _ = timed(lambda: do_offload(), 1)
+            r["restore"], _ = timed(lambda: ol.restore(holder["s"], out, verify=True, **rkw), 1)
+            rounds.append(r)
+        res["paired"] = {"rounds": rounds,
+                         "restore_speedup": statistics.median(r["raw_h2d"] / r["restore"] for r in rounds),
+                         "offload_speedup": statistics.median(r["raw_d2h"] / r["offload"] for r in rounds)}
+        res["checks"]["paired_restore_bit_exact"] = bool(torch.equal(out, x))
+        print("paired", json.dumps({k: v for k, v in res["paired"].items() if k != "rounds"}), flush=True)
 
     if args.host_profile:
         import cProfile
@@ -261,15 +292,16 @@ def main():
     (outdir / "restore.md").write_text(table + "\n")
 
 
-def offload_timeline(run, session, dev, first: int = 12):
-    """One offload (``run``) with no profiler: every event the offload records (its
-    ``_Streams.record``, swapped for timing events for this call) is timed against an event queued on
-    the idle GPU just before the call, and the host's clock is read at each. Then each chunk's copy
-    alone (the same bytes from a GPU buffer into the same pinned region, one stream, events around
-    each) gives its duration, so each copy's start and the bus's idle time before it follow
-    (start = end - duration). Times in ms from the call; ``chunks`` lists the first ``first``.
-    ``host_steps``: when the host entered and left the offload's steps (its helpers and kernels'
-    wrappers, wrapped for this call) until the first chunk's copy was queued."""
+def offload_timeline(run, session, dev, first: int = 12, direction: str = "DtoH"):
+    """One offload (``run``; with ``direction`` "HtoD" one restore) with no profiler: every event
+    the call records (its ``_Streams.record``, swapped for timing events for this call) is timed
+    against an event queued on the idle GPU just before the call, and the host's clock is read at
+    each. Then each chunk's copy alone (the same bytes between a GPU buffer and the same pinned
+    region, one stream, events around each) gives its duration, so each copy's start and the bus's
+    idle time before it follow (start = end - duration). Times in ms from the call; ``chunks`` lists
+    the first ``first``. ``host_steps``: when the host entered and left the call's steps (its helpers
+    and kernels' wrappers, wrapped for this call) until the first chunk's copy was queued; for a
+    restore also ``last_copy_to_end``: the GPU's work after the last copy (decode, digests)."""
     import torch
 
     from weightszip.kernels import exact_page, regions
@@ -300,8 +332,8 @@ def offload_timeline(run, session, dev, first: int = 12):
     swaps = [(ol._Streams, "record", record)] + [
         (mod, name, stamped(f"{mod.__name__.rsplit('.', 1)[-1]}.{name}", getattr(mod, name)))
         for mod, names in [(ol, ["_check_pages", "_check_table_ids", "plan_chunks", "_IdStager", "_Digests",
-                                 "_host_region", "_ring_buffer", "_Streams", "_digest_into"]),
-                           (exact_page, ["page_layout", "encode_into"]), (regions, ["post"])]
+                                 "_host_region", "_ring_buffer", "_Streams", "_digest_into", "_check_region"]),
+                           (exact_page, ["page_layout", "encode_into", "decode_into"]), (regions, ["post"])]
         for name in names if hasattr(mod, name)] + [(ol._IdStager, "stage", stamped("offload._IdStager.stage", ol._IdStager.stage))]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
     torch.cuda.synchronize()
@@ -318,12 +350,16 @@ def offload_timeline(run, session, dev, first: int = 12):
         for obj, name, old in saved:
             setattr(obj, name, old)
     ends = [(start.elapsed_time(ev), (h - h0) * 1e3) for name, ev, h in recs if name == "copy"]
+    comp_end = max((start.elapsed_time(ev) for name, ev, h in recs if name == "comp"), default=0.0)
     chunks = session().chunks
-    src = torch.empty(max(c.region_bytes for c in chunks), dtype=torch.uint8, device=dev)
+    gbuf = torch.empty(max(c.region_bytes for c in chunks), dtype=torch.uint8, device=dev)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(chunks) + 1)]
     marks[0].record()
     for c, m in zip(chunks, marks[1:]):
-        c.host[: c.region_bytes].copy_(src[: c.region_bytes], non_blocking=True)
+        if direction == "DtoH":
+            c.host[: c.region_bytes].copy_(gbuf[: c.region_bytes], non_blocking=True)
+        else:
+            gbuf[: c.region_bytes].copy_(c.host[: c.region_bytes], non_blocking=True)
         m.record()
     torch.cuda.synchronize()
     dur = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
@@ -332,7 +368,8 @@ def offload_timeline(run, session, dev, first: int = 12):
     first_queued = ends[0][1] if ends else 0.0
     host_steps = [(label, round((a - h0) * 1e3, 3), round((b - h0) * 1e3, 3)) for label, a, b in sorted(steps, key=lambda e: e[1])
                   if (a - h0) * 1e3 <= first_queued]
-    return {"call_ms": (h1 - h0) * 1e3, "gpu_done_ms": ends[-1][0], "copies_alone_ms": sum(dur), "host_steps": host_steps,
+    return {"call_ms": (h1 - h0) * 1e3, "gpu_done_ms": max(ends[-1][0], comp_end), "last_copy_to_end_ms":
+            max(0.0, comp_end - ends[-1][0]), "copies_alone_ms": sum(dur), "host_steps": host_steps,
             "first_copy_start_ms": starts[0], "bus_idle_between_ms": sum(idle[1:]),
             "after_last_copy_host_ms": (h1 - h0) * 1e3 - ends[-1][0],
             "chunks": [{"pages": c.n_pages, "copy_queued_host_ms": q, "copy_start_ms": st, "copy_end_ms": e,
