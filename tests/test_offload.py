@@ -21,6 +21,7 @@ if not CUDA:
 
 from weightszip import offload as ol  # noqa: E402
 from weightszip import pages  # noqa: E402
+from weightszip.kernels import exact_page as ep  # noqa: E402
 from weightszip.errors import (  # noqa: E402
     BadMagicError,
     ChecksumMismatchError,
@@ -229,7 +230,7 @@ def small_session(real_kv):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("chunk_pages", [4, 64])
+@pytest.mark.parametrize("chunk_pages", [1, 4, 64])  # 1: six chunks, the ids staged in two parts
 def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pages):
     x, tids, codec = small_session
     xd = x.to(device)
@@ -265,17 +266,25 @@ def test_id_stager_checks_each_part_before_staging_it():
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("where,what", [("first", "negative"), ("last", "count"), ("last", "wraps")])
-def test_triton_offload_rejects_table_ids_out_of_range_and_frees_its_arena(small_session, device, where, what):
-    # The Triton path checks the ids as it stages them, in parts (an id in the last chunk is found
-    # after the earlier chunks are under way); the call still raises, and the arena slices it took
-    # are free again. A uint64 id of 2**32 + 1 would wrap to 1 as int32: it is caught too.
+def test_triton_offload_rejects_table_ids_out_of_range_and_frees_its_arena(small_session, device, where, what,
+                                                                         monkeypatch):
+    # The Triton path checks the ids as it stages them, in two parts (with one-page chunks: pages
+    # 0-3 before the first size pass, 4-5 at chunk 3, after four chunks are under way); the call
+    # still raises, and the arena slices it took are free again. A uint64 id of 2**32 + 1 would
+    # wrap to 1 as int32: it is caught too.
     x, tids, codec = small_session
     t = tids.astype(np.uint64 if what == "wraps" else np.int64)
     t[0 if where == "first" else -1] = {"negative": -1, "count": len(codec), "wraps": 2**32 + 1}[what]
     arena = ol.HostArena(1 << 20, device="cpu", pin=False)
     arena.take(16)
+    staged, sized = [], []
+    real_stage, real_layout = ol._IdStager.stage, ep.page_layout
+    monkeypatch.setattr(ol._IdStager, "stage", lambda self, a, b: staged.append((a, b)) or real_stage(self, a, b))
+    monkeypatch.setattr(ep, "page_layout", lambda *a, **k: sized.append(1) or real_layout(*a, **k))
     with pytest.raises(InvalidArgumentError, match="must lie in"):
-        ol.offload(x.to(device), codec, t, chunk_pages=4, host=arena, backend="triton")
+        ol.offload(x.to(device), codec, t, chunk_pages=1, host=arena, backend="triton")
+    assert staged == ([(0, 4)] if where == "first" else [(0, 4), (4, 6)])
+    assert len(sized) == (0 if where == "first" else 4)  # the size passes of chunks 0-3 ran before the raise
     assert arena.used == 16
     s = ol.offload(x.to(device), codec, tids, chunk_pages=4, host=arena, backend="triton")  # the arena still serves
     assert torch.equal(ol.restore(s, torch.empty_like(x.to(device)), backend="triton"), x.to(device))

@@ -116,8 +116,8 @@ class KernelConfig:
     # plane words at the top of the step with K's, bit 1 K's words one step ahead (more registers)
     gluon: bool = False
     # ... when the step's paged tokens times KV heads reach this (in session 8 the Triton kernel was
-    # faster below 2**21 = batch 8 x 32k x 8 heads on the H200; since session 9's kernel the compact
-    # default uses 2**18, the fp8 default 0)
+    # faster below 2**21 = batch 8 x 32k x 8 heads on the H200; since session 13 the compact default
+    # uses 2**18, the fp8 default 0)
     gluon_min_work: int = 1 << 21
     gluon_warps: int = 8
     gluon_maxnreg: int = 128

@@ -438,8 +438,9 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
 
     if not plan:
         return session
-    # The first chunks' ids before the bus starts (up to 4 * chunk_pages pages: 10 chunks of the
-    # default plan, 128 KB), the rest in one go once the host is well ahead of the bus. Staged
+    # The first chunks' ids before the bus starts (to the first chunk boundary at or past 4 *
+    # chunk_pages pages: 11 chunks of the default plan, about 150 KB), the rest in one go once the
+    # host is well ahead of the bus. Staged
     # chunk by chunk, the host fell behind the bus in chunks 1-5 (H200 box, BENCHMARKS.md: each
     # staging about 0.25 ms of the offload's host time, though its steps timed alone add up to
     # 40 us).
