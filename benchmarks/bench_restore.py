@@ -66,8 +66,9 @@ def main():
     ap.add_argument("--in-sample", action="store_true", help="tile the session from all tokens (half of them calibrated the codebooks)")
     ap.add_argument("--trace", action="store_true", help="then one offload and one restore under torch.profiler: "
                     "where the copy engine sits idle (restore_trace_*.json and a summary in restore.json)")
-    ap.add_argument("--timeline", action="store_true", help="then one offload without the profiler, timed by CUDA "
-                    "events: when each chunk's copy ends against the same copy alone (restore.json's timeline)")
+    ap.add_argument("--timeline", action="store_true", help="then one offload and one restore without the profiler, "
+                    "timed by CUDA events: when each chunk's copy ends against the same copy alone (restore.json's "
+                    "timeline and restore_timeline)")
     ap.add_argument("--paired", type=int, default=0, help="then this many rounds of raw H2D, raw D2H, offload, "
                     "restore: the median of each round's speedup against its own raw copy")
     ap.add_argument("--host-profile", action="store_true", help="then one offload under cProfile: the host's time "
@@ -226,9 +227,6 @@ def main():
         res["timeline"] = offload_timeline(lambda: do_offload(), lambda: holder["s"], dev)
         print("timeline", json.dumps({k: v for k, v in res["timeline"].items() if k != "chunks"}), flush=True)
         try:  # written after the offload's timeline was first measured (session 13): report, never hide
-            # the offload timeline's copies alone wrote a GPU buffer's bytes into the session's
-            # pinned regions: offload again first, so the restore reads (and verifies) real chunks
-            do_offload()
             res["restore_timeline"] = offload_timeline(lambda: ol.restore(holder["s"], out, verify=True, **rkw),
                                                        lambda: holder["s"], dev, direction="HtoD")
         except Exception as e:  # noqa: BLE001
@@ -355,18 +353,21 @@ def offload_timeline(run, session, dev, first: int = 12, direction: str = "DtoH"
             setattr(obj, name, old)
     ends = [(start.elapsed_time(ev), (h - h0) * 1e3) for name, ev, h in recs if name == "copy"]
     comp_end = max((start.elapsed_time(ev) for name, ev, h in recs if name == "comp"), default=0.0)
+    # Each chunk's copy alone, its region's own bytes (a D2H copy writes back what it first read,
+    # untimed), so the session stays intact for the calls after this one.
     chunks = session().chunks
     gbuf = torch.empty(max(c.region_bytes for c in chunks), dtype=torch.uint8, device=dev)
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(len(chunks) + 1)]
-    marks[0].record()
-    for c, m in zip(chunks, marks[1:]):
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in chunks]
+    for c, (m0, m1) in zip(chunks, marks):
+        g, h = gbuf[: c.region_bytes], c.host[: c.region_bytes]
+        src, dst = (g, h) if direction == "DtoH" else (h, g)
         if direction == "DtoH":
-            c.host[: c.region_bytes].copy_(gbuf[: c.region_bytes], non_blocking=True)
-        else:
-            gbuf[: c.region_bytes].copy_(c.host[: c.region_bytes], non_blocking=True)
-        m.record()
+            g.copy_(h, non_blocking=True)
+        m0.record()
+        dst.copy_(src, non_blocking=True)
+        m1.record()
     torch.cuda.synchronize()
-    dur = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    dur = [a.elapsed_time(b) for a, b in marks]
     starts = [e - d for (e, _), d in zip(ends, dur)]
     idle = [starts[0]] + [max(0.0, b - a[0]) for a, b in zip(ends, starts[1:])]
     first_queued = ends[0][1] if ends else 0.0

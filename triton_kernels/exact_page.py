@@ -417,6 +417,11 @@ def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, al
     return words, offsets, wstart
 
 
+def _warps(block_pages: int, num_warps: int | None) -> int:
+    """The codec kernels' warps: ``num_warps`` if given, else one page per thread (at most 8 warps)."""
+    return num_warps or max(1, min(8, block_pages // 32))
+
+
 def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, buf: torch.Tensor, layout,
                 block_pages: int = 128, align: int = 8, num_warps: int | None = None) -> None:
     """Pass 2: write the pages at ``layout`` (``page_layout``'s, with the same ``align``) into ``buf``
@@ -431,7 +436,7 @@ def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, bu
     _encode_kernel[(triton.cdiv(n, block_pages), S)](
         values.view(torch.int64), tables.fenc, buf.view(torch.int32), buf.view(torch.int16), offsets, words, wstart,
         tids, n, C=C, S=S, H=H, TAIL_WORDS=align // 4 - 1, IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages,
-        num_warps=num_warps or max(1, min(8, block_pages // 32)),
+        num_warps=_warps(block_pages, num_warps),
     )
 
 
@@ -516,7 +521,7 @@ def decode_into(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, ou
     _decode_kernel[grid](
         buf.view(torch.int32), buf.view(torch.int16), offsets, tables.lut, out.view(torch.int64), tids, n,
         C=C, S=S, SP=triton.next_power_of_2(S), H=header_len(C), L=tables.max_len,
-        IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=num_warps or max(1, min(8, block_pages // 32)),
+        IS_BF16=tables.is_bf16, BLOCK_PAGES=block_pages, num_warps=_warps(block_pages, num_warps),
     )
 
 

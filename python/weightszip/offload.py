@@ -368,13 +368,13 @@ def _check_table_ids(table_ids, n: int, codec: ExactPageCodec, check_range: bool
     if t.shape != (n,) or t.dtype.kind not in "iu":
         raise InvalidArgumentError(f"table_ids must be [{n}] integers, got {t.shape} {t.dtype}")
     if check_range:
-        _check_id_range(t, codec)
+        _check_id_range(t, len(codec))
     return t
 
 
-def _check_id_range(t: np.ndarray, codec: ExactPageCodec) -> None:
-    if len(t) and (int(t.min()) < 0 or int(t.max()) >= len(codec)):
-        raise InvalidArgumentError(f"table ids must lie in [0, {len(codec)})")
+def _check_id_range(t: np.ndarray, n_codebooks: int) -> None:
+    if len(t) and (int(t.min()) < 0 or int(t.max()) >= n_codebooks):
+        raise InvalidArgumentError(f"table ids must lie in [0, {n_codebooks})")
 
 
 def _backend(backend: str, device: torch.device) -> str:
@@ -440,10 +440,9 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
         return session
     # The first chunks' ids before the bus starts (to the first chunk boundary at or past 4 *
     # chunk_pages pages: 11 chunks of the default plan, about 150 KB), the rest in one go once the
-    # host is well ahead of the bus. Staged
-    # chunk by chunk, the host fell behind the bus in chunks 1-5 (H200 box, BENCHMARKS.md: each
-    # staging about 0.25 ms of the offload's host time, though its steps timed alone add up to
-    # 40 us).
+    # host is well ahead of the bus. Staged chunk by chunk, the host fell behind the bus in chunks
+    # 1-5 (H200 box, BENCHMARKS.md: each staging about 0.25 ms of the offload's host time, though
+    # its steps timed alone add up to 40 us).
     ids = _IdStager(ids_given, len(codec), dev, st)
     ids.stage(0, next(b for a, b in plan if b >= min(n, 4 * chunk_pages)))
     tids_dev = ids.dev
@@ -547,8 +546,7 @@ class _IdStager:
 
     def stage(self, a: int, b: int) -> None:
         part = self.ids[a:b]
-        if b > a and (int(part.min()) < 0 or int(part.max()) >= self.n_codebooks):
-            raise InvalidArgumentError(f"table ids must lie in [0, {self.n_codebooks})")
+        _check_id_range(part, self.n_codebooks)
         self.staged = b
         if self.pinned is None:
             self.dev[a:b] = torch.from_numpy(part.astype(np.int32))
