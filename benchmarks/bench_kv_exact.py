@@ -2,7 +2,11 @@
 pages in its inner loop against our bf16 paged kernel and torch SDPA flash, the write path, and
 sessions per 80 GB H100.
 
-    python benchmarks/bench_kv_exact.py --kv .boxdata/kv_pages_subset.npz [--tune] --out PREFIX
+    python benchmarks/bench_kv_exact.py --kv .boxdata/kv_pages_subset.npz [--tune] [--format exact4] --out PREFIX
+
+``--format exact4`` measures KV Exact4 pages (4-bit exponent codes, plain bf16 heads for values
+outside the window; kv_exact4_ref) instead of KV Exact version 1, through the same kernel; the
+write path is then not measured (the cache does not hold KV Exact4 pages yet).
 
 Data: real bf16 KV (the 16 (model, layer, K/V) sets of the .npz: SmolLM2-135M and Qwen2.5-0.5B,
 4096 tokens each), tiled along channels to the Llama-3.1-8B shape (8 KV heads x 128).
@@ -50,7 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="32768,65536,131072")
     p.add_argument("--tune", action="store_true", help="sweep the exact kernel's launch parameters first")
     p.add_argument("--sweep", default="32:4:1,32:4:2,64:4:1,64:4:2,64:8:2,128:4:2,128:8:2,64:4:3",
-                   help="block_n:warps:stages,... for --tune")
+                   help="block_n:warps:stages[:waves[:min_split_tokens]],... for --tune")
+    p.add_argument("--format", choices=["exact", "exact4"], default="exact", help="the page format measured")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kv_exact"))
@@ -63,45 +68,71 @@ def llama_pages(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(t).reshape(-1, 16, HKV, D)
 
 
-def ratio_table(sets):
-    from weightszip.kernels import kv_exact_ref as R
+def page_format(name: str):
+    """(reference module, calibration, dequantize through the kernel's tile loader) of a format."""
+    from weightszip.kernels import kv_exact4_ref, kv_exact_ref
+    from weightszip.kernels.paged_decode import dequantize_exact4_pages, dequantize_exact_pages
 
+    if name == "exact4":  # the pages hold their own window tops: no calibration
+        return kv_exact4_ref, None, dequantize_exact4_pages
+    return kv_exact_ref, kv_exact_ref.calibrate_bases, dequantize_exact_pages
+
+
+def ratio_table(sets, fmt="exact"):
+    R, calibrate, _ = page_format(fmt)
     rows = []
     for (model, kind, layer), x in sets.items():
         p = llama_pages(x)
         half = p.shape[0] // 2
-        bases = R.calibrate_bases(p[:half].reshape(-1, C)).reshape(HKV, D)
-        enc = R.encode_pages(p[half:], bases)
+        if calibrate is None:
+            enc = R.encode_pages(p[half:])
+        else:
+            enc = R.encode_pages(p[half:], calibrate(p[:half].reshape(-1, C)).reshape(HKV, D))
         page_bytes = int(enc.lengths.sum())
         raw = p[half:].numel() * 2
-        rows.append(dict(model=model, kind=kind, layer=layer, pages=int(p.shape[0] - half),
-                         escapes=float(enc.counts.sum()) / p[half:].numel(), ratio=page_bytes / raw,
-                         ratio_with_offsets=(page_bytes + 8 * len(enc)) / raw))
+        row = dict(model=model, kind=kind, layer=layer, pages=int(p.shape[0] - half), ratio=page_bytes / raw,
+                   ratio_with_offsets=(page_bytes + 8 * len(enc)) / raw)
+        if fmt == "exact4":
+            row["plain_heads"] = float(enc.plain.float().mean())
+        else:
+            row["escapes"] = float(enc.counts.sum()) / p[half:].numel()
+        rows.append(row)
     return rows
 
 
-def build_pool(pages: torch.Tensor, bases, n_blocks: int):
-    """bf16 pool [n, 8, 16, 128] and a KV Exact heap + offsets [n] holding ``pages`` (int16 [U, 16, 8,
-    128]) again and again, block i = page i % U, each copy at its own address."""
-    from weightszip.kernels import kv_exact_ref as R
-
+def build_pool(pages: torch.Tensor, bases, n_blocks: int, fmt="exact"):
+    """bf16 pool [n, 8, 16, 128] and a KV Exact (or Exact4) heap + offsets [n] holding ``pages``
+    (int16 [U, 16, 8, 128]) again and again, block i = page i % U, each copy at its own address."""
+    R, _, _ = page_format(fmt)
     U = pages.shape[0]
     reps = -(-n_blocks // U)
     pg = pages.cuda()
     bf = pg.transpose(1, 2).contiguous().view(torch.bfloat16).repeat(reps, 1, 1, 1)[:n_blocks].contiguous()
-    buf, offs = R.encode_pages(pg, bases.cuda()).to_bytes()
+    buf, offs = (R.encode_pages(pg) if bases is None else R.encode_pages(pg, bases.cuda())).to_bytes()
     heap = buf.repeat(reps)
     offsets = (offs[:-1][None, :] + torch.arange(reps, device="cuda")[:, None] * buf.numel()).reshape(-1)[:n_blocks].contiguous()
     return bf, heap, offsets, int(buf.numel()) / (U * 16 * C * 2)
+
+
+def sweep_config(spec: str, waves: int, min_split: int):
+    """``block_n:warps:stages[:waves[:min_split_tokens]]`` -> KernelConfig (the format's defaults for
+    the fields left out)."""
+    from weightszip.kernels import KernelConfig
+
+    v = [int(x) for x in spec.split(":")]
+    v += [waves, min_split][len(v) - 3:]
+    return KernelConfig(block_n=v[0], num_warps=v[1], num_stages=v[2], waves=v[3], min_split_tokens=v[4])
 
 
 def main(argv=None):
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig, PagedDecodeAttention
-    from weightszip.kernels import kv_exact_ref as R
-    from weightszip.kernels.paged_decode import PAGE_BF16, PAGE_EXACT
+    from weightszip.kernels import DEFAULT_CONFIGS, PagedDecodeAttention
+    from weightszip.kernels.paged_decode import PAGE_BF16, PAGE_TYPES
+
+    fmt = args.format
+    _, calibrate, dequantize = page_format(fmt)
 
     sets = {}
     for model, kind, layer, x in load_sets(args.kv):
@@ -111,7 +142,8 @@ def main(argv=None):
     import triton
 
     res["meta"]["triton"] = triton.__version__
-    res["ratio"] = ratio_table(sets)
+    res["meta"]["format"] = fmt
+    res["ratio"] = ratio_table(sets, fmt)
     r = np.array([row["ratio_with_offsets"] for row in res["ratio"]])
     print(f"held-out ratio (with offsets): mean {r.mean():.4f} min {r.min():.4f} max {r.max():.4f}", flush=True)
     if not torch.cuda.is_available():
@@ -126,15 +158,17 @@ def main(argv=None):
 
     kp, vp = llama_pages(sets[key(args.k_set)]), llama_pages(sets[key(args.v_set)])
     half = kp.shape[0] // 2
-    kb = R.calibrate_bases(kp[:half].reshape(-1, C)).reshape(HKV, D)
-    vb = R.calibrate_bases(vp[:half].reshape(-1, C)).reshape(HKV, D)
+    kb = vb = None
+    if calibrate is not None:
+        kb = calibrate(kp[:half].reshape(-1, C)).reshape(HKV, D)
+        vb = calibrate(vp[:half].reshape(-1, C)).reshape(HKV, D)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     n_blocks = max(batches) * max(contexts) // 16
     t0 = time.time()
-    k_bf, k_heap, k_off, k_ratio = build_pool(kp, kb, n_blocks)
-    v_bf, v_heap, v_off, v_ratio = build_pool(vp, vb, n_blocks)
-    kbd, vbd = kb.cuda().contiguous(), vb.cuda().contiguous()
+    k_bf, k_heap, k_off, k_ratio = build_pool(kp, kb, n_blocks, fmt)
+    v_bf, v_heap, v_off, v_ratio = build_pool(vp, vb, n_blocks, fmt)
+    kbd, vbd = (None, None) if kb is None else (kb.cuda().contiguous(), vb.cuda().contiguous())
     torch.cuda.synchronize()
     res["pool"] = dict(blocks=n_blocks, k_ratio=k_ratio, v_ratio=v_ratio, build_s=time.time() - t0,
                        k_set=args.k_set, v_set=args.v_set)
@@ -149,7 +183,7 @@ def main(argv=None):
         att = PagedDecodeAttention(HQ, HKV, D, page_type=page_type, window=16, config=cfg, device="cuda")
         att.plan([L] * B, bt)
         out = torch.empty(B, HQ, D, dtype=torch.bfloat16, device="cuda")
-        if page_type == "exact":
+        if page_type == fmt:
             fn = lambda: att.run(q, k_heap, v_heap, k_side=side[0], v_side=side[1], k_offsets=k_off,  # noqa: E731
                                  v_offsets=v_off, k_bases=kbd, v_bases=vbd, out=out)
         else:
@@ -162,29 +196,28 @@ def main(argv=None):
 
     def identical(B, L, cfg):
         """KV Exact output == the bf16 kernel's with the same config, plan, q and side tokens."""
-        fn, out, q, side = setup(B, L, cfg, "exact")
+        fn, out, q, side = setup(B, L, cfg, fmt)
         fn()
         att_b = PagedDecodeAttention(HQ, HKV, D, page_type="bf16", window=16, config=cfg, device="cuda")
         att_b.plan([L] * B, perm[: B * L // 16].view(B, L // 16))
         return bool(torch.equal(att_b.run(q, k_bf, v_bf, k_side=side[0], v_side=side[1]), out))
 
     # the kernel's tile loader reads the pool's pages back bit for bit
-    from weightszip.kernels.paged_decode import dequantize_exact_pages
-
     n_chk = min(n_blocks, 4096)
-    got = dequantize_exact_pages(k_heap, k_off[:n_chk].contiguous(), kbd, HKV, D)
+    got = (dequantize(k_heap, k_off[:n_chk].contiguous(), HKV, D) if kbd is None
+           else dequantize(k_heap, k_off[:n_chk].contiguous(), kbd, HKV, D))
     res["loader_bit_exact"] = bool(torch.equal(got.view(torch.bfloat16).transpose(1, 2), k_bf[:n_chk]))
     print(f"tile loader bit-exact on {n_chk} pages: {res['loader_bit_exact']}", flush=True)
 
-    exact_cfg = DEFAULT_CONFIGS[PAGE_EXACT]
+    exact_cfg = DEFAULT_CONFIGS[PAGE_TYPES[fmt]]
+    waves, min_split = exact_cfg.waves, exact_cfg.min_split_tokens
     if args.tune:
         points = [(8, max(contexts)), (max(batches), min(contexts))]
         sweep = []
         for spec in tqdm(args.sweep.split(","), desc="tune"):
-            bn, w, s = (int(v) for v in spec.split(":"))
-            cfg = KernelConfig(block_n=bn, num_warps=w, num_stages=s, waves=4, min_split_tokens=1024)
+            cfg = sweep_config(spec, waves, min_split)
             try:
-                ts = [time_kernel(B, L, cfg, "exact") for B, L in points]
+                ts = [time_kernel(B, L, cfg, fmt) for B, L in points]
                 same = identical(8, min(contexts), cfg)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped, said so
                 print(f"config {spec}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -193,8 +226,7 @@ def main(argv=None):
             print(json.dumps(sweep[-1]), flush=True)
         res["tune"] = sweep
         best = min(sweep, key=lambda r: r["geomean"])["config"]
-        bn, w, s = (int(v) for v in best.split(":"))
-        exact_cfg = KernelConfig(block_n=bn, num_warps=w, num_stages=s, waves=4, min_split_tokens=1024)
+        exact_cfg = sweep_config(best, waves, min_split)
         print(f"best exact config {best}", flush=True)
     res["meta"]["exact_config"] = vars(exact_cfg) if hasattr(exact_cfg, "__dict__") else str(exact_cfg)
 
@@ -203,7 +235,7 @@ def main(argv=None):
         for L in contexts:
             row = dict(batch=B, context=L)
             row["bit_identical"] = identical(B, L, exact_cfg)
-            row["exact_ms"] = time_kernel(B, L, exact_cfg, "exact") * 1e3
+            row["exact_ms"] = time_kernel(B, L, exact_cfg, fmt) * 1e3
             row["bf16_ms"] = time_kernel(B, L, DEFAULT_CONFIGS[PAGE_BF16], "bf16") * 1e3
             row["bf16_same_config_ms"] = time_kernel(B, L, exact_cfg, "bf16") * 1e3
             if not args.no_sdpa:
@@ -220,9 +252,10 @@ def main(argv=None):
 
     # write path: KVExactCache stores pages (code + allocate + write), per layer: the Triton write
     # kernels and the reference encoder (torch ops), the same pages, in the same run
-    res["write_path"] = {name: write_path(kp, vp, kb, vb, kernels) for name, kernels in
-                         (("kernels", True), ("reference", False))}
-    print(json.dumps(res["write_path"]), flush=True)
+    if fmt == "exact":
+        res["write_path"] = {name: write_path(kp, vp, kb, vb, kernels) for name, kernels in
+                             (("kernels", True), ("reference", False))}
+        print(json.dumps(res["write_path"]), flush=True)
 
     # capacity: sessions of Llama-3.1-8B at 128k on an 80 GB H100
     from fractions import Fraction
@@ -230,8 +263,9 @@ def main(argv=None):
     from weightszip.eval import capacity
 
     bits = Fraction((k_ratio + v_ratio) / 2 * 16 + 2 * 8 * 8 / (16 * 2 * C)).limit_denominator(100000)
-    capacity.register_format("kv-exact", bits, "KV Exact pages (lossless), measured bytes incl. page offsets")
-    rep = capacity.compute("llama-3.1-8b", "h100-80gb", context=131072, formats=["bf16", "fp8", "kv-exact"])
+    name = "kv-" + fmt
+    capacity.register_format(name, bits, f"{fmt} pages (lossless), measured bytes incl. page offsets")
+    rep = capacity.compute("llama-3.1-8b", "h100-80gb", context=131072, formats=["bf16", "fp8", name])
     res["capacity"] = {r.name: dict(bits=float(r.bits_per_value), sessions=r.sessions_per_replica) for r in rep.formats}
     print(json.dumps(res["capacity"]), flush=True)
     write(res, args.out)
@@ -292,9 +326,10 @@ def write(res, prefix):
     prefix = pathlib.Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    lines = ["| model | K/V | layer | escapes | ratio | +offsets |", "|---|---|---:|---:|---:|---:|"]
+    what = "plain_heads" if res["meta"].get("format") == "exact4" else "escapes"
+    lines = [f"| model | K/V | layer | {what.replace('_', ' ')} | ratio | +offsets |", "|---|---|---:|---:|---:|---:|"]
     for r in res["ratio"]:
-        lines.append(f"| {r['model']} | {r['kind']} | {r['layer']} | {r['escapes']:.4f} | {r['ratio']:.4f} | {r['ratio_with_offsets']:.4f} |")
+        lines.append(f"| {r['model']} | {r['kind']} | {r['layer']} | {r[what]:.4f} | {r['ratio']:.4f} | {r['ratio_with_offsets']:.4f} |")
     if res.get("grid"):
         lines += ["", "| batch | context | exact ms | bf16 ms | bf16 same cfg ms | sdpa ms | exact vs best | exact GB/s | bit-identical |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -320,7 +355,8 @@ def plot(res, path):
     for ax, B in zip(axes[0], batches):
         rows = [r for r in grid if r["batch"] == B]
         ctx = [r["context"] // 1024 for r in rows]
-        for k, lab in (("exact_ms", "KV Exact"), ("bf16_ms", "bf16 paged"), ("sdpa_ms", "SDPA flash")):
+        exact = "KV Exact4" if res["meta"].get("format") == "exact4" else "KV Exact"
+        for k, lab in (("exact_ms", exact), ("bf16_ms", "bf16 paged"), ("sdpa_ms", "SDPA flash")):
             if all(k in r for r in rows):
                 ax.plot(ctx, [r[k] for r in rows], marker="o", label=lab)
         ax.set_title(f"batch {B}")

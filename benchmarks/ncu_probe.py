@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """One launch of each kernel named on the command line, for Nsight Compute (nothing is timed here):
-``exact`` (the exact-page decoder on 268 MB of real pages, 32 and 64 pages per program) and the
+``exact`` (the exact-page decoder on 268 MB of real pages, 32 and 64 pages per program), ``kvx4``
+and ``kvx4-bf16`` (the split kernel over KV Exact4 pages of real KV and over the same pages in bf16,
+both at the KV Exact4 config, batch 8 x 32k) and the
 decode-attention split kernel for ``fp8`` (the default: the Gluon fp8 kernel; ``fp8+triton``: the Triton one), ``q4``, ``q3.5`` or ``q3`` (the Gluon kernel; ``+triton``: the
 Triton one) at the Llama-3.1-8B shape,
 batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
@@ -66,13 +68,45 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
     print(kind, "ran", flush=True)
 
 
+def kv_exact4(kv, bf16: bool, B=8, L=32768):
+    """One decode-attention step over real KV as KV Exact4 pages (or the same pages in bf16)."""
+    from bench_kv_exact import HKV, HQ, D, build_pool, llama_pages
+    from bench_gpu_codec import load_sets
+
+    from weightszip.kernels import DEFAULT_CONFIGS
+    from weightszip.kernels.paged_decode import PAGE_EXACT4
+
+    sets = {(m, k, layer): x for m, k, layer, x in load_sets([kv])}
+    (mk, _, lk) = sorted(sets)[0]
+    n = B * L // 16
+    k_bf, k_heap, k_off, _ = build_pool(llama_pages(sets[(mk, "K", lk)]), None, n, "exact4")
+    v_bf, v_heap, v_off, _ = build_pool(llama_pages(sets[(mk, "V", lk)]), None, n, "exact4")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bt = torch.randperm(n, device="cuda", generator=gen).to(torch.int32).view(B, L // 16)
+    q = torch.randn(B, HQ, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    cfg = DEFAULT_CONFIGS[PAGE_EXACT4]
+    attn = PagedDecodeAttention(HQ, HKV, D, page_type="bf16" if bf16 else "exact4", device="cuda", config=cfg)
+    attn.plan([L] * B, bt)
+    if bf16:
+        attn.run(q, k_bf, v_bf)
+    else:
+        attn.run(q, k_heap, v_heap, k_offsets=k_off, v_offsets=v_off)
+    torch.cuda.synchronize()
+    print("kvx4-bf16" if bf16 else "kvx4", "ran", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz", help="real KV sets (for exact)")
-    ap.add_argument("kernels", nargs="+", choices=["exact", "fp8", "fp8+triton", *COMPACT])
+    ap.add_argument("kernels", nargs="+", choices=["exact", "kvx4", "kvx4-bf16", "fp8", "fp8+triton", *COMPACT])
     args = ap.parse_args()
     for k in args.kernels:
-        exact(args.kv) if k == "exact" else attention(k)
+        if k == "exact":
+            exact(args.kv)
+        elif k.startswith("kvx4"):
+            kv_exact4(args.kv, k == "kvx4-bf16")
+        else:
+            attention(k)
 
 
 if __name__ == "__main__":

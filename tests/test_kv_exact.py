@@ -25,8 +25,9 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, WeightszipError  # noqa: E402
 from weightszip.kernels import KernelConfig, PagedDecodeAttention, paged_decode_ref  # noqa: E402
 from weightszip.kernels import kv_exact_ref as R  # noqa: E402
+from weightszip.kernels import kv_exact4_ref as R4  # noqa: E402
 from weightszip import kv_exact as kvx  # noqa: E402
-from weightszip.kernels.paged_decode import dequantize_exact_pages  # noqa: E402
+from weightszip.kernels.paged_decode import dequantize_exact4_pages, dequantize_exact_pages  # noqa: E402
 from weightszip.kv_exact import (  # noqa: E402
     KVExactCache,
     PageHeap,
@@ -273,9 +274,10 @@ def test_kernel_tile_loader_equals_reference(real):
         assert torch.equal(R.decode_heap_pages(heap, offs, bases, *pages.shape[2:]), pages)
 
 
-def _paged_pair(real, lens, seed=0):
-    """bf16 pages in a shuffled pool and the same pages as KV Exact pages in a heap; ring side buffers
-    (heads and head_dim from ``real``'s last two dimensions)."""
+def _paged_pair(real, lens, seed=0, ref=R):
+    """bf16 pages in a shuffled pool and the same pages as KV Exact pages (``ref``: kv_exact_ref, or
+    kv_exact4_ref for KV Exact4) in a heap; ring side buffers (heads and head_dim from ``real``'s
+    last two dimensions)."""
     H, D = real.shape[-2:]
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
@@ -299,9 +301,13 @@ def _paged_pair(real, lens, seed=0):
             vp[blk, :, :n] = vv[16 * j: 16 * j + n].transpose(0, 1)
         for p in range(max(0, L - 16), L):
             side[0, b, p % 16], side[1, b, p % 16] = kk[p], vv[p]
-    kb = R.calibrate_bases(real[0, 0].reshape(64, -1)).reshape(H, D)
-    vb = R.calibrate_bases(real[1, 0].reshape(64, -1)).reshape(H, D)
-    ke, ve = R.encode_pages(kp.transpose(1, 2), kb), R.encode_pages(vp.transpose(1, 2), vb)
+    if ref is R:
+        kb = R.calibrate_bases(real[0, 0].reshape(64, -1)).reshape(H, D)
+        vb = R.calibrate_bases(real[1, 0].reshape(64, -1)).reshape(H, D)
+        ke, ve = R.encode_pages(kp.transpose(1, 2), kb), R.encode_pages(vp.transpose(1, 2), vb)
+    else:  # KV Exact4 pages hold their own window tops
+        kb = vb = None
+        ke, ve = ref.encode_pages(kp.transpose(1, 2)), ref.encode_pages(vp.transpose(1, 2))
     koff = torch.nn.functional.pad(ke.lengths.cumsum(0), (1, 0))[:-1] + 16
     voff = int(koff[-1] + ke.lengths[-1]) + torch.nn.functional.pad(ve.lengths.cumsum(0), (1, 0))[:-1]
     heap = torch.zeros(int(voff[-1] + ve.lengths[-1]) + 16, dtype=torch.uint8)
@@ -311,7 +317,7 @@ def _paged_pair(real, lens, seed=0):
     to = (lambda t: t.to(DEVICE))
     bf = lambda t: to(t.view(torch.bfloat16))  # noqa: E731
     return dict(q=to(q), bt=to(bt), kp=bf(kp), vp=bf(vp), ks=bf(side[0]), vs=bf(side[1]), heap=to(heap),
-                koff=to(koff), voff=to(voff), kb=to(kb), vb=to(vb))
+                koff=to(koff), voff=to(voff), kb=kb if kb is None else to(kb), vb=vb if vb is None else to(vb))
 
 
 @pytest.mark.parametrize("lens,split", [([150, 40, 97], 64), ([33], None), ([16, 17, 300], 32)])
@@ -333,16 +339,16 @@ def test_attention_bit_identical_to_bf16_pages_head_dim_128(real):
     _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, DEFAULT_CONFIGS[PAGE_EXACT])
 
 
-def _exact_equals_bf16_pages(real, lens, split, cfg=CFG):
+def _exact_equals_bf16_pages(real, lens, split, cfg=CFG, page_type="exact"):
     H, D = real.shape[-2:]
-    c = _paged_pair(real, lens)
+    c = _paged_pair(real, lens, ref=R if page_type == "exact" else R4)
     outs = {}
-    for pt in ("bf16", "exact"):
+    for pt in ("bf16", page_type):
         att = PagedDecodeAttention(HQ, H, D, page_type=pt, window=16, config=cfg, device=DEVICE)
         att.plan(lens, c["bt"], split_tokens=split)
-        if pt == "exact":
-            outs[pt] = att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"], k_offsets=c["koff"],
-                               v_offsets=c["voff"], k_bases=c["kb"], v_bases=c["vb"])
+        if pt == page_type:
+            outs["exact"] = att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"],
+                                    k_offsets=c["koff"], v_offsets=c["voff"], k_bases=c["kb"], v_bases=c["vb"])
         else:
             outs[pt] = att.run(c["q"], c["kp"], c["vp"], k_side=c["ks"], v_side=c["vs"])
     assert torch.equal(outs["bf16"], outs["exact"])
@@ -360,9 +366,9 @@ from weightszip.kernels.paged_decode_gluon import compile_for_hopper
 
 cfg = DEFAULT_CONFIGS[PAGE_EXACT]
 for d, group in ((128, 4), (64, 3)):
-    for page_type, pages in ((0, "*bf16"), (3, "*u8")):
+    for page_type, pages in ((0, "*bf16"), (3, "*u8"), (4, "*u8")):
         const = dict(GROUP=group, BLOCK_G=16, HEAD_DIM=d, BLOCK_SIZE=16, BLOCK_N=cfg.block_n, PAGE_TYPE=page_type,
-                     HAS_BIAS=False, BITS_K=4, BITS_V=4, CUDA_DOT=False, FAST_TRIG=page_type == 3)
+                     HAS_BIAS=False, BITS_K=4, BITS_V=4, CUDA_DOT=False, FAST_TRIG=page_type >= 3)
         ptrs = {"q_ptr": "*bf16", "k_pages_ptr": pages, "v_pages_ptr": pages, "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
                 "ws_acc_ptr": "*fp32", "k_off_ptr": "*i64", "v_off_ptr": "*i64", "k_cb_ptr": "*u8", "v_cb_ptr": "*u8"}
         k, _ = compile_for_hopper(_paged_split_kernel, const, ptrs, cfg.num_warps, num_stages=cfg.num_stages)
@@ -372,17 +378,18 @@ for d, group in ((128, 4), (64, 3)):
 
 
 def test_compiled_exact_tiles_feed_the_tensor_cores_as_bf16_pages_do(compile_in_child):
-    """Compiled for sm_90 (a child process, without a GPU), the KV Exact kernel's two products take
-    the tensor-core operand layouts of the same kernel over bf16 pages: Triton picks the layout's k
+    """Compiled for sm_90 (a child process, without a GPU), the KV Exact and KV Exact4 kernels' two
+    products take the tensor-core operand layouts of the same kernel over bf16 pages: Triton picks the layout's k
     grouping (kWidth) from the narrowest load behind an operand, here the pages' uint8 raw bytes,
     which gave the exact tiles a different k order inside each mma.sync and so different fp32
     roundings on the H200 (BENCHMARKS.md, "KV Exact"); ``_exact_decode`` hides them behind a copy."""
     out = compile_in_child(_COMPILE_OPERANDS)
     rows = [line.split(maxsplit=3) for line in out.splitlines() if line[:1].isdigit()]
-    assert len(rows) == 4, out
+    assert len(rows) == 6, out
     got = {(int(d), int(pt)): (n, ops) for d, pt, n, ops in rows}
     for d in (128, 64):
-        assert got[(d, 3)] == got[(d, 0)], got
+        assert got[(d, 3)] == got[(d, 0)], got  # KV Exact
+        assert got[(d, 4)] == got[(d, 0)], got  # KV Exact4 (its decoder's joins would halve the width)
         assert got[(d, 0)][0] == "2" and "kWidth = 2" in got[(d, 0)][1], got
 
 
@@ -875,3 +882,196 @@ def test_pipelined_moves_every_chunk_through_the_staging_buffers(copy_first):
 
     kvx._pipelined(torch.device(DEVICE), chunks, take, put, copy_first=copy_first)
     assert torch.equal(dst.cpu(), src.cpu())
+
+
+# -- KV Exact4 pages ------------------------------------------------------------------------------------
+
+
+def _random_pages(n, h, d, seed):
+    """Random bit patterns (exponents everywhere: most heads plain) and pages of few exponents."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-(2**15), 2**15, (n, 16, h, d), generator=g, dtype=torch.int32)
+    x[0] = (x[0] & 0x83FF) | 0x3C00  # exponents 120-127: coded
+    x[1] = x[1] & 0x807F  # exponent 0: zeros and subnormals, code 15
+    return x.to(torch.int16)
+
+
+def test_exact4_roundtrip_real_kv_and_ratio(real):
+    for layer in range(3):
+        for kind in range(2):
+            x = pages_of(real[kind, layer])
+            enc = R4.encode_pages(x)
+            buf, offs = enc.to_bytes()
+            assert torch.equal(R4.decode_pages(buf, offs, H, D), x)
+            ratio = buf.numel() / (x.numel() * 2)
+            # 4-bit codes, a raw byte and a top per channel and page = 12.5 / 16, plus plain heads
+            assert 0.78 < ratio < 0.84, ratio
+            assert int(enc.plain.sum()) < enc.plain.numel() // 2
+
+
+def test_exact4_every_bit_pattern_roundtrips():
+    """All 65536 bf16 patterns (NaN, Inf, -0, subnormals), and random ones (plain heads), through
+    the format; a head is plain exactly when some value of it has no code."""
+    allbits = torch.arange(65536, dtype=torch.int32).to(torch.int16).reshape(-1, 16, 2, 32)
+    for x in (allbits, allbits[torch.randperm(allbits.shape[0], generator=torch.Generator().manual_seed(0))],
+              _random_pages(6, 3, 64, 1)):
+        enc = R4.encode_pages(x)
+        buf, offs = enc.to_bytes()
+        assert torch.equal(R4.decode_pages(buf, offs, x.shape[2], x.shape[3]), x)
+        bits = x.to(torch.int32).permute(0, 2, 1, 3) & 0xFFFF
+        _, fits = R4.codes_of(bits, R4.tops_of(bits)[:, :, None, :])
+        assert torch.equal(enc.plain, ~fits.all(3).all(2))
+    assert enc.plain.any() and not enc.plain.all()
+
+
+def test_exact4_page_layout_by_hand():
+    """Two heads of 32 channels, every value 1.0 (exponent 127) but: head 0 token 0 channel 9 = -1.5,
+    token 2 channel 12 = 0.0 (code 15); head 1 token 3 channel 5 = 2**-40 (outside the window: the
+    head is plain)."""
+    x = torch.full((1, 16, 2, 32), 0x3F80, dtype=torch.int16)
+    x[0, 0, 0, 9] = torch.tensor(0xBFC0, dtype=torch.int32).to(torch.int16)  # -1.5
+    x[0, 2, 0, 12] = 0
+    x[0, 3, 1, 5] = 0x2B80  # 2**-40: exponent 87
+    buf, offs = R4.encode_pages(x).to_bytes()
+    b = buf.tolist()
+    assert len(b) == int(offs[1]) == 16 + 25 * 32 * 2 + 8 * 32
+    assert b[:16] == [2] + [0] * 15  # plain-head mask: head 1
+    head0 = b[16: 16 + 800]
+    order = R4.half_order(32).tolist()  # channel at each byte of tops and raw rows
+    assert head0[:32] == [127] * 32  # tops
+    codes = np.array(head0[32: 32 + 256]).reshape(16, 4, 4)  # token, word, byte
+    words = codes[..., 0] | codes[..., 1] << 8 | codes[..., 2] << 16 | codes[..., 3] << 24
+    # channel 12 = 8 * 1 + 4: word 1, nibble at bit 16 * 0 + 4 * 2 = 8 holds code 15
+    assert words[2, 1] == 15 << 8 and (np.delete(words.reshape(-1), 2 * 4 + 1) == 0).all()
+    raw = np.array(head0[288:]).reshape(16, 32)
+    assert raw[0, order.index(9)] == 0x80 | 0x40 and raw[2, order.index(12)] == 0 and raw[1, 1] == 0
+    # head 1: tokens 0-11 in its slot, then 32 zero bytes, tokens 12-15 in the tail
+    vals = x[0, :, 1].to(torch.int32) & 0xFFFF
+    le = torch.stack([vals & 0xFF, vals >> 8], -1).reshape(16, 64).tolist()
+    slot1 = b[816: 816 + 800]
+    assert slot1[:768] == sum(le[:12], []) and slot1[768:] == [0] * 32
+    assert b[1616:] == sum(le[12:], [])
+
+
+def test_exact4_damaged_pages_raise_typed_errors(real):
+    x = pages_of(real[1, 2])[:2]
+    buf, offs = R4.encode_pages(x).to_bytes()
+    with pytest.raises(WeightszipError):
+        R4.decode_pages(buf[:-16], offs, H, D)
+    bad = buf.clone()
+    bad[0] ^= 1 << H  # the mask names a head beyond the page's
+    with pytest.raises(CorruptDataError):
+        R4.decode_pages(bad, offs, H, D)
+    bad = buf.clone()
+    bad[16] = 14  # a top below 15
+    with pytest.raises(CorruptDataError):
+        R4.decode_pages(bad, offs, H, D)
+    bad = buf.clone()
+    rows = 16 + D + torch.arange(16) * (D // 2)  # head 0's code rows; channel 0: low nibble of byte 0
+    assert bool(((bad[rows] & 15) < 14).all())
+    bad[rows] += 1  # every exponent of channel 0 one lower: its top is no longer the largest (not canonical)
+    with pytest.raises(CorruptDataError):
+        R4.decode_pages(bad, offs, H, D)
+    with pytest.raises(InvalidArgumentError):
+        R4.decode_pages(buf, offs, H, 48)
+    with pytest.raises(InvalidArgumentError):
+        R4.encode_pages(torch.zeros((1, 16, 33, 32), dtype=torch.int16))  # more heads than the mask has bits
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_exact4_fuzz_damaged_pages_never_crash(real, data):
+    """Flipped bits, cuts, random bytes and hostile offsets: a typed error, or pages that re-encode
+    to the same bytes (the format is canonical)."""
+    x = torch.cat([pages_of(real[1, 2])[:2], _random_pages(3, H, D, 2)[2:]])  # coded and plain heads
+    buf, offs = R4.encode_pages(x).to_bytes()
+    kind = data.draw(st.sampled_from(["flip", "cut", "random", "offsets"]))
+    if kind == "flip":
+        bad = buf.clone()
+        for i in data.draw(st.lists(st.integers(0, buf.numel() - 1), min_size=1, max_size=8)):
+            bad[i] ^= 1 << data.draw(st.integers(0, 7))
+        o = offs
+    elif kind == "cut":
+        n = data.draw(st.integers(0, buf.numel() - 1))
+        bad, o = buf[:n].clone(), offs
+    elif kind == "random":
+        n = data.draw(st.sampled_from([R4.page_length(H, D, p) for p in range(H + 1)]))
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**63 - 1)))
+        bad = torch.from_numpy(np.frombuffer(rng.bytes(n), np.uint8).copy())
+        bad[4:16] = 0
+        bad[0] &= (1 << H) - 1
+        o = torch.tensor([0, n])
+    else:
+        bad = buf
+        o = torch.tensor(data.draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
+    try:
+        out = R4.decode_pages(bad, o, H, D)
+    except WeightszipError:
+        return
+    b2, o2 = R4.encode_pages(out).to_bytes()
+    assert torch.equal(b2, bad) and torch.equal(o2, o.to(torch.int64))
+
+
+def test_exact4_compiled_decoder_math_equals_the_reference():
+    """``kv_exact4_ref.pair_decode`` (the compiled tile decoder's PTX, instruction for instruction,
+    in PyTorch) gives every value that has a code bit for bit: all 65536 patterns and random ones."""
+    allbits = torch.arange(65536, dtype=torch.int32).to(torch.int16).reshape(-1, 16, 2, 32)
+    for x in (allbits, _random_pages(8, 2, 64, 3)):
+        bits = x.to(torch.int32).permute(0, 2, 1, 3) & 0xFFFF  # [n, H, 16, D]
+        tops = R4.tops_of(bits)
+        code, fits = R4.codes_of(bits, tops[:, :, None, :])
+        raw = ((bits >> 8) & 0x80) | (bits & 0x7F)
+        sh = torch.tensor(R4.NIBBLE_SHIFT)
+        w = (code.long().reshape(*code.shape[:-1], -1, 8) << sh).sum(-1)  # [n, H, 16, D / 8]
+        byte = torch.tensor([0, 8, 16, 24])
+        rw = (raw.long().reshape(*raw.shape[:-1], -1, 2, 4) << byte).sum(-1)  # [..., D / 8, 2 halves]
+        tw = (tops.long().reshape(*tops.shape[:-1], -1, 2, 4) << byte).sum(-1)[:, :, None].expand(rw.shape)
+        out = R4.pair_decode(w, rw[..., 0], rw[..., 1], tw[..., 0], tw[..., 1]).reshape(bits.shape)
+        assert bool(((out == bits) | ~fits).all())
+        assert fits.float().mean() > 0.1
+
+
+def test_exact4_kernel_tile_loader_equals_reference(real):
+    cases = [pages_of(real[1, 2]), _random_pages(6, 3, 64, 4), _random_pages(5, 1, 32, 5)]
+    for pages in cases:
+        enc = R4.encode_pages(pages)
+        n = len(enc)
+        offs = torch.tensor([(n - i) * 8192 + 48 * i for i in range(n)], dtype=torch.int64)  # scattered
+        heap = torch.full((int(offs.max()) + 8192,), 0xAB, dtype=torch.uint8)
+        enc.write(heap, offs)
+        for npt in (1, 2, 4):
+            got = dequantize_exact4_pages(heap.to(DEVICE), offs.to(DEVICE), *pages.shape[2:], pages_per_tile=npt).cpu()
+            assert torch.equal(got, pages), npt
+        assert torch.equal(R4.decode_heap_pages(heap, offs, *pages.shape[2:]), pages)
+
+
+@pytest.mark.parametrize("lens,split", [([150, 40, 97], 64), ([33], None), ([16, 17, 300], 32)])
+def test_exact4_attention_bit_identical_to_bf16_pages(real, lens, split):
+    """KV Exact4 pages (with plain heads: real[1, 2]'s pages have some) give the output of the same
+    kernel over the bf16 pages bit for bit."""
+    _exact_equals_bf16_pages(real, lens, split, page_type="exact4")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the operand layouts matter only compiled (the interpreter has none)")
+def test_exact4_attention_bit_identical_to_bf16_pages_head_dim_128(real):
+    from weightszip.kernels import DEFAULT_CONFIGS
+    from weightszip.kernels.paged_decode import PAGE_EXACT4
+
+    wide = torch.cat([real, real.roll(1, dims=2)], dim=-1)
+    _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, DEFAULT_CONFIGS[PAGE_EXACT4], page_type="exact4")
+
+
+def test_exact4_attention_argument_checks(real):
+    c = _paged_pair(real, [40], ref=R4)
+    att = PagedDecodeAttention(HQ, H, D, page_type="exact4", window=16, config=CFG, device=DEVICE)
+    att.plan([40], c["bt"])
+    with pytest.raises(InvalidArgumentError):  # exact4 pages hold their own tops
+        att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"], k_offsets=c["koff"],
+                v_offsets=c["voff"], k_bases=torch.zeros((H, D), dtype=torch.uint8, device=DEVICE),
+                v_bases=torch.zeros((H, D), dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(InvalidArgumentError):
+        att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"])  # no offsets
+    with pytest.raises(InvalidArgumentError):
+        PagedDecodeAttention(64, 33, 64, page_type="exact4", device=DEVICE)
+    with pytest.raises(InvalidArgumentError):
+        PagedDecodeAttention(HQ, H, D, page_type="exact4", block_size=32, device=DEVICE)

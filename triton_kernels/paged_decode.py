@@ -65,9 +65,13 @@ PAGE_BF16 = 0
 PAGE_FP8 = 1
 PAGE_COMPACT = 2
 PAGE_EXACT = 3
-PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT, "exact": PAGE_EXACT}
+PAGE_EXACT4 = 4
+PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT, "exact": PAGE_EXACT,
+              "exact4": PAGE_EXACT4}
 PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8,
-               PAGE_EXACT: torch.uint8}
+               PAGE_EXACT: torch.uint8, PAGE_EXACT4: torch.uint8}
+EXACT_PAGES = (PAGE_EXACT, PAGE_EXACT4)  # lossless pages in a byte heap (one page per block)
+EXACT4_MAX_HEADS = 32  # the plain-head mask is a u32
 COMPACT_BITS = (2, 3, 4, 5)
 GRID_SIZE = 256  # scale steps per head of a compact format (codec.GRID_SIZE)
 PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
@@ -189,6 +193,9 @@ DEFAULT_CONFIGS = {
                                gluon_min_work=1 << 18),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
+    # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
+    # warps (16: 1.25x slower; 64 at 4 or 8 warps 1.1-1.5x; 8 warps at 32 1.6x)
+    PAGE_EXACT4: KernelConfig(block_n=32, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048),
 }
 
 
@@ -427,11 +434,12 @@ def _exact_load(heap_ptr, poff, valid, head, num_heads, HEAD_DIM: tl.constexpr, 
     pvalid = tl.max(tl.reshape(valid, [NP, 16]).to(tl.int32), axis=1) > 0
     rowv = _rows_of_pages(pvalid, NP)
     hdr = (4 * (num_heads + 1) + 15) // 16 * 16
-    hbase = poff + hdr + head * (22 * HEAD_DIM)
+    poff = tl.multiple_of(poff, 16)  # (the kernel's contract; so the loads below are 16-byte wide)
+    hbase = tl.multiple_of(poff + hdr + head * (22 * HEAD_DIM), 16)
     w0 = _compact_plane(heap_ptr, hbase, rowv, 0, HEAD_DIM, 3, NP)
     w1 = _compact_plane(heap_ptr, hbase, rowv, 1, HEAD_DIM, 3, NP)
     w2 = _compact_plane(heap_ptr, hbase, rowv, 2, HEAD_DIM, 3, NP)
-    rbase = _rows_of_pages(hbase + 6 * HEAD_DIM, NP) + offs_t * HEAD_DIM
+    rbase = tl.multiple_of(_rows_of_pages(hbase + 6 * HEAD_DIM, NP) + offs_t * HEAD_DIM, 16)
     raw = tl.load(heap_ptr + rbase[:, None] + offs_d[None, :], mask=rowv[:, None], other=0).to(tl.int32)
     ex = tl.load(heap_ptr.to(tl.pointer_type(tl.int32)) + (poff + 4 * head) // 4, mask=pvalid, other=0)
     return w0, w1, w2, raw, _rows_of_pages(poff + ex, NP)
@@ -472,6 +480,120 @@ def _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_D
         bits = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [bits], dtype=tl.int32, is_pure=False, pack=1)
     x = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return tl.where(valid[:, None], x, 0.0)
+
+
+# _exact4_pairs' PTX: eight values of one token row, channels 8 m + r ($0..$7, bf16 bits) from the
+# code word $8 (channel 8 m + r at bit 16 (r % 2) + 4 (r // 2)), the raw bytes $9 (channels 0-3) and
+# $10 (4-7) and the window tops $11 (0-3) and $12 (4-7), two channels per 32-bit lane pair: k = the
+# pair's codes << 7 (one shift and mask), t = their tops << 7 (a byte permute and a shift), e = t - k
+# (no borrow: top >= 15 >= code), lanes with code 15 cleared (exponent 0: (k + 1 << 7) has bit 11 set
+# exactly there, spread to bits 7-14 by a multiply), and the sign / mantissa bits from a sign-
+# replicating byte permute of the raw bytes. About 12 instructions per two values.
+def _exact4_pair_ptx(p: int) -> str:
+    src_code = f"shl.b32 k, $8, {7 - 4 * p};" if p < 2 else f"shr.u32 k, $8, {4 * p - 7};"
+    raw, sel = ("$9", "$10")[p // 2], ("0x9180", "0xB3A2")[p % 2]
+    top, tsel = ("$11", "$12")[p // 2], ("0x4140", "0x4342")[p % 2]
+    return f"""{src_code}
+and.b32 k, k, 0x07800780;
+prmt.b32 t, {top}, 0, {tsel};
+shl.b32 t, t, 7;
+sub.u32 e, t, k;
+add.u32 z, k, 0x00800080;
+and.b32 z, z, 0x08000800;
+shr.u32 z, z, 4;
+mul.lo.u32 z, z, 255;
+not.b32 z, z;
+and.b32 e, e, z;
+prmt.b32 x, {raw}, 0, {sel};
+and.b32 x, x, 0x807F807F;
+or.b32 e, e, x;
+mov.b32 {{${2 * p}, ${2 * p + 1}}}, e;
+"""
+
+
+_EXACT4_ASM = tl.constexpr("{\n.reg .b32 k, t, e, z, x;\n" + "".join(_exact4_pair_ptx(p) for p in range(4)) + "}")
+_EXACT4_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 5))
+_EXACT4_DTYPES = tl.constexpr((tl.int16,) * 8)
+
+
+@triton.jit
+def _exact4_load(heap_ptr, prow, valid, head, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The loads of ``BLOCK_N`` tokens (whole pages) of one KV head from KV Exact4 pages
+    (kv_exact4_ref), each row on its own: ``prow`` [BLOCK_N] int64 the byte offset of each row's page
+    (a multiple of 16), ``valid`` [BLOCK_N] the rows wanted. Returns int32 words [BLOCK_N, HEAD_DIM /
+    8], word m of a row holding what channels 8 m .. 8 m + 7 need: the codes (all 15 in rows not
+    ``valid``, so they decode to zeros), the raw bytes and the window tops of channels 8 m .. 8 m + 3
+    and of 8 m + 4 .. 8 m + 7 (the rows' halves, kv_exact4_ref.half_order); and each row's page's
+    plain-head mask [BLOCK_N]. A head's slot sits at a fixed place in its page, so no address depends
+    on another load of the page; every tensor has the same shape, so one layout serves them all (no
+    conversions through shared memory); the tops are read once per row (from L1 after the first)."""
+    WR: tl.constexpr = HEAD_DIM // 8  # words per row and half-row
+    I32: tl.constexpr = tl.pointer_type(tl.int32)
+    offs_w = tl.arange(0, WR)[None, :]
+    t = tl.arange(0, BLOCK_N) % 16
+    prow = tl.multiple_of(prow, 16)  # (the kernel's contract; so the loads below are 16-byte wide)
+    mask = tl.load((heap_ptr + prow).to(I32), mask=valid, other=0)
+    hb = tl.multiple_of(prow + 16 + head * (25 * HEAD_DIM), 16)
+    vm = valid[:, None]
+    t0 = tl.load((heap_ptr + hb).to(I32)[:, None] + offs_w, mask=vm, other=0)
+    t1 = tl.load((heap_ptr + hb + HEAD_DIM // 2).to(I32)[:, None] + offs_w, mask=vm, other=0)
+    w = tl.load((heap_ptr + (hb + HEAD_DIM + t * (HEAD_DIM // 2))).to(I32)[:, None] + offs_w, mask=vm, other=-1)
+    rb = hb + 9 * HEAD_DIM + t * HEAD_DIM
+    r0 = tl.load((heap_ptr + rb).to(I32)[:, None] + offs_w, mask=vm, other=0)
+    r1 = tl.load((heap_ptr + rb + HEAD_DIM // 2).to(I32)[:, None] + offs_w, mask=vm, other=0)
+    return w, r0, r1, t0, t1, mask
+
+
+@triton.jit
+def _word_bytes(lo, hi, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Channels 8 m + 4 h + b of words [BLOCK_N, HEAD_DIM / 8] (``lo``: h = 0, ``hi``: h = 1; byte b,
+    little endian) as int32 [BLOCK_N, HEAD_DIM]."""
+    jj = tl.arange(0, 4) * 8
+    x = tl.join(lo, hi)  # [BLOCK_N, WR, 2]
+    return tl.reshape((x[:, :, :, None] >> jj[None, None, None, :]) & 0xFF, [BLOCK_N, HEAD_DIM])
+
+
+@triton.jit
+def _exact4_decode(heap_ptr, w, r0, r1, t0, t1, mask, prow, valid, head, num_heads, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, FAST: tl.constexpr):
+    """The bf16 tile [BLOCK_N, HEAD_DIM] from ``_exact4_load``'s words and masks (rows not ``valid``
+    come out zero: their codes are all 15 and their raw bytes 0). Code of channel 8 m + r: the
+    nibble of word m at bit 16 (r % 2) + 4 (r // 2); exponent = top - code, or 0 for code 15; bits =
+    sign << 15 | exponent << 7 | mantissa. Compiled, eight values at a time in inline PTX
+    (``_exact4_pair_ptx``, on pairs of 16-bit lanes); in the interpreter the same math per value.
+    Rows of a plain head (rare) are read as bf16 (rows 0-11 from the head's slot, 12-15 from its
+    tail) by loads predicated on the row, so a tile without any costs instructions, not bytes."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if FAST:
+        a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
+            _EXACT4_ASM, _EXACT4_CONSTRAINTS, [w, r0, r1, t0, t1], dtype=_EXACT4_DTYPES, is_pure=True, pack=1)
+        # channel 8 m + r at position r of word m's eight (the joins nest with the last index inside)
+        x = tl.reshape(tl.join(tl.join(tl.join(a0, a4), tl.join(a2, a6)), tl.join(tl.join(a1, a5), tl.join(a3, a7))),
+                       [BLOCK_N, HEAD_DIM]).to(tl.bfloat16, bitcast=True)
+    else:
+        rr = tl.arange(0, 8)
+        sh = (rr % 2) * 16 + (rr // 2) * 4
+        code = tl.reshape((w[:, :, None] >> sh[None, None, :]) & 15, [BLOCK_N, HEAD_DIM])
+        e = tl.where(code == 15, 0, _word_bytes(t0, t1, BLOCK_N, HEAD_DIM) - code)
+        r = _word_bytes(r0, r1, BLOCK_N, HEAD_DIM)
+        bits = ((r & 0x80) << 8) | (e << 7) | (r & 0x7F)
+        x = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    rowp = (((mask >> head) & 1) != 0) & valid
+    before = _popc(mask & ((1 << head) - 1), FAST)
+    t = tl.arange(0, BLOCK_N) % 16
+    slot = prow + 16 + head * (25 * HEAD_DIM) + t * (2 * HEAD_DIM)
+    tail = prow + 16 + num_heads * (25 * HEAD_DIM) + before.to(tl.int64) * (8 * HEAD_DIM) + (t - 12) * (2 * HEAD_DIM)
+    row = tl.multiple_of(tl.where(t < 12, slot, tail), 16)
+    pb = tl.load((heap_ptr + row).to(tl.pointer_type(tl.bfloat16))[:, None] + offs_d[None, :],
+                 mask=rowp[:, None], other=0.0)
+    x = tl.where(rowp[:, None], pb, x)
+    if FAST:
+        # A copy the compiler may not look through (not pure), as in _exact_decode: Triton picks the
+        # tensor-core operand layout (kWidth) from what it finds behind an operand (the loads' widths,
+        # halved by the joins above), which would give these tiles (and q) another k order inside each
+        # mma than bf16 pages get, so other fp32 roundings. Behind the copy they are bf16 pages' tiles.
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=2)
+    return x
 
 
 @triton.jit
@@ -628,6 +750,22 @@ def _paged_split_kernel(
         voff_next = tl.load(v_off_ptr + blk1)
         pg2 = pg1 + BLOCK_N
         blk_next = tl.load(bt_row + pg2 // 16, mask=pg2 < t1, other=0)
+    elif PAGE_TYPE == 4:
+        # KV Exact4: every address per token row (no per-page vectors, whose broadcasts to rows would
+        # go through shared memory); block ids three tiles ahead, page offsets two, the loads one
+        tok0 = lo + offs_n
+        valid0 = (tok0 >= t0) & (tok0 < t1)
+        blk0 = tl.load(bt_row + tok0 // 16, mask=(tok0 - tok0 % 16 + 16 > t0) & (tok0 < t1), other=0)
+        tok1 = tok0 + BLOCK_N
+        blk1 = tl.load(bt_row + tok1 // 16, mask=tok1 < t1, other=0)
+        kpo = tl.load(k_off_ptr + blk0)
+        vpo = tl.load(v_off_ptr + blk0)
+        kw, kr0, kr1, kt0, kt1, kmask = _exact4_load(k_pages_ptr, kpo, valid0, head, HEAD_DIM, BLOCK_N)
+        vw, vr0, vr1, vt0, vt1, vmask = _exact4_load(v_pages_ptr, vpo, valid0, head, HEAD_DIM, BLOCK_N)
+        koff_next = tl.load(k_off_ptr + blk1)
+        voff_next = tl.load(v_off_ptr + blk1)
+        tok2 = tok1 + BLOCK_N
+        blk_next = tl.load(bt_row + tok2 // 16, mask=tok2 < t1, other=0)
     else:
         tok0 = lo + offs_n
         blk_next = tl.load(bt_row + tok0 // BLOCK_SIZE, mask=(tok0 >= t0) & (tok0 < t1), other=0)
@@ -676,6 +814,25 @@ def _paged_split_kernel(
             v = _exact_decode(v_pages_ptr, vw0, vw1, vw2, vraw, verow, valid, head, v_cb_ptr, HEAD_DIM, NP, FAST_TRIG)
             kw0, kw1, kw2, kraw, kerow = nk0, nk1, nk2, nkraw, nkerow
             vw0, vw1, vw2, vraw, verow = nv0, nv1, nv2, nvraw, nverow
+            s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
+        elif PAGE_TYPE == 4:
+            validn = (tok + BLOCK_N) < t1
+            nk = _exact4_load(k_pages_ptr, koff_next, validn, head, HEAD_DIM, BLOCK_N)
+            nv = _exact4_load(v_pages_ptr, voff_next, validn, head, HEAD_DIM, BLOCK_N)
+            nkpo = koff_next
+            nvpo = voff_next
+            koff_next = tl.load(k_off_ptr + blk)
+            voff_next = tl.load(v_off_ptr + blk)
+            tok3 = tok + 3 * BLOCK_N
+            blk_next = tl.load(bt_row + tok3 // 16, mask=tok3 < t1, other=0)
+            k = _exact4_decode(k_pages_ptr, kw, kr0, kr1, kt0, kt1, kmask, kpo, valid, head, num_kv_heads, HEAD_DIM,
+                               BLOCK_N, FAST_TRIG)
+            v = _exact4_decode(v_pages_ptr, vw, vr0, vr1, vt0, vt1, vmask, vpo, valid, head, num_kv_heads, HEAD_DIM,
+                               BLOCK_N, FAST_TRIG)
+            kw, kr0, kr1, kt0, kt1, kmask = nk
+            vw, vr0, vr1, vt0, vt1, vmask = nv
+            kpo = nkpo
+            vpo = nvpo
             s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
         else:
             tok_next = tok + BLOCK_N
@@ -859,6 +1016,23 @@ def _dequantize_exact_kernel(heap_ptr, off_ptr, base_ptr, out_ptr, num_heads, n_
     tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x.to(tl.int16, bitcast=True), mask=valid[:, None])
 
 
+@triton.jit
+def _dequantize_exact4_kernel(heap_ptr, off_ptr, out_ptr, num_heads, n_pages, HEAD_DIM: tl.constexpr,
+                              NP: tl.constexpr, FAST: tl.constexpr):
+    """The bf16 bits the attention kernel reads from KV Exact4 pages ``NP * program_id(0) ..``, head
+    ``program_id(1)``, through the same ``_exact4_load``/``_exact4_decode``, into int16 ``[n, 16, H, D]``."""
+    offs_n = tl.arange(0, NP * 16)
+    pg = (tl.program_id(0) * NP + offs_n // 16).to(tl.int64)
+    head = tl.program_id(1)
+    valid = pg < n_pages
+    prow = tl.load(off_ptr + pg, mask=valid, other=0)
+    w, r0, r1, t0, t1, mask = _exact4_load(heap_ptr, prow, valid, head, HEAD_DIM, NP * 16)
+    x = _exact4_decode(heap_ptr, w, r0, r1, t0, t1, mask, prow, valid, head, num_heads, HEAD_DIM, NP * 16, FAST)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (pg * 16 + offs_n % 16) * num_heads + head
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x.to(tl.int16, bitcast=True), mask=valid[:, None])
+
+
 # ----------------------------------------------------------------------------------------------------
 # Host side: plan once per step, run per layer
 # ----------------------------------------------------------------------------------------------------
@@ -941,9 +1115,12 @@ class PagedDecodeAttention:
                f"compact pages need head_dim >= 32 (bit planes are read as 32-bit words), not {head_dim}")
         _check(block_size > 0 and block_size % PAGE_TOKENS == 0,
                f"block_size must be a positive multiple of {PAGE_TOKENS}, not {block_size}")
-        _check(page_type != "exact" or block_size == PAGE_TOKENS,
-               f"exact pages: one {PAGE_TOKENS}-token page per block (block_size {PAGE_TOKENS}), not {block_size}")
-        _check(page_type != "exact" or head_dim >= 32, f"exact pages need head_dim >= 32, not {head_dim}")
+        exact = page_type in ("exact", "exact4")
+        _check(not exact or block_size == PAGE_TOKENS,
+               f"{page_type} pages: one {PAGE_TOKENS}-token page per block (block_size {PAGE_TOKENS}), not {block_size}")
+        _check(not exact or head_dim >= 32, f"{page_type} pages need head_dim >= 32, not {head_dim}")
+        _check(page_type != "exact4" or num_kv_heads <= EXACT4_MAX_HEADS,
+               f"exact4 pages hold at most {EXACT4_MAX_HEADS} KV heads, not {num_kv_heads}")
         _check(sink_tokens >= 0 and window >= 0, "sink_tokens and window must be >= 0")
         self.page_type = PAGE_TYPES[page_type]
         self.page_type_name = page_type
@@ -1057,9 +1234,9 @@ class PagedDecodeAttention:
         want = PAGE_DTYPES[self.page_type]
         _check(isinstance(pages, torch.Tensor) and pages.dtype == want,
                f"{name} must be a {want} tensor for page_type {self.page_type_name!r}")
-        if self.page_type == PAGE_EXACT:
+        if self.page_type in EXACT_PAGES:
             _check(pages.dim() == 1 and pages.data_ptr() % 16 == 0,
-                   f"{name} (exact) must be the 1-D uint8 page heap, 16-byte aligned")
+                   f"{name} ({self.page_type_name}) must be the 1-D uint8 page heap, 16-byte aligned")
             return
         if self.page_type == PAGE_COMPACT:
             bits = self.k_bits if name == "k_pages" else self.v_bits
@@ -1116,6 +1293,8 @@ class PagedDecodeAttention:
         heap (a multiple of 16; every block the plan reads must hold a written page), k_bases/v_bases
         uint8 [num_kv_heads, head_dim] the layer's window tops. The tiles are the bf16 values
         bit for bit, so the output equals the bf16 pages' with the same config and plan.
+        KV Exact4 pages (``page_type="exact4"``, kv_exact4_ref): heaps and offsets the same way; the
+        pages hold their own window tops (no k_bases/v_bases).
         """
         _check(self._plan is not None, "call plan() before run()")
         pl = self._plan
@@ -1177,17 +1356,20 @@ class PagedDecodeAttention:
                 k_codebook, v_codebook = (compact_lut_table(cb) if reg_lut else compact_pair_table(cb) if bits <= 4
                                           else cb.to(torch.bfloat16)
                                           for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))
-        exact = self.page_type == PAGE_EXACT
+        exact = self.page_type in EXACT_PAGES
         if exact:
             for name, t in (("k_offsets", k_offsets), ("v_offsets", v_offsets)):
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous()
                        and t.numel() > pl["max_block"], f"{name} must be contiguous int64 [num_blocks > {pl['max_block']}]")
             for name, t in (("k_bases", k_bases), ("v_bases", v_bases)):
-                _check(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.numel() == Hkv * D
-                       and t.is_contiguous(), f"{name} must be contiguous uint8 [{Hkv}, {D}]")
+                if self.page_type == PAGE_EXACT4:
+                    _check(t is None, f"{name}: exact4 pages hold their own window tops")
+                else:
+                    _check(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.numel() == Hkv * D
+                           and t.is_contiguous(), f"{name} must be contiguous uint8 [{Hkv}, {D}]")
         else:
             _check(k_offsets is None and v_offsets is None and k_bases is None and v_bases is None,
-                   "k_offsets/v_offsets/k_bases/v_bases are for page_type 'exact' only")
+                   "k_offsets/v_offsets/k_bases/v_bases are for page_types 'exact' and 'exact4' only")
         if has_rope:
             _check(compact and not cuda_dot and D >= 32, "rotary offsets need compact pages, the tensor-core path and head_dim >= 32")
             _check(isinstance(rope_coef, torch.Tensor) and rope_coef.dtype == torch.float32
@@ -1268,8 +1450,8 @@ class PagedDecodeAttention:
                 k_scale if fp8 else dummy, v_scale if fp8 else dummy, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"],
                 pl["ws_m"], pl["ws_l"], pl["ws_acc"],
-                k_codebook if compact else (k_bases if exact else dummy),
-                v_codebook if compact else (v_bases if exact else dummy),
+                k_codebook if compact else (k_bases if k_bases is not None else dummy),
+                v_codebook if compact else (v_bases if v_bases is not None else dummy),
                 k_grid if compact else dummy, v_grid if compact else dummy,
                 rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
                 rope_pairs if has_rope else dummy, rope_pairs.numel() if has_rope else 0,
@@ -1458,5 +1640,26 @@ def dequantize_exact_pages(heap: torch.Tensor, offsets: torch.Tensor, bases: tor
     if n:
         _dequantize_exact_kernel[(triton.cdiv(n, pages_per_tile), heads)](
             heap, offsets.contiguous(), bases.contiguous(), out, heads, n, HEAD_DIM=head_dim, NP=pages_per_tile,
+            FAST=not _interpreting())
+    return out
+
+
+def dequantize_exact4_pages(heap: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim: int, *,
+                            pages_per_tile: int = 1) -> torch.Tensor:
+    """The bf16 bits (int16 ``[n, 16, heads, head_dim]``) the attention kernel reads from the KV
+    Exact4 pages at ``offsets`` (int64 [n]) of ``heap`` (uint8, 1-D), through its tile loader: for
+    comparison with ``kv_exact4_ref.decode_pages``. Pages are not validated (the kernel's contract).
+    ``pages_per_tile``: pages decoded together (the attention kernel's ``block_n / 16``)."""
+    _check(heap.dtype == torch.uint8 and heap.dim() == 1 and heap.data_ptr() % 16 == 0,
+           "heap must be a 16-byte aligned 1-D uint8 tensor")
+    _check(offsets.dtype == torch.int64 and offsets.dim() == 1, "offsets must be int64 [n]")
+    _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
+    _check(0 < heads <= EXACT4_MAX_HEADS, f"exact4 pages hold 1 to {EXACT4_MAX_HEADS} KV heads, not {heads}")
+    _check(pages_per_tile > 0 and pages_per_tile & (pages_per_tile - 1) == 0, "pages_per_tile must be a power of two")
+    n = offsets.numel()
+    out = torch.empty((n, PAGE_TOKENS, heads, head_dim), dtype=torch.int16, device=heap.device)
+    if n:
+        _dequantize_exact4_kernel[(triton.cdiv(n, pages_per_tile), heads)](
+            heap, offsets.contiguous(), out, heads, n, HEAD_DIM=head_dim, NP=pages_per_tile,
             FAST=not _interpreting())
     return out
