@@ -516,10 +516,12 @@ def test_calibrate_bases_shape(real):
 # -- generation --------------------------------------------------------------------------------------
 
 
-def test_generation_through_the_cache_matches_bf16_pages():
+@pytest.mark.parametrize("page_format", ["exact", "exact4"])
+def test_generation_through_the_cache_matches_bf16_pages(page_format):
     """SmolLM2's first 4 layers (real weights): greedy generation with every decode step's attention
-    reading KV Exact pages gives the tokens and logits of the same kernel over the pages decoded to
-    bf16, bit for bit; the prompt (70 tokens) fills 4 pages per layer, the rest sits in the ring."""
+    reading KV Exact (or Exact4) pages gives the tokens and logits of the same kernel over the pages
+    decoded to bf16, bit for bit; the prompt (70 tokens) fills 4 pages per layer, the rest sits in
+    the ring."""
     import copy
 
     pytest.importorskip("transformers")
@@ -535,11 +537,12 @@ def test_generation_through_the_cache_matches_bf16_pages():
     model.config.num_hidden_layers = 4
     model = model.to(DEVICE)
     ids, _ = tokenize_text(lm.tokenizer, DATA / "text" / "austen-emma-excerpt.txt", 70)
-    a_toks, a_logits, stats = generate(model, ids, 4, config=CFG)
-    b_toks, b_logits, _ = generate(model, ids, 4, config=CFG, reference=True)
+    a_toks, a_logits, stats = generate(model, ids, 4, config=CFG, page_format=page_format)
+    b_toks, b_logits, _ = generate(model, ids, 4, config=CFG, reference=True, page_format=page_format)
     assert a_toks == b_toks
     assert all(torch.equal(x, y) for x, y in zip(a_logits, b_logits))
-    assert stats["pages"] == 4 * 2 * 4 and 0.69 < stats["ratio_vs_bf16"] < 0.75
+    lo, hi = (0.69, 0.75) if page_format == "exact" else (0.77, 0.86)
+    assert stats["pages"] == 4 * 2 * 4 and lo < stats["ratio_vs_bf16"] < hi
 
 
 @settings(max_examples=80, deadline=None)
@@ -1075,3 +1078,76 @@ def test_exact4_attention_argument_checks(real):
         PagedDecodeAttention(64, 33, 64, page_type="exact4", device=DEVICE)
     with pytest.raises(InvalidArgumentError):
         PagedDecodeAttention(HQ, H, D, page_type="exact4", block_size=32, device=DEVICE)
+
+
+def _exact4_cache(**kw):
+    args = dict(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=3, max_tokens=256,
+                device=DEVICE, config=CFG, page_format="exact4")
+    return KVExactCache(**{**args, **kw})
+
+
+def test_exact4_cache_prefill_decode_offload_restore(real):
+    """A KV Exact4 cache: every token back bit for bit, attention equal to the same kernel over the
+    pages decoded to bf16 (``attend(reference=True)``), its size, and a sequence offloaded and
+    restored (verified) into another cache; a KV Exact (version 1) sequence is refused."""
+    cache = _exact4_cache()
+    s0, s1 = cache.add_sequence(), cache.add_sequence()
+    g = torch.Generator().manual_seed(7)
+    outs = _run_cache(real, cache, [(s0, 70), (s1, 33)], steps=2, g=g)
+    for layer in range(3):
+        for s in (s0, s1):
+            k, v = cache.dense(layer, s)
+            pos = torch.arange(int(cache.length[layer, s]))
+            assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, layer, pos, s))
+            assert torch.equal(v.cpu().view(torch.int16), tokens(real, 1, layer, pos, s))
+    layer, q, out = outs[-1]
+    assert torch.equal(cache.attend(layer, q, reference=True), out)
+    assert 0.78 < cache.stats()["ratio_vs_bf16"] < 0.86
+    off = cache.offload_sequence(s0)
+    assert off.page_format == "exact4"
+    other = _exact4_cache()
+    s = other.restore_sequence(off, verify=True, chunk_bytes=9000)
+    for layer in range(3):
+        k, v = other.dense(layer, s)
+        pos = torch.arange(int(other.length[layer, s]))
+        assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, layer, pos, s0))
+    v1 = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=1,
+                      max_tokens=256, device=DEVICE, config=CFG)
+    with pytest.raises(InvalidArgumentError):
+        v1.restore_sequence(off)
+    with pytest.raises(InvalidArgumentError):
+        _exact4_cache(bases=torch.zeros((3, 2, H, D), dtype=torch.uint8))
+    with pytest.raises(InvalidArgumentError):
+        _exact4_cache(page_format="exact5")
+
+
+def test_exact4_restore_refuses_damaged_pages(real):
+    """A page whose plain-head mask disagrees with its size is refused always; damaged tops or codes
+    with ``verify=True``; the cache is left as it was."""
+    import dataclasses as dc
+
+    cache = _exact4_cache()
+    s0 = cache.add_sequence()
+    _run_cache(real, cache, [(s0, 70)], steps=1, g=torch.Generator().manual_seed(8))
+    off = cache.offload_sequence(s0, free=False)
+    state = (cache.heap.used, cache.heap.top, sorted(cache._live))
+
+    def refused(bad, err, **kw):
+        with pytest.raises(err):
+            cache.restore_sequence(bad, **kw)
+        assert (cache.heap.used, cache.heap.top, sorted(cache._live)) == state
+
+    mask = off.data.clone()
+    mask[0] ^= 1 << (H - 1)  # layer 0 K page 0: the mask's plain heads no longer fit its size
+    refused(dc.replace(off, data=mask), CorruptDataError)
+    high = off.data.clone()
+    high[3] = 0x80  # a mask bit beyond the heads
+    refused(dc.replace(off, data=high), CorruptDataError)
+    tops = off.data.clone()
+    tops[16] = 3  # a window top below 15
+    refused(dc.replace(off, data=tops), CorruptDataError, verify=True)
+    s1 = cache.restore_sequence(dc.replace(off, data=tops))  # sizes and headers agree: taken unverified
+    cache.free_sequence(s1)
+    s2 = cache.restore_sequence(off, verify=True)
+    for layer in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(cache.dense(layer, s2), cache.dense(layer, s0)))

@@ -22,6 +22,11 @@ Window tops (``bases``, one byte per channel per layer and K/V) set the page siz
 values: pass calibrated ones (``calibrate_bases`` over sample KV) or let the cache take them from
 the first page each layer writes.
 
+``page_format="exact4"`` holds KV Exact4 pages instead (docs/FORMAT.md "KV Exact4 pages":
+``kv_exact4_ref``): about 0.80 of bf16 instead of 0.70, with no calibration (each page carries its
+window tops), and attention that decodes them 2.5-3x faster than version 1's (BENCHMARKS.md). Its
+pages are written by the reference encoder (torch operations on the cache's device).
+
 Also here: ``offload_sequence`` / ``restore_sequence`` (a sequence's compressed pages to host memory
 and back, no decoding), ``generate`` / ``kv_exact_attention`` (a transformers model's attention
 reading the cache; ``attend(reference=True)`` runs the same kernel over the pages decoded to bf16),
@@ -40,6 +45,7 @@ import torch
 
 from weightszip import _core
 from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, TruncatedError
+from weightszip.kernels import kv_exact4_ref as ref4
 from weightszip.kernels import kv_exact_ref as ref
 from weightszip.pages import _bytes, _u16
 
@@ -107,13 +113,15 @@ class OffloadedSequence:
     """One sequence of a ``KVExactCache`` in host memory, as its compressed page bytes: ``data``
     (uint8, pinned when the cache is on a GPU) holds every page in (layer, K/V, page) order,
     ``sizes`` int64 [layers, 2, pages] their lengths; ``ring`` the bf16 ring [layers, 2, 16, H, D];
-    ``lengths`` the tokens per layer; ``bases`` the window tops the pages were coded with."""
+    ``lengths`` the tokens per layer; ``bases`` the window tops the pages were coded with (KV Exact
+    pages); ``page_format`` the cache's ("exact" or "exact4")."""
 
     data: torch.Tensor
     sizes: np.ndarray
     ring: torch.Tensor
     lengths: np.ndarray
     bases: torch.Tensor
+    page_format: str = "exact"
 
     @property
     def nbytes(self) -> int:
@@ -386,13 +394,21 @@ class KVExactCache:
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, num_q_heads: int, heap_bytes: int,
                  max_seqs: int, max_tokens: int, bases: torch.Tensor | None = None, device="cuda",
-                 sm_scale: float | None = None, config=None, write_kernels: bool = True):
+                 sm_scale: float | None = None, config=None, write_kernels: bool = True,
+                 page_format: str = "exact"):
         """``write_kernels``: store pages through the Triton write kernels where they run (a GPU, or
-        the interpreter); False: the reference encoder always (the same bytes; benchmarks compare)."""
+        the interpreter); False: the reference encoder always (the same bytes; benchmarks compare).
+        ``page_format``: "exact" (KV Exact pages) or "exact4" (KV Exact4 pages: no ``bases``; always
+        the reference encoder)."""
         from weightszip.kernels import PagedDecodeAttention
 
+        _check(page_format in ("exact", "exact4"), f"page_format must be 'exact' or 'exact4', not {page_format!r}")
         _check(layers > 0 and kv_heads > 0 and max_seqs > 0 and max_tokens > 0, "sizes must be positive")
         _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
+        _check(page_format == "exact" or (bases is None and kv_heads <= ref4.MAX_HEADS),
+               f"exact4 pages hold their own window tops (no bases) and at most {ref4.MAX_HEADS} KV heads")
+        self.page_format = page_format
+        self._exact4 = page_format == "exact4"
         self.L, self.H, self.D, self.hq = layers, kv_heads, head_dim, num_q_heads
         self.device = torch.device(device)
         self.write_kernels = bool(write_kernels)
@@ -411,13 +427,13 @@ class KVExactCache:
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         if bases is None:
             self.bases = torch.zeros((layers, 2, kv_heads, head_dim), dtype=torch.uint8, device=self.device)
-            self._calibrated = np.zeros((layers, 2), dtype=bool)
+            self._calibrated = np.full((layers, 2), self._exact4)  # (exact4: nothing to calibrate)
         else:
             _check(tuple(bases.shape) == (layers, 2, kv_heads, head_dim) and bases.dtype == torch.uint8,
                    f"bases must be uint8 [{layers}, 2, {kv_heads}, {head_dim}]")
             self.bases = bases.to(self.device).contiguous()
             self._calibrated = np.ones((layers, 2), dtype=bool)
-        self.attn = PagedDecodeAttention(num_q_heads, kv_heads, head_dim, page_type="exact", block_size=PAGE,
+        self.attn = PagedDecodeAttention(num_q_heads, kv_heads, head_dim, page_type=page_format, block_size=PAGE,
                                          window=PAGE, sm_scale=sm_scale, config=config, device=self.device)
         self._planned: tuple[np.ndarray, np.ndarray] | None = None
         self._rows: torch.Tensor | None = None
@@ -529,9 +545,13 @@ class KVExactCache:
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
         blocks_t = _to_device(blocks_np, self.device)
         encoded, placed, new_bases = [], [], {}
-        kernel = _write_kernels(self.device, self.H, self.D) if self.write_kernels else None
+        kernel = _write_kernels(self.device, self.H, self.D) if self.write_kernels and not self._exact4 else None
         try:
             for kind, pages in ((0, kp), (1, vp)):
+                if self._exact4:
+                    enc = ref4.encode_pages(pages)
+                    encoded.append((enc, enc.lengths))
+                    continue
                 bases = self.bases[layer, kind]
                 if not self._calibrated[layer, kind]:  # the first pages of this layer and kind choose
                     bases = new_bases[kind] = ref.calibrate_bases(pages.reshape(-1, self.H * self.D)).view(self.H, self.D)
@@ -608,7 +628,7 @@ class KVExactCache:
         ring = self.ring[layer][:, self._rows]
         if reference:
             from weightszip.kernels import PagedDecodeAttention
-            from weightszip.kernels.paged_decode import dequantize_exact_pages
+            from weightszip.kernels.paged_decode import dequantize_exact4_pages, dequantize_exact_pages
 
             used = np.unique(self._bt[seqs][self._bt[seqs] >= 0])
             pools = []
@@ -616,17 +636,20 @@ class KVExactCache:
                 pool = torch.zeros((self.num_blocks, self.H, PAGE, self.D), dtype=torch.bfloat16, device=self.device)
                 if used.size:
                     ut = torch.as_tensor(used, device=self.device)
-                    bits = dequantize_exact_pages(self.heap.buf, self.offsets[layer, kind, ut].contiguous(),
-                                                  self.bases[layer, kind], self.H, self.D)
+                    offs = self.offsets[layer, kind, ut].contiguous()
+                    if self._exact4:
+                        bits = dequantize_exact4_pages(self.heap.buf, offs, self.H, self.D)
+                    else:
+                        bits = dequantize_exact_pages(self.heap.buf, offs, self.bases[layer, kind], self.H, self.D)
                     pool[ut] = bits.view(torch.bfloat16).transpose(1, 2)
                 pools.append(pool)
             att = PagedDecodeAttention(self.hq, self.H, self.D, page_type="bf16", block_size=PAGE, window=PAGE,
                                        sm_scale=self.attn.sm_scale, config=self.attn.config, device=self.device)
             att.plan(lens, self._bt_rows)
             return att.run(q, pools[0], pools[1], k_side=ring[0], v_side=ring[1], out=out)
+        bases = {} if self._exact4 else {"k_bases": self.bases[layer, 0], "v_bases": self.bases[layer, 1]}
         return self.attn.run(q, self.heap.buf, self.heap.buf, k_side=ring[0], v_side=ring[1],
-                             k_offsets=self.offsets[layer, 0], v_offsets=self.offsets[layer, 1],
-                             k_bases=self.bases[layer, 0], v_bases=self.bases[layer, 1], out=out)
+                             k_offsets=self.offsets[layer, 0], v_offsets=self.offsets[layer, 1], out=out, **bases)
 
     # -- offload ---------------------------------------------------------------------------------------
     def offload_sequence(self, seq: int, *, free: bool = True, chunk_bytes: int = 64 << 20,
@@ -689,7 +712,8 @@ class KVExactCache:
                     torch.cuda.current_stream(self.device).synchronize()
                 host.used = arena_used
             raise
-        out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone())
+        out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone(),
+                                self.page_format)
         if free:
             self._free(plan)
         return out
@@ -709,6 +733,8 @@ class KVExactCache:
         top of the heap, with the allocation and checks done while it moves; otherwise chunks of
         about ``chunk_bytes`` through two staging buffers (copies on a side stream, scattered into
         their regions by a kernel)."""
+        _check(getattr(off, "page_format", "exact") == self.page_format,
+               f"the sequence holds {getattr(off, 'page_format', None)!r} pages, this cache {self.page_format!r} pages")
         sizes = np.asarray(off.sizes)
         _check(sizes.ndim == 3 and sizes.shape[:2] == (self.L, 2) and sizes.dtype.kind in "iu",
                f"sizes must be integers [{self.L}, 2, pages]")
@@ -727,7 +753,7 @@ class KVExactCache:
                f"data must be uint8 [{int(sizes.sum())}] (the pages' bytes), not {getattr(off.data, 'shape', None)}")
         has = sizes.any(axis=2)  # (layer, kind) with pages
         mine = self.bases.cpu()
-        for layer, kind in zip(*np.nonzero(has & self._calibrated)):
+        for layer, kind in zip(*np.nonzero(has & self._calibrated & (not self._exact4))):
             _check(torch.equal(off.bases[layer, kind], mine[layer, kind]),
                    f"layer {layer} {'KV'[kind]}: the sequence was coded with other window tops")
         if len(self._free_blocks) < pages:
@@ -785,7 +811,10 @@ class KVExactCache:
             # while the pages move: a page where a layer's length says one is, nothing elsewhere, and
             # every size one a page can have (the allocation took positive multiples of 16 already)
             need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
-            lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
+            if self._exact4:
+                lo, hi = ref4.page_length(self.H, self.D, 0), ref4.page_length(self.H, self.D, self.H)
+            else:
+                lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
             inside = np.where(need, sizes, lo)
             _check(not np.where(need, 0, sizes).any() and int(inside.min()) >= lo and int(inside.max()) <= hi,
                    "page sizes do not match the sequence's lengths or are not page sizes")
@@ -812,8 +841,23 @@ class KVExactCache:
                         verify: bool) -> None:
         """Restored pages (in the heap at ``offs`` [L, 2, pages], ``sizes`` the same shape, 0 for no
         page): each header's exception offsets start after the fixed part, never decrease and end in
-        the page (one device sync); with ``verify``, the validating decoder over every page."""
+        the page (KV Exact4: the length its plain-head mask gives is its size), one device sync; with
+        ``verify``, the validating decoder over every page."""
         h = self.H
+        if self._exact4:
+            present = sizes > 0
+            po, pz = offs[present], sizes[present]
+            if po.numel():
+                ok = ref4.heap_page_lengths(self.heap.buf, po, h, self.D) == pz
+                if not bool(ok.all()):
+                    bad = int(torch.nonzero(~ok)[0, 0])
+                    layer, kind, page = (int(x) for x in torch.nonzero(present)[bad])
+                    raise CorruptDataError(f"restored page {page} of layer {layer} {'KV'[kind]}: its header does "
+                                           f"not describe a page of {int(pz[bad])} bytes")
+            if verify:
+                for layer, kind in zip(*np.nonzero(has)):
+                    ref4.decode_heap_pages(self.heap.buf, offs[layer, kind][present[layer, kind]], h, self.D)
+            return
         fixed = ref.fixed_bytes(h, self.D)
         present = sizes > 0
         po, pz = offs[present], sizes[present]
@@ -841,8 +885,12 @@ class KVExactCache:
         out = []
         for kind in range(2):
             blocks = torch.as_tensor(self._bt[seq, :full], device=self.device)
-            paged = ref.decode_heap_pages(self.heap.buf, self.offsets[layer, kind, blocks], self.bases[layer, kind],
-                                          self.H, self.D).view(torch.bfloat16).reshape(full * PAGE, self.H, self.D)
+            offs = self.offsets[layer, kind, blocks]
+            if self._exact4:
+                bits = ref4.decode_heap_pages(self.heap.buf, offs, self.H, self.D)
+            else:
+                bits = ref.decode_heap_pages(self.heap.buf, offs, self.bases[layer, kind], self.H, self.D)
+            paged = bits.view(torch.bfloat16).reshape(full * PAGE, self.H, self.D)
             tail = self.ring[layer, kind, seq, : n - full * PAGE]
             out.append(torch.cat([paged, tail], 0))
         return out[0], out[1]
@@ -912,11 +960,12 @@ def kv_exact_attention(model, cache: KVExactCache, seq: int, *, reference: bool 
 
 
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, reference: bool = False, config=None,
-             heap_bytes: int | None = None) -> tuple[list[int], list[torch.Tensor], dict]:
+             heap_bytes: int | None = None, page_format: str = "exact") -> tuple[list[int], list[torch.Tensor], dict]:
     """Greedy decoding of ``max_new_tokens`` after ``input_ids`` [1, n] with the model's attention
-    reading a ``KVExactCache`` (window tops from the prompt's own pages). Returns (tokens, the last
-    position's fp32 logits per step, the cache's stats). ``reference``: the same, with every decode
-    step's attention run by the same kernel over the pages decoded to bf16."""
+    reading a ``KVExactCache`` of ``page_format`` pages (KV Exact: window tops from the prompt's own
+    pages). Returns (tokens, the last position's fp32 logits per step, the cache's stats).
+    ``reference``: the same, with every decode step's attention run by the same kernel over the
+    pages decoded to bf16."""
     from weightszip.models import attention_shape, greedy_decode
 
     a = attention_shape(model)
@@ -925,7 +974,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, reference: 
     per_token = a.layers * 2 * a.num_kv_heads * a.head_dim * 2
     cache = KVExactCache(layers=a.layers, kv_heads=a.num_kv_heads, head_dim=a.head_dim, num_q_heads=a.num_q_heads,
                          heap_bytes=heap_bytes or per_token * (total + PAGE) + (1 << 16), max_seqs=1, max_tokens=total,
-                         device=dev, sm_scale=a.scale, config=config)
+                         device=dev, sm_scale=a.scale, config=config, page_format=page_format)
     seq = cache.add_sequence()
     with torch.inference_mode(), kv_exact_attention(model, cache, seq, reference=reference):
         toks, logits = greedy_decode(model, input_ids, max_new_tokens, before_step=lambda: cache.plan([seq], new_tokens=1))
