@@ -5,8 +5,8 @@ sessions per 80 GB H100.
     python benchmarks/bench_kv_exact.py --kv .boxdata/kv_pages_subset.npz [--tune] [--format exact4] --out PREFIX
 
 ``--format exact4`` measures KV Exact4 pages (4-bit exponent codes, plain bf16 heads for values
-outside the window; kv_exact4_ref) instead of KV Exact version 1, through the same kernel; the
-write path is then not measured (the cache does not hold KV Exact4 pages yet).
+outside the window; kv_exact4_ref) instead of KV Exact version 1, through the same kernel (the
+write path: the cache's reference encoder, the only one KV Exact4 has).
 
 Data: real bf16 KV (the 16 (model, layer, K/V) sets of the .npz: SmolLM2-135M and Qwen2.5-0.5B,
 4096 tokens each), tiled along channels to the Llama-3.1-8B shape (8 KV heads x 128).
@@ -252,10 +252,10 @@ def main(argv=None):
 
     # write path: KVExactCache stores pages (code + allocate + write), per layer: the Triton write
     # kernels and the reference encoder (torch ops), the same pages, in the same run
-    if fmt == "exact":
-        res["write_path"] = {name: write_path(kp, vp, kb, vb, kernels) for name, kernels in
-                             (("kernels", True), ("reference", False))}
-        print(json.dumps(res["write_path"]), flush=True)
+    # (KV Exact4 pages have only the reference encoder's write path)
+    res["write_path"] = {name: write_path(kp, vp, kb, vb, kernels, page_format=fmt) for name, kernels in
+                         ((("kernels", True), ("reference", False)) if fmt == "exact" else (("reference", False),))}
+    print(json.dumps(res["write_path"]), flush=True)
 
     # capacity: sessions of Llama-3.1-8B at 128k on an 80 GB H100
     from fractions import Fraction
@@ -271,7 +271,7 @@ def main(argv=None):
     write(res, args.out)
 
 
-def write_path(kp, vp, kb, vb, write_kernels: bool, rounds: int = 4) -> dict:
+def write_path(kp, vp, kb, vb, write_kernels: bool, rounds: int = 4, page_format: str = "exact") -> dict:
     """Wall time (with a sync) of 8192-token prefills of one sequence and of decode steps of 64
     sequences, one layer; a warm-up first (prefill and a page-completing decode step: kernel
     compilation and torch's lazy CUDA module loads are not timed). Median of ``rounds`` prefills
@@ -283,7 +283,8 @@ def write_path(kp, vp, kb, vb, write_kernels: bool, rounds: int = 4) -> dict:
     n_pre = rounds + 1
     cache = KVExactCache(layers=1, kv_heads=HKV, head_dim=D, num_q_heads=HQ, heap_bytes=8 << 30,
                          max_seqs=64 + n_pre, max_tokens=8192 + 16 * (rounds + 2),
-                         bases=torch.stack([kb, vb])[None], device="cuda", write_kernels=write_kernels)
+                         bases=None if kb is None else torch.stack([kb, vb])[None], device="cuda",
+                         write_kernels=write_kernels, page_format=page_format)
     pk = kp.cuda().view(torch.bfloat16)
     pv = vp.cuda().view(torch.bfloat16)
     tok_k = pk.reshape(-1, HKV, D)

@@ -9,8 +9,8 @@ Where KV Exact version 1 (``kv_exact_ref``: 3-bit codes against calibrated windo
 bf16) escapes 2-4% of the exponents into a list whose ranks every tile must compute, this format
 trades size for decode work: each channel of each 16-token page has its own window top (the
 largest exponent there), a 16-exponent window (4-bit codes, code 15 for exponent 0, so zeros and
-subnormals never escape) leaves about 1e-5 of real K and 1e-4 of real V values outside, and a KV
-head of a page holding any of them is stored as plain bf16. A tile then decodes with a shift, a
+subnormals never escape) leaves a few in a million of real K values and about 1e-4 of real V values
+outside, and a KV head of a page holding any of them is stored as plain bf16. A tile then decodes with a shift, a
 mask, a select and a few ors per value, and only tiles with a plain head take a second path. No
 calibration.
 

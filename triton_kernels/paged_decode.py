@@ -22,6 +22,8 @@ Read me first:
   ``codec.dequantize`` bit for bit (``dequantize_compact_pages``); the scale multiplies the fp32
   logits (K) and the softmax weights (V). Products on the tensor cores (bf16 codebook values, q'
   and scaled weights) or, with ``KernelConfig.cuda_dot``, in fp32 on the CUDA cores.
+  ``PAGE_EXACT`` and ``PAGE_EXACT4``: lossless pages in a byte heap (KV Exact, ``kv_exact_ref``; KV
+  Exact4, ``kv_exact4_ref``), decoded into the same bf16 tiles as the uncompressed pages.
 * **Transformed domain.** A format may store pages in a transformed domain: the true key is ``y @ A_k
   + mu_k`` and the true value ``y @ A_v + mu_v``, ``y`` the dequantized page value, ``A`` a ``[head_dim,
   head_dim]`` matrix per KV head. Then ``q . k = (q @ A_k^T) . y + q . mu_k``: the split kernel gets
@@ -58,6 +60,7 @@ from weightszip.errors import InvalidArgumentError
 
 from ._interpreter_compat import apply as _interpreter_compat
 from ._interpreter_compat import interpreting as _interpreting
+from . import kv_exact4_ref
 
 _interpreter_compat()
 
@@ -71,7 +74,7 @@ PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT, "exac
 PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8,
                PAGE_EXACT: torch.uint8, PAGE_EXACT4: torch.uint8}
 EXACT_PAGES = (PAGE_EXACT, PAGE_EXACT4)  # lossless pages in a byte heap (one page per block)
-EXACT4_MAX_HEADS = 32  # the plain-head mask is a u32
+EXACT4_MAX_HEADS = kv_exact4_ref.MAX_HEADS  # the plain-head mask is a u32
 COMPACT_BITS = (2, 3, 4, 5)
 GRID_SIZE = 256  # scale steps per head of a compact format (codec.GRID_SIZE)
 PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
