@@ -93,7 +93,7 @@ def ratio_table(sets, fmt="exact"):
         row = dict(model=model, kind=kind, layer=layer, pages=int(p.shape[0] - half), ratio=page_bytes / raw,
                    ratio_with_offsets=(page_bytes + 8 * len(enc)) / raw)
         if fmt == "exact4":
-            row["plain_heads"] = float(enc.plain.float().mean())
+            row["plain_rows"] = float(enc.plain.float().mean())
         else:
             row["escapes"] = float(enc.counts.sum()) / p[half:].numel()
         rows.append(row)
@@ -327,7 +327,7 @@ def write(res, prefix):
     prefix = pathlib.Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    what = "plain_heads" if res["meta"].get("format") == "exact4" else "escapes"
+    what = "plain_rows" if res["meta"].get("format") == "exact4" else "escapes"
     lines = [f"| model | K/V | layer | {what.replace('_', ' ')} | ratio | +offsets |", "|---|---|---:|---:|---:|---:|"]
     for r in res["ratio"]:
         lines.append(f"| {r['model']} | {r['kind']} | {r['layer']} | {r[what]:.4f} | {r['ratio']:.4f} | {r['ratio_with_offsets']:.4f} |")

@@ -891,7 +891,7 @@ def test_pipelined_moves_every_chunk_through_the_staging_buffers(copy_first):
 
 
 def _random_pages(n, h, d, seed):
-    """Random bit patterns (exponents everywhere: most heads plain) and pages of few exponents."""
+    """Random bit patterns (exponents everywhere: most rows plain) and pages of few exponents."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-(2**15), 2**15, (n, 16, h, d), generator=g, dtype=torch.int32)
     x[0] = (x[0] & 0x83FF) | 0x3C00  # exponents 120-127: coded
@@ -907,14 +907,14 @@ def test_exact4_roundtrip_real_kv_and_ratio(real):
             buf, offs = enc.to_bytes()
             assert torch.equal(R4.decode_pages(buf, offs, H, D), x)
             ratio = buf.numel() / (x.numel() * 2)
-            # 4-bit codes, a raw byte and a top per channel and page = 12.5 / 16, plus plain heads
-            assert 0.78 < ratio < 0.84, ratio
-            assert int(enc.plain.sum()) < enc.plain.numel() // 2
+            # 4-bit codes, a raw byte and a top per channel and page = 12.5 / 16, the header, plain rows
+            assert 0.78 < ratio < 0.80, ratio
+            assert int(enc.plain.sum()) < enc.plain.numel() // 20
 
 
 def test_exact4_every_bit_pattern_roundtrips():
-    """All 65536 bf16 patterns (NaN, Inf, -0, subnormals), and random ones (plain heads), through
-    the format; a head is plain exactly when some value of it has no code."""
+    """All 65536 bf16 patterns (NaN, Inf, -0, subnormals), and random ones (plain rows), through the
+    format; a token row of a head is plain exactly when some value of it has no code."""
     allbits = torch.arange(65536, dtype=torch.int32).to(torch.int16).reshape(-1, 16, 2, 32)
     for x in (allbits, allbits[torch.randperm(allbits.shape[0], generator=torch.Generator().manual_seed(0))],
               _random_pages(6, 3, 64, 1)):
@@ -923,24 +923,26 @@ def test_exact4_every_bit_pattern_roundtrips():
         assert torch.equal(R4.decode_pages(buf, offs, x.shape[2], x.shape[3]), x)
         bits = x.to(torch.int32).permute(0, 2, 1, 3) & 0xFFFF
         _, fits = R4.codes_of(bits, R4.tops_of(bits)[:, :, None, :])
-        assert torch.equal(enc.plain, ~fits.all(3).all(2))
+        assert torch.equal(enc.plain, ~fits.all(3))
     assert enc.plain.any() and not enc.plain.all()
 
 
 def test_exact4_page_layout_by_hand():
     """Two heads of 32 channels, every value 1.0 (exponent 127) but: head 0 token 0 channel 9 = -1.5,
-    token 2 channel 12 = 0.0 (code 15); head 1 token 3 channel 5 = 2**-40 (outside the window: the
-    head is plain)."""
+    token 2 channel 12 = 0.0 (code 15); head 1 token 3 channel 5 = 2**-40 and token 7 channel 0 =
+    2**-50 (outside the window: those two rows are plain)."""
     x = torch.full((1, 16, 2, 32), 0x3F80, dtype=torch.int16)
     x[0, 0, 0, 9] = torch.tensor(0xBFC0, dtype=torch.int32).to(torch.int16)  # -1.5
     x[0, 2, 0, 12] = 0
     x[0, 3, 1, 5] = 0x2B80  # 2**-40: exponent 87
+    x[0, 7, 1, 0] = 0x2680  # 2**-50: exponent 77
     buf, offs = R4.encode_pages(x).to_bytes()
     b = buf.tolist()
-    assert len(b) == int(offs[1]) == 16 + 25 * 32 * 2 + 8 * 32
-    assert b[:16] == [2] + [0] * 15  # plain-head mask: head 1
-    head0 = b[16: 16 + 800]
+    assert len(b) == int(offs[1]) == 16 + 25 * 32 * 2 + 2 * 64
+    # header: head 0 no plain rows; head 1 rows 3 and 7 plain, none before it
+    assert b[:16] == [0, 0, 0, 0, (1 << 3) | (1 << 7), 0, 0, 0] + [0] * 8
     order = R4.half_order(32).tolist()  # channel at each byte of tops and raw rows
+    head0 = b[16: 16 + 800]
     assert head0[:32] == [127] * 32  # tops
     codes = np.array(head0[32: 32 + 256]).reshape(16, 4, 4)  # token, word, byte
     words = codes[..., 0] | codes[..., 1] << 8 | codes[..., 2] << 16 | codes[..., 3] << 24
@@ -948,37 +950,48 @@ def test_exact4_page_layout_by_hand():
     assert words[2, 1] == 15 << 8 and (np.delete(words.reshape(-1), 2 * 4 + 1) == 0).all()
     raw = np.array(head0[288:]).reshape(16, 32)
     assert raw[0, order.index(9)] == 0x80 | 0x40 and raw[2, order.index(12)] == 0 and raw[1, 1] == 0
-    # head 1: tokens 0-11 in its slot, then 32 zero bytes, tokens 12-15 in the tail
+    # head 1: its plain rows' codes and raw bytes zero in the slot, their values after the slots
+    head1 = b[816: 816 + 800]
+    assert head1[:32] == [127] * 32
+    raw1 = np.array(head1[288:]).reshape(16, 32)
+    assert (raw1[[3, 7]] == 0).all() and (raw1[0] == 0).all()
     vals = x[0, :, 1].to(torch.int32) & 0xFFFF
     le = torch.stack([vals & 0xFF, vals >> 8], -1).reshape(16, 64).tolist()
-    slot1 = b[816: 816 + 800]
-    assert slot1[:768] == sum(le[:12], []) and slot1[768:] == [0] * 32
-    assert b[1616:] == sum(le[12:], [])
+    assert b[1616:] == le[3] + le[7]
 
 
 def test_exact4_damaged_pages_raise_typed_errors(real):
     x = pages_of(real[1, 2])[:2]
     buf, offs = R4.encode_pages(x).to_bytes()
+    hdr = R4.header_bytes(H)
     with pytest.raises(WeightszipError):
         R4.decode_pages(buf[:-16], offs, H, D)
     bad = buf.clone()
-    bad[0] ^= 1 << H  # the mask names a head beyond the page's
+    bad[2] ^= 1  # head 0's count of earlier plain rows
     with pytest.raises(CorruptDataError):
         R4.decode_pages(bad, offs, H, D)
     bad = buf.clone()
-    bad[16] = 14  # a top below 15
+    bad[4 * H] = 1  # header padding
     with pytest.raises(CorruptDataError):
         R4.decode_pages(bad, offs, H, D)
     bad = buf.clone()
-    rows = 16 + D + torch.arange(16) * (D // 2)  # head 0's code rows; channel 0: low nibble of byte 0
+    bad[hdr] = 14  # a top below 15
+    with pytest.raises(CorruptDataError):
+        R4.decode_pages(bad, offs, H, D)
+    bad = buf.clone()
+    rows = hdr + D + torch.arange(16) * (D // 2)  # head 0's code rows; channel 0: low nibble of byte 0
     assert bool(((bad[rows] & 15) < 14).all())
     bad[rows] += 1  # every exponent of channel 0 one lower: its top is no longer the largest (not canonical)
     with pytest.raises(CorruptDataError):
         R4.decode_pages(bad, offs, H, D)
+    bad = buf.clone()
+    bad[0] |= 1  # head 0 row 0 now plain: the page is shorter than its plain rows
+    with pytest.raises(WeightszipError):
+        R4.decode_pages(bad, offs, H, D)
     with pytest.raises(InvalidArgumentError):
         R4.decode_pages(buf, offs, H, 48)
     with pytest.raises(InvalidArgumentError):
-        R4.encode_pages(torch.zeros((1, 16, 33, 32), dtype=torch.int16))  # more heads than the mask has bits
+        R4.encode_pages(torch.zeros((1, 16, R4.MAX_HEADS + 1, 32), dtype=torch.int16))
 
 
 @settings(max_examples=150, deadline=None)
@@ -986,7 +999,7 @@ def test_exact4_damaged_pages_raise_typed_errors(real):
 def test_exact4_fuzz_damaged_pages_never_crash(real, data):
     """Flipped bits, cuts, random bytes and hostile offsets: a typed error, or pages that re-encode
     to the same bytes (the format is canonical)."""
-    x = torch.cat([pages_of(real[1, 2])[:2], _random_pages(3, H, D, 2)[2:]])  # coded and plain heads
+    x = torch.cat([pages_of(real[1, 2])[:2], _random_pages(3, H, D, 2)[2:]])  # coded and plain rows
     buf, offs = R4.encode_pages(x).to_bytes()
     kind = data.draw(st.sampled_from(["flip", "cut", "random", "offsets"]))
     if kind == "flip":
@@ -997,12 +1010,14 @@ def test_exact4_fuzz_damaged_pages_never_crash(real, data):
     elif kind == "cut":
         n = data.draw(st.integers(0, buf.numel() - 1))
         bad, o = buf[:n].clone(), offs
-    elif kind == "random":
-        n = data.draw(st.sampled_from([R4.page_length(H, D, p) for p in range(H + 1)]))
+    elif kind == "random":  # random slots and plain rows behind a consistent header
+        masks = data.draw(st.lists(st.integers(0, 0xFFFF), min_size=H, max_size=H))
+        cnt = [bin(m).count("1") for m in masks]
+        n = R4.page_length(H, D, sum(cnt))
         rng = np.random.default_rng(data.draw(st.integers(0, 2**63 - 1)))
         bad = torch.from_numpy(np.frombuffer(rng.bytes(n), np.uint8).copy())
-        bad[4:16] = 0
-        bad[0] &= (1 << H) - 1
+        hdr = [v for h in range(H) for v in (masks[h] & 0xFF, masks[h] >> 8, sum(cnt[:h]) & 0xFF, sum(cnt[:h]) >> 8)]
+        bad[: R4.header_bytes(H)] = torch.tensor(hdr + [0] * (R4.header_bytes(H) - 4 * H), dtype=torch.uint8)
         o = torch.tensor([0, n])
     else:
         bad = buf
@@ -1038,9 +1053,9 @@ def test_exact4_kernel_tile_loader_equals_reference(real):
     cases = [pages_of(real[1, 2]), _random_pages(6, 3, 64, 4), _random_pages(5, 1, 32, 5)]
     for pages in cases:
         enc = R4.encode_pages(pages)
-        n = len(enc)
-        offs = torch.tensor([(n - i) * 8192 + 48 * i for i in range(n)], dtype=torch.int64)  # scattered
-        heap = torch.full((int(offs.max()) + 8192,), 0xAB, dtype=torch.uint8)
+        n, span = len(enc), int(enc.lengths.max()) + 64
+        offs = torch.tensor([(n - i) * span + 48 * i for i in range(n)], dtype=torch.int64)  # scattered
+        heap = torch.full((int(offs.max()) + span,), 0xAB, dtype=torch.uint8)
         enc.write(heap, offs)
         for npt in (1, 2, 4):
             got = dequantize_exact4_pages(heap.to(DEVICE), offs.to(DEVICE), *pages.shape[2:], pages_per_tile=npt).cpu()
@@ -1050,7 +1065,7 @@ def test_exact4_kernel_tile_loader_equals_reference(real):
 
 @pytest.mark.parametrize("lens,split", [([150, 40, 97], 64), ([33], None), ([16, 17, 300], 32)])
 def test_exact4_attention_bit_identical_to_bf16_pages(real, lens, split):
-    """KV Exact4 pages (with plain heads: real[1, 2]'s pages have some) give the output of the same
+    """KV Exact4 pages (with plain rows: real[1, 2]'s pages have some) give the output of the same
     kernel over the bf16 pages bit for bit."""
     _exact_equals_bf16_pages(real, lens, split, page_type="exact4")
 
@@ -1075,7 +1090,7 @@ def test_exact4_attention_argument_checks(real):
     with pytest.raises(InvalidArgumentError):
         att.run(c["q"], c["heap"], c["heap"], k_side=c["ks"], v_side=c["vs"])  # no offsets
     with pytest.raises(InvalidArgumentError):
-        PagedDecodeAttention(64, 33, 64, page_type="exact4", device=DEVICE)
+        PagedDecodeAttention(257, 257, 64, page_type="exact4", device=DEVICE)
     with pytest.raises(InvalidArgumentError):
         PagedDecodeAttention(HQ, H, D, page_type="exact4", block_size=32, device=DEVICE)
 
@@ -1122,8 +1137,8 @@ def test_exact4_cache_prefill_decode_offload_restore(real):
 
 
 def test_exact4_restore_refuses_damaged_pages(real):
-    """A page whose plain-head mask disagrees with its size is refused always; damaged tops or codes
-    with ``verify=True``; the cache is left as it was."""
+    """A page whose header disagrees with itself (a head's count of earlier plain rows) or with its
+    size is refused always; damaged tops with ``verify=True``; the cache is left as it was."""
     import dataclasses as dc
 
     cache = _exact4_cache()
@@ -1138,13 +1153,13 @@ def test_exact4_restore_refuses_damaged_pages(real):
         assert (cache.heap.used, cache.heap.top, sorted(cache._live)) == state
 
     mask = off.data.clone()
-    mask[0] ^= 1 << (H - 1)  # layer 0 K page 0: the mask's plain heads no longer fit its size
+    mask[0] ^= 1  # layer 0 K page 0: head 0's plain rows change, so the counts after it are wrong
     refused(dc.replace(off, data=mask), CorruptDataError)
-    high = off.data.clone()
-    high[3] = 0x80  # a mask bit beyond the heads
-    refused(dc.replace(off, data=high), CorruptDataError)
+    last = off.data.clone()
+    last[4 * (H - 1)] ^= 1  # the last head's mask: the counts agree, the size does not
+    refused(dc.replace(off, data=last), CorruptDataError)
     tops = off.data.clone()
-    tops[16] = 3  # a window top below 15
+    tops[R4.header_bytes(H)] = 3  # a window top below 15
     refused(dc.replace(off, data=tops), CorruptDataError, verify=True)
     s1 = cache.restore_sequence(dc.replace(off, data=tops))  # sizes and headers agree: taken unverified
     cache.free_sequence(s1)

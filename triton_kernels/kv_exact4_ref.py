@@ -10,31 +10,35 @@ bf16) escapes 2-4% of the exponents into a list whose ranks every tile must comp
 trades size for decode work: each channel of each 16-token page has its own window top (the
 largest exponent there), a 16-exponent window (4-bit codes, code 15 for exponent 0, so zeros and
 subnormals never escape) leaves a few in a million of real K values and about 1e-4 of real V values
-outside, and a KV head of a page holding any of them is stored as plain bf16. A tile then decodes with a shift, a
-mask, a select and a few ors per value, and only tiles with a plain head take a second path. No
-calibration.
+outside, and the token row (of one KV head) holding any of them is stored as plain bf16. A tile
+then decodes with a few 32-bit operations per two values, and plain rows come from loads
+predicated on the row. No calibration.
 
 A bf16 value is a sign ``s``, an exponent ``e`` (8 bits) and a mantissa ``m`` (7 bits). Stored: a
 *raw* byte ``s << 7 | m`` and a 4-bit *code*: ``top - e`` when ``top - 14 <= e <= top`` and
 ``e >= 1``; 15 when ``e == 0``. ``top`` (u8, per page, head and channel) is ``max(15, the largest
-exponent of the channel's 16 values)``.
+exponent of the channel's 16 values)``. A token row of a head with a value that has no code is
+*plain*: its values are stored as bf16, its codes and raw bytes are zeros.
 
-Page layout (H KV heads, H <= 32, head_dim D a multiple of 32, 16 tokens)::
+Page layout (H KV heads, 1 <= H <= 256, head_dim D a multiple of 32, 16 tokens; HDR = 4 H rounded
+up to a multiple of 16)::
 
-    header   u32 plain-head mask (bit h: head h stored as bf16), then 12 zero bytes
-    slots    H slots of 25 D bytes, head h at 16 + 25 D h: a coded head's tops [D], codes
-             [16][D / 2] and raw bytes [16][D]; a plain head's bf16 values [16][D] (little endian)
-             of tokens 0-11 (24 D bytes), then D zero bytes
-    tails    the values of tokens 12-15 of each plain head (8 D bytes), in head order
+    header   per head h: u16 plain-row mask (bit t: token t is plain), u16 the plain rows of
+             heads 0 .. h-1; zeros to HDR
+    slots    H slots of 25 D bytes, head h at HDR + 25 D h: tops [D], codes [16][D / 2], raw
+             bytes [16][D]
+    plain    the plain rows' bf16 values (2 D bytes each, little endian), head-major, then token
 
-A coded head (nearly all of them) sits at a fixed place, so a tile's loads need only the page's
-offset; the tail of a plain head is found from the mask.
+Every slot sits at a fixed place, so a tile's loads need only the page's offset; a plain row is
+found from its head's header entry (the rows before it: the entry's count plus the mask's bits
+below it).
 
 Codes of a token row: u32 word m (little endian) holds channels 8 m .. 8 m + 7; channel 8 m + r is
 the nibble at bit ``16 (r % 2) + 4 (r // 2)`` (so channels 2 k and 2 k + 1 sit 16 bits apart, in
 the two halves of the word). Tops and raw bytes of a row are in *half order*: channel 8 m + 4 h + b
 at byte ``h D / 2 + 4 m + b`` (h = 0, 1), so the u32 words a GPU thread needs for the code word m
-(raw and top bytes of channels 8 m .. 8 m + 3 and 8 m + 4 .. 8 m + 7) are word m of each half. Pages are ``16 + 25 D H + 8 D P`` bytes for ``P`` plain heads.
+(raw and top bytes of channels 8 m .. 8 m + 3 and 8 m + 4 .. 8 m + 7) are word m of each half.
+Pages are ``HDR + 25 D H + 2 D P`` bytes for ``P`` plain rows.
 """
 
 from __future__ import annotations
@@ -44,13 +48,11 @@ import torch
 from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
 
 PAGE_TOKENS = 16
-HEADER = 16
+ALIGN = 16
 ZERO_CODE = 15  # the code of exponent 0
 WINDOW = 15  # exponents top - 14 .. top take codes 0 .. 14
 MIN_TOP = WINDOW  # every top >= 15, so top - code >= 1 for every code below 15
-MAX_HEADS = 32
-SLOT_TOKENS = 12  # a plain head's tokens 0-11 sit in its slot, 12-15 in its tail
-TAIL_TOKENS = PAGE_TOKENS - SLOT_TOKENS
+MAX_HEADS = 256  # so a head's count of plain rows before it fits its u16
 # bit position of channel 8 m + r's nibble in word m
 NIBBLE_SHIFT = (0, 16, 4, 20, 8, 24, 12, 28)
 
@@ -65,9 +67,14 @@ def coded_head_bytes(head_dim: int) -> int:
     return 25 * head_dim
 
 
-def page_length(heads: int, head_dim: int, plain: int) -> int:
-    """Bytes of a page with ``plain`` of its ``heads`` stored as bf16."""
-    return HEADER + heads * coded_head_bytes(head_dim) + plain * TAIL_TOKENS * 2 * head_dim
+def header_bytes(heads: int) -> int:
+    """Bytes of a page's header: a u32 entry per head, zero-padded to a multiple of 16."""
+    return -(-4 * heads // ALIGN) * ALIGN
+
+
+def page_length(heads: int, head_dim: int, plain_rows):
+    """Bytes of a page with ``plain_rows`` plain token rows (an int or an integer tensor)."""
+    return header_bytes(heads) + heads * coded_head_bytes(head_dim) + plain_rows * 2 * head_dim
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
@@ -99,53 +106,52 @@ def codes_of(bits: torch.Tensor, tops: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 class EncodedPages:
-    """Pages coded but not yet placed: ``heads_bytes`` uint8 [n, H, 33 D] (each head's bytes: a
-    coded head's slot in the first 25 D; a plain head's slot, 25 D, then its tail, 8 D), ``plain``
-    bool [n, H], ``lengths`` int64 [n]."""
+    """Pages coded but not yet placed: ``slots`` uint8 [n, H, 25 D] (every head's slot), ``plain`` bool
+    [n, H, 16] (the plain rows), ``plain_values`` uint8 [sum plain, 2 D] (their bf16 values, page,
+    head, token order), ``lengths`` int64 [n]."""
 
-    def __init__(self, heads_bytes: torch.Tensor, plain: torch.Tensor, heads: int, head_dim: int):
-        self.heads_bytes, self.plain = heads_bytes, plain
+    def __init__(self, slots: torch.Tensor, plain: torch.Tensor, plain_values: torch.Tensor, heads: int,
+                 head_dim: int):
+        self.slots, self.plain, self.plain_values = slots, plain, plain_values
         self.heads, self.head_dim = heads, head_dim
-        self.lengths = page_length(heads, head_dim, 0) + plain.sum(1).to(torch.int64) * TAIL_TOKENS * 2 * head_dim
+        self.lengths = page_length(heads, head_dim, plain.sum((1, 2)).to(torch.int64))
 
     def __len__(self) -> int:
-        return self.heads_bytes.shape[0]
+        return self.slots.shape[0]
 
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(uint8 [n, 16 + 33 D H] each page's bytes in its first ``lengths[i]``, the lengths)."""
-        n, h, d = len(self), self.heads, self.head_dim
-        dev = self.heads_bytes.device
-        mask = (self.plain.to(torch.int64) << torch.arange(h, device=dev)).sum(1)
-        out = torch.zeros((n, page_length(h, d, h)), dtype=torch.uint8, device=dev)
-        for i in range(4):
-            out[:, i] = ((mask >> (8 * i)) & 0xFF).to(torch.uint8)
-        slot = coded_head_bytes(d)
-        out[:, HEADER: HEADER + h * slot] = self.heads_bytes[:, :, :slot].reshape(n, -1)
-        # tails: plain head h's tokens 12-15 at 16 + 25 D H + 8 D (its rank among the plain heads)
-        rank = torch.cumsum(self.plain.to(torch.int64), 1) - self.plain.to(torch.int64)  # [n, H]
-        tail = HEADER + h * slot + rank * 8 * d
-        pos = torch.arange(8 * d, device=dev)
-        pg, hh = torch.nonzero(self.plain, as_tuple=True)
-        if pg.numel():
-            out[pg[:, None], tail[pg, hh][:, None] + pos[None, :]] = self.heads_bytes[pg, hh, slot:]
-        return out, self.lengths
+    def header(self) -> torch.Tensor:
+        """uint8 [n, HDR]: each head's u16 plain-row mask and u16 count of plain rows before it."""
+        n, h = self.plain.shape[:2]
+        dev = self.plain.device
+        mask = (self.plain.to(torch.int64) << torch.arange(PAGE_TOKENS, device=dev)).sum(2)  # [n, H]
+        cnt = self.plain.sum(2).to(torch.int64)
+        before = torch.cumsum(cnt, 1) - cnt
+        word = mask | (before << 16)
+        b = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).reshape(n, 4 * h)
+        return torch.nn.functional.pad(b, (0, header_bytes(h) - 4 * h)).to(torch.uint8)
 
     def write(self, buf: torch.Tensor, offsets: torch.Tensor) -> None:
         """Write every page into ``buf`` (uint8, 1-D) at ``offsets`` (int64 [n], multiples of 16)."""
-        if len(self) == 0:
+        n = len(self)
+        if n == 0:
             return
-        rows, lens = self.rows()
+        d = self.head_dim
         dev = buf.device
-        rows, lens = rows.to(dev), lens.to(dev)
         offsets = offsets.to(device=dev, dtype=torch.int64)
-        pos = torch.arange(rows.shape[1], device=dev)
-        keep = pos[None, :] < lens[:, None]
-        buf[(offsets[:, None] + pos[None, :])[keep]] = rows[keep]
+        fixed = torch.cat([self.header(), self.slots.reshape(n, -1)], 1).to(dev)  # [n, HDR + 25 D H]
+        buf[(offsets[:, None] + torch.arange(fixed.shape[1], device=dev)[None, :]).reshape(-1)] = fixed.reshape(-1)
+        if self.plain_values.numel():
+            page = torch.nonzero(self.plain.reshape(n, -1))[:, 0].to(dev)  # each plain row's page, in order
+            cnt = self.plain.sum((1, 2)).to(torch.int64).to(dev)
+            rank = torch.arange(page.numel(), device=dev) - (torch.cumsum(cnt, 0) - cnt)[page]
+            start = offsets[page] + fixed.shape[1] + rank * 2 * d
+            pos = torch.arange(2 * d, device=dev)
+            buf[(start[:, None] + pos[None, :]).reshape(-1)] = self.plain_values.to(dev).reshape(-1)
 
     def to_bytes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pages back to back: (uint8 buffer, int64 offsets [n + 1])."""
         offsets = torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0))
-        buf = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=self.heads_bytes.device)
+        buf = torch.zeros(int(offsets[-1]), dtype=torch.uint8, device=self.slots.device)
         self.write(buf, offsets[:-1])
         return buf, offsets
 
@@ -182,22 +188,26 @@ def encode_pages(values: torch.Tensor) -> EncodedPages:
     bits = _bits(values).permute(0, 2, 1, 3)  # [n, H, 16, D]
     tops = tops_of(bits)  # [n, H, D]
     code, fits = codes_of(bits, tops[:, :, None, :])
-    plain = ~fits.all(3).all(2)  # [n, H]
-    raw = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
+    plain = ~fits.all(3)  # [n, H, 16]
+    raw = ((bits >> 8) & 0x80) | (bits & 0x7F)
+    code = torch.where(plain[..., None], 0, code)
+    raw = torch.where(plain[..., None], 0, raw).to(torch.uint8)
     order = half_order(d, values.device)
-    coded = torch.cat([tops[..., order].to(torch.uint8), pack_codes(code).reshape(n, h, -1),
+    slots = torch.cat([tops[..., order].to(torch.uint8), pack_codes(code).reshape(n, h, -1),
                        raw[..., order].reshape(n, h, -1)], dim=2)  # [n, H, 25 D]
-    le = torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).reshape(n, h, -1)  # [n, H, 32 D]
-    cut = SLOT_TOKENS * 2 * d
-    spread = torch.cat([le[:, :, :cut], torch.zeros_like(le[:, :, :d]), le[:, :, cut:]], 2)  # [n, H, 33 D]
-    heads_bytes = torch.where(plain[:, :, None], spread, torch.nn.functional.pad(coded, (0, 8 * d)))
-    return EncodedPages(heads_bytes, plain, h, d)
+    le = torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).reshape(n, h, PAGE_TOKENS, 2 * d)
+    return EncodedPages(slots, plain, le[plain], h, d)
 
 
 def _u32(b: torch.Tensor) -> torch.Tensor:
     """Little-endian u32 from uint8 [..., 4k] as int64 [..., k]."""
     w = b.to(torch.int64).reshape(*b.shape[:-1], -1, 4)
     return w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
+
+
+def _popc16(x: torch.Tensor) -> torch.Tensor:
+    """Bits set in the low 16 bits of each int64."""
+    return sum((x >> i) & 1 for i in range(PAGE_TOKENS))
 
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -224,59 +234,64 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
         if idx.numel():
             raise cls(f"page {int(idx[0, 0])}: {what}")
 
-    fail(length < HEADER, f"shorter than its {HEADER}-byte header", TruncatedError)
-    hdr = buf[off[:-1, None] + torch.arange(HEADER, device=dev)[None, :]]
-    mask = _u32(hdr[:, :4])[:, 0]
-    fail(hdr[:, 4:].ne(0).any(1), "nonzero header padding")
-    fail(mask >> h != 0, f"the plain-head mask names a head beyond {h}")
-    plain = ((mask[:, None] >> torch.arange(h, device=dev)) & 1).bool()  # [n, H]
-    want = page_length(h, d, plain.sum(1))
-    fail(length < want, "shorter than its heads", TruncatedError)
-    fail(length > want, "longer than its heads")
-    slot = coded_head_bytes(d)
-    tail_len = TAIL_TOKENS * 2 * d
-    rank = torch.cumsum(plain.to(torch.int64), 1) - plain.to(torch.int64)
-    start = off[:-1, None] + HEADER + slot * torch.arange(h, device=dev)  # [n, H]
-    tail = off[:-1, None] + HEADER + h * slot + rank * tail_len
-    pos = torch.arange(slot + tail_len, device=dev)
-    src = torch.where(pos < slot, start[:, :, None] + pos, tail[:, :, None] + pos - slot)
-    # (a coded head's last 8 D positions point at a tail it does not have: read, clamped, unused)
-    hb = buf[src.clamp(max=buf.numel() - 1)]  # [n, H, 33 D]: slot, tail
-    # coded heads
+    hdr_len = header_bytes(h)
+    fixed = hdr_len + h * coded_head_bytes(d)
+    fail(length < fixed, f"shorter than its {fixed} bytes of header and slots", TruncatedError)
+    rows = buf[off[:-1, None] + torch.arange(fixed, device=dev)[None, :]]  # [n, fixed]
+    entry = _u32(rows[:, : 4 * h])  # [n, H]
+    mask, before = entry & 0xFFFF, entry >> 16
+    cnt = _popc16(mask)
+    fail(rows[:, 4 * h: hdr_len].ne(0).any(1), "nonzero header padding")
+    fail((before != torch.cumsum(cnt, 1) - cnt).any(1), "a head's count of earlier plain rows is wrong")
+    want = page_length(h, d, cnt.sum(1))
+    fail(length < want, "shorter than its plain rows", TruncatedError)
+    fail(length > want, "longer than its plain rows")
+    plain = ((mask[:, :, None] >> torch.arange(PAGE_TOKENS, device=dev)) & 1).bool()  # [n, H, 16]
+    slots = rows[:, hdr_len:].reshape(n, h, coded_head_bytes(d))
     inv = torch.argsort(half_order(d, dev))  # channel -> byte
-    tops = hb[:, :, :d][..., inv].to(torch.int32)  # [n, H, D]
-    code = unpack_codes(hb[:, :, d: 9 * d].reshape(n, h, PAGE_TOKENS, d // 2))  # [n, H, 16, D]
-    raw = hb[:, :, 9 * d: 25 * d].reshape(n, h, PAGE_TOKENS, d)[..., inv].to(torch.int32)
+    tops = slots[:, :, :d][..., inv].to(torch.int32)  # [n, H, D]
+    code = unpack_codes(slots[:, :, d: 9 * d].reshape(n, h, PAGE_TOKENS, d // 2))  # [n, H, 16, D]
+    raw = slots[:, :, 9 * d:].reshape(n, h, PAGE_TOKENS, d)[..., inv].to(torch.int32)
+    fail((plain[..., None] & ((code != 0) | (raw != 0))).flatten(1).any(1),
+         "a plain row's codes or raw bytes are not zero")
+    fail((tops < MIN_TOP).flatten(1).any(1), f"a window top below {MIN_TOP}")
     e = torch.where(code == ZERO_CODE, 0, tops[:, :, None, :] - code)
-    coded_bits = ((raw & 0x80) << 8) | (e << 7) | (raw & 0x7F)
-    coded = ~plain
-    fail((coded[:, :, None] & (tops < MIN_TOP)).flatten(1).any(1), f"a window top below {MIN_TOP}")
-    fail((coded[:, :, None] & (tops != tops_of(coded_bits))).flatten(1).any(1),
-         "a window top is not its channel's largest exponent")
-    # plain heads: tokens 0-11 and D zero bytes in the slot, tokens 12-15 in the tail
-    cut = SLOT_TOKENS * 2 * d
-    fail((plain & hb[:, :, cut:slot].ne(0).any(2)).any(1), "nonzero padding in a plain head's slot")
-    le = torch.cat([hb[:, :, :cut], hb[:, :, slot:]], 2).to(torch.int32).reshape(n, h, PAGE_TOKENS, d, 2)
-    plain_bits = le[..., 0] | (le[..., 1] << 8)
-    _, fits = codes_of(plain_bits, tops_of(plain_bits)[:, :, None, :])
-    fail((plain & fits.all(3).all(2)).any(1), "a plain head whose values all have codes")
-    bits = torch.where(plain[:, :, None, None], plain_bits, coded_bits)
+    bits = ((raw & 0x80) << 8) | (e << 7) | (raw & 0x7F)
+    total = int(cnt.sum())
+    if total:  # plain rows: in (page, head, token) order after their page's slots
+        where = torch.nonzero(plain)  # [total, 3]: page, head, token
+        page = where[:, 0]
+        per = cnt.sum(1)
+        rank = torch.arange(total, device=dev) - (torch.cumsum(per, 0) - per)[page]
+        start = off[page] + fixed + rank * 2 * d
+        le = buf[start[:, None] + torch.arange(2 * d, device=dev)[None, :]].to(torch.int32).reshape(total, d, 2)
+        pv = le[..., 0] | (le[..., 1] << 8)  # [total, D]
+        _, fits = codes_of(pv, tops[page, where[:, 1]])
+        bad = fits.all(1)
+        if bool(bad.any()):
+            raise CorruptDataError(f"page {int(page[torch.nonzero(bad)[0, 0]])}: a plain row whose values all have codes")
+        bits[page, where[:, 1], where[:, 2]] = pv
+    fail((tops != tops_of(bits)).flatten(1).any(1), "a window top is not its channel's largest exponent")
     return bits.to(torch.int16).permute(0, 2, 1, 3).contiguous()
 
 
 def heap_page_lengths(heap: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Each page's length from its header's plain-head mask (int64 [n]); checks the header lies in
-    the heap. The page's own checks are ``decode_pages``'."""
+    """Each page's length from its header (int64 [n]): its plain rows, counted from every head's mask.
+    Raises CorruptDataError where a head's count of earlier plain rows disagrees with the masks (a
+    kernel that trusts the counts then reads inside the page) and TruncatedError where a header lies
+    outside the heap. The page's other checks are ``decode_pages``'."""
     off = offsets.to(device=heap.device, dtype=torch.int64)
     if off.numel() == 0:
         return off.clone()
-    if bool((off < 0).any() or (off + HEADER > heap.numel()).any()):
-        raise TruncatedError("a page offset lies outside the heap")
-    mask = _u32(heap[off[:, None] + torch.arange(4, device=heap.device)[None, :]])[:, 0]
-    plain = torch.zeros_like(mask)
-    for i in range(MAX_HEADS):
-        plain += (mask >> i) & 1
-    return page_length(heads, head_dim, plain)
+    if bool((off < 0).any() or (off + header_bytes(heads) > heap.numel()).any()):
+        raise TruncatedError("a page's header lies outside the heap")
+    entry = _u32(heap[off[:, None] + torch.arange(4 * heads, device=heap.device)[None, :]])
+    cnt = _popc16(entry & 0xFFFF)
+    bad = ((entry >> 16) != torch.cumsum(cnt, 1) - cnt).any(1)
+    if bool(bad.any()):
+        raise CorruptDataError(f"page at offset {int(off[torch.nonzero(bad)[0, 0]])}: its header's counts of "
+                               "plain rows disagree with its masks")
+    return page_length(heads, head_dim, cnt.sum(1))
 
 
 def decode_heap_pages(heap: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:

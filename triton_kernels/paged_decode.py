@@ -74,7 +74,7 @@ PAGE_TYPES = {"bf16": PAGE_BF16, "fp8": PAGE_FP8, "compact": PAGE_COMPACT, "exac
 PAGE_DTYPES = {PAGE_BF16: torch.bfloat16, PAGE_FP8: torch.float8_e4m3fn, PAGE_COMPACT: torch.uint8,
                PAGE_EXACT: torch.uint8, PAGE_EXACT4: torch.uint8}
 EXACT_PAGES = (PAGE_EXACT, PAGE_EXACT4)  # lossless pages in a byte heap (one page per block)
-EXACT4_MAX_HEADS = kv_exact4_ref.MAX_HEADS  # the plain-head mask is a u32
+EXACT4_MAX_HEADS = kv_exact4_ref.MAX_HEADS
 COMPACT_BITS = (2, 3, 4, 5)
 GRID_SIZE = 256  # scale steps per head of a compact format (codec.GRID_SIZE)
 PAGE_TOKENS = 16  # tokens per page; a block is a whole number of pages
@@ -520,23 +520,24 @@ _EXACT4_DTYPES = tl.constexpr((tl.int16,) * 8)
 
 
 @triton.jit
-def _exact4_load(heap_ptr, prow, valid, head, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+def _exact4_load(heap_ptr, prow, valid, head, num_heads, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """The loads of ``BLOCK_N`` tokens (whole pages) of one KV head from KV Exact4 pages
     (kv_exact4_ref), each row on its own: ``prow`` [BLOCK_N] int64 the byte offset of each row's page
     (a multiple of 16), ``valid`` [BLOCK_N] the rows wanted. Returns int32 words [BLOCK_N, HEAD_DIM /
     8], word m of a row holding what channels 8 m .. 8 m + 7 need: the codes (all 15 in rows not
     ``valid``, so they decode to zeros), the raw bytes and the window tops of channels 8 m .. 8 m + 3
-    and of 8 m + 4 .. 8 m + 7 (the rows' halves, kv_exact4_ref.half_order); and each row's page's
-    plain-head mask [BLOCK_N]. A head's slot sits at a fixed place in its page, so no address depends
-    on another load of the page; every tensor has the same shape, so one layout serves them all (no
-    conversions through shared memory); the tops are read once per row (from L1 after the first)."""
+    and of 8 m + 4 .. 8 m + 7 (the rows' halves, kv_exact4_ref.half_order); and the head's header
+    entry [BLOCK_N] (plain-row mask, plain rows before the head). A head's slot sits at a fixed
+    place in its page, so no address depends on another load of the page; every tensor has the same
+    shape, so one layout serves them all (no conversions through shared memory); the tops are read
+    once per row (from L1 after the first)."""
     WR: tl.constexpr = HEAD_DIM // 8  # words per row and half-row
     I32: tl.constexpr = tl.pointer_type(tl.int32)
     offs_w = tl.arange(0, WR)[None, :]
     t = tl.arange(0, BLOCK_N) % 16
     prow = tl.multiple_of(prow, 16)  # (the kernel's contract; so the loads below are 16-byte wide)
-    mask = tl.load((heap_ptr + prow).to(I32), mask=valid, other=0)
-    hb = tl.multiple_of(prow + 16 + head * (25 * HEAD_DIM), 16)
+    entry = tl.load((heap_ptr + prow + 4 * head).to(I32), mask=valid, other=0)
+    hb = tl.multiple_of(prow + (4 * num_heads + 15) // 16 * 16 + head * (25 * HEAD_DIM), 16)
     vm = valid[:, None]
     t0 = tl.load((heap_ptr + hb).to(I32)[:, None] + offs_w, mask=vm, other=0)
     t1 = tl.load((heap_ptr + hb + HEAD_DIM // 2).to(I32)[:, None] + offs_w, mask=vm, other=0)
@@ -544,7 +545,7 @@ def _exact4_load(heap_ptr, prow, valid, head, HEAD_DIM: tl.constexpr, BLOCK_N: t
     rb = hb + 9 * HEAD_DIM + t * HEAD_DIM
     r0 = tl.load((heap_ptr + rb).to(I32)[:, None] + offs_w, mask=vm, other=0)
     r1 = tl.load((heap_ptr + rb + HEAD_DIM // 2).to(I32)[:, None] + offs_w, mask=vm, other=0)
-    return w, r0, r1, t0, t1, mask
+    return w, r0, r1, t0, t1, entry
 
 
 @triton.jit
@@ -557,15 +558,16 @@ def _word_bytes(lo, hi, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _exact4_decode(heap_ptr, w, r0, r1, t0, t1, mask, prow, valid, head, num_heads, HEAD_DIM: tl.constexpr,
+def _exact4_decode(heap_ptr, w, r0, r1, t0, t1, entry, prow, valid, num_heads, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, FAST: tl.constexpr):
     """The bf16 tile [BLOCK_N, HEAD_DIM] from ``_exact4_load``'s words and masks (rows not ``valid``
     come out zero: their codes are all 15 and their raw bytes 0). Code of channel 8 m + r: the
     nibble of word m at bit 16 (r % 2) + 4 (r // 2); exponent = top - code, or 0 for code 15; bits =
     sign << 15 | exponent << 7 | mantissa. Compiled, eight values at a time in inline PTX
     (``_exact4_pair_ptx``, on pairs of 16-bit lanes); in the interpreter the same math per value.
-    Rows of a plain head (rare) are read as bf16 (rows 0-11 from the head's slot, 12-15 from its
-    tail) by loads predicated on the row, so a tile without any costs instructions, not bytes."""
+    Plain rows (rare) are read as bf16, from after the slots at the row's rank (its head entry's
+    count plus the mask bits below it), by loads predicated on the row: a tile without any costs
+    instructions, not bytes."""
     offs_d = tl.arange(0, HEAD_DIM)
     if FAST:
         a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
@@ -581,12 +583,11 @@ def _exact4_decode(heap_ptr, w, r0, r1, t0, t1, mask, prow, valid, head, num_hea
         r = _word_bytes(r0, r1, BLOCK_N, HEAD_DIM)
         bits = ((r & 0x80) << 8) | (e << 7) | (r & 0x7F)
         x = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    rowp = (((mask >> head) & 1) != 0) & valid
-    before = _popc(mask & ((1 << head) - 1), FAST)
     t = tl.arange(0, BLOCK_N) % 16
-    slot = prow + 16 + head * (25 * HEAD_DIM) + t * (2 * HEAD_DIM)
-    tail = prow + 16 + num_heads * (25 * HEAD_DIM) + before.to(tl.int64) * (8 * HEAD_DIM) + (t - 12) * (2 * HEAD_DIM)
-    row = tl.multiple_of(tl.where(t < 12, slot, tail), 16)
+    rowp = (((entry >> t) & 1) != 0) & valid
+    rank = ((entry >> 16) & 0xFFFF) + _popc(entry & ((1 << t) - 1) & 0xFFFF, FAST)
+    row = tl.multiple_of(prow + (4 * num_heads + 15) // 16 * 16 + num_heads * (25 * HEAD_DIM)
+                         + rank.to(tl.int64) * (2 * HEAD_DIM), 16)
     pb = tl.load((heap_ptr + row).to(tl.pointer_type(tl.bfloat16))[:, None] + offs_d[None, :],
                  mask=rowp[:, None], other=0.0)
     x = tl.where(rowp[:, None], pb, x)
@@ -763,8 +764,8 @@ def _paged_split_kernel(
         blk1 = tl.load(bt_row + tok1 // 16, mask=tok1 < t1, other=0)
         kpo = tl.load(k_off_ptr + blk0)
         vpo = tl.load(v_off_ptr + blk0)
-        kw, kr0, kr1, kt0, kt1, kmask = _exact4_load(k_pages_ptr, kpo, valid0, head, HEAD_DIM, BLOCK_N)
-        vw, vr0, vr1, vt0, vt1, vmask = _exact4_load(v_pages_ptr, vpo, valid0, head, HEAD_DIM, BLOCK_N)
+        kw, kr0, kr1, kt0, kt1, kent = _exact4_load(k_pages_ptr, kpo, valid0, head, num_kv_heads, HEAD_DIM, BLOCK_N)
+        vw, vr0, vr1, vt0, vt1, vent = _exact4_load(v_pages_ptr, vpo, valid0, head, num_kv_heads, HEAD_DIM, BLOCK_N)
         koff_next = tl.load(k_off_ptr + blk1)
         voff_next = tl.load(v_off_ptr + blk1)
         tok2 = tok1 + BLOCK_N
@@ -820,20 +821,20 @@ def _paged_split_kernel(
             s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
         elif PAGE_TYPE == 4:
             validn = (tok + BLOCK_N) < t1
-            nk = _exact4_load(k_pages_ptr, koff_next, validn, head, HEAD_DIM, BLOCK_N)
-            nv = _exact4_load(v_pages_ptr, voff_next, validn, head, HEAD_DIM, BLOCK_N)
+            nk = _exact4_load(k_pages_ptr, koff_next, validn, head, num_kv_heads, HEAD_DIM, BLOCK_N)
+            nv = _exact4_load(v_pages_ptr, voff_next, validn, head, num_kv_heads, HEAD_DIM, BLOCK_N)
             nkpo = koff_next
             nvpo = voff_next
             koff_next = tl.load(k_off_ptr + blk)
             voff_next = tl.load(v_off_ptr + blk)
             tok3 = tok + 3 * BLOCK_N
             blk_next = tl.load(bt_row + tok3 // 16, mask=tok3 < t1, other=0)
-            k = _exact4_decode(k_pages_ptr, kw, kr0, kr1, kt0, kt1, kmask, kpo, valid, head, num_kv_heads, HEAD_DIM,
+            k = _exact4_decode(k_pages_ptr, kw, kr0, kr1, kt0, kt1, kent, kpo, valid, num_kv_heads, HEAD_DIM,
                                BLOCK_N, FAST_TRIG)
-            v = _exact4_decode(v_pages_ptr, vw, vr0, vr1, vt0, vt1, vmask, vpo, valid, head, num_kv_heads, HEAD_DIM,
+            v = _exact4_decode(v_pages_ptr, vw, vr0, vr1, vt0, vt1, vent, vpo, valid, num_kv_heads, HEAD_DIM,
                                BLOCK_N, FAST_TRIG)
-            kw, kr0, kr1, kt0, kt1, kmask = nk
-            vw, vr0, vr1, vt0, vt1, vmask = nv
+            kw, kr0, kr1, kt0, kt1, kent = nk
+            vw, vr0, vr1, vt0, vt1, vent = nv
             kpo = nkpo
             vpo = nvpo
             s = tl.dot(q, tl.trans(k)) * scale + bias[:, None]
@@ -1029,8 +1030,8 @@ def _dequantize_exact4_kernel(heap_ptr, off_ptr, out_ptr, num_heads, n_pages, HE
     head = tl.program_id(1)
     valid = pg < n_pages
     prow = tl.load(off_ptr + pg, mask=valid, other=0)
-    w, r0, r1, t0, t1, mask = _exact4_load(heap_ptr, prow, valid, head, HEAD_DIM, NP * 16)
-    x = _exact4_decode(heap_ptr, w, r0, r1, t0, t1, mask, prow, valid, head, num_heads, HEAD_DIM, NP * 16, FAST)
+    w, r0, r1, t0, t1, entry = _exact4_load(heap_ptr, prow, valid, head, num_heads, HEAD_DIM, NP * 16)
+    x = _exact4_decode(heap_ptr, w, r0, r1, t0, t1, entry, prow, valid, num_heads, HEAD_DIM, NP * 16, FAST)
     offs_d = tl.arange(0, HEAD_DIM)
     row = (pg * 16 + offs_n % 16) * num_heads + head
     tl.store(out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], x.to(tl.int16, bitcast=True), mask=valid[:, None])

@@ -813,7 +813,7 @@ class KVExactCache:
             # every size one a page can have (the allocation took positive multiples of 16 already)
             need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
             if self._exact4:
-                lo, hi = ref4.page_length(self.H, self.D, 0), ref4.page_length(self.H, self.D, self.H)
+                lo, hi = ref4.page_length(self.H, self.D, 0), ref4.page_length(self.H, self.D, PAGE * self.H)
             else:
                 lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
             inside = np.where(need, sizes, lo)
@@ -842,8 +842,9 @@ class KVExactCache:
                         verify: bool) -> None:
         """Restored pages (in the heap at ``offs`` [L, 2, pages], ``sizes`` the same shape, 0 for no
         page): each header's exception offsets start after the fixed part, never decrease and end in
-        the page (KV Exact4: the length its plain-head mask gives is its size), one device sync; with
-        ``verify``, the validating decoder over every page."""
+        the page (KV Exact4: each head's count of earlier plain rows agrees with the masks, and the
+        length they give is the page's size), one device sync; with ``verify``, the validating
+        decoder over every page."""
         h = self.H
         if self._exact4:
             present = sizes > 0
