@@ -23,9 +23,9 @@ values: pass calibrated ones (``calibrate_bases`` over sample KV) or let the cac
 the first page each layer writes.
 
 ``page_format="exact4"`` holds KV Exact4 pages instead (docs/FORMAT.md "KV Exact4 pages":
-``kv_exact4_ref``): 0.78-0.89 of bf16 on real KV (mean 0.805) instead of 0.70, with no calibration
-(each page carries its window tops), and attention that decodes them 2.3-2.6x faster than KV
-Exact's (still 0.35-0.39x of bf16 attention on the H200: BENCHMARKS.md, "KV Exact4"). Its pages are
+``kv_exact4_ref``): 0.78-0.82 of bf16 on real KV (mean 0.789) instead of 0.70, with no calibration
+(each page carries its window tops), and attention that decodes them 2.4-2.7x faster than KV
+Exact's (still 0.36-0.40x of bf16 attention on the H200: BENCHMARKS.md, "KV Exact4"). Its pages are
 written by the reference encoder (torch operations on the cache's device).
 
 Also here: ``offload_sequence`` / ``restore_sequence`` (a sequence's compressed pages to host memory
