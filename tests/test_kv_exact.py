@@ -181,27 +181,30 @@ def test_truncated_and_corrupt_pages_raise_typed_errors(real):
         R.decode_pages(buf, offs, bases, H, 48)
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_fuzz_damaged_pages_never_crash(real, data):
-    buf, offs, bases = _one_page(real)
+def _damaged(data, buf, offs, random_page):
+    """Pages ``buf``/``offs`` damaged as hypothesis draws: bits flipped, cut short, replaced by
+    ``random_page(n_random_bytes)`` (a page of random bytes, shaped as the format wants), or read at
+    hostile offsets. Returns (bytes, offsets)."""
     kind = data.draw(st.sampled_from(["flip", "cut", "random", "offsets"]))
     if kind == "flip":
         bad = buf.clone()
         for i in data.draw(st.lists(st.integers(0, buf.numel() - 1), min_size=1, max_size=8)):
             bad[i] ^= 1 << data.draw(st.integers(0, 7))
-        o = offs
-    elif kind == "cut":
-        n = data.draw(st.integers(0, buf.numel() - 1))
-        bad, o = buf[:n].clone(), offs
-    elif kind == "random":
-        n = data.draw(st.integers(0, 3)) * 16 + R.fixed_bytes(H, D)
-        bad = torch.from_numpy(np.frombuffer(np.random.default_rng(data.draw(st.integers(0, 2**63 - 1))).bytes(n),
-                                             np.uint8).copy())
-        o = torch.tensor([0, n])
-    else:
-        bad = buf
-        o = torch.tensor(data.draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
+        return bad, offs
+    if kind == "cut":
+        return buf[:data.draw(st.integers(0, buf.numel() - 1))].clone(), offs
+    if kind == "random":
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**63 - 1)))
+        bad = random_page(lambda n: torch.from_numpy(np.frombuffer(rng.bytes(n), np.uint8).copy()))
+        return bad, torch.tensor([0, bad.numel()])
+    return buf, torch.tensor(data.draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_fuzz_damaged_pages_never_crash(real, data):
+    buf, offs, bases = _one_page(real)
+    bad, o = _damaged(data, buf, offs, lambda rand: rand(data.draw(st.integers(0, 3)) * 16 + R.fixed_bytes(H, D)))
     try:
         rust = cpu_decode_pages(bytes(bad.numpy()), o.numpy(), bases, H, D)
     except WeightszipError:
@@ -448,17 +451,22 @@ def _run_cache(real, cache, seqs_prompts, steps, g):
     return outs
 
 
+def _assert_cache_holds(real, cache, seqs):
+    """Every layer's K and V of ``seqs`` read back (``dense``) are the tokens ``_run_cache`` wrote."""
+    for layer in range(3):
+        for s in seqs:
+            k, v = cache.dense(layer, s)
+            pos = torch.arange(int(cache.length[layer, s]))
+            assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, layer, pos, s))
+            assert torch.equal(v.cpu().view(torch.int16), tokens(real, 1, layer, pos, s))
+
+
 def test_cache_prefill_decode_free_and_reuse(real):
     cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=3,
                          max_tokens=256, device=DEVICE, config=CFG)
     s0, s1 = cache.add_sequence(), cache.add_sequence()
     outs = _run_cache(real, cache, [(s0, 70), (s1, 15)], steps=3, g=torch.Generator().manual_seed(1))
-    for layer in range(3):
-        for s in (s0, s1):
-            k, v = cache.dense(layer, s)
-            pos = torch.arange(int(cache.length[layer, s]))
-            assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, layer, pos, s))
-            assert torch.equal(v.cpu().view(torch.int16), tokens(real, 1, layer, pos, s))
+    _assert_cache_holds(real, cache, (s0, s1))
     # the last step's attention equals the bf16 kernel's over the same tokens
     layer, q, out = outs[-1]
     lens = [int(cache.length[layer, s]) for s in (s0, s1)]
@@ -1001,27 +1009,16 @@ def test_exact4_fuzz_damaged_pages_never_crash(real, data):
     to the same bytes (the format is canonical)."""
     x = torch.cat([pages_of(real[1, 2])[:2], _random_pages(3, H, D, 2)[2:]])  # coded and plain rows
     buf, offs = R4.encode_pages(x).to_bytes()
-    kind = data.draw(st.sampled_from(["flip", "cut", "random", "offsets"]))
-    if kind == "flip":
-        bad = buf.clone()
-        for i in data.draw(st.lists(st.integers(0, buf.numel() - 1), min_size=1, max_size=8)):
-            bad[i] ^= 1 << data.draw(st.integers(0, 7))
-        o = offs
-    elif kind == "cut":
-        n = data.draw(st.integers(0, buf.numel() - 1))
-        bad, o = buf[:n].clone(), offs
-    elif kind == "random":  # random slots and plain rows behind a consistent header
+
+    def random_page(rand):  # random slots and plain rows behind a consistent header
         masks = data.draw(st.lists(st.integers(0, 0xFFFF), min_size=H, max_size=H))
         cnt = [bin(m).count("1") for m in masks]
-        n = R4.page_length(H, D, sum(cnt))
-        rng = np.random.default_rng(data.draw(st.integers(0, 2**63 - 1)))
-        bad = torch.from_numpy(np.frombuffer(rng.bytes(n), np.uint8).copy())
+        bad = rand(R4.page_length(H, D, sum(cnt)))
         hdr = [v for h in range(H) for v in (masks[h] & 0xFF, masks[h] >> 8, sum(cnt[:h]) & 0xFF, sum(cnt[:h]) >> 8)]
         bad[: R4.header_bytes(H)] = torch.tensor(hdr + [0] * (R4.header_bytes(H) - 4 * H), dtype=torch.uint8)
-        o = torch.tensor([0, n])
-    else:
-        bad = buf
-        o = torch.tensor(data.draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
+        return bad
+
+    bad, o = _damaged(data, buf, offs, random_page)
     try:
         out = R4.decode_pages(bad, o, H, D)
     except WeightszipError:
@@ -1109,12 +1106,7 @@ def test_exact4_cache_prefill_decode_offload_restore(real):
     s0, s1 = cache.add_sequence(), cache.add_sequence()
     g = torch.Generator().manual_seed(7)
     outs = _run_cache(real, cache, [(s0, 70), (s1, 33)], steps=2, g=g)
-    for layer in range(3):
-        for s in (s0, s1):
-            k, v = cache.dense(layer, s)
-            pos = torch.arange(int(cache.length[layer, s]))
-            assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, layer, pos, s))
-            assert torch.equal(v.cpu().view(torch.int16), tokens(real, 1, layer, pos, s))
+    _assert_cache_holds(real, cache, (s0, s1))
     layer, q, out = outs[-1]
     assert torch.equal(cache.attend(layer, q, reference=True), out)
     assert 0.78 < cache.stats()["ratio_vs_bf16"] < 0.86

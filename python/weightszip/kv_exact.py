@@ -846,27 +846,15 @@ class KVExactCache:
         length they give is the page's size), one device sync; with ``verify``, the validating
         decoder over every page."""
         h = self.H
-        if self._exact4:
-            present = sizes > 0
-            po, pz = offs[present], sizes[present]
-            if po.numel():
-                ok = ref4.heap_page_lengths(self.heap.buf, po, h, self.D) == pz
-                if not bool(ok.all()):
-                    bad = int(torch.nonzero(~ok)[0, 0])
-                    layer, kind, page = (int(x) for x in torch.nonzero(present)[bad])
-                    raise CorruptDataError(f"restored page {page} of layer {layer} {'KV'[kind]}: its header does "
-                                           f"not describe a page of {int(pz[bad])} bytes")
-            if verify:
-                for layer, kind in zip(*np.nonzero(has)):
-                    ref4.decode_heap_pages(self.heap.buf, offs[layer, kind][present[layer, kind]], h, self.D)
-            return
-        fixed = ref.fixed_bytes(h, self.D)
         present = sizes > 0
         po, pz = offs[present], sizes[present]
         if po.numel():
-            ex = ref._u32(self.heap.buf[po[:, None] + torch.arange(4 * (h + 1), device=po.device)[None, :]])
-            ok = ((ex[:, 0] == fixed) & (ex[:, 1:] >= ex[:, :-1]).all(1)
-                  & ((ex[:, h] + ref.ALIGN - 1) // ref.ALIGN * ref.ALIGN == pz))
+            if self._exact4:
+                ok = ref4.heap_page_lengths(self.heap.buf, po, h, self.D) == pz
+            else:
+                ex = ref._u32(self.heap.buf[po[:, None] + torch.arange(4 * (h + 1), device=po.device)[None, :]])
+                ok = ((ex[:, 0] == ref.fixed_bytes(h, self.D)) & (ex[:, 1:] >= ex[:, :-1]).all(1)
+                      & ((ex[:, h] + ref.ALIGN - 1) // ref.ALIGN * ref.ALIGN == pz))
             if not bool(ok.all()):
                 bad = int(torch.nonzero(~ok)[0, 0])
                 layer, kind, page = (int(x) for x in torch.nonzero(present)[bad])
@@ -874,8 +862,11 @@ class KVExactCache:
                                        f"describe a page of {int(pz[bad])} bytes")
         if verify:
             for layer, kind in zip(*np.nonzero(has)):
-                p = present[layer, kind]
-                ref.decode_heap_pages(self.heap.buf, offs[layer, kind][p], bases[layer, kind].to(self.device), h, self.D)
+                p = offs[layer, kind][present[layer, kind]]
+                if self._exact4:
+                    ref4.decode_heap_pages(self.heap.buf, p, h, self.D)
+                else:
+                    ref.decode_heap_pages(self.heap.buf, p, bases[layer, kind].to(self.device), h, self.D)
 
     # -- inspection ------------------------------------------------------------------------------------
     def dense(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
