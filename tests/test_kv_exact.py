@@ -22,7 +22,13 @@ pytest.importorskip("triton")
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, WeightszipError  # noqa: E402
+from weightszip.errors import (  # noqa: E402
+    CorruptDataError,
+    InvalidArgumentError,
+    LimitExceededError,
+    TruncatedError,
+    WeightszipError,
+)
 from weightszip.kernels import KernelConfig, PagedDecodeAttention, paged_decode_ref  # noqa: E402
 from weightszip.kernels import kv_exact_ref as R  # noqa: E402
 from weightszip.kernels import kv_exact4_ref as R4  # noqa: E402
@@ -191,13 +197,17 @@ def _damaged(data, buf, offs, random_page):
         for i in data.draw(st.lists(st.integers(0, buf.numel() - 1), min_size=1, max_size=8)):
             bad[i] ^= 1 << data.draw(st.integers(0, 7))
         return bad, offs
-    if kind == "cut":
-        return buf[:data.draw(st.integers(0, buf.numel() - 1))].clone(), offs
+    if kind == "cut":  # the buffer cut short, the offsets cut with it (or not)
+        n = data.draw(st.integers(0, buf.numel() - 1))
+        return buf[:n].clone(), offs.clamp(max=n) if data.draw(st.booleans()) else offs
     if kind == "random":
         rng = np.random.default_rng(data.draw(st.integers(0, 2**63 - 1)))
         bad = random_page(lambda n: torch.from_numpy(np.frombuffer(rng.bytes(n), np.uint8).copy()))
         return bad, torch.tensor([0, bad.numel()])
-    return buf, torch.tensor(data.draw(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=4)))
+    # hostile offsets: anywhere in int64 (sums of them wrap), between the buffer's true ends or not
+    inner = data.draw(st.lists(st.integers(-(2**63), 2**63 - 1) | st.integers(-64, buf.numel() + 64), max_size=4))
+    ends = [0, *inner, buf.numel()] if data.draw(st.booleans()) else inner or [0]
+    return buf, torch.tensor(ends, dtype=torch.int64)
 
 
 @settings(max_examples=150, deadline=None)
@@ -277,10 +287,11 @@ def test_kernel_tile_loader_equals_reference(real):
         assert torch.equal(R.decode_heap_pages(heap, offs, bases, *pages.shape[2:]), pages)
 
 
-def _paged_pair(real, lens, seed=0, ref=R):
+def _paged_pair(real, lens, seed=0, ref=R, tiny=False):
     """bf16 pages in a shuffled pool and the same pages as KV Exact pages (``ref``: kv_exact_ref, or
     kv_exact4_ref for KV Exact4) in a heap; ring side buffers (heads and head_dim from ``real``'s
-    last two dimensions)."""
+    last two dimensions). ``tiny``: every 7th token's channel 5 of head 0 set to 2**-60 in K and V
+    (KV Exact4 stores those rows plain)."""
     H, D = real.shape[-2:]
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
@@ -295,6 +306,9 @@ def _paged_pair(real, lens, seed=0, ref=R):
     for b, L in enumerate(lens):
         pos = torch.arange(L)
         kk, vv = tokens(real, 0, 1, pos, b), tokens(real, 1, 1, pos, b)
+        if tiny:
+            kk, vv = kk.clone(), vv.clone()
+            kk[::7, 0, 5] = vv[::7, 0, 5] = 0x2180  # 2**-60: exponent 67, far below its channel's values
         for j in range(per[b]):
             blk = int(perm[i])
             i += 1
@@ -342,9 +356,9 @@ def test_attention_bit_identical_to_bf16_pages_head_dim_128(real):
     _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, DEFAULT_CONFIGS[PAGE_EXACT])
 
 
-def _exact_equals_bf16_pages(real, lens, split, cfg=CFG, page_type="exact"):
+def _exact_equals_bf16_pages(real, lens, split, cfg=CFG, page_type="exact", tiny=False):
     H, D = real.shape[-2:]
-    c = _paged_pair(real, lens, ref=R if page_type == "exact" else R4)
+    c = _paged_pair(real, lens, ref=R if page_type == "exact" else R4, tiny=tiny)
     outs = {}
     for pt in ("bf16", page_type):
         att = PagedDecodeAttention(HQ, H, D, page_type=pt, window=16, config=cfg, device=DEVICE)
@@ -996,6 +1010,13 @@ def test_exact4_damaged_pages_raise_typed_errors(real):
     bad[0] |= 1  # head 0 row 0 now plain: the page is shorter than its plain rows
     with pytest.raises(WeightszipError):
         R4.decode_pages(bad, offs, H, D)
+    wrap = 6148914691236517205  # offsets whose differences wrap around int64
+    for o in (torch.tensor([0, wrap, 2 * wrap - 2**64, buf.numel()]), torch.tensor([0, -16, buf.numel()])):
+        with pytest.raises(CorruptDataError):
+            R4.decode_pages(buf, o, H, D)
+    for o in (2**63 - 8, -(2**63), buf.numel() - 8):
+        with pytest.raises(TruncatedError):
+            R4.decode_heap_pages(buf, torch.tensor([o]), H, D)
     with pytest.raises(InvalidArgumentError):
         R4.decode_pages(buf, offs, H, 48)
     with pytest.raises(InvalidArgumentError):
@@ -1044,6 +1065,9 @@ def test_exact4_compiled_decoder_math_equals_the_reference():
         out = R4.pair_decode(w, rw[..., 0], rw[..., 1], tw[..., 0], tw[..., 1]).reshape(bits.shape)
         assert bool(((out == bits) | ~fits).all())
         assert fits.float().mean() > 0.1
+    # a row the kernel does not want: codes all 15, raw 0, tops 15 (the loads' fill values): +0.0
+    z = torch.zeros(1, dtype=torch.int64)
+    assert R4.pair_decode(z + 0xFFFFFFFF, z, z, z + 0x0F0F0F0F, z + 0x0F0F0F0F).eq(0).all()
 
 
 def test_exact4_kernel_tile_loader_equals_reference(real):
@@ -1060,11 +1084,14 @@ def test_exact4_kernel_tile_loader_equals_reference(real):
         assert torch.equal(R4.decode_heap_pages(heap, offs, *pages.shape[2:]), pages)
 
 
-@pytest.mark.parametrize("lens,split", [([150, 40, 97], 64), ([33], None), ([16, 17, 300], 32)])
-def test_exact4_attention_bit_identical_to_bf16_pages(real, lens, split):
-    """KV Exact4 pages (with plain rows: real[1, 2]'s pages have some) give the output of the same
-    kernel over the bf16 pages bit for bit."""
-    _exact_equals_bf16_pages(real, lens, split, page_type="exact4")
+@pytest.mark.parametrize("lens,split,tiny", [([150, 40, 97], 64, True), ([33], None, False), ([16, 17, 300], 32, True)])
+def test_exact4_attention_bit_identical_to_bf16_pages(real, lens, split, tiny):
+    """KV Exact4 pages give the output of the same kernel over the bf16 pages bit for bit, with
+    plain rows (``tiny``: a value 2**-60 in every 7th token) and without."""
+    if tiny:
+        c = _paged_pair(real, [64], ref=R4, tiny=True)
+        assert int(R4.heap_page_lengths(c["heap"].cpu(), c["koff"].cpu(), H, D).max()) > R4.page_length(H, D, 0)
+    _exact_equals_bf16_pages(real, lens, split, page_type="exact4", tiny=tiny)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the operand layouts matter only compiled (the interpreter has none)")
@@ -1073,7 +1100,8 @@ def test_exact4_attention_bit_identical_to_bf16_pages_head_dim_128(real):
     from weightszip.kernels.paged_decode import PAGE_EXACT4
 
     wide = torch.cat([real, real.roll(1, dims=2)], dim=-1)
-    _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, DEFAULT_CONFIGS[PAGE_EXACT4], page_type="exact4")
+    _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, DEFAULT_CONFIGS[PAGE_EXACT4], page_type="exact4",
+                             tiny=True)
 
 
 def test_exact4_attention_argument_checks(real):

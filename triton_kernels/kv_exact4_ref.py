@@ -226,6 +226,8 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     if int(off[0]) != 0 or int(off[-1]) != buf.numel():
         raise TruncatedError(f"page offsets cover bytes {int(off[0])}..{int(off[-1])} of a {buf.numel()}-byte buffer")
     length = off[1:] - off[:-1]
+    if bool((off[1:] < off[:-1]).any() or (off < 0).any() or (off > buf.numel()).any()):
+        raise CorruptDataError("page offsets decrease or lie outside the buffer")
     if n == 0:
         return torch.zeros((0, PAGE_TOKENS, h, d), dtype=torch.int16, device=dev)
 
@@ -283,7 +285,7 @@ def heap_page_lengths(heap: torch.Tensor, offsets: torch.Tensor, heads: int, hea
     off = offsets.to(device=heap.device, dtype=torch.int64)
     if off.numel() == 0:
         return off.clone()
-    if bool((off < 0).any() or (off + header_bytes(heads) > heap.numel()).any()):
+    if bool((off < 0).any() or (off > heap.numel() - header_bytes(heads)).any()):  # (no sums: int64 wraps)
         raise TruncatedError("a page's header lies outside the heap")
     entry = _u32(heap[off[:, None] + torch.arange(4 * heads, device=heap.device)[None, :]])
     cnt = _popc16(entry & 0xFFFF)
@@ -300,7 +302,7 @@ def decode_heap_pages(heap: torch.Tensor, offsets: torch.Tensor, heads: int, hea
     _check_shape(heads, head_dim)
     off = offsets.to(device=heap.device, dtype=torch.int64)
     lens = heap_page_lengths(heap, off, heads, head_dim)
-    if bool((off + lens > heap.numel()).any()):
+    if bool((off > heap.numel() - lens).any()):
         raise TruncatedError("a page's header claims bytes past the end of the heap")
     starts = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
     idx = torch.repeat_interleave(off - starts[:-1], lens) + torch.arange(int(starts[-1]), device=heap.device)

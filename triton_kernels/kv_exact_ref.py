@@ -195,6 +195,8 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, 
     if int(off[0]) != 0 or int(off[-1]) != buf.numel():
         raise TruncatedError(f"page offsets cover bytes {int(off[0])}..{int(off[-1])} of a {buf.numel()}-byte buffer")
     length = off[1:] - off[:-1]
+    if bool((off[1:] < off[:-1]).any() or (off < 0).any() or (off > buf.numel()).any()):
+        raise CorruptDataError("page offsets decrease or lie outside the buffer")
     fb = fixed_bytes(h, d)
     short = torch.nonzero(length < fb)
     if short.numel():
@@ -269,9 +271,11 @@ def decode_heap_pages(heap: torch.Tensor, offsets: torch.Tensor, bases: torch.Te
     n = off.numel()
     if n == 0:
         return decode_pages(heap[:0], torch.zeros(1, dtype=torch.int64), bases, h, head_dim)
+    if bool((off < 0).any() or (off > heap.numel() - 4 * (h + 1)).any()):  # (no sums: int64 wraps)
+        raise TruncatedError("a page's header lies outside the heap")
     ex_end = _u32(heap[off[:, None] + 4 * h + torch.arange(4, device=heap.device)[None, :]])[:, 0]
     lens = (ex_end + ALIGN - 1) // ALIGN * ALIGN
-    if bool((off < 0).any() or (off + lens > heap.numel()).any()):
+    if bool((off > heap.numel() - lens).any()):
         raise TruncatedError("a page's header claims bytes past the end of the heap")
     starts = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
     idx = torch.repeat_interleave(off - starts[:-1], lens) + torch.arange(int(starts[-1]), device=heap.device)

@@ -539,8 +539,10 @@ def _exact4_load(heap_ptr, prow, valid, head, num_heads, HEAD_DIM: tl.constexpr,
     entry = tl.load((heap_ptr + prow + 4 * head).to(I32), mask=valid, other=0)
     hb = tl.multiple_of(prow + (4 * num_heads + 15) // 16 * 16 + head * (25 * HEAD_DIM), 16)
     vm = valid[:, None]
-    t0 = tl.load((heap_ptr + hb).to(I32)[:, None] + offs_w, mask=vm, other=0)
-    t1 = tl.load((heap_ptr + hb + HEAD_DIM // 2).to(I32)[:, None] + offs_w, mask=vm, other=0)
+    # (rows not valid: tops 15, so their codes 15 decode to +0.0 in the compiled path's lane
+    # arithmetic too, where a top below the code would borrow across the lanes)
+    t0 = tl.load((heap_ptr + hb).to(I32)[:, None] + offs_w, mask=vm, other=0x0F0F0F0F)
+    t1 = tl.load((heap_ptr + hb + HEAD_DIM // 2).to(I32)[:, None] + offs_w, mask=vm, other=0x0F0F0F0F)
     w = tl.load((heap_ptr + (hb + HEAD_DIM + t * (HEAD_DIM // 2))).to(I32)[:, None] + offs_w, mask=vm, other=-1)
     rb = hb + 9 * HEAD_DIM + t * HEAD_DIM
     r0 = tl.load((heap_ptr + rb).to(I32)[:, None] + offs_w, mask=vm, other=0)
