@@ -97,7 +97,7 @@ def tops_of(bits: torch.Tensor) -> torch.Tensor:
 
 def codes_of(bits: torch.Tensor, tops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(code, fits) of each value (int32 16-bit patterns; ``tops`` broadcasts against them): the
-    4-bit code, and whether the value has one (else its head is stored plain)."""
+    4-bit code, and whether the value has one (else its token row is stored plain)."""
     e = (bits >> 7) & 0xFF
     d = tops.to(torch.int32) - e
     zero = e == 0

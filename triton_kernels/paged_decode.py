@@ -197,7 +197,8 @@ DEFAULT_CONFIGS = {
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
-    # warps (16: 1.25x slower; 64 at 4 or 8 warps 1.1-1.5x; 8 warps at 32 1.6x)
+    # warps, 1 stage (box/s14_run06: 16 tokens 1.4x slower, 64 tokens 1.15x (8 warps) to 2.5x (4
+    # warps); s14_run03: 8 warps at 32 tokens 1.7x; s14_run10: register caps 1.9-2.2x)
     PAGE_EXACT4: KernelConfig(block_n=32, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048),
 }
 
@@ -485,7 +486,7 @@ def _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_D
     return tl.where(valid[:, None], x, 0.0)
 
 
-# _exact4_pairs' PTX: eight values of one token row, channels 8 m + r ($0..$7, bf16 bits) from the
+# _exact4_pair_ptx's PTX (four pairs): eight values of one token row, channels 8 m + r ($0..$7, bf16 bits) from the
 # code word $8 (channel 8 m + r at bit 16 (r % 2) + 4 (r // 2)), the raw bytes $9 (channels 0-3) and
 # $10 (4-7) and the window tops $11 (0-3) and $12 (4-7), two channels per 32-bit lane pair: k = the
 # pair's codes << 7 (one shift and mask), t = their tops << 7 (a byte permute and a shift), e = t - k
