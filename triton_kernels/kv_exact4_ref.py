@@ -47,6 +47,8 @@ import torch
 
 from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
 
+from .kv_exact_ref import page_spans
+
 PAGE_TOKENS = 16
 ALIGN = 16
 ZERO_CODE = 15  # the code of exponent 0
@@ -221,13 +223,8 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     h, d = heads, head_dim
     _check_shape(h, d)
     dev = buf.device
-    off = offsets.to(device=dev, dtype=torch.int64)
+    off, length = page_spans(buf, offsets)
     n = off.numel() - 1
-    if int(off[0]) != 0 or int(off[-1]) != buf.numel():
-        raise TruncatedError(f"page offsets cover bytes {int(off[0])}..{int(off[-1])} of a {buf.numel()}-byte buffer")
-    length = off[1:] - off[:-1]
-    if bool((off[1:] < off[:-1]).any() or (off < 0).any() or (off > buf.numel()).any()):
-        raise CorruptDataError("page offsets decrease or lie outside the buffer")
     if n == 0:
         return torch.zeros((0, PAGE_TOKENS, h, d), dtype=torch.int16, device=dev)
 

@@ -177,6 +177,18 @@ def _u32(b: torch.Tensor) -> torch.Tensor:
     return w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
 
 
+def page_spans(buf: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages stored back to back in ``buf``: (offsets as int64 on buf's device, each page's length),
+    after checking that the offsets run from 0 to the buffer's end without decreasing (compared
+    directly: sums and differences of hostile int64 offsets wrap). TruncatedError / CorruptDataError."""
+    off = offsets.to(device=buf.device, dtype=torch.int64)
+    if int(off[0]) != 0 or int(off[-1]) != buf.numel():
+        raise TruncatedError(f"page offsets cover bytes {int(off[0])}..{int(off[-1])} of a {buf.numel()}-byte buffer")
+    if bool((off[1:] < off[:-1]).any() or (off < 0).any() or (off > buf.numel()).any()):
+        raise CorruptDataError("page offsets decrease or lie outside the buffer")
+    return off, off[1:] - off[:-1]
+
+
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, heads: int,
                  head_dim: int) -> torch.Tensor:
     """Validate and decode pages stored back to back: ``buf`` uint8 (1-D), ``offsets`` int64 [n + 1]
@@ -190,13 +202,8 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, 
     _check(h > 0 and d > 0 and d % 32 == 0, f"head_dim must be a positive multiple of 32, not {d}")
     bases = bases.reshape(h, d).to(buf.device)
     _check(bases.dtype == torch.uint8, "bases must be uint8")
-    off = offsets.to(device=buf.device, dtype=torch.int64)
+    off, length = page_spans(buf, offsets)
     n = off.numel() - 1
-    if int(off[0]) != 0 or int(off[-1]) != buf.numel():
-        raise TruncatedError(f"page offsets cover bytes {int(off[0])}..{int(off[-1])} of a {buf.numel()}-byte buffer")
-    length = off[1:] - off[:-1]
-    if bool((off[1:] < off[:-1]).any() or (off < 0).any() or (off > buf.numel()).any()):
-        raise CorruptDataError("page offsets decrease or lie outside the buffer")
     fb = fixed_bytes(h, d)
     short = torch.nonzero(length < fb)
     if short.numel():
