@@ -69,25 +69,27 @@ def llama_pages(x: np.ndarray) -> torch.Tensor:
 
 
 def page_format(name: str):
-    """(reference module, calibration, dequantize through the kernel's tile loader) of a format."""
+    """A format's (calibrate(samples [T, C]) -> window tops [HKV, D] or None, encode(pages, tops),
+    dequantize(heap, offsets, tops) through the kernel's tile loader). KV Exact4 pages hold their
+    own window tops: no calibration, and the tops (None) are not passed on."""
     from weightszip.kernels import kv_exact4_ref, kv_exact_ref
     from weightszip.kernels.paged_decode import dequantize_exact4_pages, dequantize_exact_pages
 
-    if name == "exact4":  # the pages hold their own window tops: no calibration
-        return kv_exact4_ref, None, dequantize_exact4_pages
-    return kv_exact_ref, kv_exact_ref.calibrate_bases, dequantize_exact_pages
+    if name == "exact4":
+        return (lambda samples: None, lambda pages, tops: kv_exact4_ref.encode_pages(pages),
+                lambda heap, offs, tops: dequantize_exact4_pages(heap, offs, HKV, D))
+    return (lambda samples: kv_exact_ref.calibrate_bases(samples).reshape(HKV, D),
+            lambda pages, tops: kv_exact_ref.encode_pages(pages, tops.to(pages.device)),
+            lambda heap, offs, tops: dequantize_exact_pages(heap, offs, tops, HKV, D))
 
 
 def ratio_table(sets, fmt="exact"):
-    R, calibrate, _ = page_format(fmt)
+    calibrate, encode, _ = page_format(fmt)
     rows = []
     for (model, kind, layer), x in sets.items():
         p = llama_pages(x)
         half = p.shape[0] // 2
-        if calibrate is None:
-            enc = R.encode_pages(p[half:])
-        else:
-            enc = R.encode_pages(p[half:], calibrate(p[:half].reshape(-1, C)).reshape(HKV, D))
+        enc = encode(p[half:], calibrate(p[:half].reshape(-1, C)))
         page_bytes = int(enc.lengths.sum())
         raw = p[half:].numel() * 2
         row = dict(model=model, kind=kind, layer=layer, pages=int(p.shape[0] - half), ratio=page_bytes / raw,
@@ -103,12 +105,12 @@ def ratio_table(sets, fmt="exact"):
 def build_pool(pages: torch.Tensor, bases, n_blocks: int, fmt="exact"):
     """bf16 pool [n, 8, 16, 128] and a KV Exact (or Exact4) heap + offsets [n] holding ``pages``
     (int16 [U, 16, 8, 128]) again and again, block i = page i % U, each copy at its own address."""
-    R, _, _ = page_format(fmt)
+    _, encode, _ = page_format(fmt)
     U = pages.shape[0]
     reps = -(-n_blocks // U)
     pg = pages.cuda()
     bf = pg.transpose(1, 2).contiguous().view(torch.bfloat16).repeat(reps, 1, 1, 1)[:n_blocks].contiguous()
-    buf, offs = (R.encode_pages(pg) if bases is None else R.encode_pages(pg, bases.cuda())).to_bytes()
+    buf, offs = encode(pg, bases).to_bytes()
     heap = buf.repeat(reps)
     offsets = (offs[:-1][None, :] + torch.arange(reps, device="cuda")[:, None] * buf.numel()).reshape(-1)[:n_blocks].contiguous()
     return bf, heap, offsets, int(buf.numel()) / (U * 16 * C * 2)
@@ -132,7 +134,7 @@ def main(argv=None):
     from weightszip.kernels.paged_decode import PAGE_BF16, PAGE_TYPES
 
     fmt = args.format
-    _, calibrate, dequantize = page_format(fmt)
+    calibrate, _, dequantize = page_format(fmt)
 
     sets = {}
     for model, kind, layer, x in load_sets(args.kv):
@@ -158,10 +160,7 @@ def main(argv=None):
 
     kp, vp = llama_pages(sets[key(args.k_set)]), llama_pages(sets[key(args.v_set)])
     half = kp.shape[0] // 2
-    kb = vb = None
-    if calibrate is not None:
-        kb = calibrate(kp[:half].reshape(-1, C)).reshape(HKV, D)
-        vb = calibrate(vp[:half].reshape(-1, C)).reshape(HKV, D)
+    kb, vb = calibrate(kp[:half].reshape(-1, C)), calibrate(vp[:half].reshape(-1, C))
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     n_blocks = max(batches) * max(contexts) // 16
@@ -204,8 +203,7 @@ def main(argv=None):
 
     # the kernel's tile loader reads the pool's pages back bit for bit
     n_chk = min(n_blocks, 4096)
-    got = (dequantize(k_heap, k_off[:n_chk].contiguous(), HKV, D) if kbd is None
-           else dequantize(k_heap, k_off[:n_chk].contiguous(), kbd, HKV, D))
+    got = dequantize(k_heap, k_off[:n_chk].contiguous(), kbd)
     res["loader_bit_exact"] = bool(torch.equal(got.view(torch.bfloat16).transpose(1, 2), k_bf[:n_chk]))
     print(f"tile loader bit-exact on {n_chk} pages: {res['loader_bit_exact']}", flush=True)
 

@@ -45,9 +45,9 @@ from __future__ import annotations
 
 import torch
 
-from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
+from weightszip.errors import CorruptDataError, TruncatedError
 
-from .kv_exact_ref import page_spans
+from .kv_exact_ref import _bits, _check, _u32, page_spans
 
 PAGE_TOKENS = 16
 ALIGN = 16
@@ -57,11 +57,6 @@ MIN_TOP = WINDOW  # every top >= 15, so top - code >= 1 for every code below 15
 MAX_HEADS = 256  # so a head's count of plain rows before it fits its u16
 # bit position of channel 8 m + r's nibble in word m
 NIBBLE_SHIFT = (0, 16, 4, 20, 8, 24, 12, 28)
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise InvalidArgumentError(msg)
 
 
 def coded_head_bytes(head_dim: int) -> int:
@@ -77,14 +72,6 @@ def header_bytes(heads: int) -> int:
 def page_length(heads: int, head_dim: int, plain_rows):
     """Bytes of a page with ``plain_rows`` plain token rows (an int or an integer tensor)."""
     return header_bytes(heads) + heads * coded_head_bytes(head_dim) + plain_rows * 2 * head_dim
-
-
-def _bits(values: torch.Tensor) -> torch.Tensor:
-    """16-bit patterns as int32 in [0, 65535]: bf16 or int16/uint16 input."""
-    if values.dtype == torch.bfloat16:
-        values = values.view(torch.int16)
-    _check(values.dtype in (torch.int16, torch.uint16), f"values must be bf16 or their int16 bits, not {values.dtype}")
-    return values.to(torch.int32) & 0xFFFF
 
 
 def _check_shape(heads: int, head_dim: int) -> None:
@@ -199,12 +186,6 @@ def encode_pages(values: torch.Tensor) -> EncodedPages:
                        raw[..., order].reshape(n, h, -1)], dim=2)  # [n, H, 25 D]
     le = torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).reshape(n, h, PAGE_TOKENS, 2 * d)
     return EncodedPages(slots, plain, le[plain], h, d)
-
-
-def _u32(b: torch.Tensor) -> torch.Tensor:
-    """Little-endian u32 from uint8 [..., 4k] as int64 [..., k]."""
-    w = b.to(torch.int64).reshape(*b.shape[:-1], -1, 4)
-    return w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16) | (w[..., 3] << 24)
 
 
 def _popc16(x: torch.Tensor) -> torch.Tensor:

@@ -1122,7 +1122,7 @@ class PagedDecodeAttention:
                f"compact pages need head_dim >= 32 (bit planes are read as 32-bit words), not {head_dim}")
         _check(block_size > 0 and block_size % PAGE_TOKENS == 0,
                f"block_size must be a positive multiple of {PAGE_TOKENS}, not {block_size}")
-        exact = page_type in ("exact", "exact4")
+        exact = PAGE_TYPES[page_type] in EXACT_PAGES
         _check(not exact or block_size == PAGE_TOKENS,
                f"{page_type} pages: one {PAGE_TOKENS}-token page per block (block_size {PAGE_TOKENS}), not {block_size}")
         _check(not exact or head_dim >= 32, f"{page_type} pages need head_dim >= 32, not {head_dim}")

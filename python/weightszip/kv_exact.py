@@ -862,11 +862,14 @@ class KVExactCache:
                                        f"describe a page of {int(pz[bad])} bytes")
         if verify:
             for layer, kind in zip(*np.nonzero(has)):
-                p = offs[layer, kind][present[layer, kind]]
-                if self._exact4:
-                    ref4.decode_heap_pages(self.heap.buf, p, h, self.D)
-                else:
-                    ref.decode_heap_pages(self.heap.buf, p, bases[layer, kind].to(self.device), h, self.D)
+                self._decode_heap_pages(offs[layer, kind][present[layer, kind]], bases[layer, kind])
+
+    def _decode_heap_pages(self, offsets: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
+        """The pages of the heap at ``offsets`` through the validating reference decoder of the
+        cache's format (``bases``: the window tops they were coded with; KV Exact pages only)."""
+        if self._exact4:
+            return ref4.decode_heap_pages(self.heap.buf, offsets, self.H, self.D)
+        return ref.decode_heap_pages(self.heap.buf, offsets, bases.to(self.device), self.H, self.D)
 
     # -- inspection ------------------------------------------------------------------------------------
     def dense(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -878,11 +881,7 @@ class KVExactCache:
         out = []
         for kind in range(2):
             blocks = torch.as_tensor(self._bt[seq, :full], device=self.device)
-            offs = self.offsets[layer, kind, blocks]
-            if self._exact4:
-                bits = ref4.decode_heap_pages(self.heap.buf, offs, self.H, self.D)
-            else:
-                bits = ref.decode_heap_pages(self.heap.buf, offs, self.bases[layer, kind], self.H, self.D)
+            bits = self._decode_heap_pages(self.offsets[layer, kind, blocks], self.bases[layer, kind])
             paged = bits.view(torch.bfloat16).reshape(full * PAGE, self.H, self.D)
             tail = self.ring[layer, kind, seq, : n - full * PAGE]
             out.append(torch.cat([paged, tail], 0))
