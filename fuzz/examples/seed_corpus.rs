@@ -10,6 +10,8 @@
 //! - chunk_decode/:    `[raw length u16 LE] ++ chunk payload`, cut from those containers.
 //! - round_trip/:      parameter strings in the layout documented in fuzz_targets/round_trip.rs.
 //! - page_decode/:     KV Exact pages in the layout documented in fuzz_targets/page_decode.rs.
+//! - kvx4_decode/:     KV Exact4 pages (one, or two with the middle offset between them), with and
+//!   without plain rows, in the layout documented in fuzz_targets/kvx4_decode.rs.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -107,7 +109,7 @@ fn write(dir: &Path, name: &str, data: &[u8]) {
 
 fn main() {
     let root = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "corpus".into()));
-    let dirs = ["container_parse", "chunk_decode", "round_trip", "page_decode"].map(|t| {
+    let dirs = ["container_parse", "chunk_decode", "round_trip", "page_decode", "kvx4_decode"].map(|t| {
         let d = root.join(t);
         fs::create_dir_all(&d).unwrap();
         // Replace the previous seeds (their names may change); leave the fuzzer's files alone.
@@ -358,5 +360,28 @@ fn main() {
         input.extend_from_slice(&bases);
         weightszip_core::kvx::encode_page(shape, &bases, &values, &mut input).unwrap();
         write(&dirs[3], &format!("seed-kvx-{heads}x{}", 32 * dims), &input);
+    }
+
+    // kvx4_decode: [selector] ++ middle offset (u64 LE) ++ one or two KV Exact4 pages (1 to 4 heads
+    // of 32 or 64 channels); `tiny` values 2^-60 (one in `tiny` values) make plain rows
+    println!("kvx4_decode:");
+    let kvx4_seeds = [(1usize, 1usize, 0u64, 1usize), (2, 1, 40, 1), (3, 2, 200, 1), (4, 1, 25, 2), (1, 2, 0, 2)];
+    for (heads, dims, tiny, pages) in kvx4_seeds {
+        let shape = weightszip_core::kvx4::Shape::new(heads, 32 * dims).unwrap();
+        let values: Vec<u8> = (0..pages * 16 * shape.channels())
+            .flat_map(|_| {
+                let r = rng.next();
+                let e = 124u16.saturating_sub((r % 64).trailing_zeros() as u16 * 2);
+                let tiny_here = tiny > 0 && (r >> 12).is_multiple_of(tiny);
+                let v = if tiny_here { 0x2180 } else { ((r >> 20) as u16 & 0x807F) | (e << 7) };
+                v.to_le_bytes()
+            })
+            .collect();
+        let (buf, offs) = weightszip_core::kvx4::encode_pages(shape, &values).unwrap();
+        let mut input = vec![((heads - 1) | ((dims - 1) << 2)) as u8];
+        input.extend_from_slice(&offs[1].to_le_bytes());
+        input.extend_from_slice(&buf);
+        let plain = if tiny > 0 { "-plain" } else { "" };
+        write(&dirs[4], &format!("seed-kvx4-{heads}x{}-{pages}p{plain}", 32 * dims), &input);
     }
 }

@@ -31,8 +31,8 @@ written by the reference encoder (torch operations on the cache's device).
 Also here: ``offload_sequence`` / ``restore_sequence`` (a sequence's compressed pages to host memory
 and back, no decoding), ``generate`` / ``kv_exact_attention`` (a transformers model's attention
 reading the cache; ``attend(reference=True)`` runs the same kernel over the pages decoded to bf16),
-and ``cpu_encode_pages`` / ``cpu_decode_pages`` (the Rust codec: the same bytes on the CPU,
-validating every page).
+and ``cpu_encode_pages`` / ``cpu_decode_pages`` and ``cpu_encode_exact4_pages`` /
+``cpu_decode_exact4_pages`` (the Rust codecs: the same bytes on the CPU, validating every page).
 """
 
 from __future__ import annotations
@@ -106,6 +106,39 @@ def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarr
     out = np.empty((n, PAGE, heads, head_dim), np.uint16)
     _core.kvx_decode(heads, head_dim, _bases(bases, heads * head_dim), src.ctypes.data, src.nbytes,
                      [int(o) for o in offs], out.ctypes.data, out.nbytes)
+    return out
+
+
+def cpu_encode_exact4_pages(values) -> tuple[bytes, np.ndarray]:
+    """KV Exact4 pages of ``[n, 16, H, D]`` bf16 values by the Rust codec (the bytes the GPU kernels
+    read and ``kv_exact4_ref.encode_pages(values).to_bytes()`` writes): (pages back to back, int64
+    offsets [n + 1])."""
+    a = _u16(values)
+    _check(a.ndim == 4 and a.shape[1] == PAGE, f"values must be [n, {PAGE}, heads, head_dim], got {a.shape}")
+    _, _, h, d = a.shape
+    buf, offs = _core.kvx4_encode(h, d, a.ctypes.data, a.nbytes)
+    return buf, np.asarray(offs, np.int64)
+
+
+def cpu_decode_exact4_pages(buf, offsets, heads: int, head_dim: int) -> np.ndarray:
+    """Validate and decode KV Exact4 pages stored back to back (page i = ``buf[offsets[i]:offsets[i +
+    1]]``) by the Rust codec: uint16 ``[n, 16, heads, head_dim]``. Damaged or hostile bytes raise
+    TruncatedError / CorruptDataError naming the page, the same class as ``kv_exact4_ref.decode_pages``
+    raises for the same input."""
+    src = _bytes(buf)
+    offs = np.asarray(offsets).reshape(-1)
+    _check(offs.size >= 1 and offs.dtype.kind in "iu", "offsets must be n + 1 integers")
+    _check(0 < heads <= ref4.MAX_HEADS, f"KV Exact4 pages hold 1 to {ref4.MAX_HEADS} KV heads, not {heads}")
+    _check(head_dim > 0 and head_dim % 32 == 0, f"head_dim must be a positive multiple of 32, not {head_dim}")
+    if heads * head_dim > 1 << 16:
+        raise LimitExceededError(f"{heads} x {head_dim} channels (at most {1 << 16})")
+    n = offs.size - 1
+    out = np.empty((n, PAGE, heads, head_dim), np.uint16)
+    # int64 offsets cross as u64 (two's complement): a negative one lies past any buffer's end, so the
+    # codec tells hostile offsets apart as the reference does (not from 0 to the end: Truncated; a
+    # middle one decreasing or outside the buffer: Corrupt)
+    _core.kvx4_decode(heads, head_dim, src.ctypes.data, src.nbytes, [int(o) % (1 << 64) for o in offs],
+                      out.ctypes.data, out.nbytes)
     return out
 
 

@@ -8,6 +8,7 @@ pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod kvx;
+pub mod kvx4;
 pub mod page;
 pub mod rans;
 
