@@ -284,7 +284,79 @@ def speed_main(args):
         except Exception as e:  # report, never hide
             res["dfloat11"] = {"error": f"{type(e).__name__}: {e}"}
         print("dfloat11", res["dfloat11"], flush=True)
+    if args.exact4:
+        res["kv_exact4"] = exact4_speed(args, sets, reps, torch)
     (outdir / "gpu_codec_speed.json").write_text(json.dumps(res, indent=1))
+
+
+def exact4_speed(args, sets, reps, torch):
+    """KV Exact4 pages (kv_exact4_codec) on the same tiled bytes: the Triton encoder (sizes pass, the
+    host's prefix sum and one sync, write pass) and the validating decoder, checked against the
+    PyTorch reference and, where the extension has them, the Rust codec both ways; the attention
+    kernel's tile loader (``dequantize_exact4_pages``, no checks) timed on the same pages."""
+    from weightszip.kernels import kv_exact4_codec as C4
+    from weightszip.kernels import kv_exact4_ref as R4
+    from weightszip.kernels.paged_decode import dequantize_exact4_pages
+
+    dev = args.device
+    c = sets[0][3].shape[1]
+    h, d = c // 128, 128
+    vu = torch.from_numpy(np.concatenate([x for *_, x in sets]).view(np.int16).reshape(-1, 16, h, d)).to(dev)
+    res = {"checks": {}}
+    gb, go = C4.encode_pages(vu)
+    rb, ro = R4.encode_pages(vu).to_bytes()
+    res["checks"]["triton_encode_equals_reference"] = bool(torch.equal(gb, rb) and torch.equal(go, ro))
+    res["checks"]["triton_decodes"] = bool(torch.equal(C4.decode_pages(rb, ro, h, d), vu))
+    try:
+        from weightszip import kv_exact
+
+        hb, ho = kv_exact.cpu_encode_exact4_pages(vu.cpu().numpy().view(np.uint16))
+        res["checks"]["triton_encode_equals_rust"] = bool(np.array_equal(gb.cpu().numpy(), np.frombuffer(hb, np.uint8))
+                                                          and np.array_equal(go.cpu().numpy(), ho))
+        back = kv_exact.cpu_decode_exact4_pages(gb.cpu().numpy(), go.cpu().numpy(), h, d)
+        res["checks"]["rust_decodes_triton_pages"] = bool(np.array_equal(back, vu.cpu().numpy().view(np.uint16)))
+    except (ImportError, AttributeError) as e:
+        res["checks"]["rust"] = f"not in this build: {e}"
+    res["ratio_all_tokens"] = gb.numel() / (2 * vu.numel())
+    print("exact4 checks", res["checks"], "ratio", res["ratio_all_tokens"], flush=True)
+    big = vu.repeat(reps, 1, 1, 1)
+    total_raw = big.numel() * 2
+    enc = {}
+
+    def enc_all():
+        enc["b"], enc["o"] = C4.encode_pages(big)
+
+    enc_all()
+    ent, lengths = C4.page_entries(big)
+    starts = enc["o"][:-1].contiguous()
+
+    def write_only():
+        C4.write_pages(big, ent, starts, enc["b"])
+
+    out = {}
+
+    def dec_all():
+        out["x"] = C4.decode_pages(enc["b"], enc["o"], h, d)
+
+    def tiles():
+        out["t"] = dequantize_exact4_pages(enc["b"], starts, h, d)
+
+    dec_all()
+    tiles()
+    res["checks"]["tiled_round_trip"] = bool(torch.equal(out["x"], big))
+    res["checks"]["tile_loader_round_trip"] = bool(torch.equal(out["t"], big))
+    del out["t"]
+    res["raw_bytes"] = total_raw
+    res["ratio_tiled"] = enc["b"].numel() / total_raw
+    for name, fn in (("encode", enc_all), ("encode_sizes_pass", lambda: C4.page_entries(big)),
+                     ("encode_write_pass", write_only), ("decode_validating", dec_all), ("decode_tile_loader", tiles)):
+        t, times = _timed(fn, args.repeats, torch)
+        res[name + "_GBps"] = total_raw / t / 1e9
+        res[name + "_times"] = times
+        print("exact4", name, f"{total_raw / t / 1e9:.0f} GB/s", flush=True)
+    dec_all()
+    res["checks"]["round_trip_after_timing"] = bool(torch.equal(out["x"], big))
+    return res
 
 
 def dfloat11_speed(args, groups, reps, total_raw, torch):
@@ -356,6 +428,7 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run under TRITON_INTERPRET=1")
     ap.add_argument("--dfloat11", default=None, help="speed: also time DFloat11's GPU decoder; a folder with the dfloat11 "
                     "and dahuffman wheels unpacked (needs CuPy)")
+    ap.add_argument("--exact4", action="store_true", help="speed: also KV Exact4 pages (kv_exact4_codec) on the same bytes")
     args = ap.parse_args()
     if args.ratio:
         ratio_main(args)

@@ -759,18 +759,20 @@ def test_cache_beyond_the_write_kernels_and_failed_copies_leave_no_trace(real, m
     assert arena.used == 16 and s0 in cache._live
 
 
-def test_write_kernels_and_reference_store_the_same_cache(real):
+@pytest.mark.parametrize("page_format", ["exact", "exact4"])
+def test_write_kernels_and_reference_store_the_same_cache(real, page_format):
     """The same appends through the write kernels and through the reference encoder
     (``write_kernels=False``) leave the same heap bytes, offsets and sizes."""
     caches = [KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=2,
-                           max_tokens=256, device=DEVICE, config=CFG, write_kernels=w) for w in (True, False)]
+                           max_tokens=256, device=DEVICE, config=CFG, write_kernels=w, page_format=page_format)
+              for w in (True, False)]
     for cache in caches:
         a, b = cache.add_sequence(), cache.add_sequence()
         _run_cache(real, cache, [(a, 50), (b, 33)], steps=3, g=torch.Generator().manual_seed(8))
     k, r = caches
     import weightszip.kv_exact as kvx
 
-    assert kvx._write_kernels(k.device, H, D) is not None and not r.write_kernels  # two paths ran
+    assert kvx._write_kernels(k.device, H, D, page_format) is not None and not r.write_kernels  # two paths ran
     assert k.heap.used == r.heap.used > 0 and torch.equal(k.heap.buf, r.heap.buf)
     assert torch.equal(k.offsets, r.offsets) and (k.sizes == r.sizes).all()
 

@@ -493,10 +493,14 @@ def _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_D
 # (no borrow: top >= 15 >= code), lanes with code 15 cleared (exponent 0: (k + 1 << 7) has bit 11 set
 # exactly there, spread to bits 7-14 by a multiply), and the sign / mantissa bits from a sign-
 # replicating byte permute of the raw bytes. About 12 instructions per two values.
-def _exact4_pair_ptx(p: int) -> str:
-    src_code = f"shl.b32 k, $8, {7 - 4 * p};" if p < 2 else f"shr.u32 k, $8, {4 * p - 7};"
-    raw, sel = ("$9", "$10")[p // 2], ("0x9180", "0xB3A2")[p % 2]
-    top, tsel = ("$11", "$12")[p // 2], ("0x4140", "0x4342")[p % 2]
+def _exact4_pair_ptx(p: int, words: bool = False) -> str:
+    """Pair ``p`` (channels 8 m + 2 p and 8 m + 2 p + 1). ``words``: the two values as one u32 (low
+    half the first), in output $p, the inputs at $4 .. $8 (``kv_exact4_codec``'s decoder)."""
+    a = 4 if words else 8  # the first input operand
+    src_code = f"shl.b32 k, ${a}, {7 - 4 * p};" if p < 2 else f"shr.u32 k, ${a}, {4 * p - 7};"
+    raw, sel = (f"${a + 1}", f"${a + 2}")[p // 2], ("0x9180", "0xB3A2")[p % 2]
+    top, tsel = (f"${a + 3}", f"${a + 4}")[p // 2], ("0x4140", "0x4342")[p % 2]
+    out = f"mov.b32 ${p}, e;" if words else f"mov.b32 {{${2 * p}, ${2 * p + 1}}}, e;"
     return f"""{src_code}
 and.b32 k, k, 0x07800780;
 prmt.b32 t, {top}, 0, {tsel};
@@ -511,11 +515,16 @@ and.b32 e, e, z;
 prmt.b32 x, {raw}, 0, {sel};
 and.b32 x, x, 0x807F807F;
 or.b32 e, e, x;
-mov.b32 {{${2 * p}, ${2 * p + 1}}}, e;
+{out}
 """
 
 
-_EXACT4_ASM = tl.constexpr("{\n.reg .b32 k, t, e, z, x;\n" + "".join(_exact4_pair_ptx(p) for p in range(4)) + "}")
+def exact4_asm(words: bool = False) -> str:
+    """The PTX of ``_exact4_pair_ptx``'s four pairs: eight values of a token row's code word."""
+    return "{\n.reg .b32 k, t, e, z, x;\n" + "".join(_exact4_pair_ptx(p, words) for p in range(4)) + "}"
+
+
+_EXACT4_ASM = tl.constexpr(exact4_asm())
 _EXACT4_CONSTRAINTS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 5))
 _EXACT4_DTYPES = tl.constexpr((tl.int16,) * 8)
 

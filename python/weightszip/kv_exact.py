@@ -26,7 +26,7 @@ the first page each layer writes.
 ``kv_exact4_ref``): 0.78-0.82 of bf16 on real KV (mean 0.789) instead of 0.70, with no calibration
 (each page carries its window tops), and attention that decodes them 2.4-2.7x faster than KV
 Exact's (still 0.36-0.40x of bf16 attention on the H200: BENCHMARKS.md, "KV Exact4"). Its pages are
-written by the reference encoder (torch operations on the cache's device).
+written by ``kernels.kv_exact4_codec`` (Triton; the reference encoder's bytes) where the kernels run.
 
 Also here: ``offload_sequence`` / ``restore_sequence`` (a sequence's compressed pages to host memory
 and back, no decoding), ``generate`` / ``kv_exact_attention`` (a transformers model's attention
@@ -169,14 +169,17 @@ def _kernels_run(device: torch.device) -> bool:
     return device.type == "cuda" or interpreting()
 
 
-def _write_kernels(device: torch.device, heads: int, head_dim: int):
-    """kernels.kv_exact_write for a cache on a GPU (or in Triton's interpreter) of a shape it takes,
-    else None (the reference encoder writes the same bytes)."""
+def _write_kernels(device: torch.device, heads: int, head_dim: int, page_format: str = "exact"):
+    """The write kernels of ``page_format`` (kernels.kv_exact_write; exact4: kernels.kv_exact4_codec)
+    for a cache on a GPU (or in Triton's interpreter) of a shape they take, else None (the reference
+    encoder writes the same bytes)."""
     if _kernels_run(device):
-        from weightszip.kernels import kv_exact_write
-
-        if kv_exact_write.supports(heads, head_dim):
-            return kv_exact_write
+        if page_format == "exact4":
+            from weightszip.kernels import kv_exact4_codec as kernels
+        else:
+            from weightszip.kernels import kv_exact_write as kernels
+        if kernels.supports(heads, head_dim):
+            return kernels
     return None
 
 
@@ -432,8 +435,7 @@ class KVExactCache:
                  page_format: str = "exact"):
         """``write_kernels``: store pages through the Triton write kernels where they run (a GPU, or
         the interpreter); False: the reference encoder always (the same bytes; benchmarks compare).
-        ``page_format``: "exact" (KV Exact pages) or "exact4" (KV Exact4 pages: no ``bases``; always
-        the reference encoder)."""
+        ``page_format``: "exact" (KV Exact pages) or "exact4" (KV Exact4 pages: no ``bases``)."""
         from weightszip.kernels import PagedDecodeAttention
 
         _check(page_format in ("exact", "exact4"), f"page_format must be 'exact' or 'exact4', not {page_format!r}")
@@ -579,12 +581,15 @@ class KVExactCache:
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
         blocks_t = _to_device(blocks_np, self.device)
         encoded, placed, new_bases = [], [], {}
-        kernel = _write_kernels(self.device, self.H, self.D) if self.write_kernels and not self._exact4 else None
+        kernel = _write_kernels(self.device, self.H, self.D, self.page_format) if self.write_kernels else None
         try:
             for kind, pages in ((0, kp), (1, vp)):
-                if self._exact4:
-                    enc = ref4.encode_pages(pages)
-                    encoded.append((enc, enc.lengths))
+                if self._exact4:  # (kernels: plain rows per (page, head) now, every byte once placed)
+                    if kernel:
+                        encoded.append((pages, *kernel.page_entries(pages)))
+                    else:
+                        enc = ref4.encode_pages(pages)
+                        encoded.append((enc, enc.lengths))
                     continue
                 bases = self.bases[layer, kind]
                 if not self._calibrated[layer, kind]:  # the first pages of this layer and kind choose
@@ -613,7 +618,9 @@ class KVExactCache:
         self.block_table[seq_idx, page_idx] = blocks_t.to(torch.int32)
         for kind, (enc, (offs, sizes)) in enumerate(zip(encoded, placed)):
             offs_t = _to_device(offs, self.device)
-            if kernel:
+            if kernel and self._exact4:
+                kernel.write_pages(enc[0], enc[1], offs_t, self.heap.buf)
+            elif kernel:
                 kernel.write_pages(enc[0], enc[1], enc[2], offs_t, self.heap.buf)
             else:
                 enc[0].write(self.heap.buf, offs_t)

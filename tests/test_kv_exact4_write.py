@@ -1,0 +1,177 @@
+"""KV Exact4 pages on the GPU (kernels.kv_exact4_codec): the encoder writes the reference encoder's
+bytes; the validating decoder returns the reference decoder's values, or its error (class, page and
+rule) for damaged pages. CPU runs use Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json  # noqa: E402
+import pathlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError  # noqa: E402
+from weightszip.kernels import kv_exact4_codec as C4  # noqa: E402
+from weightszip.kernels import kv_exact4_ref as R4  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+DATA = pathlib.Path(__file__).parent / "data"
+H, D = 3, 64
+
+
+@pytest.fixture(scope="module")
+def pages():
+    """Six pages of real SmolLM2 K and V ([6, 16, 3, 64] int16 bits) with what real pages rarely hold:
+    plain rows (a value far below its channel's top, one at 2**-60), exact zeros, a zero row,
+    subnormals, and a channel whose top is 15 (the least)."""
+    meta = json.loads((DATA / "kv_smollm2_64tok.json").read_text())
+    assert meta["num_kv_heads"] == H and meta["head_dim"] == D
+    a = np.load(DATA / "kv_smollm2_64tok.npy").astype(np.int16).reshape(2, 3, 64, H, D)
+    x = torch.from_numpy(np.concatenate([a[0, 1, :48], a[1, 2, :48]])).reshape(6, 16, H, D).clone()
+    x[0, 5, 1, 7] = 0x2000  # 2**-63: its row is plain
+    x[1, 3, 2, 9] = -0x6000 + 0x1000  # a negative value far below its channel's top
+    x[1, 4, 2, 9] = 0x2180  # a second plain row in the same head
+    x[2, 2, 0, 9] = 0
+    x[2, 3, 2, :] = 0
+    x[3, 0, 0, 3] = 0x0001  # a subnormal: exponent 0, coded as 15
+    x[4, :, 1, 5] = 0x0790  # exponent 15 in every row: top 15
+    return x.to(DEVICE)
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except (TruncatedError, CorruptDataError) as e:
+        return type(e).__name__, str(e)
+
+
+def _same(a, b) -> bool:
+    if a[0] != b[0]:
+        return False
+    return torch.equal(a[1], b[1]) if a[0] == "ok" else a[1] == b[1]
+
+
+def test_encoder_writes_the_reference_bytes(pages):
+    ref = R4.encode_pages(pages)
+    assert ref.plain[0, 1, 5] and ref.plain[1, 2, 3] and ref.plain[1, 2, 4]  # the plain rows are there
+    want, want_off = ref.to_bytes()
+    got, off = C4.encode_pages(pages)
+    assert torch.equal(off.cpu(), want_off.cpu()) and torch.equal(got.cpu(), want.cpu())
+    # placed pages: the write pass at offsets of the caller's choice, bytes between them untouched
+    ent, lengths = C4.page_entries(pages)
+    assert torch.equal(lengths.cpu(), ref.lengths.cpu())
+    assert torch.equal((ent & 0xFFFF).cpu(), (ref.plain.to(torch.int32) << torch.arange(16)).sum(2).to(torch.int32))
+    gaps = torch.arange(len(pages), device=DEVICE) * 32
+    starts = torch.nn.functional.pad(lengths.cumsum(0)[:-1], (1, 0)) + gaps
+    buf = torch.full((int(starts[-1] + lengths[-1]) + 32,), 0xA5, dtype=torch.uint8, device=DEVICE)
+    C4.write_pages(pages, ent, starts.contiguous(), buf)
+    for i in range(len(pages)):
+        s, n = int(starts[i]), int(lengths[i])
+        assert torch.equal(buf[s:s + n].cpu(), want[int(want_off[i]):int(want_off[i + 1])].cpu())
+        assert bool((buf[s + n:s + n + 32] == 0xA5).all())
+
+
+def test_decoder_returns_the_values(pages):
+    buf, off = R4.encode_pages(pages).to_bytes()
+    assert torch.equal(C4.decode_pages(buf, off, H, D), pages)
+    # offsets off the 16-byte grid (hostile): the reference decoder's verdict
+    shifted = torch.cat([torch.zeros(8, dtype=torch.uint8, device=DEVICE), buf])
+    got = _outcome(lambda: C4.decode_pages(shifted, torch.cat([off[:1], off + 8]), H, D))
+    assert got[0] != "ok"
+    assert _same(got, _outcome(lambda: R4.decode_pages(shifted, torch.cat([off[:1], off + 8]), H, D)))
+
+
+@pytest.mark.parametrize("rule, damage", [
+    ("shorter than its", lambda b, o: (b[: int(o[1]) - 16], torch.tensor([0, int(o[1]) - 16]))),
+    ("nonzero header padding", lambda b, o: _set(b, 12, 1)),
+    ("count of earlier plain rows", lambda b, o: _set(b, 4 + 2, 1)),
+    ("longer than its plain rows", lambda b, o: (torch.cat([b[: int(o[1])], torch.zeros(128, dtype=torch.uint8,
+                                                 device=b.device)]), torch.tensor([0, int(o[1]) + 128]))),
+    ("codes or raw bytes are not zero", lambda b, o: _set(b, 16 + 25 * D * 1 + D + 5 * D // 2, 1)),
+    ("window top below", lambda b, o: _set(b, 16 + 3, 14)),
+    ("largest exponent", lambda b, o: _no_code_zero(b)),
+])
+def test_each_rule_gives_the_reference_error(pages, rule, damage):
+    """Page 0 (a plain row in head 1) broken one rule at a time: the same class, page and message."""
+    buf, off = R4.encode_pages(pages[:1]).to_bytes()
+    bad, boff = damage(buf.clone(), off)
+    boff = boff.to(DEVICE)
+    got = _outcome(lambda: C4.decode_pages(bad, boff, H, D))
+    assert got[0] != "ok" and rule in got[1], got
+    assert _same(got, _outcome(lambda: R4.decode_pages(bad, boff, H, D)))
+
+
+def _no_code_zero(b):
+    """Channel 0 of head 0 coded 1 in every row: its largest exponent falls below its top."""
+    for t in range(16):
+        i = 16 + D + t * D // 2
+        b[i] = (b[i] & 0xF0) | 1
+    return b, torch.tensor([0, b.numel()])
+
+
+def _set(b, i, v):
+    b[i] = v
+    return b, torch.tensor([0, b.numel()])
+
+
+def test_plain_row_whose_values_all_have_codes_is_refused(pages):
+    """A head's mask claims a plain row whose stored values all have codes (a canonical encoder codes
+    that row): CorruptDataError, as the reference says."""
+    x = pages[2:3].clone()  # no plain rows
+    buf, off = R4.encode_pages(x).to_bytes()
+    fixed = R4.page_length(H, D, 0)
+    row = x[0, 6, 0].cpu()  # token 6 of head 0 becomes plain: header, zeroed slot row, its values
+    hdr = buf[:16].clone()
+    hdr[0] = 1 << 6
+    hdr[6] = 1  # heads 1 and 2 count one plain row before them
+    hdr[10] = 1
+    body = buf[16:fixed].clone()
+    body[D + 6 * D // 2: D + 7 * D // 2] = 0
+    body[9 * D + 6 * D: 9 * D + 7 * D] = 0
+    vals = torch.from_numpy(row.numpy().view(np.uint8).copy()).to(DEVICE)
+    bad = torch.cat([hdr, body, vals])
+    boff = torch.tensor([0, bad.numel()], device=DEVICE)
+    got = _outcome(lambda: C4.decode_pages(bad, boff, H, D))
+    assert got[0] == "CorruptDataError" and "all have codes" in got[1]
+    assert _same(got, _outcome(lambda: R4.decode_pages(bad, boff, H, D)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_damaged_pages_same_verdict_as_the_reference(pages, data):
+    """Bit flips, byte overwrites and cuts anywhere in three pages: the kernel decodes what the
+    reference decodes (the same values) and refuses what it refuses (the same error)."""
+    buf, off = R4.encode_pages(pages[:3]).to_bytes()
+    buf = buf.clone()
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, buf.numel() - 1))
+        if data.draw(st.booleans()):
+            buf[i] ^= 1 << data.draw(st.integers(0, 7))
+        else:
+            buf[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        cut = data.draw(st.integers(1, buf.numel()))
+        buf = buf[:cut].clone()
+        off = off.clamp(max=cut)
+    got = _outcome(lambda: C4.decode_pages(buf, off, H, D))
+    assert _same(got, _outcome(lambda: R4.decode_pages(buf, off, H, D))), got
+
+
+def test_argument_checks(pages):
+    with pytest.raises(InvalidArgumentError):
+        C4.encode_pages(pages.float())
+    with pytest.raises(InvalidArgumentError):
+        C4.encode_pages(torch.zeros((1, 16, 2, 48), dtype=torch.int16, device=DEVICE))  # head_dim 48
+    with pytest.raises(InvalidArgumentError):
+        C4.decode_pages(torch.zeros(16, dtype=torch.uint8, device=DEVICE), torch.tensor([0, 16]), 257, 64)
+    ent, lengths = C4.page_entries(pages)
+    with pytest.raises(InvalidArgumentError):  # entries of another shape
+        C4.write_pages(pages, ent[:, :2].contiguous(), lengths, torch.empty(1 << 16, dtype=torch.uint8, device=DEVICE))
+    assert C4.encode_pages(pages[:0])[0].numel() == 0
+    assert C4.decode_pages(torch.zeros(0, dtype=torch.uint8, device=DEVICE), torch.tensor([0]), H, D).shape == (0, 16, H, D)
