@@ -66,7 +66,7 @@ def test_encoder_writes_the_reference_bytes(pages):
     # placed pages: the write pass at offsets of the caller's choice, bytes between them untouched
     ent, lengths = C4.page_entries(pages)
     assert torch.equal(lengths.cpu(), ref.lengths.cpu())
-    assert torch.equal((ent & 0xFFFF).cpu(), (ref.plain.to(torch.int32) << torch.arange(16)).sum(2).to(torch.int32))
+    assert torch.equal((ent & 0xFFFF).cpu(), (ref.plain.cpu().to(torch.int32) << torch.arange(16)).sum(2).to(torch.int32))
     gaps = torch.arange(len(pages), device=DEVICE) * 32
     starts = torch.nn.functional.pad(lengths.cumsum(0)[:-1], (1, 0)) + gaps
     buf = torch.full((int(starts[-1] + lengths[-1]) + 32,), 0xA5, dtype=torch.uint8, device=DEVICE)
@@ -175,3 +175,17 @@ def test_argument_checks(pages):
         C4.write_pages(pages, ent[:, :2].contiguous(), lengths, torch.empty(1 << 16, dtype=torch.uint8, device=DEVICE))
     assert C4.encode_pages(pages[:0])[0].numel() == 0
     assert C4.decode_pages(torch.zeros(0, dtype=torch.uint8, device=DEVICE), torch.tensor([0]), H, D).shape == (0, 16, H, D)
+
+
+def test_rust_and_kernels_read_each_others_pages(pages):
+    """Both ways with the Rust codec: the kernels decode Rust-encoded pages, Rust decodes the kernels'
+    pages, and both encoders write the same bytes."""
+    from weightszip.kv_exact import cpu_decode_exact4_pages, cpu_encode_exact4_pages
+
+    host = pages.cpu().numpy().view(np.uint16)
+    rbuf, roff = cpu_encode_exact4_pages(host)
+    rb = torch.from_numpy(np.frombuffer(rbuf, np.uint8).copy()).to(DEVICE)
+    assert torch.equal(C4.decode_pages(rb, torch.from_numpy(roff).to(DEVICE), H, D), pages)
+    gb, go = C4.encode_pages(pages)
+    assert torch.equal(gb, rb) and np.array_equal(go.cpu().numpy(), roff)
+    assert np.array_equal(cpu_decode_exact4_pages(gb.cpu().numpy(), go.cpu().numpy(), H, D), host)
