@@ -88,12 +88,15 @@ def test_decoder_returns_the_values(pages):
 
 
 @pytest.mark.parametrize("rule, damage", [
-    ("shorter than its", lambda b, o: (b[: int(o[1]) - 16], torch.tensor([0, int(o[1]) - 16]))),
+    ("shorter than its plain rows", lambda b, o: (b[: int(o[1]) - 16], torch.tensor([0, int(o[1]) - 16]))),
+    ("bytes of header and slots", lambda b, o: (b[:4800], torch.tensor([0, 4800]))),  # (16-byte aligned)
     ("nonzero header padding", lambda b, o: _set(b, 12, 1)),
     ("count of earlier plain rows", lambda b, o: _set(b, 4 + 2, 1)),
     ("longer than its plain rows", lambda b, o: (torch.cat([b[: int(o[1])], torch.zeros(128, dtype=torch.uint8,
                                                  device=b.device)]), torch.tensor([0, int(o[1]) + 128]))),
     ("codes or raw bytes are not zero", lambda b, o: _set(b, 16 + 25 * D * 1 + D + 5 * D // 2, 1)),
+    ("codes or raw bytes are not zero", lambda b, o: _set(b, 16 + 25 * D * 1 + D + 5 * D // 2 + 3, 0x80)),  # sign bit
+    ("codes or raw bytes are not zero", lambda b, o: _set(b, 16 + 25 * D * 1 + 9 * D + 5 * D + 3, 0x80)),  # raw
     ("window top below", lambda b, o: _set(b, 16 + 3, 14)),
     ("largest exponent", lambda b, o: _no_code_zero(b)),
 ])
@@ -155,12 +158,25 @@ def test_damaged_pages_same_verdict_as_the_reference(pages, data):
             buf[i] ^= 1 << data.draw(st.integers(0, 7))
         else:
             buf[i] = data.draw(st.integers(0, 255))
-    if data.draw(st.booleans()):
-        cut = data.draw(st.integers(1, buf.numel()))
+    if data.draw(st.booleans()):  # (at a multiple of 16: other offsets go to the reference decoder)
+        cut = 16 * data.draw(st.integers(1, buf.numel() // 16))
         buf = buf[:cut].clone()
         off = off.clamp(max=cut)
     got = _outcome(lambda: C4.decode_pages(buf, off, H, D))
     assert _same(got, _outcome(lambda: R4.decode_pages(buf, off, H, D))), got
+
+
+def test_unaligned_values_and_other_shapes(pages):
+    """Values 2 bytes off a 16-byte boundary encode (copied first); a shape the kernels do not take
+    (head_dim 96) decodes through the reference decoder."""
+    flat = torch.zeros(pages.numel() + 1, dtype=torch.int16, device=DEVICE)
+    odd = flat[1:].view(pages.shape)
+    odd.copy_(pages)
+    assert odd.data_ptr() % 16 != 0
+    assert torch.equal(C4.encode_pages(odd)[0], R4.encode_pages(pages).to_bytes()[0])
+    x = pages[:2, :, :1, :].repeat(1, 1, 1, 2)[..., :96].contiguous()
+    buf, off = R4.encode_pages(x).to_bytes()
+    assert torch.equal(C4.decode_pages(buf, off, 1, 96), x)
 
 
 def test_argument_checks(pages):
@@ -170,6 +186,10 @@ def test_argument_checks(pages):
         C4.encode_pages(torch.zeros((1, 16, 2, 48), dtype=torch.int16, device=DEVICE))  # head_dim 48
     with pytest.raises(InvalidArgumentError):
         C4.decode_pages(torch.zeros(16, dtype=torch.uint8, device=DEVICE), torch.tensor([0, 16]), 257, 64)
+    from weightszip.kv_exact import cpu_encode_exact4_pages
+
+    with pytest.raises(InvalidArgumentError):  # float16 bits are not bf16 values
+        cpu_encode_exact4_pages(torch.zeros((1, 16, H, D), dtype=torch.float16))
     ent, lengths = C4.page_entries(pages)
     with pytest.raises(InvalidArgumentError):  # entries of another shape
         C4.write_pages(pages, ent[:, :2].contiguous(), lengths, torch.empty(1 << 16, dtype=torch.uint8, device=DEVICE))

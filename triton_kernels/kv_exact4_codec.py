@@ -303,7 +303,8 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, H, HDR, FIXED, D: tl.cons
         idx = (rank.to(tl.int64) * (D // 2))[None, :, None] + (m * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]
         x0, x1, x2, x3 = _split4(tl.load((buf_ptr + base + FIXED).to(I32) + idx, mask=pread[None, :, None], other=0), WR)
         pl = plain[None, :]
-        err |= tl.where(tl.max(tl.max(tl.where(pl, C | R0 | R1, 0), axis=1), axis=0) != 0, 32, 0)
+        nonzero = (tl.where(pl, C | R0 | R1, 0) != 0).to(tl.int32)  # (as flags: the words are signed)
+        err |= tl.where(tl.max(tl.max(nonzero, axis=1), axis=0) != 0, 32, 0)
         o0, o1, o2, o3 = tl.where(pl, x0, o0), tl.where(pl, x1, o1), tl.where(pl, x2, o2), tl.where(pl, x3, o3)
         v0, v1, v2, v3, v4, v5, v6, v7 = _lo(o0), _hi(o0), _lo(o1), _hi(o1), _lo(o2), _hi(o2), _lo(o3), _hi(o3)
         misses = _plain_rows(v0, v1, v2, v3, v4, v5, v6, v7, t0, t1, t2, t3, t4, t5, t6, t7)
@@ -355,7 +356,8 @@ def _values(values: torch.Tensor) -> torch.Tensor:
     _, _, h, d = values.shape
     _check(supports(h, d), f"the KV Exact4 kernels take kv_heads 1..{ref.MAX_HEADS} and head_dim 32, 64, 128 or 256, "
                            f"not {h} x {d}")
-    return values.contiguous().view(torch.int16)
+    v = values.contiguous().view(torch.int16)
+    return v if v.data_ptr() % 16 == 0 else v.clone()  # (the kernels load 16-byte words)
 
 
 def page_entries(values: torch.Tensor, *, num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,12 +404,13 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     """Validate and decode pages stored back to back (page i = ``buf[offsets[i]:offsets[i + 1]]``),
     as ``kv_exact4_ref.decode_pages``: int16 bits ``[n, 16, H, D]``, or its TruncatedError /
     CorruptDataError for the same rule and page. Two host syncs (the offsets' check, the verdict)."""
-    _check(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous(),
-           "buf must be a contiguous 1-D uint8 tensor")
+    _check(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1,
+           "buf must be a 1-D uint8 tensor")
     _check(isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() >= 1
            and not offsets.is_floating_point(), "offsets must be an integer tensor [n + 1]")
-    _check(supports(heads, head_dim), f"the KV Exact4 kernels take kv_heads 1..{ref.MAX_HEADS} and head_dim 32, 64, "
-                                      f"128 or 256, not {heads} x {head_dim}")
+    if not supports(heads, head_dim):  # other shapes: the reference decoder (the same rules)
+        return ref.decode_pages(buf, offsets, heads, head_dim)
+    buf = buf.contiguous()
     off, _ = ref.page_spans(buf, offsets)
     n, h, d = off.numel() - 1, heads, head_dim
     out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)

@@ -74,6 +74,14 @@ def _bases(bases, channels: int) -> bytes:
     return b.tobytes()
 
 
+def _bf16_bits(values) -> np.ndarray:
+    """bf16 values (a bf16 tensor, or int16 / uint16 bit patterns) as uint16 bits; float16 refused
+    (KV Exact pages hold bf16: float16 bits would code as other numbers)."""
+    _check(str(getattr(values, "dtype", "")) not in ("torch.float16", "float16"),
+           "KV Exact pages hold bfloat16 values (or their 16-bit patterns), not float16")
+    return _u16(values)
+
+
 def cpu_calibrate_bases(samples) -> np.ndarray:
     """Window tops uint8 [C] from ``[rows, C]`` bf16 samples, by the Rust codec (the same choice as
     ``kv_exact_ref.calibrate_bases``)."""
@@ -85,7 +93,7 @@ def cpu_calibrate_bases(samples) -> np.ndarray:
 def cpu_encode_pages(values, bases) -> tuple[bytes, np.ndarray]:
     """KV Exact pages of ``[n, 16, H, D]`` bf16 values by the Rust codec (the bytes the GPU kernels
     read and ``kv_exact_ref.encode_pages`` writes): (pages back to back, int64 offsets [n + 1])."""
-    a = _u16(values)
+    a = _bf16_bits(values)
     _check(a.ndim == 4 and a.shape[1] == PAGE, f"values must be [n, {PAGE}, heads, head_dim], got {a.shape}")
     _, _, h, d = a.shape
     buf, offs = _core.kvx_encode(h, d, _bases(bases, h * d), a.ctypes.data, a.nbytes)
@@ -113,7 +121,7 @@ def cpu_encode_exact4_pages(values) -> tuple[bytes, np.ndarray]:
     """KV Exact4 pages of ``[n, 16, H, D]`` bf16 values by the Rust codec (the bytes the GPU kernels
     read and ``kv_exact4_ref.encode_pages(values).to_bytes()`` writes): (pages back to back, int64
     offsets [n + 1])."""
-    a = _u16(values)
+    a = _bf16_bits(values)
     _check(a.ndim == 4 and a.shape[1] == PAGE, f"values must be [n, {PAGE}, heads, head_dim], got {a.shape}")
     _, _, h, d = a.shape
     buf, offs = _core.kvx4_encode(h, d, a.ctypes.data, a.nbytes)

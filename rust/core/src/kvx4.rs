@@ -18,9 +18,11 @@
 //!   A page is `HDR + 25 D H + 2 D P` bytes for `P` plain rows, always a multiple of 16 (no
 //!   padding after the plain rows).
 //! - The decoder checks every rule, so a page that decodes re-encodes to the same bytes.
-//!   [`decode_pages`] checks the pages' offsets and headers across all pages first and their
-//!   bodies after, in the reference decoder's order, so that the two raise the same error class
-//!   ([`Error::Truncated`] / [`Error::Corrupt`]) for the same input (tests/test_kv_exact4_rust.py).
+//!   [`decode_pages`] checks the pages' offsets and headers across all pages first, in the
+//!   reference decoder's order, and then each page's body, so that the two raise the same error
+//!   class ([`Error::Truncated`] / [`Error::Corrupt`]) for the same input
+//!   (tests/test_kv_exact4_rust.py); with damaged bodies in several pages the page named may
+//!   differ (every body rule is Corrupt).
 //! - Rows are coded and decoded in channel order through small scratch rows (`to_half_order`,
 //!   `pack_codes` and their inverses do the layout), so the per-value loops vectorize.
 
