@@ -33,12 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
+from weightszip.errors import CorruptDataError, TruncatedError
 
 from . import kv_exact4_ref as ref
 from ._interpreter_compat import apply as _interpreter_compat
 from ._interpreter_compat import interpreting as _interpreting
-from .paged_decode import exact4_asm
+from .kv_exact_ref import _check
+from .paged_decode import _popc, exact4_asm
 
 _interpreter_compat()
 
@@ -206,16 +207,6 @@ def _write_kernel(vals_ptr, ent_ptr, off_ptr, buf_ptr, H, HDR, FIXED, D: tl.cons
 
 
 @triton.jit
-def _popc16(x):
-    """Bits set in the low 16 bits of each int32 (SWAR)."""
-    u = x & 0xFFFF
-    u = u - ((u >> 1) & 0x5555)
-    u = (u & 0x3333) + ((u >> 2) & 0x3333)
-    u = (u + (u >> 4)) & 0x0F0F
-    return (u + (u >> 8)) & 0x1F
-
-
-@triton.jit
 def _byte(w, i: tl.constexpr):
     return (w >> (8 * i)) & 0xFF
 
@@ -261,7 +252,7 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, H, HDR, FIXED, D: tl.cons
     err = tl.where(ok, 0, 1)
     hs = tl.arange(0, HP)
     ents = tl.load((buf_ptr + base + 4 * hs).to(I32), mask=(hs < H) & ok, other=0)
-    cnt = _popc16(ents)
+    cnt = _popc(ents & 0xFFFF, FAST)
     ent = tl.sum(tl.where(hs == head, ents, 0), axis=0)
     before = (ent >> 16) & 0xFFFF
     err |= tl.where(ok & (before != tl.sum(tl.where(hs < head, cnt, 0), axis=0)), 4, 0)
@@ -298,7 +289,7 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, H, HDR, FIXED, D: tl.cons
     if (ent & 0xFFFF) != 0:  # plain rows (a few heads of a few pages): every value checked
         plain = ((ent >> t) & 1) != 0
         # at their rank after the slots, read only where they lie inside the page
-        rank = before + _popc16(ent & ((1 << t) - 1))
+        rank = before + _popc(ent & ((1 << t) - 1) & 0xFFFF, FAST)
         pread = plain & ok & (FIXED + rank.to(tl.int64) * (2 * D) + 2 * D <= length)
         idx = (rank.to(tl.int64) * (D // 2))[None, :, None] + (m * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]
         x0, x1, x2, x3 = _split4(tl.load((buf_ptr + base + FIXED).to(I32) + idx, mask=pread[None, :, None], other=0), WR)
@@ -337,11 +328,6 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, H, HDR, FIXED, D: tl.cons
 # ----------------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------------
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise InvalidArgumentError(msg)
 
 
 def supports(heads: int, head_dim: int) -> bool:

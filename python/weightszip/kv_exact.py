@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -588,26 +589,28 @@ class KVExactCache:
         blocks_np = np.asarray([self._bt[s, j] for s, j in where], dtype=np.int64)
         _check(bool((self.sizes[layer, :, blocks_np] == 0).all()), "a page of this layer is already stored")
         blocks_t = _to_device(blocks_np, self.device)
-        encoded, placed, new_bases = [], [], {}
+        encoded, placed, new_bases = [], [], {}  # encoded: (writer of the pages at given offsets, lengths)
         kernel = _write_kernels(self.device, self.H, self.D, self.page_format) if self.write_kernels else None
+        buf = self.heap.buf
         try:
             for kind, pages in ((0, kp), (1, vp)):
                 if self._exact4:  # (kernels: plain rows per (page, head) now, every byte once placed)
                     if kernel:
-                        encoded.append((pages, *kernel.page_entries(pages)))
+                        entries, lengths = kernel.page_entries(pages)
+                        encoded.append((partial(kernel.write_pages, pages, entries, buf=buf), lengths))
                     else:
                         enc = ref4.encode_pages(pages)
-                        encoded.append((enc, enc.lengths))
+                        encoded.append((partial(enc.write, buf), enc.lengths))
                     continue
                 bases = self.bases[layer, kind]
                 if not self._calibrated[layer, kind]:  # the first pages of this layer and kind choose
                     bases = new_bases[kind] = ref.calibrate_bases(pages.reshape(-1, self.H * self.D)).view(self.H, self.D)
                 if kernel:  # the write kernels: escapes per (page, head) now, every byte once placed
                     counts, lengths = kernel.page_counts(pages, bases)
-                    encoded.append((pages, bases, counts, lengths))
+                    encoded.append((partial(kernel.write_pages, pages, bases, counts, buf=buf), lengths))
                 else:
                     enc = ref.encode_pages(pages, bases)
-                    encoded.append((enc, enc.lengths))
+                    encoded.append((partial(enc.write, buf), enc.lengths))
             sizes_kv = torch.stack([e[-1] for e in encoded]).cpu().numpy()  # one sync for K and V
             for sizes in sizes_kv:
                 placed.append((self.heap.alloc(sizes), sizes))
@@ -624,14 +627,9 @@ class KVExactCache:
         seq_idx = _to_device([s for s, _ in where], self.device)
         page_idx = _to_device([j for _, j in where], self.device)
         self.block_table[seq_idx, page_idx] = blocks_t.to(torch.int32)
-        for kind, (enc, (offs, sizes)) in enumerate(zip(encoded, placed)):
+        for kind, ((write, _), (offs, sizes)) in enumerate(zip(encoded, placed)):
             offs_t = _to_device(offs, self.device)
-            if kernel and self._exact4:
-                kernel.write_pages(enc[0], enc[1], offs_t, self.heap.buf)
-            elif kernel:
-                kernel.write_pages(enc[0], enc[1], enc[2], offs_t, self.heap.buf)
-            else:
-                enc[0].write(self.heap.buf, offs_t)
+            write(offs_t)
             self.offsets[layer, kind, blocks_t] = offs_t
             self.sizes[layer, kind, blocks_np] = sizes
 

@@ -27,9 +27,11 @@
 //!   `pack_codes` and their inverses do the layout), so the per-value loops vectorize.
 
 use crate::error::{Error, Result};
-
-/// Tokens per page.
-pub const PAGE_TOKENS: usize = 16;
+use crate::kvx;
+/// Tokens per page; pages are padded to multiples of `ALIGN` bytes; at most `MAX_CHANNELS` (heads x
+/// head_dim) per page, as for KV Exact pages: bounds every size (the reference has no such limit;
+/// real models have a few thousand).
+pub use crate::kvx::{ALIGN, MAX_CHANNELS, PAGE_TOKENS};
 /// The code of exponent 0 (zeros and subnormals).
 pub const ZERO_CODE: u8 = 15;
 /// Exponents `top - 14 ..= top` take codes 0..=14.
@@ -38,11 +40,6 @@ pub const WINDOW: u8 = 15;
 pub const MIN_TOP: u8 = 15;
 /// Most KV heads in a page (a head's count of plain rows before it fits its u16).
 pub const MAX_HEADS: usize = 256;
-/// The header is padded to a multiple of this many bytes.
-pub const ALIGN: usize = 16;
-/// Most channels in a page (heads x head_dim), as for KV Exact pages: bounds every size (the
-/// reference has no such limit; real models have a few thousand).
-pub const MAX_CHANNELS: usize = 1 << 16;
 /// Bit position of channel `8 m + r`'s code in u32 word m of a row's codes.
 pub const NIBBLE_SHIFT: [u32; 8] = [0, 16, 4, 20, 8, 24, 12, 28];
 
@@ -63,15 +60,10 @@ pub struct Shape {
 
 impl Shape {
     pub fn new(heads: usize, head_dim: usize) -> Result<Self> {
-        if heads == 0 || heads > MAX_HEADS {
+        if heads > MAX_HEADS {
             return Err(Error::InvalidArgument(format!("KV Exact4 pages hold 1 to {MAX_HEADS} KV heads, not {heads}")));
         }
-        if head_dim == 0 || !head_dim.is_multiple_of(32) {
-            return Err(Error::InvalidArgument(format!("head_dim must be a positive multiple of 32, not {head_dim}")));
-        }
-        if heads.checked_mul(head_dim).is_none_or(|c| c > MAX_CHANNELS) {
-            return Err(Error::LimitExceeded(format!("{heads} x {head_dim} channels (at most {MAX_CHANNELS})")));
-        }
+        kvx::Shape::new(heads, head_dim)?; // heads > 0, head_dim a positive multiple of 32, MAX_CHANNELS
         Ok(Shape { heads, head_dim })
     }
     pub fn channels(&self) -> usize {
