@@ -166,6 +166,37 @@ def test_damaged_pages_same_verdict_as_the_reference(pages, data):
     assert _same(got, _outcome(lambda: R4.decode_pages(buf, off, H, D))), got
 
 
+@pytest.mark.parametrize("change", [
+    lambda o: o.index_put_((torch.tensor(0),), torch.tensor(16)),  # not from byte 0
+    lambda o: o.index_put_((torch.tensor(3),), o[3] - 1),  # short of the buffer's end
+    lambda o: o.index_put_((torch.tensor(1),), o[2] + 16),  # decreasing
+    lambda o: o.index_put_((torch.tensor(2),), torch.tensor(-16)),  # negative
+    lambda o: o.index_put_((torch.tensor(2),), torch.tensor(1 << 40)),  # past the buffer
+    lambda o: o.index_put_((torch.tensor(1),), torch.tensor(-(1 << 63))),  # (differences wrap)
+    lambda o: o.index_put_((torch.tensor(2),), o[2] - 8),  # unaligned, otherwise sound
+])
+def test_hostile_offsets_same_verdict_as_the_reference(pages, change):
+    """Offsets that do not tile the buffer: the reference's error, read nothing outside the buffer;
+    an unaligned split the kernels cannot take: the reference decoder's verdict."""
+    buf, off = R4.encode_pages(pages[:3]).to_bytes()
+    bad = change(off.cpu().clone()).to(DEVICE)
+    got = _outcome(lambda: C4.decode_pages(buf, bad, H, D))
+    assert _same(got, _outcome(lambda: R4.decode_pages(buf, bad, H, D))), got
+
+
+def test_first_rule_broken_on_any_page_is_the_one_raised(pages):
+    """Page 2's last head counts its earlier plain rows wrong, page 1 is too long, page 0 is sound: the
+    count rule comes first in the reference's order, so its error names page 2."""
+    one = [R4.encode_pages(pages[i:i + 1]).to_bytes()[0].clone() for i in range(3)]
+    one[1] = torch.cat([one[1], torch.zeros(16, dtype=torch.uint8, device=DEVICE)])
+    one[2][4 * (H - 1) + 2] ^= 1
+    buf = torch.cat(one)
+    off = torch.tensor([0, one[0].numel(), one[0].numel() + one[1].numel(), buf.numel()], device=DEVICE)
+    got = _outcome(lambda: C4.decode_pages(buf, off, H, D))
+    assert got[0] == "CorruptDataError" and got[1].startswith("page 2:") and "count" in got[1], got
+    assert _same(got, _outcome(lambda: R4.decode_pages(buf, off, H, D)))
+
+
 def test_unaligned_values_and_other_shapes(pages):
     """Values 2 bytes off a 16-byte boundary encode (copied first); a shape the kernels do not take
     (head_dim 96) decodes through the reference decoder."""

@@ -7,22 +7,24 @@ version 1").
     write_pages(values, entries, offsets, buf)       # every byte of every page
     bits = decode_pages(buf, offsets, heads, head_dim)   # checks every rule, as kv_exact4_ref does
 
-values: bf16 (or int16 bits) ``[n, 16, H, D]``, token-major as a model writes K or V. One program
-per (page, head) in every kernel. The sizes pass finds the head's window tops and its plain rows;
+values: bf16 (or int16 bits) ``[n, 16, H, D]``, token-major as a model writes K or V. The encoder
+runs one program per (page, head): the sizes pass finds the head's window tops and its plain rows;
 the host places the pages from their lengths; the write pass codes the head again and stores its
 slot, its header entry and its plain rows (the (page, 0) program also the header's zero padding).
-Programs write disjoint bytes.
+Programs write disjoint bytes. Its programs hold a head's 16 token rows as words: ``[D / 8, 16]``
+tensors, word m of a row for channels 8 m .. 8 m + 7, as the format lays out codes (one u32 per
+word), raw bytes and tops (a u32 per half: channels 8 m .. 8 m + 3 at byte 4 m, 8 m + 4 .. 8 m + 7
+at byte D / 2 + 4 m). So every load and store is of whole u32 words at consecutive addresses, and
+no value changes threads.
 
-Each program holds a head's 16 token rows as words: ``[D / 8, 16]`` tensors, word m of a row for
-channels 8 m .. 8 m + 7, as the format lays out codes (one u32 per word), raw bytes and tops (a u32
-per half: channels 8 m .. 8 m + 3 at byte 4 m, 8 m + 4 .. 8 m + 7 at byte D / 2 + 4 m). So every
-load and store is of whole u32 words at consecutive addresses, and no value changes threads.
-
-The decoder is the reference decoder's rules in one pass: a program flags what its head breaks
-(``ERRORS``, one bit each) and the host raises the reference's error for the first rule, in the
-reference's order, that any page breaks, naming the lowest such page: the same error class and
-page as ``kv_exact4_ref.decode_pages``. Loads stay inside each page's bytes, so hostile headers
-read nothing outside the buffer. ``decode_pages`` returns the values of a page that passes; the
+The decoder is the reference decoder's rules in one pass, one program per page: the offsets and
+the header once, then each head in a loop, its tensors ``[16, D / 8]`` (rows first, as in the
+attention kernel's tile loader) in one layout, its plain rows (rare) loaded by inline PTX into
+that same layout. A program stores the bits of the rules its page breaks (``ERRORS``, one bit
+each) and the host raises the reference's error for the first rule, in the reference's order, that
+any page breaks, naming the lowest such page: the same error class and page as
+``kv_exact4_ref.decode_pages``. Loads stay inside each page's bytes, so hostile offsets and headers
+read nothing outside the buffer. ``decode_pages`` returns the values of pages that pass; the
 attention kernel's tile loader (``paged_decode.dequantize_exact4_pages``) reads the same values and
 checks nothing.
 """
@@ -48,6 +50,7 @@ I32 = tl.constexpr(tl.pointer_type(tl.int32))
 _ASM_WORDS = tl.constexpr(exact4_asm(words=True))
 _ASM_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 5))
 _ASM_DTYPES = tl.constexpr((tl.int32,) * 4)
+_BYTE_TOPS = tl.constexpr(0x80808080 - (1 << 32))  # bit 7 of every byte, as an int32
 
 # The decoder's rule bits, in the order kv_exact4_ref.decode_pages checks them: (bit, class, message).
 ERRORS = (
@@ -61,6 +64,12 @@ ERRORS = (
     (128, CorruptDataError, "a plain row whose values all have codes"),
     (256, CorruptDataError, "a window top is not its channel's largest exponent"),
 )
+# Offsets out of order, outside the buffer or not multiples of 16: the host sorts out which (page_spans).
+OFFSETS = tl.constexpr(1 << 16)
+# The decoder's flags per element (bits that no nibble bit (0x11111111) or top flag (0x80808080) uses)
+PLAIN_CODED = tl.constexpr(2)  # a plain row's codes or raw bytes are not zero
+ABOVE = tl.constexpr(4)  # a value above its top, or a top no row reaches
+ALL_FIT = tl.constexpr(8)  # a plain row whose values all have codes
 
 
 @triton.jit
@@ -70,12 +79,6 @@ def _split4(x, WR: tl.constexpr):
     x0, x2 = tl.split(a)
     x1, x3 = tl.split(b)
     return x0, x1, x2, x3
-
-
-@triton.jit
-def _join4(x0, x1, x2, x3, WR: tl.constexpr):
-    """``_split4``'s inverse."""
-    return tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [WR, 16, 4])
 
 
 @triton.jit
@@ -101,17 +104,18 @@ def _top(v):
 
 @triton.jit
 def _fits(v, top):
-    """Whether each value has a code against its top (exponent 0, or top - 14 .. top)."""
+    """Whether each value has a code against its top (exponent 0, or top - 14 .. top); top broadcasts
+    against v."""
     e = _exp(v)
-    d = top[:, None] - e
+    d = top - e
     return (e == 0) | ((d >= 0) & (d < 15))
 
 
 @triton.jit
 def _code(v, top):
-    """The 4-bit code of each value that has one (0 where none)."""
+    """The 4-bit code of each value that has one (0 where none); top broadcasts against v."""
     e = _exp(v)
-    d = top[:, None] - e
+    d = top - e
     return tl.where(e == 0, 15, tl.where((d >= 0) & (d < 15), d, 0))
 
 
@@ -128,8 +132,8 @@ def _bytes4(a, b, c, d):
 @triton.jit
 def _plain_rows(v0, v1, v2, v3, v4, v5, v6, v7, t0, t1, t2, t3, t4, t5, t6, t7):
     """1 for each plain row (a value without a code): int32 [16] (one reduction for all eight)."""
-    fit = (_fits(v0, t0) & _fits(v1, t1) & _fits(v2, t2) & _fits(v3, t3) & _fits(v4, t4) & _fits(v5, t5)
-           & _fits(v6, t6) & _fits(v7, t7))
+    fit = (_fits(v0, t0[:, None]) & _fits(v1, t1[:, None]) & _fits(v2, t2[:, None]) & _fits(v3, t3[:, None])
+           & _fits(v4, t4[:, None]) & _fits(v5, t5[:, None]) & _fits(v6, t6[:, None]) & _fits(v7, t7[:, None]))
     return tl.max((~fit).to(tl.int32), axis=0)
 
 
@@ -189,8 +193,9 @@ def _write_kernel(vals_ptr, ent_ptr, off_ptr, buf_ptr, H, HDR, FIXED, D: tl.cons
     tl.store(sw + m, _bytes4(t0, t1, t2, t3))
     tl.store(sw + WR + m, _bytes4(t4, t5, t6, t7))
     # codes: word m of a row, channel 8 m + r at bit 16 (r % 2) + 4 (r // 2); plain rows zero
-    cw = (_code(v0, t0) | (_code(v1, t1) << 16) | (_code(v2, t2) << 4) | (_code(v3, t3) << 20)
-          | (_code(v4, t4) << 8) | (_code(v5, t5) << 24) | (_code(v6, t6) << 12) | (_code(v7, t7) << 28))
+    cw = (_code(v0, t0[:, None]) | (_code(v1, t1[:, None]) << 16) | (_code(v2, t2[:, None]) << 4)
+          | (_code(v3, t3[:, None]) << 20) | (_code(v4, t4[:, None]) << 8) | (_code(v5, t5[:, None]) << 24)
+          | (_code(v6, t6[:, None]) << 12) | (_code(v7, t7[:, None]) << 28))
     coded = plain[None, :] == 0
     tl.store(sw + 2 * WR + m[:, None] + (t * WR)[None, :], tl.where(coded, cw, 0))
     # raw bytes (sign, mantissa), in half order; plain rows zero
@@ -219,7 +224,7 @@ def _nib(w, s: tl.constexpr):
 @triton.jit
 def _value(code, top, raw):
     """A coded value's bits from its code, window top and raw byte."""
-    e = tl.where(code == 15, 0, top[:, None] - code)
+    e = tl.where(code == 15, 0, top - code)
     return ((raw & 0x80) << 8) | ((e & 0xFF) << 7) | (raw & 0x7F)
 
 
@@ -229,100 +234,189 @@ def _or(a, b):
 
 
 @triton.jit
-def _top_flags(v, top, ok, r: tl.constexpr):
-    """Channel r's part of the tops check, per value: bit r if its exponent is above its top, bit 8 + r
-    if it reaches the top (or the top is 15, the least)."""
-    e = _exp(v)
-    t = top[:, None]
-    return tl.where(ok[None, :], ((e > t).to(tl.int32) << r) | (((e == t) | (t == 15)).to(tl.int32) << (8 + r)), 0)
+def _below15(x):
+    """0x80 in each byte of x below 15 (SWAR: no borrow crosses a byte)."""
+    return ~x & ~((x | _BYTE_TOPS) - 0x0F0F0F0F) & _BYTE_TOPS
 
 
 @triton.jit
-def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, H, HDR, FIXED, D: tl.constexpr, HP: tl.constexpr,
-                   FAST: tl.constexpr):
-    """Decode and check (page, head) = program ids: the page is ``buf[off_ptr[page]:off_ptr[page +
-    1]]`` (bounds checked by the host); writes its 16 rows of int16 ``[n, 16, H, D]`` and ORs its
-    rule bits (``ERRORS``) into ``err_ptr[page]`` (zeros before the launch)."""
-    WR: tl.constexpr = D // 8
+def _not15(x):
+    """1 in each byte of x other than 15 (bit 0 of the byte)."""
+    y = x ^ 0x0F0F0F0F
+    y = y | (y >> 4)
+    y = y | (y >> 2)
+    return (y | (y >> 1)) & 0x01010101
+
+
+@triton.jit
+def _and_or(a, b):
+    """AND on the zero-nibble bits (0x11111111), OR on the others."""
+    return ((a & b) & 0x11111111) | ((a | b) & ~0x11111111)
+
+
+@triton.jit
+def _popc16(x):
+    """Bits set in the low 16 bits of a scalar (SWAR; scalars are uniform, so this is cheap)."""
+    u = x & 0xFFFF
+    u = u - ((u >> 1) & 0x5555)
+    u = (u & 0x3333) + ((u >> 2) & 0x3333)
+    u = (u + (u >> 4)) & 0x0F0F
+    return (u + (u >> 8)) & 0x1F
+
+
+@triton.jit
+def _load16(ptr, mask, FAST: tl.constexpr):
+    """The four u32 words at each 16-byte aligned byte address of ``ptr`` (0 where not ``mask``), in
+    ptr's layout: compiled, one predicated 16-byte load per element in PTX, so the words need no
+    layout of their own (Triton would give four strided loads another one, and convert)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n"
+            "@p ld.global.v4.u32 {$0, $1, $2, $3}, [$4]; }",
+            "=r,=r,=r,=r,l,r", [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=(tl.int32,) * 4,
+            is_pure=False, pack=1)
+    else:
+        w = ptr.to(I32)
+        return (tl.load(w, mask=mask, other=0), tl.load(w + 1, mask=mask, other=0), tl.load(w + 2, mask=mask, other=0),
+                tl.load(w + 3, mask=mask, other=0))
+
+
+@triton.jit
+def _lanes_nonzero(x):
+    """Bit 0 / bit 16 where the low / high 16-bit lane of x (each below 0x8000) is not 0."""
+    return ((x + 0x7FFF7FFF) >> 15) & 0x00010001
+
+
+@triton.jit
+def _plain_word(w, T, q: tl.constexpr):
+    """Word q of plain rows' values (channels 8 m + 2 q, low half, and 8 m + 2 q + 1) against their
+    tops (bytes 2 (q % 2) and 2 (q % 2) + 1 of ``T``: T0 for q < 2, else T1), two channels per op in
+    16-bit lanes: (the channels' nibble bits (bit 4 q, 16 + 4 q) where the value does not reach its
+    top, ABOVE where one lies above it, a bit per lane where a value has no code)."""
+    e = (w >> 7) & 0x00FF00FF
+    tb = (T >> (16 * (q % 2))) & 0xFFFF
+    t = (tb & 0xFF) | ((tb & 0xFF00) << 8)
+    d = (t | 0x01000100) - e  # lanes 256 + top - exponent, in 1 .. 511: no borrow between lanes
+    r = d ^ 0x01000100  # lanes: top - exponent where it is 0 .. 255; 256 and up where the value is above
+    miss = _lanes_nonzero(r) << (4 * q)
+    above = tl.where((~d & 0x01000100) != 0, ABOVE, 0)
+    no_code = _lanes_nonzero(e) & ((r + 0x7FF17FF1) >> 15) & 0x00010001  # not 0, not top - 14 .. top
+    return miss, above, no_code
+
+
+@triton.jit
+def _plain_exps(x0, x1, x2, x3, T0, T1):
+    """Per element of plain rows' words (values of channels 8 m .. 8 m + 7): the nibble bits of the
+    channels whose value does not reach its top (bit 4 k for the channel of nibble k), ABOVE where
+    some value lies above its top, and lane bits where a value has no code."""
+    m0, a0, n0 = _plain_word(x0, T0, 0)
+    m1, a1, n1 = _plain_word(x1, T0, 1)
+    m2, a2, n2 = _plain_word(x2, T1, 2)
+    m3, a3, n3 = _plain_word(x3, T1, 3)
+    return m0 | m1 | m2 | m3, a0 | a1 | a2 | a3, n0 | n1 | n2 | n3
+
+
+@triton.jit
+def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D: tl.constexpr, FAST: tl.constexpr):
+    """Decode and check page ``program_id(0)``, ``buf[off_ptr[page]:off_ptr[page + 1]]``: writes its
+    16 rows of int16 ``[n, 16, H, D]``, stores its rule bits (``ERRORS``) at ``err_ptr[page]`` and ORs
+    them into ``err_ptr[n]`` (zero before the launch). The page's rules once, then each head's
+    (``_decode_head``) in a loop: one program per page, so the header's checks are not repeated."""
     page = tl.program_id(0)
-    head = tl.program_id(1)
-    base = tl.multiple_of(tl.load(off_ptr + page), 16)  # (the host checks)
-    length = tl.load(off_ptr + page + 1) - base
+    start = tl.load(off_ptr + page)
+    end = tl.load(off_ptr + page + 1)
+    # the offsets (compared, not subtracted: hostile int64s wrap): the page inside the buffer, aligned,
+    # the first at 0 and the last ending at the buffer's end; else OFFSETS and nothing read
+    fits = ((start >= 0) & (end >= start) & (end <= size) & (start % 16 == 0) & ((page > 0) | (start == 0))
+            & ((page < n - 1) | (end == size)))
+    base = tl.multiple_of(tl.where(fits, start, 0), 16)
+    length = tl.where(fits, end - start, 0)
     ok = length >= FIXED
-    err = tl.where(ok, 0, 1)
-    hs = tl.arange(0, HP)
-    ents = tl.load((buf_ptr + base + 4 * hs).to(I32), mask=(hs < H) & ok, other=0)
-    cnt = _popc(ents & 0xFFFF, FAST)
-    ent = tl.sum(tl.where(hs == head, ents, 0), axis=0)
-    before = (ent >> 16) & 0xFFFF
-    err |= tl.where(ok & (before != tl.sum(tl.where(hs < head, cnt, 0), axis=0)), 4, 0)
-    want = FIXED + tl.sum(cnt, axis=0).to(tl.int64) * (2 * D)
+    err = tl.where(fits, tl.where(ok, 0, 1), OFFSETS)
+    pad = 4 * H + tl.arange(0, 16)
+    pb = tl.load(buf_ptr + base + pad, mask=(pad < HDR) & ok, other=0)
+    err |= tl.where(tl.max(pb.to(tl.int32), axis=0) != 0, 2, 0)
+    hw = (buf_ptr + base).to(I32)
+    total = err * 0  # plain rows of the heads so far
+    for head in range(0, H):
+        ent = tl.load(hw + head, mask=ok, other=0)
+        before = (ent >> 16) & 0xFFFF
+        err |= tl.where(ok & (before != total), 4, 0)
+        total += _popc16(ent)
+        err |= _decode_head(buf_ptr, base, length, ok, ent, before, out_ptr, page, head, H, HDR, FIXED, D, FAST)
+    want = FIXED + total.to(tl.int64) * (2 * D)
     err |= tl.where(ok & (length < want), 8, 0) | tl.where(ok & (length > want), 16, 0)
-    if head == 0:
-        pad = 4 * H + tl.arange(0, 16)
-        pb = tl.load(buf_ptr + base + pad, mask=(pad < HDR) & ok, other=0)
-        err |= tl.where(tl.max(pb.to(tl.int32), axis=0) != 0, 2, 0)
+    tl.store(err_ptr + page, err)
+    tl.atomic_or(err_ptr + n, err, mask=err != 0, sem="relaxed")  # every page's bits, for one host read
+
+
+@triton.jit
+def _decode_head(buf_ptr, base, length, ok, ent, before, out_ptr, page, head, H, HDR, FIXED, D: tl.constexpr,
+                 FAST: tl.constexpr):
+    """The rule bits of one head of a page (``ent``: its header entry, ``before``: its count of earlier
+    plain rows, as stored), whose 16 rows it writes. Every tensor is [16 rows, D / 8 words] in one
+    layout, as in the attention kernel's tile loader (the tops are loaded for every row, from L1
+    after the first), so nothing moves through shared memory but the output's words and the one
+    reduction of the checks."""
+    WR: tl.constexpr = D // 8
+    err = ent * 0
     sw = (buf_ptr + base + HDR + head * (25 * D)).to(I32)  # the slot as u32 words
-    m = tl.arange(0, WR)
-    T0 = tl.load(sw + m, mask=ok, other=0x0F0F0F0F)
-    T1 = tl.load(sw + WR + m, mask=ok, other=0x0F0F0F0F)
-    t = tl.arange(0, 16)
-    okt = (t >= 0) & ok
-    okr = okt[None, :]
-    C = tl.load(sw + 2 * WR + m[:, None] + (t * WR)[None, :], mask=okr, other=0)
-    rows = 18 * WR + m[:, None] + (t * (2 * WR))[None, :]
+    t = tl.arange(0, 16)[:, None]
+    m = tl.arange(0, WR)[None, :]
+    okr = (t >= 0) & ok  # [16, 1]
+    T0 = tl.load(sw + m + 0 * t, mask=okr, other=0x0F0F0F0F)  # [16, WR]: the same in every row
+    T1 = tl.load(sw + WR + m + 0 * t, mask=okr, other=0x0F0F0F0F)
+    C = tl.load(sw + 2 * WR + t * WR + m, mask=okr, other=0)
+    rows = 18 * WR + t * (2 * WR) + m
     R0 = tl.load(sw + rows, mask=okr, other=0)
     R1 = tl.load(sw + WR + rows, mask=okr, other=0)
-    t0, t1, t2, t3 = _byte(T0, 0), _byte(T0, 1), _byte(T0, 2), _byte(T0, 3)
-    t4, t5, t6, t7 = _byte(T1, 0), _byte(T1, 1), _byte(T1, 2), _byte(T1, 3)
-    low = ((t0 < 15) | (t1 < 15) | (t2 < 15) | (t3 < 15) | (t4 < 15) | (t5 < 15) | (t6 < 15) | (t7 < 15))
-    err |= tl.where(tl.max(low.to(tl.int32), axis=0) != 0, 64, 0)
-    # the coded rows: word q of a row holds channels 8 m + 2 q (low half) and 8 m + 2 q + 1
     if FAST:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            _ASM_WORDS, _ASM_CONSTRAINTS, [C, R0, R1, tl.broadcast_to(T0[:, None], [WR, 16]), tl.broadcast_to(T1[:, None], [WR, 16])], dtype=_ASM_DTYPES, is_pure=True, pack=1)
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_ASM_WORDS, _ASM_CONSTRAINTS, [C, R0, R1, T0, T1],
+                                                   dtype=_ASM_DTYPES, is_pure=True, pack=1)
     else:
-        o0 = _value(_nib(C, 0), t0, _byte(R0, 0)) | (_value(_nib(C, 16), t1, _byte(R0, 1)) << 16)
-        o1 = _value(_nib(C, 4), t2, _byte(R0, 2)) | (_value(_nib(C, 20), t3, _byte(R0, 3)) << 16)
-        o2 = _value(_nib(C, 8), t4, _byte(R1, 0)) | (_value(_nib(C, 24), t5, _byte(R1, 1)) << 16)
-        o3 = _value(_nib(C, 12), t6, _byte(R1, 2)) | (_value(_nib(C, 28), t7, _byte(R1, 3)) << 16)
-    if (ent & 0xFFFF) != 0:  # plain rows (a few heads of a few pages): every value checked
-        plain = ((ent >> t) & 1) != 0
+        o0 = _value(_nib(C, 0), _byte(T0, 0), _byte(R0, 0)) | (_value(_nib(C, 16), _byte(T0, 1), _byte(R0, 1)) << 16)
+        o1 = _value(_nib(C, 4), _byte(T0, 2), _byte(R0, 2)) | (_value(_nib(C, 20), _byte(T0, 3), _byte(R0, 3)) << 16)
+        o2 = _value(_nib(C, 8), _byte(T1, 0), _byte(R1, 0)) | (_value(_nib(C, 24), _byte(T1, 1), _byte(R1, 1)) << 16)
+        o3 = _value(_nib(C, 12), _byte(T1, 2), _byte(R1, 2)) | (_value(_nib(C, 28), _byte(T1, 3), _byte(R1, 3)) << 16)
+    # The rules on values, as bits of one word per element (row t, word m) reduced over the rows once:
+    # AND over rows on the nibble bits (0x11111111: bit 4 k for nibble k, which holds channel r = 2
+    # (k % 4) + k // 4), OR on the others. A nibble bit stays set where channel r's top is not 15 and
+    # no row reaches it: a coded row reaches its top with code 0 (a coded exponent is top - code, at
+    # most the top), a plain row with its value's exponent. Channel r < 4 has byte r of T0, the
+    # others byte r - 4 of T1.
+    z = ~C
+    z = z & (z >> 1)
+    miss = ~(z & (z >> 2))  # bit 4 k: nibble k is not 0
+    flags = _below15(T0) | _below15(T1)  # tops below 15 (0x80 in their byte)
+    plain = ((ent >> t) & 1) != 0  # [16, 1]
+    # the coded rows (the plain ones below: the masks keep the two stores apart)
+    out = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [16, D // 2])
+    ow = out_ptr.to(I32) + (page.to(tl.int64) * 16 * H + head) * (D // 2)  # row 0 of the head
+    orow = t * (H * (D // 2)) + tl.arange(0, D // 2)[None, :]
+    tl.store(ow + orow, out, mask=~plain)
+    if (ent & 0xFFFF) != 0:  # plain rows (a few heads of a few pages): loaded in this layout
         # at their rank after the slots, read only where they lie inside the page
         rank = before + _popc(ent & ((1 << t) - 1) & 0xFFFF, FAST)
-        pread = plain & ok & (FIXED + rank.to(tl.int64) * (2 * D) + 2 * D <= length)
-        idx = (rank.to(tl.int64) * (D // 2))[None, :, None] + (m * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]
-        x0, x1, x2, x3 = _split4(tl.load((buf_ptr + base + FIXED).to(I32) + idx, mask=pread[None, :, None], other=0), WR)
-        pl = plain[None, :]
-        nonzero = (tl.where(pl, C | R0 | R1, 0) != 0).to(tl.int32)  # (as flags: the words are signed)
-        err |= tl.where(tl.max(tl.max(nonzero, axis=1), axis=0) != 0, 32, 0)
-        o0, o1, o2, o3 = tl.where(pl, x0, o0), tl.where(pl, x1, o1), tl.where(pl, x2, o2), tl.where(pl, x3, o3)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _lo(o0), _hi(o0), _lo(o1), _hi(o1), _lo(o2), _hi(o2), _lo(o3), _hi(o3)
-        misses = _plain_rows(v0, v1, v2, v3, v4, v5, v6, v7, t0, t1, t2, t3, t4, t5, t6, t7)
-        err |= tl.where(tl.max((plain & (misses == 0)).to(tl.int32), axis=0) != 0, 128, 0)
-        # every top is max(15, its channel's largest exponent): none above it, and one at it (or 15)
-        flags = (_top_flags(v0, t0, okt, 0) | _top_flags(v1, t1, okt, 1) | _top_flags(v2, t2, okt, 2)
-                 | _top_flags(v3, t3, okt, 3) | _top_flags(v4, t4, okt, 4) | _top_flags(v5, t5, okt, 5)
-                 | _top_flags(v6, t6, okt, 6) | _top_flags(v7, t7, okt, 7))
-        flags = tl.reduce(flags, 1, _or)  # [WR]
-        wrong = ((flags & 0xFF) != 0) | ((flags >> 8) != 0xFF)
-    else:
-        # coded rows only: a coded exponent is top - code (at most its top), so a top above 15 must
-        # have a row with code 0. Zero nibbles of the code words (bit 4 k for nibble k), over rows.
-        z = ~C
-        z = z & (z >> 1)
-        z = tl.reduce(z & (z >> 2) & 0x11111111, 1, _or)  # [WR]
-        # nibble k = 4 (r % 2) + r // 2 holds channel r
-        need = (((t0 != 15).to(tl.int32)) | ((t1 != 15).to(tl.int32) << 16) | ((t2 != 15).to(tl.int32) << 4)
-                | ((t3 != 15).to(tl.int32) << 20) | ((t4 != 15).to(tl.int32) << 8) | ((t5 != 15).to(tl.int32) << 24)
-                | ((t6 != 15).to(tl.int32) << 12) | ((t7 != 15).to(tl.int32) << 28))
-        wrong = (need & ~z) != 0
-    err |= tl.where(ok & (tl.max(wrong.to(tl.int32), axis=0) != 0), 256, 0)
-    tl.atomic_or(err_ptr + page, err, mask=err != 0)
-    out = _join4(o0, o1, o2, o3, WR)
-    orow = (page.to(tl.int64) * 16 + t) * H + head
-    oidx = orow[None, :, None] * (D // 2) + (m * 4)[:, None, None] + tl.arange(0, 4)[None, None, :]
-    tl.store(out_ptr.to(I32) + oidx, out)
+        pread = plain & ok & (FIXED + (rank + 1).to(tl.int64) * (2 * D) <= length)
+        flags |= tl.where(plain & ((C | R0 | R1) != 0), PLAIN_CODED, 0)
+        x0, x1, x2, x3 = _load16(buf_ptr + base + FIXED + rank * (2 * D) + 16 * m, pread, FAST)
+        px = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [16, D // 2])
+        tl.store(ow + orow, px, mask=plain)
+        pmiss, above, no_code = _plain_exps(x0, x1, x2, x3, T0, T1)
+        miss = tl.where(plain, pmiss, miss)
+        flags |= tl.where(plain, above, 0)
+        # a plain row needs a value without a code (else the encoder had coded it)
+        row_no_code = tl.max(no_code, axis=1)[:, None]  # [16, 1]
+        flags |= tl.where(plain & (row_no_code == 0), ALL_FIT, 0)
+    n0 = _not15(T0)
+    n1 = _not15(T1)
+    need = ((n0 & 1) | ((n0 & 0x100) << 8) | ((n0 & 0x10000) >> 12) | ((n0 & 0x1000000) >> 4)
+            | ((n1 & 1) << 8) | ((n1 & 0x100) << 16) | ((n1 & 0x10000) >> 4) | ((n1 & 0x1000000) << 4))
+    x = tl.reduce((need & miss & 0x11111111) | flags, 0, _and_or)  # [WR]
+    bad = tl.reduce(tl.where((x & 0x11111111) != 0, ABOVE, 0) | x, 0, _or)
+    err |= tl.where(ok & ((bad & PLAIN_CODED) != 0), 32, 0) | tl.where((bad & _BYTE_TOPS) != 0, 64, 0)
+    err |= tl.where(ok & ((bad & ALL_FIT) != 0), 128, 0) | tl.where(ok & ((bad & ABOVE) != 0), 256, 0)
+    return err
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -386,10 +480,14 @@ def encode_pages(values: torch.Tensor, *, num_warps: int = 1) -> tuple[torch.Ten
 
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim: int, *,
-                 num_warps: int = 2) -> torch.Tensor:
+                 num_warps: int = 8, maxnreg: int | None = 32) -> torch.Tensor:
     """Validate and decode pages stored back to back (page i = ``buf[offsets[i]:offsets[i + 1]]``),
     as ``kv_exact4_ref.decode_pages``: int16 bits ``[n, 16, H, D]``, or its TruncatedError /
-    CorruptDataError for the same rule and page. Two host syncs (the offsets' check, the verdict)."""
+    CorruptDataError for the same rule and page (the offsets checked as ``page_spans`` checks them).
+    One host sync (the verdict); misaligned pages go to the reference decoder. One program per page,
+    ``num_warps`` warps; ``maxnreg``: registers per thread (None: the compiler's choice). 32 keeps 64
+    warps resident on an SM, which this memory-bound kernel needs more than the few spills it costs
+    (H200, 1 GiB: 1.39-1.42 TB/s at 8 warps and 32 registers, 1.34-1.35 at 39; BENCHMARKS.md)."""
     _check(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1,
            "buf must be a 1-D uint8 tensor")
     _check(isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() >= 1
@@ -397,17 +495,20 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     if not supports(heads, head_dim):  # other shapes: the reference decoder (the same rules)
         return ref.decode_pages(buf, offsets, heads, head_dim)
     buf = buf.contiguous()
-    off, _ = ref.page_spans(buf, offsets)
+    off = offsets.to(device=buf.device, dtype=torch.int64).contiguous()
     n, h, d = off.numel() - 1, heads, head_dim
-    out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)
-    if n == 0:
-        return out
-    if buf.data_ptr() % 16 or bool((off % 16 != 0).any()):  # the kernel's aligned word loads
+    if n == 0 or buf.data_ptr() % 16:  # (the kernel's aligned word loads)
         return ref.decode_pages(buf, offsets, heads, head_dim)
-    page_err = torch.zeros(n, dtype=torch.int32, device=buf.device)
-    _decode_kernel[(n, h)](buf, off.contiguous(), out, page_err, h, ref.header_bytes(h), ref.page_length(h, d, 0),
-                           D=d, HP=triton.next_power_of_2(h), FAST=not _interpreting(), num_warps=num_warps)
-    if bool(page_err.any()):
+    out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)
+    page_err = torch.zeros(n + 1, dtype=torch.int32, device=buf.device)  # each page's rule bits, then all's
+    fast = not _interpreting()
+    _decode_kernel[(n,)](buf, off, out, page_err, buf.numel(), n, h, ref.header_bytes(h), ref.page_length(h, d, 0),
+                           D=d, FAST=fast, num_warps=num_warps, **({"maxnreg": maxnreg} if fast and maxnreg else {}))
+    if int(page_err[n]):
+        page_err = page_err[:n]
+        if bool((page_err & OFFSETS.value).any()):
+            ref.page_spans(buf, offsets)  # raises, unless the offsets are only unaligned:
+            return ref.decode_pages(buf, offsets, heads, head_dim)
         for bit, cls, what in ERRORS:
             hit = torch.nonzero(page_err & bit)
             if hit.numel():
