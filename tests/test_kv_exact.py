@@ -153,6 +153,14 @@ def test_rust_decoder_rejects_damage(real):
         cpu_decode_pages(bytes(bad), offs.numpy(), bases, H, D)
     with pytest.raises(WeightszipError):
         cpu_decode_pages(raw, offs.numpy(), bases, H, 48)
+    # offsets past the buffer's end in the middle: the reference's class (CorruptDataError: they
+    # decrease after it), checked before any page (the first one here is 16 bytes, truncated)
+    two = raw + raw
+    hostile = [0, 16, 1 << 20, len(two)]
+    with pytest.raises(CorruptDataError):
+        R.decode_pages(torch.frombuffer(bytearray(two), dtype=torch.uint8), torch.tensor(hostile), bases, H, D)
+    with pytest.raises(CorruptDataError):
+        cpu_decode_pages(two, hostile, bases, H, D)
 
 
 # -- hostile pages -----------------------------------------------------------------------------------

@@ -237,15 +237,14 @@ pub fn decode_pages(shape: Shape, bases: &[u8], buf: &[u8], offsets: &[u64], out
     if offsets[0] != 0 || offsets[n] != buf.len() as u64 {
         return Err(Error::Truncated(format!("page offsets cover bytes {}..{} of a {}-byte buffer", offsets[0], offsets[n], buf.len())));
     }
+    // All the offsets before any page, as the reference: from 0 to the end without decreasing, so
+    // every offset lies inside the buffer (one past it makes a later one decrease: Corrupt).
+    if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::Corrupt(format!("KV Exact page {i}: offsets decrease")));
+    }
     for i in 0..n {
-        let (a, b) = (offsets[i], offsets[i + 1]);
-        if b < a {
-            return Err(Error::Corrupt(format!("KV Exact page {i}: offsets decrease")));
-        }
-        if b > buf.len() as u64 {
-            return Err(Error::Truncated(format!("KV Exact page {i} ends at {b}, past the {}-byte buffer", buf.len())));
-        }
-        decode_page(shape, bases, &buf[a as usize..b as usize], &mut out[i * pb..(i + 1) * pb], i)?;
+        let (a, b) = (offsets[i] as usize, offsets[i + 1] as usize);
+        decode_page(shape, bases, &buf[a..b], &mut out[i * pb..(i + 1) * pb], i)?;
     }
     Ok(())
 }
@@ -341,8 +340,16 @@ mod tests {
         assert!(decode_pages(shape, &bases, &buf, &[0, 5], &mut out).is_err());
         let mut two = vec![0u8; 2 * vals.len()];
         let n = buf.len() as u64;
-        assert!(decode_pages(shape, &bases, &buf, &[0, 1 << 20, n], &mut two).is_err()); // a middle offset past the end
-        assert!(decode_pages(shape, &bases, &buf, &[0, n + 16, n], &mut two).is_err());
+        // a middle offset past the end: Corrupt, as the reference says (the offsets then decrease)
+        assert!(matches!(decode_pages(shape, &bases, &buf, &[0, 1 << 20, n], &mut two), Err(Error::Corrupt(_))));
+        assert!(matches!(decode_pages(shape, &bases, &buf, &[0, n + 16, n], &mut two), Err(Error::Corrupt(_))));
+        // the offsets before any page: a truncated first page (16 bytes) ahead of an offset past the
+        // end is the offsets' error (Corrupt), as the reference, not the page's (Truncated)
+        let both = [buf.clone(), buf.clone()].concat();
+        let mut three = vec![0u8; 3 * vals.len()];
+        let offs3 = [0, 16, 1 << 20, 2 * n];
+        assert!(matches!(decode_pages(shape, &bases, &both, &offs3, &mut three), Err(Error::Corrupt(_))));
+        assert!(matches!(decode_pages(shape, &bases, &both, &[0, 16, n, 2 * n], &mut three), Err(Error::Truncated(_))));
     }
 
     proptest! {
