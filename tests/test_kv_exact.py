@@ -156,11 +156,13 @@ def test_rust_decoder_rejects_damage(real):
     # offsets past the buffer's end in the middle: the reference's class (CorruptDataError: they
     # decrease after it), checked before any page (the first one here is 16 bytes, truncated)
     two = raw + raw
-    hostile = [0, 16, 1 << 20, len(two)]
-    with pytest.raises(CorruptDataError):
-        R.decode_pages(torch.frombuffer(bytearray(two), dtype=torch.uint8), torch.tensor(hostile), bases, H, D)
-    with pytest.raises(CorruptDataError):
-        cpu_decode_pages(two, hostile, bases, H, D)
+    for hostile, cls in (([0, 16, 1 << 20, len(two)], CorruptDataError), ([0, -16, len(two)], CorruptDataError),
+                         ([-16, 16, len(two)], TruncatedError), ([0, 16, len(two) + 16], TruncatedError)):
+        with pytest.raises(WeightszipError) as ref_err:
+            R.decode_pages(torch.frombuffer(bytearray(two), dtype=torch.uint8), torch.tensor(hostile), bases, H, D)
+        with pytest.raises(WeightszipError) as rust_err:
+            cpu_decode_pages(two, hostile, bases, H, D)
+        assert ref_err.type is cls and rust_err.type is cls, (hostile, ref_err.type, rust_err.type)
 
 
 # -- hostile pages -----------------------------------------------------------------------------------

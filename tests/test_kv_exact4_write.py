@@ -197,6 +197,49 @@ def test_first_rule_broken_on_any_page_is_the_one_raised(pages):
     assert _same(got, _outcome(lambda: R4.decode_pages(buf, off, H, D)))
 
 
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_plain_rows_and_tops_damaged_same_verdict(data):
+    """The later rules, aimed at: pages of chosen tops (15, the least, up to 255) with plain rows,
+    then a plain row's exponent moved (to its top, above it, to 0, into the window: its row all
+    coded), its sign flipped, or a top moved; 1-4 heads of 32 or 64 channels. The kernel gives the
+    reference's values or error."""
+    h = data.draw(st.integers(1, 4))
+    d = data.draw(st.sampled_from([32, 64]))
+    n = data.draw(st.integers(1, 3))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    top = rng.choice([15, 16, 20, 130, 255], size=(n, 1, h, d))
+    e = np.where(rng.random((n, 16, h, d)) < 0.05, 0, top - rng.integers(0, 15, size=(n, 16, h, d)))
+    plain = (rng.random((n, 16, h, 1)) < 0.2) & (np.arange(d) == rng.integers(0, d, size=(n, 16, h, 1)))
+    e = np.clip(np.where(plain, top - rng.integers(15, 40, size=(n, 16, h, 1)), e), 1, 255)
+    v = (rng.integers(0, 2, e.shape) << 15) | (e << 7) | rng.integers(0, 128, e.shape)
+    x = torch.from_numpy(v.astype(np.uint16).view(np.int16)).to(DEVICE)
+    enc = R4.encode_pages(x)
+    buf, off = enc.to_bytes()
+    buf = buf.clone()
+    hdr = R4.header_bytes(h)
+    fixed = hdr + 25 * d * h
+    tops = torch.clamp(((x.to(torch.int32) >> 7) & 0xFF).amax(1), min=15).cpu()  # [n, H, D]
+    for _ in range(data.draw(st.integers(1, 3))):
+        p = data.draw(st.integers(0, n - 1))
+        o = int(off[p])
+        heads = [hh for hh in range(h) for tt in range(16) if enc.plain[p, hh, tt]]  # each plain row's head
+        if heads and data.draw(st.booleans()):  # a value of a plain row, against its channel's top
+            r = data.draw(st.integers(0, len(heads) - 1))
+            c = data.draw(st.integers(0, d - 1))
+            i = o + fixed + 2 * d * r + 2 * c
+            val = int(buf[i]) | int(buf[i + 1]) << 8
+            t = int(tops[p, heads[r], c])
+            ex = data.draw(st.sampled_from([0, 1, t, min(t + 1, 255), max(t - 14, 1), (val >> 7) & 0xFF]))
+            val = (val & 0x807F) | (ex << 7) ^ (0x8000 if data.draw(st.booleans()) else 0)
+            buf[i], buf[i + 1] = val & 0xFF, val >> 8
+        else:  # a top
+            i = o + hdr + 25 * d * data.draw(st.integers(0, h - 1)) + data.draw(st.integers(0, d - 1))
+            buf[i] = data.draw(st.sampled_from([14, 15, 16, (int(buf[i]) + 1) % 256, (int(buf[i]) - 1) % 256, 255]))
+    got = _outcome(lambda: C4.decode_pages(buf, off, h, d))
+    assert _same(got, _outcome(lambda: R4.decode_pages(buf, off, h, d))), got
+
+
 def test_unaligned_values_and_other_shapes(pages):
     """Values 2 bytes off a 16-byte boundary encode (copied first); a shape the kernels do not take
     (head_dim 96) decodes through the reference decoder."""
