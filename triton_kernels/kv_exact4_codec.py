@@ -255,16 +255,6 @@ def _and_or(a, b):
 
 
 @triton.jit
-def _popc16(x):
-    """Bits set in the low 16 bits of a scalar (SWAR; scalars are uniform, so this is cheap)."""
-    u = x & 0xFFFF
-    u = u - ((u >> 1) & 0x5555)
-    u = (u & 0x3333) + ((u >> 2) & 0x3333)
-    u = (u + (u >> 4)) & 0x0F0F
-    return (u + (u >> 8)) & 0x1F
-
-
-@triton.jit
 def _load16(ptr, mask, FAST: tl.constexpr):
     """The four u32 words at each 16-byte aligned byte address of ``ptr`` (0 where not ``mask``), in
     ptr's layout: compiled, one predicated 16-byte load per element in PTX, so the words need no
@@ -342,7 +332,7 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D
         ent = tl.load(hw + head, mask=ok, other=0)
         before = (ent >> 16) & 0xFFFF
         err |= tl.where(ok & (before != total), 4, 0)
-        total += _popc16(ent)
+        total += _popc(ent & 0xFFFF, False)  # (a scalar: plain arithmetic, not the per-element PTX)
         err |= _decode_head(buf_ptr, base, length, ok, ent, before, out_ptr, page, head, H, HDR, FIXED, D, FAST)
     want = FIXED + total.to(tl.int64) * (2 * D)
     err |= tl.where(ok & (length < want), 8, 0) | tl.where(ok & (length > want), 16, 0)
@@ -486,8 +476,8 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     CorruptDataError for the same rule and page (the offsets checked as ``page_spans`` checks them).
     One host sync (the verdict); misaligned pages go to the reference decoder. One program per page,
     ``num_warps`` warps; ``maxnreg``: registers per thread (None: the compiler's choice). 32 keeps 64
-    warps resident on an SM, which this memory-bound kernel needs more than the few spills it costs
-    (H200, 1 GiB: 1.39-1.42 TB/s at 8 warps and 32 registers, 1.34-1.35 at 39; BENCHMARKS.md)."""
+    warps resident on an SM, which this memory-bound kernel needs (at 8 warps without spills; H200,
+    1 GiB: 1.39-1.42 TB/s at 32 registers, 1.34-1.35 at the compiler's 39; BENCHMARKS.md)."""
     _check(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1,
            "buf must be a 1-D uint8 tensor")
     _check(isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() >= 1

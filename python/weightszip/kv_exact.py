@@ -101,20 +101,26 @@ def cpu_encode_pages(values, bases) -> tuple[bytes, np.ndarray]:
     return buf, np.asarray(offs, np.int64)
 
 
+def _offsets_u64(offsets) -> list[int]:
+    """Page offsets (n + 1 integers) for the Rust decoders: int64 values cross as u64 (two's
+    complement), so a negative one lies past any buffer's end and the codec tells hostile offsets
+    apart as the references do (not from 0 to the end: Truncated; a middle one decreasing or outside
+    the buffer: Corrupt)."""
+    offs = np.asarray(offsets).reshape(-1)
+    _check(offs.size >= 1 and offs.dtype.kind in "iu", "offsets must be n + 1 integers")
+    return [int(o) % (1 << 64) for o in offs]
+
+
 def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarray:
     """Validate and decode KV Exact pages stored back to back (page i = ``buf[offsets[i]:offsets[i +
     1]]``) by the Rust codec: uint16 ``[n, 16, heads, head_dim]``. Damaged or hostile bytes raise
     TruncatedError / CorruptDataError naming the page."""
     src = _bytes(buf)
-    offs = np.asarray(offsets).reshape(-1)
-    _check(offs.size >= 1 and offs.dtype.kind in "iu", "offsets must be n + 1 integers")
-    n = offs.size - 1
+    offs = _offsets_u64(offsets)
     _check(heads > 0 and head_dim > 0, "heads and head_dim must be positive")
-    out = np.empty((n, PAGE, heads, head_dim), np.uint16)
-    # as u64 (two's complement), as cpu_decode_exact4_pages: the codec checks every offset first and
-    # tells hostile ones apart as the reference does (Truncated / Corrupt)
+    out = np.empty((len(offs) - 1, PAGE, heads, head_dim), np.uint16)
     _core.kvx_decode(heads, head_dim, _bases(bases, heads * head_dim), src.ctypes.data, src.nbytes,
-                     [int(o) % (1 << 64) for o in offs], out.ctypes.data, out.nbytes)
+                     offs, out.ctypes.data, out.nbytes)
     return out
 
 
@@ -135,19 +141,13 @@ def cpu_decode_exact4_pages(buf, offsets, heads: int, head_dim: int) -> np.ndarr
     TruncatedError / CorruptDataError naming the page, the same class as ``kv_exact4_ref.decode_pages``
     raises for the same input."""
     src = _bytes(buf)
-    offs = np.asarray(offsets).reshape(-1)
-    _check(offs.size >= 1 and offs.dtype.kind in "iu", "offsets must be n + 1 integers")
+    offs = _offsets_u64(offsets)
     _check(0 < heads <= ref4.MAX_HEADS, f"KV Exact4 pages hold 1 to {ref4.MAX_HEADS} KV heads, not {heads}")
     _check(head_dim > 0 and head_dim % 32 == 0, f"head_dim must be a positive multiple of 32, not {head_dim}")
     if heads * head_dim > 1 << 16:
         raise LimitExceededError(f"{heads} x {head_dim} channels (at most {1 << 16})")
-    n = offs.size - 1
-    out = np.empty((n, PAGE, heads, head_dim), np.uint16)
-    # int64 offsets cross as u64 (two's complement): a negative one lies past any buffer's end, so the
-    # codec tells hostile offsets apart as the reference does (not from 0 to the end: Truncated; a
-    # middle one decreasing or outside the buffer: Corrupt)
-    _core.kvx4_decode(heads, head_dim, src.ctypes.data, src.nbytes, [int(o) % (1 << 64) for o in offs],
-                      out.ctypes.data, out.nbytes)
+    out = np.empty((len(offs) - 1, PAGE, heads, head_dim), np.uint16)
+    _core.kvx4_decode(heads, head_dim, src.ctypes.data, src.nbytes, offs, out.ctypes.data, out.nbytes)
     return out
 
 

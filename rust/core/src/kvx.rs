@@ -223,25 +223,37 @@ pub fn decode_page(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], inde
     Ok(())
 }
 
-/// Decode pages stored back to back (`offsets` [n + 1], page i = `buf[offsets[i]..offsets[i + 1]]`)
-/// into `out` (n x 16 x channels bf16). Errors name the page; never panics.
-pub fn decode_pages(shape: Shape, bases: &[u8], buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
+/// The checks before any page of pages stored back to back (KV Exact and KV Exact4, as their
+/// references): `offsets` hold n + 1 entries and `out` n pages of `page_bytes`; the offsets run from
+/// 0 to the buffer's end (else Truncated) without decreasing (else Corrupt), so every page lies
+/// inside the buffer. Returns n.
+pub(crate) fn check_spans(what: &str, buf_len: usize, offsets: &[u64], out_len: usize, page_bytes: usize) -> Result<usize> {
     if offsets.is_empty() {
         return Err(Error::InvalidArgument("offsets must hold n + 1 entries".into()));
     }
     let n = offsets.len() - 1;
-    let pb = shape.raw_page_bytes();
-    if out.len() != n.checked_mul(pb).ok_or_else(|| Error::LimitExceeded("too many pages".into()))? {
-        return Err(Error::BufferTooSmall { need: (n * pb) as u64, have: out.len() as u64 });
+    let need = n.checked_mul(page_bytes).ok_or_else(|| Error::LimitExceeded("too many pages".into()))?;
+    if out_len != need {
+        return Err(Error::BufferTooSmall { need: need as u64, have: out_len as u64 });
     }
-    if offsets[0] != 0 || offsets[n] != buf.len() as u64 {
-        return Err(Error::Truncated(format!("page offsets cover bytes {}..{} of a {}-byte buffer", offsets[0], offsets[n], buf.len())));
+    if offsets[0] != 0 || offsets[n] != buf_len as u64 {
+        return Err(Error::Truncated(format!(
+            "{what} page offsets cover bytes {}..{} of a {buf_len}-byte buffer",
+            offsets[0], offsets[n]
+        )));
     }
-    // All the offsets before any page, as the reference: from 0 to the end without decreasing, so
-    // every offset lies inside the buffer (one past it makes a later one decrease: Corrupt).
+    // one past the end makes a later offset decrease: Corrupt, as the references say
     if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
-        return Err(Error::Corrupt(format!("KV Exact page {i}: offsets decrease")));
+        return Err(Error::Corrupt(format!("{what} page {i}: offsets decrease")));
     }
+    Ok(n)
+}
+
+/// Decode pages stored back to back (`offsets` [n + 1], page i = `buf[offsets[i]..offsets[i + 1]]`)
+/// into `out` (n x 16 x channels bf16). Errors name the page; never panics.
+pub fn decode_pages(shape: Shape, bases: &[u8], buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
+    let pb = shape.raw_page_bytes();
+    let n = check_spans("KV Exact", buf.len(), offsets, out.len(), pb)?;
     for i in 0..n {
         let (a, b) = (offsets[i] as usize, offsets[i + 1] as usize);
         decode_page(shape, bases, &buf[a..b], &mut out[i * pb..(i + 1) * pb], i)?;

@@ -370,27 +370,8 @@ pub fn decode_page(shape: Shape, page: &[u8], out: &mut [u8], index: usize) -> R
 /// every page at least its header and slots (Truncated), header padding, counts of plain rows,
 /// length against the plain rows (Truncated when short, Corrupt when long), then each page's body.
 pub fn decode_pages(shape: Shape, buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
-    if offsets.is_empty() {
-        return Err(Error::InvalidArgument("offsets must hold n + 1 entries".into()));
-    }
-    let n = offsets.len() - 1;
     let pb = shape.raw_page_bytes();
-    let need = n.checked_mul(pb).ok_or_else(|| Error::LimitExceeded("too many pages".into()))?;
-    if out.len() != need {
-        return Err(Error::BufferTooSmall { need: need as u64, have: out.len() as u64 });
-    }
-    if offsets[0] != 0 || offsets[n] != buf.len() as u64 {
-        return Err(Error::Truncated(format!(
-            "KV Exact4 page offsets cover bytes {}..{} of a {}-byte buffer",
-            offsets[0],
-            offsets[n],
-            buf.len()
-        )));
-    }
-    // From 0 to the end without decreasing, so every offset lies inside the buffer.
-    if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
-        return Err(Error::Corrupt(format!("KV Exact4 page {i}: offsets decrease")));
-    }
+    let n = kvx::check_spans("KV Exact4", buf.len(), offsets, out.len(), pb)?;
     let page = |i: usize| &buf[offsets[i] as usize..offsets[i + 1] as usize];
     for i in 0..n {
         check_fixed(shape, page(i), i)?;
