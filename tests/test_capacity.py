@@ -11,7 +11,8 @@ from weightszip.errors import WeightszipError
 from weightszip.eval import capacity
 from weightszip.eval.capacity import GB, CapacityError, compute
 
-ALL = ["bf16", "fp8", "int4-g32", "q4", "q3.5", "q3"]
+DATA = __import__("pathlib").Path(__file__).parent / "data"
+ALL = ["bf16", "fp8", "kv-exact", "kv-exact4", "int4-g32", "q4", "q3.5", "q3"]
 
 # Llama-3.1-8B's and -70B's config.json, as Meta publishes them (the fields the calculator reads).
 LLAMA_8B_CONFIG = {
@@ -34,7 +35,8 @@ def run_cli(*args) -> int:
 
 
 def sessions(report):
-    return {f.name: f.sessions_per_unit for f in report.formats}
+    """Sessions of the stated formats (the lossless kv-exact formats, whose size is measured: below)."""
+    return {f.name: f.sessions_per_unit for f in report.formats if not f.name.startswith("kv-exact")}
 
 
 def test_llama_8b_one_h100_as_the_card_reports():
@@ -132,7 +134,7 @@ def test_json_output(capsys):
     assert d["gpu"]["memory_gb"] == 80.0 and d["gpus"] == 8 and d["unit"] == "node"
     assert round(d["kv_budget_gb_total"]) == 416
     assert [(f["name"], f["sessions_per_unit"]) for f in d["formats"]] == list(
-        zip(ALL, [9, 19, 34, 38, 44, 51])
+        zip(ALL, [9, 19, 13, 12, 34, 38, 44, 51])
     )
     assert d["fleet"]["sessions"] == 1000 and d["fleet"]["price_reserved_per_gpu_hour"] == 2.0
     assert d["fleet"]["rows"][1]["gpus"] == 424
@@ -262,3 +264,50 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     with pytest.raises(CapacityError, match="pip install matplotlib"):
         capacity._import_pyplot()
+
+
+def test_lossless_formats_measured_on_a_kv_sample(tmp_path, capsys):
+    """kv-exact and kv-exact4 count at their size on our held-out real K/V by default; --kv-sample
+    measures them on the user's K/V (the Rust encoders, every page byte and offset counted): on the
+    real SmolLM2 K/V in tests/data the encoders' bytes of each stream's second half, KV Exact's tops
+    fitted on its first; an all-zero cache at the size the format's layout gives."""
+    import numpy as np
+
+    from weightszip import kv_exact
+
+    r = compute("llama-3.1-8b", "h100-80gb", gpus=1, context=131072)
+    assert (r.row("kv-exact").sessions_per_unit, r.row("kv-exact4").sessions_per_unit) == (4, 3)
+    assert r.row("kv-exact").bits_per_value == Fraction("11.2296")
+    # [K/V, layers, tokens, heads, dim] of real SmolLM2 values: 6 streams of 64 tokens
+    real = np.load(DATA / "kv_smollm2_64tok.npy").reshape(2, 3, 64, 3, 64)
+    got = capacity.measure_exact_formats(real)
+    held = real[..., 32:, :, :].reshape(-1, 2, 16, 3, 64)
+    want = want4 = 0
+    for s, x in enumerate(held):
+        bases = kv_exact.cpu_calibrate_bases(real.reshape(-1, 64, 3, 64)[s, :32].reshape(32, 192))
+        want += len(kv_exact.cpu_encode_pages(x, bases)[0]) + 16
+        want4 += len(kv_exact.cpu_encode_exact4_pages(x)[0]) + 16
+    assert got == {"kv-exact": Fraction(16 * want, held.nbytes), "kv-exact4": Fraction(16 * want4, held.nbytes)}
+    assert 8 < got["kv-exact"] < got["kv-exact4"] < 16
+    p = tmp_path / "kv.npy"
+    np.save(p, real.astype(np.uint16))
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", p, "--json") == 0
+    d = {f["name"]: f for f in json.loads(capsys.readouterr().out)["formats"]}
+    assert d["kv-exact"]["bits_per_value"] == float(got["kv-exact"]) and "kv.npy" in d["kv-exact4"]["description"]
+    # an all-zero cache: no plain rows, so a KV Exact4 page is its 16-byte header and 25 bytes per
+    # channel, plus the offset, against 32 bytes per channel in bf16
+    zeros = capacity.measure_exact_formats(np.zeros((64, 3, 64), np.uint16))
+    assert zeros["kv-exact4"] == Fraction(16 * (16 + 25 * 64 * 3 + 8), 32 * 64 * 3)
+    # unusable samples: a typed error each, through the CLI too
+    for bad in (np.zeros((40, 2, 32), np.uint16), np.zeros((64, 32), np.uint16), np.zeros((64, 2, 32), np.float32)):
+        with pytest.raises(CapacityError):
+            capacity.measure_exact_formats(capacity.load_kv_sample(str(_save(tmp_path, bad))))
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", tmp_path / "none.npy") == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def _save(tmp_path, x):
+    p = tmp_path / f"s{x.ndim}_{x.shape[0]}_{x.dtype}.npy"
+    np_save = __import__("numpy").save
+    np_save(p, x)
+    return p

@@ -80,6 +80,11 @@ def test_encoder_writes_the_reference_bytes(pages):
 def test_decoder_returns_the_values(pages):
     buf, off = R4.encode_pages(pages).to_bytes()
     assert torch.equal(C4.decode_pages(buf, off, H, D), pages)
+    # heads one or two at a time (the plain rows of heads 1 and 2 counted across the steps)
+    for step in (1, 2):
+        assert torch.equal(C4.decode_pages(buf, off, H, D, heads_per_step=step), pages)
+    with pytest.raises(InvalidArgumentError):
+        C4.decode_pages(buf, off, H, D, heads_per_step=3)
     # offsets off the 16-byte grid (hostile): the reference decoder's verdict
     shifted = torch.cat([torch.zeros(8, dtype=torch.uint8, device=DEVICE), buf])
     got = _outcome(lambda: C4.decode_pages(shifted, torch.cat([off[:1], off + 8]), H, D))
@@ -101,13 +106,16 @@ def test_decoder_returns_the_values(pages):
     ("largest exponent", lambda b, o: _no_code_zero(b)),
 ])
 def test_each_rule_gives_the_reference_error(pages, rule, damage):
-    """Page 0 (a plain row in head 1) broken one rule at a time: the same class, page and message."""
+    """Page 0 (a plain row in head 1) broken one rule at a time: the same class, page and message,
+    with all heads in one step and one head a step."""
     buf, off = R4.encode_pages(pages[:1]).to_bytes()
     bad, boff = damage(buf.clone(), off)
     boff = boff.to(DEVICE)
-    got = _outcome(lambda: C4.decode_pages(bad, boff, H, D))
-    assert got[0] != "ok" and rule in got[1], got
-    assert _same(got, _outcome(lambda: R4.decode_pages(bad, boff, H, D)))
+    want = _outcome(lambda: R4.decode_pages(bad, boff, H, D))
+    for step in (None, 1):
+        got = _outcome(lambda: C4.decode_pages(bad, boff, H, D, heads_per_step=step))
+        assert got[0] != "ok" and rule in got[1], got
+        assert _same(got, want)
 
 
 def _no_code_zero(b):
@@ -236,7 +244,8 @@ def test_plain_rows_and_tops_damaged_same_verdict(data):
         else:  # a top
             i = o + hdr + 25 * d * data.draw(st.integers(0, h - 1)) + data.draw(st.integers(0, d - 1))
             buf[i] = data.draw(st.sampled_from([14, 15, 16, (int(buf[i]) + 1) % 256, (int(buf[i]) - 1) % 256, 255]))
-    got = _outcome(lambda: C4.decode_pages(buf, off, h, d))
+    step = data.draw(st.sampled_from([None, 1, 2]))  # all heads at once, or over several steps
+    got = _outcome(lambda: C4.decode_pages(buf, off, h, d, heads_per_step=step))
     assert _same(got, _outcome(lambda: R4.decode_pages(buf, off, h, d))), got
 
 

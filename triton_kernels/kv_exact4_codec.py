@@ -18,9 +18,10 @@ at byte D / 2 + 4 m). So every load and store is of whole u32 words at consecuti
 no value changes threads.
 
 The decoder is the reference decoder's rules in one pass, one program per page: the offsets and
-the header once, then each head in a loop, its tensors ``[16, D / 8]`` (rows first, as in the
-attention kernel's tile loader) in one layout, its plain rows (rare) loaded by inline PTX into
-that same layout. A program stores the bits of the rules its page breaks (``ERRORS``, one bit
+the header once, then its heads, all at once where they fit: tensors ``[heads, D / 8]``, a thread on
+one word column (8 channels) of a head, through which the 16 rows pass (unrolled, loaded two rows
+ahead), so what derives from the window tops is made once per column and the checks over rows
+accumulate in registers; plain rows (rare) are loaded by inline PTX into that same layout. A program stores the bits of the rules its page breaks (``ERRORS``, one bit
 each) and the host raises the reference's error for the first rule, in the reference's order, that
 any page breaks, naming the lowest such page: the same error class and page as
 ``kv_exact4_ref.decode_pages``. Loads stay inside each page's bytes, so hostile offsets and headers
@@ -47,8 +48,8 @@ _interpreter_compat()
 
 I32 = tl.constexpr(tl.pointer_type(tl.int32))
 # The attention kernel's tile decoder (paged_decode._exact4_pair_ptx), two values per u32 out.
-_ASM_WORDS = tl.constexpr(exact4_asm(words=True))
-_ASM_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 5))
+_ASM_LANES = tl.constexpr(exact4_asm(words=True, lanes=True))
+_ASM_LANES_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 7))
 _ASM_DTYPES = tl.constexpr((tl.int32,) * 4)
 _BYTE_TOPS = tl.constexpr(0x80808080 - (1 << 32))  # bit 7 of every byte, as an int32
 
@@ -307,11 +308,64 @@ def _plain_exps(x0, x1, x2, x3, T0, T1):
 
 
 @triton.jit
-def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D: tl.constexpr, FAST: tl.constexpr):
+def _top_lanes(T0, T1):
+    """The four pairs' window tops << 7 in 16-bit lanes (pair p: channels 8 m + 2 p, 8 m + 2 p + 1),
+    from a word column's top words: what ``paged_decode._exact4_pair_ptx`` makes of them in every
+    row, made once per column here."""
+    L0 = ((T0 & 0xFF) | ((T0 & 0xFF00) << 8)) << 7
+    L1 = (((T0 >> 16) & 0xFF) | ((T0 >> 8) & 0xFF0000)) << 7
+    L2 = ((T1 & 0xFF) | ((T1 & 0xFF00) << 8)) << 7
+    L3 = (((T1 >> 16) & 0xFF) | ((T1 >> 8) & 0xFF0000)) << 7
+    return L0, L1, L2, L3
+
+
+@triton.jit
+def _pair(k, R, L, SEL: tl.constexpr):
+    """One pair's two values (a u32) in ``_exact4_pair_ptx``'s integer steps, for the interpreter: ``k``
+    the codes << 7 in lanes, ``R`` the raw word, ``SEL`` its bytes (0: bytes 0 and 1, 1: 2 and 3), ``L``
+    the tops << 7 in lanes."""
+    k = k & 0x07800780
+    e = L - k
+    y = k + 0x78807880  # bit 15 of a lane set where its code is 15 (wraps as the u32 sum does)
+    z = ((y >> 15) & 1) * 0xFFFF | (((y >> 31) & 1) * 0xFFFF) << 16
+    a = (R >> (16 * SEL)) & 0xFF
+    b = (R >> (16 * SEL + 8)) & 0xFF
+    x = (a & 0x7F) | ((a & 0x80) << 8) | ((b & 0x7F) << 16) | ((b & 0x80) << 24)
+    return (e & ~z) | x
+
+
+@triton.jit
+def _row_words(C, R0, R1, L0, L1, L2, L3, FAST: tl.constexpr):
+    """A token row's eight values per code word, as four u32 of two values each (pair p: channels 8 m +
+    2 p, 8 m + 2 p + 1): compiled, ``_exact4_pair_ptx`` with the tops given as lanes; in the
+    interpreter the same integer steps."""
+    if FAST:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(_ASM_LANES, _ASM_LANES_CONSTRAINTS, [C, R0, R1, L0, L1, L2, L3],
+                                                   dtype=_ASM_DTYPES, is_pure=True, pack=1)
+    else:
+        o0 = _pair(C << 7, R0, L0, 0)
+        o1 = _pair(C << 3, R0, L1, 1)
+        o2 = _pair(C >> 1, R1, L2, 0)
+        o3 = _pair(C >> 5, R1, L3, 1)
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _row_loads(sw, m, okw, t: tl.constexpr, WR: tl.constexpr):
+    """Row ``t``'s code word and raw words of each word column (0 outside ``okw``)."""
+    C = tl.load(sw + (2 + t) * WR + m, mask=okw, other=0)
+    R0 = tl.load(sw + (18 + 2 * t) * WR + m, mask=okw, other=0)
+    R1 = tl.load(sw + (19 + 2 * t) * WR + m, mask=okw, other=0)
+    return C, R0, R1
+
+
+@triton.jit
+def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D: tl.constexpr, HB: tl.constexpr,
+                   FAST: tl.constexpr):
     """Decode and check page ``program_id(0)``, ``buf[off_ptr[page]:off_ptr[page + 1]]``: writes its
     16 rows of int16 ``[n, 16, H, D]``, stores its rule bits (``ERRORS``) at ``err_ptr[page]`` and ORs
-    them into ``err_ptr[n]`` (zero before the launch). The page's rules once, then each head's
-    (``_decode_head``) in a loop: one program per page, so the header's checks are not repeated."""
+    them into ``err_ptr[n]`` (zero before the launch). The page's rules once, then its heads ``HB`` at
+    a time (``_decode_heads``)."""
     page = tl.program_id(0)
     start = tl.load(off_ptr + page)
     end = tl.load(off_ptr + page + 1)
@@ -326,14 +380,17 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D
     pad = 4 * H + tl.arange(0, 16)
     pb = tl.load(buf_ptr + base + pad, mask=(pad < HDR) & ok, other=0)
     err |= tl.where(tl.max(pb.to(tl.int32), axis=0) != 0, 2, 0)
-    hw = (buf_ptr + base).to(I32)
     total = err * 0  # plain rows of the heads so far
-    for head in range(0, H):
-        ent = tl.load(hw + head, mask=ok, other=0)
+    for h0 in range(0, H, HB):
+        hs = h0 + tl.arange(0, HB)
+        hv = (hs < H) & ok
+        ent = tl.load((buf_ptr + base).to(I32) + hs, mask=hv, other=0)
+        cnt = _popc(ent & 0xFFFF, False)  # (a few scalars a page: plain arithmetic)
         before = (ent >> 16) & 0xFFFF
-        err |= tl.where(ok & (before != total), 4, 0)
-        total += _popc(ent & 0xFFFF, False)  # (a scalar: plain arithmetic, not the per-element PTX)
-        err |= _decode_head(buf_ptr, base, length, ok, ent, before, out_ptr, page, head, H, HDR, FIXED, D, FAST)
+        err |= tl.where(tl.max((hv & (before != total + tl.cumsum(cnt, axis=0) - cnt)).to(tl.int32), axis=0) != 0, 4, 0)
+        total += tl.sum(cnt, axis=0)
+        err |= _decode_heads(buf_ptr, base, length, ok, hs, hs < H, hv, ent, before, out_ptr, page, H, HDR, FIXED,
+                             D, HB, FAST)
     want = FIXED + total.to(tl.int64) * (2 * D)
     err |= tl.where(ok & (length < want), 8, 0) | tl.where(ok & (length > want), 16, 0)
     tl.store(err_ptr + page, err)
@@ -341,70 +398,68 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D
 
 
 @triton.jit
-def _decode_head(buf_ptr, base, length, ok, ent, before, out_ptr, page, head, H, HDR, FIXED, D: tl.constexpr,
-                 FAST: tl.constexpr):
-    """The rule bits of one head of a page (``ent``: its header entry, ``before``: its count of earlier
-    plain rows, as stored), whose 16 rows it writes. Every tensor is [16 rows, D / 8 words] in one
-    layout, as in the attention kernel's tile loader (the tops are loaded for every row, from L1
-    after the first), so nothing moves through shared memory but the output's words and the one
-    reduction of the checks."""
+def _decode_heads(buf_ptr, base, length, ok, hs, hreal, hv, ent, before, out_ptr, page, H, HDR, FIXED,
+                  D: tl.constexpr, HB: tl.constexpr, FAST: tl.constexpr):
+    """The rule bits of heads ``hs`` of a page (``hreal``: heads that exist; ``hv``: and the page is
+    long enough; ``ent``: their header entries, ``before``: their stored counts of earlier plain rows),
+    whose 16 rows it writes. Every tensor is ``[HB heads, D / 8 words]`` in one layout, a thread on
+    one word column of a head: the window tops and what derives from them are made once per column,
+    then the 16 rows pass through the same thread (unrolled), so the checks over rows (a top that
+    some row reaches; a plain row's flags) accumulate in its registers and only the page's final
+    OR crosses threads."""
     WR: tl.constexpr = D // 8
-    err = ent * 0
-    sw = (buf_ptr + base + HDR + head * (25 * D)).to(I32)  # the slot as u32 words
-    t = tl.arange(0, 16)[:, None]
+    h2 = hs[:, None]
     m = tl.arange(0, WR)[None, :]
-    okr = (t >= 0) & ok  # [16, 1]
-    T0 = tl.load(sw + m + 0 * t, mask=okr, other=0x0F0F0F0F)  # [16, WR]: the same in every row
-    T1 = tl.load(sw + WR + m + 0 * t, mask=okr, other=0x0F0F0F0F)
-    C = tl.load(sw + 2 * WR + t * WR + m, mask=okr, other=0)
-    rows = 18 * WR + t * (2 * WR) + m
-    R0 = tl.load(sw + rows, mask=okr, other=0)
-    R1 = tl.load(sw + WR + rows, mask=okr, other=0)
-    if FAST:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(_ASM_WORDS, _ASM_CONSTRAINTS, [C, R0, R1, T0, T1],
-                                                   dtype=_ASM_DTYPES, is_pure=True, pack=1)
-    else:
-        o0 = _value(_nib(C, 0), _byte(T0, 0), _byte(R0, 0)) | (_value(_nib(C, 16), _byte(T0, 1), _byte(R0, 1)) << 16)
-        o1 = _value(_nib(C, 4), _byte(T0, 2), _byte(R0, 2)) | (_value(_nib(C, 20), _byte(T0, 3), _byte(R0, 3)) << 16)
-        o2 = _value(_nib(C, 8), _byte(T1, 0), _byte(R1, 0)) | (_value(_nib(C, 24), _byte(T1, 1), _byte(R1, 1)) << 16)
-        o3 = _value(_nib(C, 12), _byte(T1, 2), _byte(R1, 2)) | (_value(_nib(C, 28), _byte(T1, 3), _byte(R1, 3)) << 16)
-    # The rules on values, as bits of one word per element (row t, word m) reduced over the rows once:
-    # AND over rows on the nibble bits (0x11111111: bit 4 k for nibble k, which holds channel r = 2
-    # (k % 4) + k // 4), OR on the others. A nibble bit stays set where channel r's top is not 15 and
-    # no row reaches it: a coded row reaches its top with code 0 (a coded exponent is top - code, at
-    # most the top), a plain row with its value's exponent. Channel r < 4 has byte r of T0, the
-    # others byte r - 4 of T1.
-    z = ~C
-    z = z & (z >> 1)
-    miss = ~(z & (z >> 2))  # bit 4 k: nibble k is not 0
+    okw = hv[:, None] & (m >= 0)  # [HB, WR]
+    sw = (buf_ptr + (base + HDR + h2.to(tl.int64) * (25 * D))).to(I32)  # each head's slot as u32 words
+    T0 = tl.load(sw + m, mask=okw, other=0x0F0F0F0F)
+    T1 = tl.load(sw + WR + m, mask=okw, other=0x0F0F0F0F)
+    L0, L1, L2, L3 = _top_lanes(T0, T1)
     flags = _below15(T0) | _below15(T1)  # tops below 15 (0x80 in their byte)
-    plain = ((ent >> t) & 1) != 0  # [16, 1]
-    # the coded rows (the plain ones below: the masks keep the two stores apart)
-    out = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [16, D // 2])
-    ow = out_ptr.to(I32) + (page.to(tl.int64) * 16 * H + head) * (D // 2)  # row 0 of the head
-    orow = t * (H * (D // 2)) + tl.arange(0, D // 2)[None, :]
-    tl.store(ow + orow, out, mask=~plain)
-    if (ent & 0xFFFF) != 0:  # plain rows (a few heads of a few pages): loaded in this layout
-        # at their rank after the slots, read only where they lie inside the page
-        rank = before + _popc(ent & ((1 << t) - 1) & 0xFFFF, FAST)
-        pread = plain & ok & (FIXED + (rank + 1).to(tl.int64) * (2 * D) <= length)
-        flags |= tl.where(plain & ((C | R0 | R1) != 0), PLAIN_CODED, 0)
-        x0, x1, x2, x3 = _load16(buf_ptr + base + FIXED + rank * (2 * D) + 16 * m, pread, FAST)
-        px = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [16, D // 2])
-        tl.store(ow + orow, px, mask=plain)
-        pmiss, above, no_code = _plain_exps(x0, x1, x2, x3, T0, T1)
-        miss = tl.where(plain, pmiss, miss)
-        flags |= tl.where(plain, above, 0)
-        # a plain row needs a value without a code (else the encoder had coded it)
-        row_no_code = tl.max(no_code, axis=1)[:, None]  # [16, 1]
-        flags |= tl.where(plain & (row_no_code == 0), ALL_FIT, 0)
     n0 = _not15(T0)
     n1 = _not15(T1)
+    # bit 4 k (nibble k holds channel r = 2 (k % 4) + k // 4): that channel's top is not 15, so some
+    # row must reach it (a coded row with code 0, a plain row with the top as its exponent)
     need = ((n0 & 1) | ((n0 & 0x100) << 8) | ((n0 & 0x10000) >> 12) | ((n0 & 0x1000000) >> 4)
             | ((n1 & 1) << 8) | ((n1 & 0x100) << 16) | ((n1 & 0x10000) >> 4) | ((n1 & 0x1000000) << 4))
-    x = tl.reduce((need & miss & 0x11111111) | flags, 0, _and_or)  # [WR]
-    bad = tl.reduce(tl.where((x & 0x11111111) != 0, ABOVE, 0) | x, 0, _or)
-    err |= tl.where(ok & ((bad & PLAIN_CODED) != 0), 32, 0) | tl.where((bad & _BYTE_TOPS) != 0, 64, 0)
+    miss = need  # the needed channels no row reaches yet
+    pm = (ent & 0xFFFF)[:, None]  # plain-row masks [HB, 1]
+    rows_plain = tl.reduce(ent & 0xFFFF, 0, _or)  # rows plain in some head of the block
+    ow = out_ptr.to(I32) + ((page.to(tl.int64) * 16) * H + h2) * (D // 2)  # row 0 of each head
+    oc = tl.arange(0, D // 2)[None, :]
+    # each row's words loaded two rows ahead of their use (the rows are a chain through the flags)
+    Ca, R0a, R1a = _row_loads(sw, m, okw, 0, WR)
+    Cb, R0b, R1b = _row_loads(sw, m, okw, 1, WR)
+    for t in tl.static_range(16):
+        C, R0, R1 = Ca, R0a, R1a
+        Ca, R0a, R1a = Cb, R0b, R1b
+        if t + 2 < 16:
+            Cb, R0b, R1b = _row_loads(sw, m, okw, t + 2, WR)
+        o0, o1, o2, o3 = _row_words(C, R0, R1, L0, L1, L2, L3, FAST)
+        plain = ((pm >> t) & 1) != 0  # [HB, 1]
+        orow = ow + t * (H * (D // 2)) + oc
+        tl.store(orow, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [HB, D // 2]), mask=~plain & hreal[:, None])
+        z = ~C
+        z = z & (z >> 1)
+        reach = z & (z >> 2)  # bit 4 k: nibble k is 0 (the channel's exponent is its top)
+        if ((rows_plain >> t) & 1) != 0:  # plain rows (a few rows of a few pages): loaded in this layout
+            # at their rank after the slots, read only where they lie inside the page
+            rank = before[:, None] + _popc(pm & ((1 << t) - 1), FAST)
+            pread = plain & okw & (FIXED + (rank + 1).to(tl.int64) * (2 * D) <= length)
+            flags |= tl.where(plain & ((C | R0 | R1) != 0), PLAIN_CODED, 0)
+            x0, x1, x2, x3 = _load16(buf_ptr + base + FIXED + rank.to(tl.int64) * (2 * D) + 16 * m, pread, FAST)
+            tl.store(orow, tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [HB, D // 2]), mask=plain & hreal[:, None])
+            pmiss, above, no_code = _plain_exps(x0, x1, x2, x3, T0, T1)
+            reach = tl.where(plain, ~pmiss, reach)
+            flags |= tl.where(plain, above, 0)
+            # a plain row needs a value without a code (else the encoder had coded it)
+            row_no_code = tl.max(no_code, axis=1)[:, None]  # [HB, 1]
+            flags |= tl.where(plain & (row_no_code == 0), ALL_FIT, 0)
+        miss &= ~reach
+    # a needed channel that no row reaches: ABOVE (a top above every exponent); the flags as they are
+    x = tl.where((miss & 0x11111111) != 0, ABOVE, 0) | flags
+    bad = tl.reduce(tl.reduce(x, 1, _or), 0, _or)
+    err = tl.where(ok & ((bad & PLAIN_CODED) != 0), 32, 0) | tl.where((bad & _BYTE_TOPS) != 0, 64, 0)
     err |= tl.where(ok & ((bad & ALL_FIT) != 0), 128, 0) | tl.where(ok & ((bad & ABOVE) != 0), 256, 0)
     return err
 
@@ -470,14 +525,17 @@ def encode_pages(values: torch.Tensor, *, num_warps: int = 1) -> tuple[torch.Ten
 
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim: int, *,
-                 num_warps: int = 8, maxnreg: int | None = 32) -> torch.Tensor:
+                 num_warps: int | None = None, maxnreg: int | None = 64,
+                 heads_per_step: int | None = None) -> torch.Tensor:
     """Validate and decode pages stored back to back (page i = ``buf[offsets[i]:offsets[i + 1]]``),
     as ``kv_exact4_ref.decode_pages``: int16 bits ``[n, 16, H, D]``, or its TruncatedError /
     CorruptDataError for the same rule and page (the offsets checked as ``page_spans`` checks them).
     One host sync (the verdict); misaligned pages go to the reference decoder. One program per page,
-    ``num_warps`` warps; ``maxnreg``: registers per thread (None: the compiler's choice). 32 keeps 64
-    warps resident on an SM, which this memory-bound kernel needs (at 8 warps without spills; H200,
-    1 GiB: 1.39-1.42 TB/s at 32 registers, 1.34-1.35 at the compiler's 39; BENCHMARKS.md)."""
+    ``num_warps`` warps (None: up to 4, a word column per thread), each thread on one word column (8
+    channels) of a head for all 16 rows; ``maxnreg``: registers per thread (None: the compiler's
+    choice, 111 at 4 warps; 64 spills nothing and lets 8 programs share an SM: H200, 1 GiB of real
+    KV: the kernel 521 us against 622 uncapped; BENCHMARKS.md); ``heads_per_step``: a power of two, the
+    heads a program takes at a time (None: as many as one column per thread covers)."""
     _check(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1,
            "buf must be a 1-D uint8 tensor")
     _check(isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() >= 1
@@ -492,8 +550,14 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)
     page_err = torch.zeros(n + 1, dtype=torch.int32, device=buf.device)  # each page's rule bits, then all's
     fast = not _interpreting()
+    # heads per step: one word column per thread (a head has D / 8), all heads at once where they fit
+    wr = d // 8  # word columns per head
+    if num_warps is None:
+        num_warps = max(1, min(4, triton.next_power_of_2(h) * wr // 32))
+    hb = heads_per_step or min(triton.next_power_of_2(h), max(1, 32 * num_warps // wr))
+    _check(hb & (hb - 1) == 0 and 1 <= hb <= 256, "heads_per_step must be a power of two up to 256")
     _decode_kernel[(n,)](buf, off, out, page_err, buf.numel(), n, h, ref.header_bytes(h), ref.page_length(h, d, 0),
-                           D=d, FAST=fast, num_warps=num_warps, **({"maxnreg": maxnreg} if fast and maxnreg else {}))
+                         D=d, HB=hb, FAST=fast, num_warps=num_warps, **({"maxnreg": maxnreg} if fast and maxnreg else {}))
     if int(page_err[n]):
         page_err = page_err[:n]
         if bool((page_err & OFFSETS.value).any()):

@@ -311,9 +311,8 @@ def pair_decode(w: torch.Tensor, r0: torch.Tensor, r1: torch.Tensor, t0: torch.T
         k = ((w << (7 - 4 * p)) if p < 2 else (w >> (4 * p - 7))) & m32 & 0x07800780
         t = (_prmt((t0, t1)[p // 2], (0x4140, 0x4342)[p % 2]) << 7) & m32
         e = (t - k) & m32
-        z = (((k + 0x00800080) & 0x08000800) >> 4) * 255 & m32
-        e &= ~z & m32
+        z = _prmt((k + 0x78807880) & m32, 0xBB99)  # 0xFFFF in the lanes whose code is 15
         x = _prmt((r0, r1)[p // 2], (0x9180, 0xB3A2)[p % 2]) & 0x807F807F
-        e |= x
+        e = (e & ~z & m32) | x  # (lop3 0xBA)
         outs += [e & 0xFFFF, e >> 16]
     return torch.stack(outs, -1)

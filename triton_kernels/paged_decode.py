@@ -489,39 +489,41 @@ def _exact_decode(heap_ptr, w0, w1, w2, raw, erow, valid, head, base_ptr, HEAD_D
 # _exact4_pair_ptx's PTX (four pairs): eight values of one token row, channels 8 m + r ($0..$7, bf16 bits) from the
 # code word $8 (channel 8 m + r at bit 16 (r % 2) + 4 (r // 2)), the raw bytes $9 (channels 0-3) and
 # $10 (4-7) and the window tops $11 (0-3) and $12 (4-7), two channels per 32-bit lane pair: k = the
-# pair's codes << 7 (one shift and mask), t = their tops << 7 (a byte permute and a shift), e = t - k
-# (no borrow: top >= 15 >= code), lanes with code 15 cleared (exponent 0: (k + 1 << 7) has bit 11 set
-# exactly there, spread to bits 7-14 by a multiply), and the sign / mantissa bits from a sign-
-# replicating byte permute of the raw bytes. About 12 instructions per two values.
-def _exact4_pair_ptx(p: int, words: bool = False) -> str:
+# pair's codes << 7 (one shift and mask), t = their tops << 7 (a byte permute and a shift, or given
+# ready: ``lanes``), e = t - k (no borrow: top >= 15 >= code), lanes with code 15 cleared (exponent
+# 0: k + 0x7880 reaches bit 15 exactly there, which a sign-replicating byte permute spreads over the
+# lane), and the sign / mantissa bits from a sign-replicating byte permute of the raw bytes. Eight
+# instructions per two values (ten with the tops).
+def _exact4_pair_ptx(p: int, words: bool = False, lanes: bool = False) -> str:
     """Pair ``p`` (channels 8 m + 2 p and 8 m + 2 p + 1). ``words``: the two values as one u32 (low
-    half the first), in output $p, the inputs at $4 .. $8 (``kv_exact4_codec``'s decoder)."""
+    half the first) in output $p, the inputs from $4 (``kv_exact4_codec``'s decoder). ``lanes``: the
+    inputs after the raw words are the four pairs' tops << 7 in 16-bit lanes, not the two top words
+    (``kv_exact4_codec._top_lanes``, once per channel for all 16 rows)."""
     a = 4 if words else 8  # the first input operand
     src_code = f"shl.b32 k, ${a}, {7 - 4 * p};" if p < 2 else f"shr.u32 k, ${a}, {4 * p - 7};"
     raw, sel = (f"${a + 1}", f"${a + 2}")[p // 2], ("0x9180", "0xB3A2")[p % 2]
-    top, tsel = (f"${a + 3}", f"${a + 4}")[p // 2], ("0x4140", "0x4342")[p % 2]
+    if lanes:
+        top = f"mov.b32 t, ${a + 3 + p};"
+    else:
+        tword, tsel = (f"${a + 3}", f"${a + 4}")[p // 2], ("0x4140", "0x4342")[p % 2]
+        top = f"prmt.b32 t, {tword}, 0, {tsel};\nshl.b32 t, t, 7;"
     out = f"mov.b32 ${p}, e;" if words else f"mov.b32 {{${2 * p}, ${2 * p + 1}}}, e;"
     return f"""{src_code}
 and.b32 k, k, 0x07800780;
-prmt.b32 t, {top}, 0, {tsel};
-shl.b32 t, t, 7;
+{top}
 sub.u32 e, t, k;
-add.u32 z, k, 0x00800080;
-and.b32 z, z, 0x08000800;
-shr.u32 z, z, 4;
-mul.lo.u32 z, z, 255;
-not.b32 z, z;
-and.b32 e, e, z;
+add.u32 z, k, 0x78807880;
+prmt.b32 z, z, 0, 0xBB99;
 prmt.b32 x, {raw}, 0, {sel};
 and.b32 x, x, 0x807F807F;
-or.b32 e, e, x;
+lop3.b32 e, e, z, x, 0xBA;
 {out}
 """
 
 
-def exact4_asm(words: bool = False) -> str:
+def exact4_asm(words: bool = False, lanes: bool = False) -> str:
     """The PTX of ``_exact4_pair_ptx``'s four pairs: eight values of a token row's code word."""
-    return "{\n.reg .b32 k, t, e, z, x;\n" + "".join(_exact4_pair_ptx(p, words) for p in range(4)) + "}"
+    return "{\n.reg .b32 k, t, e, z, x;\n" + "".join(_exact4_pair_ptx(p, words, lanes) for p in range(4)) + "}"
 
 
 _EXACT4_ASM = tl.constexpr(exact4_asm())

@@ -14,7 +14,7 @@ Models on more than one GPU are bought in whole nodes (8 GPUs by default).
 
     >>> r = compute("llama-3.1-8b", "h100-80gb-reported", gpus=1, context=131072)
     >>> [(f.name, f.sessions_per_unit) for f in r.formats]
-    [('bf16', 3), ('fp8', 6), ('int4-g32', 12), ('q4', 13), ('q3.5', 15), ('q3', 18)]
+    [('bf16', 3), ('fp8', 6), ('kv-exact', 4), ('kv-exact4', 4), ('int4-g32', 12), ('q4', 13), ('q3.5', 15), ('q3', 18)]
 
 Formats and GPUs are registries that later code extends (`register_format`, `register_gpu`), e.g. with
 the exact bits per value a compact format measures at a given context length.
@@ -137,6 +137,22 @@ register_format(
     "8 bits per value counted; fp8 e4m3 with a per-head scale: one fp32 per layer, KV head and K/V, "
     "fixed per model and not per token, so not counted",
 )
+# The lossless formats' size depends on the data: these are means measured on held-out real K/V
+# (SmolLM2-135M and Qwen2.5-0.5B, 16 (model, layer, K/V) sets of 4096 tokens; every page byte and its
+# 8-byte offset counted), by `measure_exact_formats` (the command in BENCHMARKS.md, "KV Exact" and
+# "KV Exact4"). `--kv-sample` measures them on the user's own K/V instead.
+EXACT_DEFAULT_BITS = {"kv-exact": Fraction("11.2296"), "kv-exact4": Fraction("12.6199")}
+register_format(
+    "kv-exact", EXACT_DEFAULT_BITS["kv-exact"],
+    "weightszip KV Exact pages (lossless, bit-identical answers), at their mean size on held-out real K/V "
+    "(0.7019 of bf16); the size depends on the data: measure yours with --kv-sample",
+)
+register_format(
+    "kv-exact4", EXACT_DEFAULT_BITS["kv-exact4"],
+    "weightszip KV Exact4 pages (lossless, the faster-to-decode layout), at their mean size on held-out real K/V "
+    "(0.7887 of bf16); the size depends on the data: measure yours with --kv-sample",
+)
+
 register_format(
     "int4-g32", Fraction(9, 2),
     "int4 asymmetric, groups of 32 along head_dim: 4-bit codes + 16 bits of scale and zero point per group",
@@ -165,6 +181,74 @@ MODELS["llama-3.1-8b"] = ModelSpec(
 MODELS["llama-3.1-70b"] = ModelSpec(
     "llama-3.1-70b", layers=80, kv_heads=8, head_dim=128, params=Fraction(706, 10) * 10**9, max_context=131072
 )
+
+
+# --------------------------------------------------------------------------------------------------
+# The lossless formats measured on a K/V sample
+
+EXACT_OFFSET_BYTES = 8  # an int64 offset per page (block table entry), counted with the page
+EXACT_PAGE_TOKENS = 16
+
+
+def measure_exact_formats(sample) -> dict[str, Fraction]:
+    """Bits per value of KV Exact and KV Exact4 pages on captured K or V values, encoded by the Rust
+    codec (CPU), every page byte and its 8-byte offset counted.
+
+    ``sample``: bf16 values as 16-bit patterns (numpy int16 / uint16) or a bf16 tensor, shaped
+    ``[..., tokens, kv_heads, head_dim]``; each leading index (e.g. K / V, layer) is its own stream.
+    Each stream is split in time: KV Exact's window tops are fitted on its first half and both formats
+    are measured on whole pages of its second half (held out), so at least 64 tokens are needed.
+    The last 16 tokens of a sequence (kept in bf16 by the caches) are not counted."""
+    import numpy as np
+
+    from weightszip import kv_exact
+
+    try:
+        a = kv_exact._bf16_bits(sample)
+    except Exception as e:  # noqa: BLE001 - any unusable input is the user's to fix
+        raise CapacityError(f"K/V sample: {e}") from None
+    if a.ndim < 3 or min(a.shape[-3:]) < 1:
+        raise CapacityError(f"K/V sample must be [..., tokens, kv_heads, head_dim], got shape {list(a.shape)}")
+    t, h, d = a.shape[-3:]
+    half = t // 2
+    pages = (t - half) // EXACT_PAGE_TOKENS
+    if t < 4 * EXACT_PAGE_TOKENS:
+        raise CapacityError(f"K/V sample has {t} tokens: at least {4 * EXACT_PAGE_TOKENS} are needed "
+                            "(the first half fits KV Exact's tops, whole pages of the second are measured)")
+    raw = stored = stored4 = 0
+    for x in a.reshape(-1, t, h, d):
+        bases = kv_exact.cpu_calibrate_bases(x[:half].reshape(half, h * d))
+        held = np.ascontiguousarray(x[half : half + pages * EXACT_PAGE_TOKENS]).reshape(pages, EXACT_PAGE_TOKENS, h, d)
+        buf, _ = kv_exact.cpu_encode_pages(held, bases)
+        buf4, _ = kv_exact.cpu_encode_exact4_pages(held)
+        raw += held.nbytes
+        stored += len(buf) + EXACT_OFFSET_BYTES * pages
+        stored4 += len(buf4) + EXACT_OFFSET_BYTES * pages
+    return {"kv-exact": Fraction(16 * stored, raw), "kv-exact4": Fraction(16 * stored4, raw)}
+
+
+def load_kv_sample(path: str):
+    """A K/V sample file for ``measure_exact_formats``: ``.npy`` (16-bit patterns of bf16 values) or a
+    ``.pt`` file holding one tensor (bf16, or int16 patterns)."""
+    import numpy as np
+
+    try:
+        if path.endswith(".pt"):
+            import torch
+
+            x = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(x, torch.Tensor):
+                raise CapacityError(f"--kv-sample {path}: expected one tensor, found {type(x).__name__}")
+            return x
+        x = np.load(path, allow_pickle=False)
+    except CapacityError:
+        raise
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CapacityError(f"--kv-sample {path}: cannot read it: {e}") from None
+    if x.dtype not in (np.int16, np.uint16):
+        raise CapacityError(f"--kv-sample {path}: expected the 16-bit patterns of bf16 values (int16 or uint16), "
+                            f"found {x.dtype}")
+    return x
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,8 +576,8 @@ def _notes(r: Report) -> list[str]:
         if f.name == "fp8":
             scales = 2 * r.model.layers * r.model.kv_heads * 4
             n.append(f"fp8: {f.description} ({scales} bytes for {r.model.name}).")
-        elif f.name == "int4-g32":
-            n.append(f"int4-g32: {f.description}.")
+        elif f.name == "int4-g32" or f.name.startswith("kv-exact"):
+            n.append(f"{f.name}: {f.description}.")
     return n
 
 
@@ -734,6 +818,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH.png", help="write a bar chart (needs matplotlib)")
     p.add_argument("--calibration", metavar="M.wzcal", help="count q4, q3.5, q3 at the exact bits per value of this "
                    "model's calibration (from `weightszip calibrate`) at --context, instead of their stated bits")
+    p.add_argument("--kv-sample", metavar="KV.npy", help="count kv-exact and kv-exact4 at the size their pages take "
+                   "on this captured K/V ([..., tokens, kv_heads, head_dim] bf16 bits, .npy or .pt; the second "
+                   "half of its tokens measured), instead of their size on our real K/V")
     p.set_defaults(fn=run)
     return p
 
@@ -762,6 +849,10 @@ def run(args) -> int:
         _import_pyplot()  # fail before printing anything
     if getattr(args, "calibration", None):
         _use_calibration(args.calibration, args.model, args.context)
+    if getattr(args, "kv_sample", None):
+        for name, bits in measure_exact_formats(load_kv_sample(args.kv_sample)).items():
+            register_format(name, bits, f"{FORMATS[name].description.split(', at ')[0]}, at the size its pages "
+                            f"take on {args.kv_sample} ({float(bits / 16):.3f} of bf16)")
     r = compute(
         args.model, args.gpu, gpus=args.gpus, context=args.context, formats=formats, sessions=args.sessions,
         gpu_memory_gb=args.gpu_memory_gb, params=args.params, weights_gb=args.weights_gb,
