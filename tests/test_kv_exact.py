@@ -227,13 +227,16 @@ def test_fuzz_damaged_pages_never_crash(real, data):
     bad, o = _damaged(data, buf, offs, lambda rand: rand(data.draw(st.integers(0, 3)) * 16 + R.fixed_bytes(H, D)))
     try:
         rust = cpu_decode_pages(bytes(bad.numpy()), o.numpy(), bases, H, D)
-    except WeightszipError:
-        rust = None
+    except WeightszipError as e:
+        rust = e
     try:
         out = R.decode_pages(bad, o, bases, H, D)
-    except WeightszipError:
-        assert rust is None  # both decoders reject the same pages
+    except WeightszipError as e:
+        # both decoders reject the same pages, with the same class (Truncated or Corrupt): the Rust
+        # decoder checks the reference's rules in its order, each over every page
+        assert type(rust) is type(e), (rust, e)
         return
+    assert not isinstance(rust, WeightszipError), rust
     assert rust is not None and (rust == out.numpy().view(np.uint16)).all()
     # a page that passes validation re-encodes to the same bytes (the format is canonical)
     b2, o2 = R.encode_pages(out.view(torch.int16), bases).to_bytes()

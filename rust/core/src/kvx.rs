@@ -143,9 +143,67 @@ pub fn encode_pages(shape: Shape, bases: &[u8], values: &[u8]) -> Result<(Vec<u8
     Ok((out, offsets))
 }
 
-/// Decode one page of exactly `page.len()` bytes into `out` (16 x channels bf16, little endian),
-/// checking every rule of the format (`index` names the page in errors). Never panics.
-pub fn decode_page(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], index: usize) -> Result<()> {
+/// The exception list's offset k (0..=heads) from a page's header (the page holds the fixed bytes).
+fn exception_offset(page: &[u8], k: usize) -> usize {
+    u32::from_le_bytes([page[4 * k], page[4 * k + 1], page[4 * k + 2], page[4 * k + 3]]) as usize
+}
+
+/// A rule on one page's length and header (`index` names the page in errors).
+type Rule = fn(Shape, &[u8], usize) -> Result<()>;
+
+/// The rules on a page's length and header, in the order the reference decoder checks them: each
+/// may index what the rules before it checked. Over pages stored back to back each rule runs on every
+/// page before the next rule, as the reference does, so damage in several pages gives its error.
+const HEADER_RULES: [Rule; 7] = [
+    |shape, page, index| {
+        let fixed = shape.fixed_bytes();
+        if page.len() < fixed {
+            return Err(Error::Truncated(format!("KV Exact page {index}: {} bytes, a page has at least {fixed}", page.len())));
+        }
+        Ok(())
+    },
+    |_, page, index| if page.len().is_multiple_of(ALIGN) { Ok(()) } else { Err(corrupt(index, "length is not a multiple of 16")) },
+    |shape, page, index| {
+        if page[4 * (shape.heads + 1)..shape.header_bytes()].iter().any(|&b| b != 0) {
+            return Err(corrupt(index, "nonzero header padding"));
+        }
+        Ok(())
+    },
+    |shape, page, index| {
+        if exception_offset(page, 0) != shape.fixed_bytes() {
+            return Err(corrupt(index, "first exception offset is wrong"));
+        }
+        Ok(())
+    },
+    |shape, page, index| {
+        if (0..shape.heads).any(|k| exception_offset(page, k + 1) < exception_offset(page, k)) {
+            return Err(corrupt(index, "exception offsets decrease"));
+        }
+        Ok(())
+    },
+    |shape, page, index| {
+        if exception_offset(page, shape.heads) > page.len() {
+            return Err(Error::Truncated(format!("KV Exact page {index}: exceptions run past the page's end")));
+        }
+        Ok(())
+    },
+    |shape, page, index| {
+        if exception_offset(page, shape.heads).div_ceil(ALIGN) * ALIGN != page.len() {
+            return Err(corrupt(index, "page longer than its exceptions and padding"));
+        }
+        Ok(())
+    },
+];
+
+/// The zero padding after a page's exceptions (the reference's last rule).
+fn check_tail(shape: Shape, page: &[u8], index: usize) -> Result<()> {
+    if page[exception_offset(page, shape.heads)..].iter().any(|&b| b != 0) {
+        return Err(corrupt(index, "nonzero padding after the exceptions"));
+    }
+    Ok(())
+}
+
+fn check_tables(shape: Shape, bases: &[u8], out: &[u8]) -> Result<()> {
     let c = shape.channels();
     if bases.len() != c {
         return Err(Error::InvalidArgument(format!("{} window tops for {c} channels", bases.len())));
@@ -153,36 +211,25 @@ pub fn decode_page(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], inde
     if out.len() != shape.raw_page_bytes() {
         return Err(Error::BufferTooSmall { need: shape.raw_page_bytes() as u64, have: out.len() as u64 });
     }
-    let (h, d) = (shape.heads, shape.head_dim);
-    let fixed = shape.fixed_bytes();
-    if page.len() < fixed {
-        return Err(Error::Truncated(format!("KV Exact page {index}: {} bytes, a page has at least {fixed}", page.len())));
+    Ok(())
+}
+
+/// Decode one page of exactly `page.len()` bytes into `out` (16 x channels bf16, little endian),
+/// checking every rule of the format (`index` names the page in errors). Never panics.
+pub fn decode_page(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], index: usize) -> Result<()> {
+    check_tables(shape, bases, out)?;
+    for rule in HEADER_RULES {
+        rule(shape, page, index)?;
     }
-    if !page.len().is_multiple_of(ALIGN) {
-        return Err(corrupt(index, "length is not a multiple of 16"));
-    }
+    decode_body(shape, bases, page, out, index)?;
+    check_tail(shape, page, index)
+}
+
+/// The values of a page whose header rules hold, checking the rules on codes and exceptions.
+fn decode_body(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], index: usize) -> Result<()> {
+    let (h, d, c) = (shape.heads, shape.head_dim, shape.channels());
     let hdr = shape.header_bytes();
-    if page[4 * (h + 1)..hdr].iter().any(|&b| b != 0) {
-        return Err(corrupt(index, "nonzero header padding"));
-    }
-    let ex: Vec<usize> = (0..=h)
-        .map(|k| u32::from_le_bytes([page[4 * k], page[4 * k + 1], page[4 * k + 2], page[4 * k + 3]]) as usize)
-        .collect();
-    if ex[0] != fixed {
-        return Err(corrupt(index, "first exception offset is wrong"));
-    }
-    if ex.windows(2).any(|w| w[1] < w[0]) {
-        return Err(corrupt(index, "exception offsets decrease"));
-    }
-    if ex[h] > page.len() {
-        return Err(Error::Truncated(format!("KV Exact page {index}: exceptions run past the page's end")));
-    }
-    if ex[h].div_ceil(ALIGN) * ALIGN != page.len() {
-        return Err(corrupt(index, "page longer than its exceptions and padding"));
-    }
-    if page[ex[h]..].iter().any(|&b| b != 0) {
-        return Err(corrupt(index, "nonzero padding after the exceptions"));
-    }
+    let ex: Vec<usize> = (0..=h).map(|k| exception_offset(page, k)).collect();
     for head in 0..h {
         let hb = hdr + head * shape.head_bytes();
         let mut next = ex[head];
@@ -250,13 +297,26 @@ pub(crate) fn check_spans(what: &str, buf_len: usize, offsets: &[u64], out_len: 
 }
 
 /// Decode pages stored back to back (`offsets` [n + 1], page i = `buf[offsets[i]..offsets[i + 1]]`)
-/// into `out` (n x 16 x channels bf16). Errors name the page; never panics.
+/// into `out` (n x 16 x channels bf16). Errors name the page; never panics. The rules run in the
+/// reference decoder's order, each on every page before the next (`HEADER_RULES`; the values a page at
+/// a time, then the padding after the exceptions), so several damaged pages give its error class.
 pub fn decode_pages(shape: Shape, bases: &[u8], buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
     let pb = shape.raw_page_bytes();
     let n = check_spans("KV Exact", buf.len(), offsets, out.len(), pb)?;
+    if n > 0 {
+        check_tables(shape, bases, &out[..pb])?;
+    }
+    let page = |i: usize| &buf[offsets[i] as usize..offsets[i + 1] as usize];
+    for rule in HEADER_RULES {
+        for i in 0..n {
+            rule(shape, page(i), i)?;
+        }
+    }
+    for (i, dst) in out.chunks_exact_mut(pb).enumerate() {
+        decode_body(shape, bases, page(i), dst, i)?;
+    }
     for i in 0..n {
-        let (a, b) = (offsets[i] as usize, offsets[i + 1] as usize);
-        decode_page(shape, bases, &buf[a..b], &mut out[i * pb..(i + 1) * pb], i)?;
+        check_tail(shape, page(i), i)?;
     }
     Ok(())
 }
@@ -362,6 +422,31 @@ mod tests {
         let offs3 = [0, 16, 1 << 20, 2 * n];
         assert!(matches!(decode_pages(shape, &bases, &both, &offs3, &mut three), Err(Error::Corrupt(_))));
         assert!(matches!(decode_pages(shape, &bases, &both, &[0, 16, n, 2 * n], &mut three), Err(Error::Truncated(_))));
+    }
+
+    #[test]
+    fn rules_run_over_every_page_in_the_references_order() {
+        // page 0 longer than its exceptions (Corrupt), page 1's exceptions past its end (Truncated):
+        // the reference checks "past the end" on every page first, so page 1's Truncated is the error
+        let shape = Shape::new(2, 32).unwrap();
+        let vals = sample(shape, 2, 5);
+        let bases = calibrate_bases(64, &vals).unwrap();
+        let (buf, offs) = encode_pages(shape, &bases, &vals).unwrap();
+        let (a, b) = (offs[1] as usize, buf.len());
+        let mut page1 = buf[a..b].to_vec();
+        let past = (page1.len() + 16) as u32;
+        page1[8..12].copy_from_slice(&past.to_le_bytes()); // the last exception offset (heads = 2)
+        let both = [&buf[..a], &[0u8; 16][..], &page1[..]].concat();
+        let offs2 = [0, a as u64 + 16, both.len() as u64];
+        let mut out = vec![0u8; vals.len()];
+        match decode_pages(shape, &bases, &both, &offs2, &mut out) {
+            Err(Error::Truncated(m)) => assert!(m.contains("page 1") && m.contains("past the page's end"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        // each page alone breaks its own rule
+        let mut one = vec![0u8; vals.len() / 2];
+        assert!(matches!(decode_page(shape, &bases, &both[..a + 16], &mut one, 0), Err(Error::Corrupt(_))));
+        assert!(matches!(decode_page(shape, &bases, &page1, &mut one, 1), Err(Error::Truncated(_))));
     }
 
     proptest! {
