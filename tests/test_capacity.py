@@ -304,6 +304,12 @@ def test_lossless_formats_measured_on_a_kv_sample(tmp_path, capsys):
             capacity.measure_exact_formats(capacity.load_kv_sample(str(_save(tmp_path, bad))))
     assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", tmp_path / "none.npy") == 1
     assert "cannot read" in capsys.readouterr().err
+    # a .pt that is not a tensor saved with torch.save (any pickle): refused, not unpickled
+    (tmp_path / "x.pt").write_bytes(__import__("pickle").dumps(print))
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", tmp_path / "x.pt") == 1
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "y.npy").write_bytes(b"\x93NUMPY garbage")
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", tmp_path / "y.npy") == 1
 
 
 def _save(tmp_path, x):
