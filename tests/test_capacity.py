@@ -291,7 +291,12 @@ def test_lossless_formats_measured_on_a_kv_sample(tmp_path, capsys):
     assert 8 < got["kv-exact"] < got["kv-exact4"] < 16
     p = tmp_path / "kv.npy"
     np.save(p, real.astype(np.uint16))
-    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", p, "--json") == 0
+    saved = dict(capacity.FORMATS)
+    try:  # (--kv-sample registers the measured sizes: put the stated ones back for the other tests)
+        assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", p, "--json") == 0
+    finally:
+        capacity.FORMATS.clear()
+        capacity.FORMATS.update(saved)
     d = {f["name"]: f for f in json.loads(capsys.readouterr().out)["formats"]}
     assert d["kv-exact"]["bits_per_value"] == float(got["kv-exact"]) and "kv.npy" in d["kv-exact4"]["description"]
     # an all-zero cache: no plain rows, so a KV Exact4 page is its 16-byte header and 25 bytes per
@@ -302,6 +307,13 @@ def test_lossless_formats_measured_on_a_kv_sample(tmp_path, capsys):
     for bad in (np.zeros((40, 2, 32), np.uint16), np.zeros((64, 32), np.uint16), np.zeros((64, 2, 32), np.float32)):
         with pytest.raises(CapacityError):
             capacity.measure_exact_formats(capacity.load_kv_sample(str(_save(tmp_path, bad))))
+    torch = pytest.importorskip("torch")
+    for bad in (torch.zeros(64, 2, 32), torch.zeros(64, 2, 48, dtype=torch.bfloat16)):  # float32; head_dim 48
+        torch.save(bad, tmp_path / "bad.pt")
+        with pytest.raises(CapacityError):
+            capacity.measure_exact_formats(capacity.load_kv_sample(str(tmp_path / "bad.pt")))
+    torch.save(torch.from_numpy(real.astype(np.int16)).view(torch.bfloat16), tmp_path / "kv.pt")
+    assert capacity.measure_exact_formats(capacity.load_kv_sample(str(tmp_path / "kv.pt"))) == got
     assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", tmp_path / "none.npy") == 1
     assert "cannot read" in capsys.readouterr().err
     # a .pt that is not a tensor saved with torch.save (any pickle): refused, not unpickled

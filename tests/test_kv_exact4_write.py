@@ -83,8 +83,9 @@ def test_decoder_returns_the_values(pages):
     # heads one or two at a time (the plain rows of heads 1 and 2 counted across the steps)
     for step in (1, 2):
         assert torch.equal(C4.decode_pages(buf, off, H, D, heads_per_step=step), pages)
-    with pytest.raises(InvalidArgumentError):
-        C4.decode_pages(buf, off, H, D, heads_per_step=3)
+    for bad in (3, 0, 512):
+        with pytest.raises(InvalidArgumentError):
+            C4.decode_pages(buf, off, H, D, heads_per_step=bad)
     # offsets off the 16-byte grid (hostile): the reference decoder's verdict
     shifted = torch.cat([torch.zeros(8, dtype=torch.uint8, device=DEVICE), buf])
     got = _outcome(lambda: C4.decode_pages(shifted, torch.cat([off[:1], off + 8]), H, D))

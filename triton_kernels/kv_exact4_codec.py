@@ -554,7 +554,7 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     wr = d // 8  # word columns per head
     if num_warps is None:
         num_warps = max(1, min(4, triton.next_power_of_2(h) * wr // 32))
-    hb = heads_per_step or min(triton.next_power_of_2(h), max(1, 32 * num_warps // wr))
+    hb = min(triton.next_power_of_2(h), max(1, 32 * num_warps // wr)) if heads_per_step is None else heads_per_step
     _check(hb & (hb - 1) == 0 and 1 <= hb <= 256, "heads_per_step must be a power of two up to 256")
     _decode_kernel[(n,)](buf, off, out, page_err, buf.numel(), n, h, ref.header_bytes(h), ref.page_length(h, d, 0),
                          D=d, HB=hb, FAST=fast, num_warps=num_warps, **({"maxnreg": maxnreg} if fast and maxnreg else {}))

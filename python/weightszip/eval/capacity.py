@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from weightszip.errors import InvalidArgumentError
+from weightszip.errors import InvalidArgumentError, WeightszipError
 
 GB = 10**9
 GIB = 2**30
@@ -137,10 +137,10 @@ register_format(
     "8 bits per value counted; fp8 e4m3 with a per-head scale: one fp32 per layer, KV head and K/V, "
     "fixed per model and not per token, so not counted",
 )
-# The lossless formats' size depends on the data: these are means measured on held-out real K/V
-# (SmolLM2-135M and Qwen2.5-0.5B, 16 (model, layer, K/V) sets of 4096 tokens; every page byte and its
-# 8-byte offset counted), by `measure_exact_formats` (the command in BENCHMARKS.md, "KV Exact" and
-# "KV Exact4"). `--kv-sample` measures them on the user's own K/V instead.
+# The lossless formats' size depends on the data: these are measured on held-out real K/V (SmolLM2-135M
+# and Qwen2.5-0.5B, 16 (model, layer, K/V) sets of 4096 tokens tiled to 8 KV heads x 128; every page
+# byte and its 8-byte offset counted) by `measure_exact_formats`: benchmarks/exact_formats_size.py,
+# benchmarks/results/exact_formats_size.json. `--kv-sample` measures them on the user's own K/V.
 EXACT_DEFAULT_BITS = {"kv-exact": Fraction("11.2296"), "kv-exact4": Fraction("12.6199")}
 register_format(
     "kv-exact", EXACT_DEFAULT_BITS["kv-exact"],
@@ -203,6 +203,9 @@ def measure_exact_formats(sample) -> dict[str, Fraction]:
 
     from weightszip import kv_exact
 
+    dtype = str(getattr(sample, "dtype", ""))
+    if dtype.replace("torch.", "") not in ("bfloat16", "int16", "uint16"):
+        raise CapacityError(f"K/V sample: expected bf16 values or their 16-bit patterns (int16, uint16), found {dtype}")
     try:
         a = kv_exact._bf16_bits(sample)
     except Exception as e:  # noqa: BLE001 - any unusable input is the user's to fix
@@ -219,8 +222,11 @@ def measure_exact_formats(sample) -> dict[str, Fraction]:
     for x in a.reshape(-1, t, h, d):
         bases = kv_exact.cpu_calibrate_bases(x[:half].reshape(half, h * d))
         held = np.ascontiguousarray(x[half : half + pages * EXACT_PAGE_TOKENS]).reshape(pages, EXACT_PAGE_TOKENS, h, d)
-        buf, _ = kv_exact.cpu_encode_pages(held, bases)
-        buf4, _ = kv_exact.cpu_encode_exact4_pages(held)
+        try:
+            buf, _ = kv_exact.cpu_encode_pages(held, bases)
+            buf4, _ = kv_exact.cpu_encode_exact4_pages(held)
+        except WeightszipError as e:  # shapes the formats do not take (head_dim not a multiple of 32, ...)
+            raise CapacityError(f"K/V sample of {h} KV heads x {d}: {e}") from None
         raw += held.nbytes
         stored += len(buf) + EXACT_OFFSET_BYTES * pages
         stored4 += len(buf4) + EXACT_OFFSET_BYTES * pages
