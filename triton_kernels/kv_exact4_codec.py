@@ -21,13 +21,13 @@ The decoder is the reference decoder's rules in one pass, one program per page: 
 the header once, then its heads, all at once where they fit: tensors ``[heads, D / 8]``, a thread on
 one word column (8 channels) of a head, through which the 16 rows pass (unrolled, loaded two rows
 ahead), so what derives from the window tops is made once per column and the checks over rows
-accumulate in registers; plain rows (rare) are loaded by inline PTX into that same layout. A program stores the bits of the rules its page breaks (``ERRORS``, one bit
-each) and the host raises the reference's error for the first rule, in the reference's order, that
-any page breaks, naming the lowest such page: the same error class and page as
-``kv_exact4_ref.decode_pages``. Loads stay inside each page's bytes, so hostile offsets and headers
-read nothing outside the buffer. ``decode_pages`` returns the values of pages that pass; the
-attention kernel's tile loader (``paged_decode.dequantize_exact4_pages``) reads the same values and
-checks nothing.
+accumulate in registers; plain rows (rare) are loaded by inline PTX into that same layout. A
+program stores the bits of the rules its page breaks (``ERRORS``, one bit each) and the host
+raises the reference's error for the first rule, in the reference's order, that any page breaks,
+naming the lowest such page: the same error class and page as ``kv_exact4_ref.decode_pages``.
+Loads stay inside each page's bytes, so hostile offsets and headers read nothing outside the
+buffer. ``decode_pages`` returns the values of pages that pass; the attention kernel's tile loader
+(``paged_decode.dequantize_exact4_pages``) reads the same values and checks nothing.
 """
 
 from __future__ import annotations
@@ -213,23 +213,6 @@ def _write_kernel(vals_ptr, ent_ptr, off_ptr, buf_ptr, H, HDR, FIXED, D: tl.cons
 
 
 @triton.jit
-def _byte(w, i: tl.constexpr):
-    return (w >> (8 * i)) & 0xFF
-
-
-@triton.jit
-def _nib(w, s: tl.constexpr):
-    return (w >> s) & 15
-
-
-@triton.jit
-def _value(code, top, raw):
-    """A coded value's bits from its code, window top and raw byte."""
-    e = tl.where(code == 15, 0, top - code)
-    return ((raw & 0x80) << 8) | ((e & 0xFF) << 7) | (raw & 0x7F)
-
-
-@triton.jit
 def _or(a, b):
     return a | b
 
@@ -247,12 +230,6 @@ def _not15(x):
     y = y | (y >> 4)
     y = y | (y >> 2)
     return (y | (y >> 1)) & 0x01010101
-
-
-@triton.jit
-def _and_or(a, b):
-    """AND on the zero-nibble bits (0x11111111), OR on the others."""
-    return ((a & b) & 0x11111111) | ((a | b) & ~0x11111111)
 
 
 @triton.jit
@@ -438,7 +415,8 @@ def _decode_heads(buf_ptr, base, length, ok, hs, hreal, hv, ent, before, out_ptr
         o0, o1, o2, o3 = _row_words(C, R0, R1, L0, L1, L2, L3, FAST)
         plain = ((pm >> t) & 1) != 0  # [HB, 1]
         orow = ow + t * (H * (D // 2)) + oc
-        tl.store(orow, tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [HB, D // 2]), mask=~plain & hreal[:, None])
+        words = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [HB, D // 2])
+        tl.store(orow, words, mask=~plain & hreal[:, None])
         z = ~C
         z = z & (z >> 1)
         reach = z & (z >> 2)  # bit 4 k: nibble k is 0 (the channel's exponent is its top)
@@ -448,7 +426,8 @@ def _decode_heads(buf_ptr, base, length, ok, hs, hreal, hv, ent, before, out_ptr
             pread = plain & okw & (FIXED + (rank + 1).to(tl.int64) * (2 * D) <= length)
             flags |= tl.where(plain & ((C | R0 | R1) != 0), PLAIN_CODED, 0)
             x0, x1, x2, x3 = _load16(buf_ptr + base + FIXED + rank.to(tl.int64) * (2 * D) + 16 * m, pread, FAST)
-            tl.store(orow, tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [HB, D // 2]), mask=plain & hreal[:, None])
+            words = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), [HB, D // 2])
+            tl.store(orow, words, mask=plain & hreal[:, None])
             pmiss, above, no_code = _plain_exps(x0, x1, x2, x3, T0, T1)
             reach = tl.where(plain, ~pmiss, reach)
             flags |= tl.where(plain, above, 0)
@@ -547,17 +526,18 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
     n, h, d = off.numel() - 1, heads, head_dim
     if n == 0 or buf.data_ptr() % 16:  # (the kernel's aligned word loads)
         return ref.decode_pages(buf, offsets, heads, head_dim)
-    out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)
-    page_err = torch.zeros(n + 1, dtype=torch.int32, device=buf.device)  # each page's rule bits, then all's
-    fast = not _interpreting()
     # heads per step: one word column per thread (a head has D / 8), all heads at once where they fit
     wr = d // 8  # word columns per head
     if num_warps is None:
         num_warps = max(1, min(4, triton.next_power_of_2(h) * wr // 32))
     hb = min(triton.next_power_of_2(h), max(1, 32 * num_warps // wr)) if heads_per_step is None else heads_per_step
     _check(hb & (hb - 1) == 0 and 1 <= hb <= 256, "heads_per_step must be a power of two up to 256")
+    out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)
+    page_err = torch.zeros(n + 1, dtype=torch.int32, device=buf.device)  # each page's rule bits, then all's
+    fast = not _interpreting()
     _decode_kernel[(n,)](buf, off, out, page_err, buf.numel(), n, h, ref.header_bytes(h), ref.page_length(h, d, 0),
-                         D=d, HB=hb, FAST=fast, num_warps=num_warps, **({"maxnreg": maxnreg} if fast and maxnreg else {}))
+                         D=d, HB=hb, FAST=fast, num_warps=num_warps,
+                         **({"maxnreg": maxnreg} if fast and maxnreg else {}))
     if int(page_err[n]):
         page_err = page_err[:n]
         if bool((page_err & OFFSETS.value).any()):
