@@ -366,8 +366,7 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D
         before = (ent >> 16) & 0xFFFF
         err |= tl.where(tl.max((hv & (before != total + tl.cumsum(cnt, axis=0) - cnt)).to(tl.int32), axis=0) != 0, 4, 0)
         total += tl.sum(cnt, axis=0)
-        err |= _decode_heads(buf_ptr, base, length, ok, hs, hs < H, hv, ent, before, out_ptr, page, H, HDR, FIXED,
-                             D, HB, FAST)
+        err |= _decode_heads(buf_ptr, base, length, ok, hs, ent, before, out_ptr, page, H, HDR, FIXED, D, HB, FAST)
     want = FIXED + total.to(tl.int64) * (2 * D)
     err |= tl.where(ok & (length < want), 8, 0) | tl.where(ok & (length > want), 16, 0)
     tl.store(err_ptr + page, err)
@@ -375,19 +374,20 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D
 
 
 @triton.jit
-def _decode_heads(buf_ptr, base, length, ok, hs, hreal, hv, ent, before, out_ptr, page, H, HDR, FIXED,
+def _decode_heads(buf_ptr, base, length, ok, hs, ent, before, out_ptr, page, H, HDR, FIXED,
                   D: tl.constexpr, HB: tl.constexpr, FAST: tl.constexpr):
-    """The rule bits of heads ``hs`` of a page (``hreal``: heads that exist; ``hv``: and the page is
-    long enough; ``ent``: their header entries, ``before``: their stored counts of earlier plain rows),
+    """The rule bits of heads ``hs`` of a page (``ok``: the page is long enough for its slots; ``ent``:
+    the heads' header entries, ``before``: their stored counts of earlier plain rows),
     whose 16 rows it writes. Every tensor is ``[HB heads, D / 8 words]`` in one layout, a thread on
     one word column of a head: the window tops and what derives from them are made once per column,
     then the 16 rows pass through the same thread (unrolled), so the checks over rows (a top that
     some row reaches; a plain row's flags) accumulate in its registers and only the page's final
     OR crosses threads."""
     WR: tl.constexpr = D // 8
+    hreal = hs < H  # heads that exist
     h2 = hs[:, None]
     m = tl.arange(0, WR)[None, :]
-    okw = hv[:, None] & (m >= 0)  # [HB, WR]
+    okw = (hreal & ok)[:, None] & (m >= 0)  # [HB, WR]
     sw = (buf_ptr + (base + HDR + h2.to(tl.int64) * (25 * D))).to(I32)  # each head's slot as u32 words
     T0 = tl.load(sw + m, mask=okw, other=0x0F0F0F0F)
     T1 = tl.load(sw + WR + m, mask=okw, other=0x0F0F0F0F)

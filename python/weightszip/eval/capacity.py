@@ -142,16 +142,17 @@ register_format(
 # byte and its 8-byte offset counted) by `measure_exact_formats`: benchmarks/exact_formats_size.py,
 # benchmarks/results/exact_formats_size.json. `--kv-sample` measures them on the user's own K/V.
 EXACT_DEFAULT_BITS = {"kv-exact": Fraction("11.2296"), "kv-exact4": Fraction("12.6199")}
-register_format(
-    "kv-exact", EXACT_DEFAULT_BITS["kv-exact"],
-    "weightszip KV Exact pages (lossless, bit-identical answers), at their mean size on held-out real K/V "
-    "(0.7019 of bf16); the size depends on the data: measure yours with --kv-sample",
-)
-register_format(
-    "kv-exact4", EXACT_DEFAULT_BITS["kv-exact4"],
-    "weightszip KV Exact4 pages (lossless, the faster-to-decode layout), at their mean size on held-out real K/V "
-    "(0.7887 of bf16); the size depends on the data: measure yours with --kv-sample",
-)
+EXACT_FORMATS = {
+    "kv-exact": "weightszip KV Exact pages (lossless, bit-identical answers)",
+    "kv-exact4": "weightszip KV Exact4 pages (lossless, the faster-to-decode layout)",
+}
+for _name, _what in EXACT_FORMATS.items():
+    register_format(
+        _name, EXACT_DEFAULT_BITS[_name],
+        f"{_what}, at their mean size on held-out real K/V ({float(EXACT_DEFAULT_BITS[_name] / 16):.4f} of bf16); "
+        "the size depends on the data: measure yours with --kv-sample",
+    )
+del _name, _what
 
 register_format(
     "int4-g32", Fraction(9, 2),
@@ -857,8 +858,8 @@ def run(args) -> int:
         _use_calibration(args.calibration, args.model, args.context)
     if getattr(args, "kv_sample", None):
         for name, bits in measure_exact_formats(load_kv_sample(args.kv_sample)).items():
-            register_format(name, bits, f"{FORMATS[name].description.split(', at ')[0]}, at the size its pages "
-                            f"take on {args.kv_sample} ({float(bits / 16):.3f} of bf16)")
+            register_format(name, bits, f"{EXACT_FORMATS[name]}, at the size its pages take on {args.kv_sample} "
+                            f"({float(bits / 16):.3f} of bf16)")
     r = compute(
         args.model, args.gpu, gpus=args.gpus, context=args.context, formats=formats, sessions=args.sessions,
         gpu_memory_gb=args.gpu_memory_gb, params=args.params, weights_gb=args.weights_gb,
