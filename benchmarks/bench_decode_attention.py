@@ -59,7 +59,7 @@ COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
 # from KernelConfig.gluon_min_work / gluon_rope_min_work of work; the Triton kernel below);
 # "+triton": the Triton split kernel. Its codebook lookups (KernelConfig.reg_lut_bits): in registers
 # when K and V are both 3 bits (q3), from pair tables in memory otherwise; "+pairs": always pair
-# tables; "+lut4": always registers.
+# tables; "+lut4": registers wherever both widths are at most 3 (width 4 is nibble rows, always pairs).
 LOOKUP = {"+pairs": 0, "+lut4": 4}
 COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4", "q3.5", "q3") for v in LOOKUP})
 COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4", "q3.5", "q3")})

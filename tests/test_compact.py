@@ -163,13 +163,24 @@ def test_page_bytes_layout_and_roundtrip(bits):
     sidx = torch.randint(0, 256, (16,), generator=g, dtype=torch.int64).to(torch.uint8)
     page = codec.pack_page(codes, sidx, bits)
     assert page.shape == (codec.page_bytes(bits, 64),) == (16 * (bits * 8 + 1),)
-    # spot-check the documented bit position: plane p, token t, byte i, bit j = bit p of code[t, 8i + j]
-    for p, t, c in ((0, 0, 0), (bits - 1, 15, 63), (bits // 2, 7, 13)):
-        byte = int(page[(p * 16 + t) * 8 + c // 8])
-        assert (byte >> (c % 8)) & 1 == (int(codes[t, c]) >> p) & 1
+    for t, c in ((0, 0), (15, 63), (7, 13), (3, 32), (9, 1)):
+        if bits == 4:  # nibble rows: token t's byte i holds channel 2 i (low nibble) and 2 i + 1
+            assert (int(page[t * 32 + c // 2]) >> 4 * (c % 2)) & 15 == int(codes[t, c])
+        else:  # plane p, token t, byte i, bit j = bit p of code[t, 8i + j]
+            for p in range(bits):
+                assert (int(page[(p * 16 + t) * 8 + c // 8]) >> (c % 8)) & 1 == (int(codes[t, c]) >> p) & 1
     assert torch.equal(page[-16:], sidx)
     c2, s2 = codec.unpack_page(page, bits, 64)
     assert torch.equal(c2, codes) and torch.equal(s2, sidx)
+    # layout version 1: bit planes at every width (what compact chunks before version 3 hold)
+    old = codec.pack_page(codes, sidx, bits, version=1)
+    assert torch.equal(old, page) == (bits != 4)
+    p0 = (int(old[15 * 8 + 63 // 8]) >> 7) & 1  # plane 0, token 15, channel 63
+    assert p0 == int(codes[15, 63]) & 1
+    c1, s1 = codec.unpack_page(old, bits, 64, version=1)
+    assert torch.equal(c1, codes) and torch.equal(s1, sidx)
+    with pytest.raises(codec.CompactCodecError, match="version 3"):
+        codec.unpack_page(page, bits, 64, version=3)
 
 
 def test_page_encode_decode_equal_the_token_codec():

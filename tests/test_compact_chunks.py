@@ -3,6 +3,8 @@ format, on real SmolLM2 KV, with a small calibration made as test_compact makes 
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -122,8 +124,6 @@ def _with_rope(cal):
 
 
 def test_compact_chunks_record_their_start_position(cal):
-    import struct
-
     rc = _with_rope(cal)
     codec = CompactChunkCodec(rc, "q4")
     kv = _kv()
@@ -149,18 +149,44 @@ def test_compact_chunks_record_their_start_position(cal):
         codec.decode(bytes(bad))
 
 
-def test_compact_chunks_read_version_1(cal):
-    """A version-1 chunk (24-byte header, no start) decodes as start 0."""
-    import struct
+def _repack_pages_v1(codec, blob: bytes, header: bytes) -> bytes:
+    """``blob`` (a version-3 chunk) with its pages in layout version 1 (bit planes at every width),
+    after ``header``: the bytes a version-1 or -2 writer made."""
+    cal, d = codec.cal, codec.cal.head_dim
+    kinds, layers, tokens = 2, cal.layers, struct.unpack_from("<I", blob, 16)[0]
+    out, pos = [header], 32
+    for ki in range(kinds):
+        for layer in range(layers):
+            bits = codec._bits(layer, ki)
+            n = cc.page_bytes(bits, d)
+            for _ in range(cal.kv_heads * tokens // cc.PAGE_TOKENS):
+                c, s = cc.unpack_page(torch.frombuffer(bytearray(blob[pos : pos + n]), dtype=torch.uint8), bits, d)
+                out.append(cc.pack_page(c, s, bits, version=1).numpy().tobytes())
+                pos += n
+    assert pos == len(blob)
+    return b"".join(out)
 
+
+def test_compact_chunks_read_versions_1_and_2(cal):
+    """Chunks of versions 1 (24-byte header, no start) and 2 (a start) hold pages of layout version 1
+    (bit planes at width 4 too): both decode as the version-3 chunk of the same KV (version 1 at
+    start 0); q3's allocation has 4-bit layers, so the two layouts differ in its bytes."""
     codec = CompactChunkCodec(cal, "q3")
+    assert any(4 in kinds for kinds in cal.allocation["q3"])
     kv = _kv()
-    v2 = codec.encode(kv)
-    magic, _, fi, kinds, layers, tokens, hidden, start = struct.unpack_from("<4sBB2xIIIIQ", v2)
-    v1 = struct.pack("<4sBB2xIIII", magic, 1, fi, kinds, layers, tokens, hidden) + v2[32:]
-    assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(v2).view(torch.int16))
+    v3 = codec.encode(kv, start=7)
+    magic, version, fi, kinds, layers, tokens, hidden, start = struct.unpack_from("<4sBB2xIIIIQ", v3)
+    assert version == 3 and start == 7
+    v2 = _repack_pages_v1(codec, v3, struct.pack("<4sBB2xIIIIQ", magic, 2, fi, kinds, layers, tokens, hidden, start))
+    v1 = _repack_pages_v1(codec, codec.encode(kv), struct.pack("<4sBB2xIIII", magic, 1, fi, kinds, layers, tokens,
+                                                                hidden))
+    assert v2[32:] != v3[32:]
+    assert torch.equal(codec.decode(v2).view(torch.int16), codec.decode(v3).view(torch.int16))
+    assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(codec.encode(kv)).view(torch.int16))
     with pytest.raises(weightszip.TruncatedError):
         codec.decode(v1[:-1])
+    with pytest.raises(weightszip.CorruptDataError, match="version"):
+        codec.decode(v3[:4] + bytes([4]) + v3[5:])
 
 
 def test_hostile_compact_chunks_give_typed_errors_or_the_coded_values(cal):

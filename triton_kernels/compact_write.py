@@ -5,7 +5,7 @@ Read me first:
 * **What it writes.** For each new token of one layer and kind (K or V), ``x [n, kv_heads, head_dim]``
   and its slot (vLLM's slot mapping: ``slot = block * block_size + offset``; a negative slot is
   padding and writes nothing), the kernel encodes every KV head with that head's calibrated tables
-  and stores the codes (``bits`` bit planes) and the u8 scale index into the token's page of the
+  and stores the codes (nibble rows at width 4, else ``bits`` bit planes) and the u8 scale index into the token's page of the
   pool ``pages uint8 [num_blocks, kv_heads, block_size / 16, page_bytes]``, the layout
   ``paged_decode`` reads (``codec.pack_page``). The bytes are the reference encoder's
   (``codec.encode_tokens``) bit for bit; ``compact_write_ref`` is the plain-PyTorch reference.
@@ -126,7 +126,7 @@ def _compact_write_kernel(
     tk = thr * g
     code = tl.sum((j_ok[None, :] & (yf[:, None] > tk[None, :])).to(tl.int32), axis=1)  # [HEAD_DIM]
 
-    # pack: BITS planes of [16][HEAD_DIM / 8] bytes, then the 16 scale bytes
+    # pack: the codes (``codec.pack_page``'s layout), then the 16 scale bytes
     ROW: tl.constexpr = HEAD_DIM // 8
     PLANE: tl.constexpr = 16 * ROW
     PAGE_BYTES: tl.constexpr = 16 * (BITS * ROW + 1)
@@ -134,12 +134,17 @@ def _compact_write_kernel(
     off = slot % BLOCK_SIZE
     page = blk * stride_blk + h * stride_head + (off // 16) * PAGE_BYTES
     tip = off % 16
-    c2 = tl.reshape(code, [ROW, 8])
-    w8 = (1 << tl.arange(0, 8))[None, :]
-    offs_r = tl.arange(0, ROW)
-    for p in tl.static_range(BITS):
-        byte = tl.sum(((c2 >> p) & 1) * w8, axis=1)
-        tl.store(pages_ptr + page + p * PLANE + tip * ROW + offs_r, byte.to(tl.uint8), mask=ok & (offs_r < ROW))
+    if BITS == 4:  # nibble rows: byte i = code 2 i | code 2 i + 1 << 4, token row t at t * HEAD_DIM / 2
+        lo, hi = tl.split(tl.reshape(code, [HEAD_DIM // 2, 2]))
+        offs_n = tl.arange(0, HEAD_DIM // 2)
+        tl.store(pages_ptr + page + tip * (HEAD_DIM // 2) + offs_n, (lo | (hi << 4)).to(tl.uint8), mask=ok)
+    else:
+        c2 = tl.reshape(code, [ROW, 8])
+        w8 = (1 << tl.arange(0, 8))[None, :]
+        offs_r = tl.arange(0, ROW)
+        for p in tl.static_range(BITS):
+            byte = tl.sum(((c2 >> p) & 1) * w8, axis=1)
+            tl.store(pages_ptr + page + p * PLANE + tip * ROW + offs_r, byte.to(tl.uint8), mask=ok & (offs_r < ROW))
     tl.store(pages_ptr + page + BITS * PLANE + tip, k.to(tl.uint8), mask=ok)
 
 

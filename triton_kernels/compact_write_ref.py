@@ -28,7 +28,10 @@ def compact_write_ref(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.
         blk, off = divmod(slot, block_size)
         pg, tip = divmod(off, 16)
         c = codes[t].to(torch.int64)  # [h, d]
-        for p in range(bits):
+        if codec.nibble_rows(bits):  # token row tip of d / 2 bytes
+            byte = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8)
+            pages[blk, :, pg, tip * (d // 2): (tip + 1) * (d // 2)] = byte.to(pages.device)
+        for p in range(0 if codec.nibble_rows(bits) else bits):
             byte = (((c >> p) & 1).view(h, row, 8) * weights).sum(-1).to(torch.uint8)  # [h, row]
             pages[blk, :, pg, p * plane + tip * row: p * plane + (tip + 1) * row] = byte.to(pages.device)
         pages[blk, :, pg, bits * plane + tip] = sidx[t].to(pages.device)

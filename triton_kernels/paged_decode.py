@@ -107,7 +107,7 @@ class KernelConfig:
     min_split_tokens: int = 1024
     cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
-    # (<= 4) wide, their codebooks are looked up in registers (byte permutes, ``_lut_lookup``)
+    # (<= 3; width-4 pages are nibble rows, gathered as pairs) wide, their codebooks are looked up in registers (byte permutes, ``_lut_lookup``)
     # instead of gathered from pair tables in memory; 0: never. On the H200 (BENCHMARKS.md): q3 3-11%
     # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
     # in registers (a per-kind choice, since dropped) 8-9% slower.
@@ -238,6 +238,18 @@ def _compact_plane(pages_ptr, pbase, valid, p, HEAD_DIM: tl.constexpr, BITS: tl.
 
 
 @triton.jit
+def _compact_nibbles(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, NP: tl.constexpr):
+    """The nibble rows of ``NP`` width-4 pages as int32 words [16 NP, HEAD_DIM / 8] (word q of a token
+    row: nibble j = the code of channel 8 q + j); as ``_compact_plane`` otherwise."""
+    ROW_W: tl.constexpr = HEAD_DIM // 8
+    wptr = pages_ptr.to(tl.pointer_type(tl.int32))
+    offs_w = tl.arange(0, 16 * ROW_W)  # token-in-page x word
+    vmask = tl.reshape(tl.broadcast_to(tl.reshape(valid, [NP, 16, 1]), [NP, 16, ROW_W]), [NP, 16 * ROW_W])
+    w = tl.load(wptr + (pbase // 4)[:, None] + offs_w[None, :], mask=vmask, other=0)
+    return tl.reshape(w, [NP * 16, ROW_W])
+
+
+@triton.jit
 def _compact_sidx(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr):
     """The u8 scale index of each of the ``16 NP`` tokens of ``NP`` pages, as int32 (0 if not ``valid``)."""
     offs_t = tl.arange(0, 16)
@@ -249,31 +261,42 @@ def _compact_sidx(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.cons
 def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
                     HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
                     LUT: tl.constexpr = False):
-    """From the bit planes ``w0..w{BITS-1}`` (``_compact_plane``; the others unused) and scale indices
-    of ``BLOCK_N`` tokens: ``codebook[head, code]`` [BLOCK_N, HEAD_DIM] (bf16 with ``PAIRS``, else the
-    codebook's dtype) and each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is
+    """From the bit planes ``w0..w{BITS-1}`` (``_compact_plane``; the others unused), or at width 4 the
+    nibble-row words ``w0`` (``_compact_nibbles``), and scale indices of ``BLOCK_N`` tokens:
+    ``codebook[head, code]`` [BLOCK_N, HEAD_DIM] (bf16 with ``PAIRS``, else the codebook's dtype) and each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is
     their fp32 product (codec.dequantize).
 
-    Codes come from ``_plane_bytes``. With ``PAIRS`` (widths up to 4, bf16 tensor-core operands), ``cb_ptr`` is the int32 pair
-    table of ``compact_pair_table`` (entry a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the
+    Codes come from ``_plane_bytes`` (planes) or the nibbles. With ``PAIRS`` (widths up to 4, bf16
+    tensor-core operands), ``cb_ptr`` is the int32 pair table of ``compact_pair_table`` (entry a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the
     two values of channels 2 k, 2 k + 1): one gather per two values. With ``LUT`` (compiled only),
     ``cb_ptr`` is ``compact_lut_table``'s and the codebook is looked up in registers
-    (``_lut_lookup``; the tile's channels in ``_lut_order``)."""
+    (``_lut_lookup``; the tile's channels in ``_lut_order``; widths up to 3)."""
     ROW_W: tl.constexpr = HEAD_DIM // 32
-    y = _plane_bytes(w0, w1, w2, w3, w4, BITS)
-    if LUT:
-        vals = _lut_lookup(y, cb_ptr, head, HEAD_DIM, BITS, BLOCK_N)
-    elif PAIRS:
-        ii = tl.arange(0, 4) * 8
-        ya, yb = tl.split(tl.reshape(y, [BLOCK_N, ROW_W, 4, 2]))
-        pc = ya | (yb << BITS)  # byte i: pair code of channels 8 i + 2 k, + 1
-        pcodes = (pc[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 4 (k)]
-        pv = tl.load(cb_ptr + head * (1 << (2 * BITS)) + pcodes)
-        lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+    if BITS == 4:  # nibble rows (``_compact_nibbles``): byte k of word q = codes of channels 8 q + 2 k, + 1
+        if PAIRS:
+            pcodes = (w0[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # [BLOCK_N, D / 8, 4]
+            pv = tl.load(cb_ptr + head * 256 + pcodes)
+            lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+        else:
+            codes = (w0[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, D / 8, 8]
+            vals = tl.load(cb_ptr + head * 16 + tl.reshape(codes, [BLOCK_N, HEAD_DIM]))
     else:
-        vals = tl.load(cb_ptr + head * (1 << BITS) + _byte_codes(y, BLOCK_N, HEAD_DIM))
+        y = _plane_bytes(w0, w1, w2, w3, w4, BITS)
+        if LUT:
+            vals = _lut_lookup(y, cb_ptr, head, HEAD_DIM, BITS, BLOCK_N)
+        elif PAIRS:
+            ii = tl.arange(0, 4) * 8
+            ya, yb = tl.split(tl.reshape(y, [BLOCK_N, ROW_W, 4, 2]))
+            pc = ya | (yb << BITS)  # byte i: pair code of channels 8 i + 2 k, + 1
+            pcodes = (pc[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 4 (k)]
+            pv = tl.load(cb_ptr + head * (1 << (2 * BITS)) + pcodes)
+            lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+        else:
+            vals = tl.load(cb_ptr + head * (1 << BITS) + _byte_codes(y, BLOCK_N, HEAD_DIM))
     g = tl.load(grid_ptr + head * 256 + sidx)
     return vals, g
 
@@ -388,20 +411,23 @@ def _byte_codes(y, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _compact_planes(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr):
-    """All bit planes (up to 5; unused ones are zeros) and the scale indices of ``NP`` pages."""
+    """All bit planes (up to 5; unused ones are zeros), or at width 4 the nibble rows as ``w0``, and
+    the scale indices of ``NP`` pages."""
     zero = tl.zeros([NP * 16, HEAD_DIM // 32], dtype=tl.int32)
-    w0 = _compact_plane(pages_ptr, pbase, valid, 0, HEAD_DIM, BITS, NP)
+    if BITS == 4:
+        w0 = _compact_nibbles(pages_ptr, pbase, valid, HEAD_DIM, NP)
+    else:
+        w0 = _compact_plane(pages_ptr, pbase, valid, 0, HEAD_DIM, BITS, NP)
     w1 = zero
     w2 = zero
     w3 = zero
     w4 = zero
-    if BITS > 1:
+    if BITS > 1 and BITS != 4:
         w1 = _compact_plane(pages_ptr, pbase, valid, 1, HEAD_DIM, BITS, NP)
-    if BITS > 2:
+    if BITS > 2 and BITS != 4:
         w2 = _compact_plane(pages_ptr, pbase, valid, 2, HEAD_DIM, BITS, NP)
-    if BITS > 3:
-        w3 = _compact_plane(pages_ptr, pbase, valid, 3, HEAD_DIM, BITS, NP)
     if BITS > 4:
+        w3 = _compact_plane(pages_ptr, pbase, valid, 3, HEAD_DIM, BITS, NP)
         w4 = _compact_plane(pages_ptr, pbase, valid, 4, HEAD_DIM, BITS, NP)
     return w0, w1, w2, w3, w4, _compact_sidx(pages_ptr, pbase, valid, HEAD_DIM, BITS, NP)
 
@@ -1365,11 +1391,14 @@ class PagedDecodeAttention:
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
                 from .paged_decode_gluon import interleaved_pair_table
 
-                gluon_tabs = (interleaved_pair_table(k_codebook, self._pair_order(self.k_bits, k_codebook.device)),
-                              interleaved_pair_table(v_codebook, self._pair_order(self.v_bits, v_codebook.device)))
+                # width 4 (nibble rows): pairs in code order; bit planes: in interleaved-bit order
+                gluon_tabs = tuple(compact_pair_table(cb) if bits == 4
+                                   else interleaved_pair_table(cb, self._pair_order(bits, cb.device))
+                                   for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))
             elif not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
-                lut_bits = min(self.config.reg_lut_bits, 4) if not _interpreting() else 0
+                # (register tables read the bit planes' code order: widths up to 3)
+                lut_bits = min(self.config.reg_lut_bits, 3) if not _interpreting() else 0
                 reg_lut = max(self.k_bits, self.v_bits) <= lut_bits
                 k_codebook, v_codebook = (compact_lut_table(cb) if reg_lut else compact_pair_table(cb) if bits <= 4
                                           else cb.to(torch.bfloat16)

@@ -67,6 +67,25 @@ NEG_BIG = gl.constexpr(-1.0e30)
 _LDS = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
 
 
+@constexpr_function
+def _lds_vec_asm(n):
+    """``n`` (2 or 4) consecutive 32-bit words at the byte offset of the first of ``n`` packed
+    addresses ($n; the others are not read), in one vector load."""
+    outs = ", ".join(f"${i}" for i in range(n))
+    return (f"{{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, ${n}; ld.shared.v{n}.b32 {{{outs}}}, [a]; }}")
+
+
+@constexpr_function
+def _vec_words(m):
+    """Words per staged vector load when a thread reads ``m`` consecutive words of a row: 4 at most."""
+    return min(m, 4)
+
+
+@constexpr_function
+def _lds_vec_constraints(n):
+    return ",".join(["=r"] * n + ["r"] * n)
+
+
 def interleaved_pair_order(bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """For each interleaved pair code x (4**bits), the codes a, b whose bits it interleaves (bit 2 p of
     x is bit p of a, bit 2 p + 1 bit p of b), as index tensors on ``device`` (device ops only)."""
@@ -125,6 +144,48 @@ def pair_table_offset(y: torch.Tensor, i: int, lane: int) -> torch.Tensor:
     offset past the table's start): ``prmt`` selector 0x4440 + i (byte i, three zero bytes), times 128,
     plus 4 x lane."""
     return ((y >> (8 * i)) & 0xFF) * 128 + 4 * lane
+
+
+def k_nibble_channel(ch, head_dim: int):
+    """The stored channel a width-4 K operand position reads (ints or int tensors): the kernel's K
+    channel ``32 m + 8 i + 2 t + b`` (``k_layout``) is stored channel ``2 (4 (t M + m) + i) + b``, so
+    lane t's pair codes are bytes of M consecutive words of a nibble row (M = head_dim / 32). Q is
+    read through the same map, so the products see the stored pairs."""
+    mm = head_dim // 32
+    m, i, t, b = ch // 32, (ch // 8) % 4, (ch // 2) % 4, ch % 2
+    return 8 * (t * mm + m) + 2 * i + b
+
+
+def v_nibble_channel(ch, head_dim: int):
+    """The stored channel of a width-4 V^T operand row (ints or int tensors): the kernel's V channel
+    ``32 m + 16 i1 + 8 i0 + j`` (``v_layout``) is stored channel ``8 ((j >> 1) M + m) + 2 (2 i1 + i0) +
+    (j & 1)``, so lane j reads M consecutive words of each row and its pairs are byte 2 i1 + i0 of one
+    nibble select of two rows' words; the output is written back through the same map."""
+    mm = head_dim // 32
+    m, i1, i0, j = ch // 32, (ch // 16) % 2, (ch // 8) % 2, ch % 8
+    return 8 * ((j >> 1) * mm + m) + 2 * (2 * i1 + i0) + (j & 1)
+
+
+def nibble_pair_codes(a: torch.Tensor, b: torch.Tensor, lane: int) -> torch.Tensor:
+    """The V operand's pair codes from two rows' nibble words (int64 tensors holding 32-bit words), by
+    the kernel's formula: rotate row a's word right by 4 (j & 1) and row b's by 4 (j & 1) - 4, low
+    nibbles from a, high from b."""
+    sh = 4 * (lane & 1)
+    return (_rotr32(a, sh) & 0x0F0F0F0F) | (_rotr32(b, sh - 4) & 0xF0F0F0F0)
+
+
+@gluon.jit
+def _k_nibble_channel(ch, HEAD_DIM: gl.constexpr):
+    """``k_nibble_channel`` in the kernel."""
+    M: gl.constexpr = HEAD_DIM // 32
+    return 8 * (((ch // 2) % 4) * M + ch // 32) + 2 * ((ch // 8) % 4) + ch % 2
+
+
+@gluon.jit
+def _v_nibble_channel(ch, HEAD_DIM: gl.constexpr):
+    """``v_nibble_channel`` in the kernel."""
+    M: gl.constexpr = HEAD_DIM // 32
+    return 8 * (((ch % 8) >> 1) * M + ch // 32) + 2 * ((ch // 8) % 4) + (ch % 2)
 
 
 def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int, maxnreg: int | None = None,
@@ -306,10 +367,18 @@ def _wait_stage(slot, N: gl.constexpr):
 
 
 @gluon.jit
-def _staged_plane(base, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr):
-    """Word m of bit plane p of rows ``r`` from a staged page at shared byte ``base`` (derived from
-    ``_wait_stage``'s result), relaid out to ``L``."""
-    return gl.convert_layout(_lds(base + p * (64 * M) + r * (4 * M) + 4 * m), L, assert_trivial=True)
+def _staged_plane(base, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr, VEC: gl.constexpr = 1):
+    """Word m of bit plane p of rows ``r`` (rows of M words) from a staged page at shared byte ``base``
+    (derived from ``_wait_stage``'s result), relaid out to ``L``. ``VEC`` (2 or 4): the words are
+    loaded VEC at a time (``ld.shared.v2``/``.v4``): the addresses' layout must hold VEC consecutive,
+    VEC-word aligned words of a row in consecutive registers (``words_layout``)."""
+    addr = base + p * (64 * M) + r * (4 * M) + 4 * m
+    if VEC > 1:
+        w = gl.inline_asm_elementwise(_lds_vec_asm(VEC), _lds_vec_constraints(VEC), [addr], dtype=gl.int32,
+                                      is_pure=True, pack=VEC)
+    else:
+        w = _lds(addr)
+    return gl.convert_layout(w, L, assert_trivial=True)
 
 
 @gluon.jit
@@ -367,9 +436,10 @@ def _plane(pages_ptr, poff, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.conste
 
 
 @gluon.jit
-def _plane_or_staged(pages_ptr, off, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr):
+def _plane_or_staged(pages_ptr, off, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr,
+                     VEC: gl.constexpr = 1):
     if STAGED:
-        return _staged_plane(off, r, m, p, M, L)
+        return _staged_plane(off, r, m, p, M, L, VEC)
     else:
         return _plane(pages_ptr, off, r, m, p, M, L)
 
@@ -378,33 +448,62 @@ def _plane_or_staged(pages_ptr, off, r, m, p: gl.constexpr, M: gl.constexpr, L: 
 def _planes(pages_ptr, off, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr = False):
     """Bit planes 0..BITS-1 (2 to 4; the ones past BITS repeat the last, unused) of the page at byte
     ``off`` of the pool, or (``STAGED``) at shared byte ``off``."""
-    w0 = _plane_or_staged(pages_ptr, off, r, m, 0, M, L, STAGED)
-    w1 = _plane_or_staged(pages_ptr, off, r, m, 1, M, L, STAGED)
+    VEC: gl.constexpr = _vec_words(M)
+    w0 = _plane_or_staged(pages_ptr, off, r, m, 0, M, L, STAGED, VEC)
+    w1 = _plane_or_staged(pages_ptr, off, r, m, 1, M, L, STAGED, VEC)
     w2 = w1
     w3 = w1
     if BITS > 2:
-        w2 = _plane_or_staged(pages_ptr, off, r, m, 2, M, L, STAGED)
+        w2 = _plane_or_staged(pages_ptr, off, r, m, 2, M, L, STAGED, VEC)
         w3 = w2
     if BITS > 3:
-        w3 = _plane_or_staged(pages_ptr, off, r, m, 3, M, L, STAGED)
+        w3 = _plane_or_staged(pages_ptr, off, r, m, 3, M, L, STAGED, VEC)
     return w0, w1, w2, w3
 
 
 @gluon.jit
+def _words(pages_ptr, off, r, m, q, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr):
+    """``_planes`` of rows ``r``, word ``m`` of each plane row, or at width 4 (nibble rows of 4 M words)
+    word ``q`` of each row as the first of four (the others repeat it, unused)."""
+    if BITS == 4:
+        w = _plane_or_staged(pages_ptr, off, r, q, 0, 4 * M, L, STAGED, _vec_words(M))
+        return w, w, w, w
+    else:
+        return _planes(pages_ptr, off, r, m, BITS, M, L, STAGED)
+
+
+@gluon.jit
+def _k_word_index(M: gl.constexpr, LW: gl.constexpr):
+    """Word m of plane rows, and the nibble-row word (``k_nibble_channel``) of lane t: t M + m."""
+    m = _axis(M, 3, 7, LW)
+    return m, _axis(4, 5, 7, LW) * M + m
+
+
+@gluon.jit
+def _v_word_index(M: gl.constexpr, LW: gl.constexpr):
+    """Word m of plane rows, and the nibble-row word (``v_nibble_channel``) of lane j: (j >> 1) M + m."""
+    m = _axis(M, 1, 8, LW)
+    return m, (_axis(8, 4, 8, LW) >> 1) * M + m
+
+
+@gluon.jit
 def _k_words(pages_ptr, poff, BITS: gl.constexpr, M: gl.constexpr, LK: gl.constexpr):
-    """A K page's plane words for the K operand: [NW, 2 (nh), 8 (nl), M, 1, 1, 1], row 8 nh + nl."""
+    """A K page's words for the K operand, row 8 nh + nl: plane words [NW, 2 (nh), 8 (nl), M, 1, 1, 1],
+    or at width 4 nibble words [NW, 2, 8, M, 1, 4 (t), 1]."""
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
-    return _planes(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, _axis(M, 3, 7, LW), BITS, M, LK)
+    m, q = _k_word_index(M, LW)
+    return _words(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, m, q, BITS, M, LK, False)
 
 
 @gluon.jit
 def _v_words(pages_ptr, poff, e: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, LV: gl.constexpr):
-    """A V page's plane words of its even (e = 0) or odd (e = 1) rows: [NW, M, 1, 1, 1, 2 (th), 4 (tl), 1],
-    row 8 th + 2 tl + e."""
+    """A V page's words of its even (e = 0) or odd (e = 1) rows, row 8 th + 2 tl + e: plane words
+    [NW, M, 1, 1, 1, 2 (th), 4 (tl), 1], or at width 4 nibble words [NW, M, 1, 1, 8 (j), 2, 4, 1]."""
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
-    return _planes(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, _axis(M, 1, 8, LW), BITS, M, LV)
+    m, q = _v_word_index(M, LW)
+    return _words(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, m, q, BITS, M, LV, False)
 
 
 @gluon.jit
@@ -422,7 +521,8 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 7, LW)
-    return _planes(None, base, r, _axis(M, 3, 7, LW), BITS, M, LK, True)
+    m, q = _k_word_index(M, LW)
+    return _words(None, base, r, m, q, BITS, M, LK, True)
 
 
 @gluon.jit
@@ -432,7 +532,8 @@ def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.c
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW) + K_BYTES
-    return _planes(None, base, r, _axis(M, 1, 8, LW), BITS, M, LV, True)
+    m, q = _v_word_index(M, LW)
+    return _words(None, base, r, m, q, BITS, M, LV, True)
 
 
 # rotate right by $2 mod 32 (a funnel shift of the word with itself)
@@ -472,13 +573,14 @@ def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: 
     8 i + 2 t of each word: rotating plane p's word right by 2 t - 2 p and masking puts its bits of
     four pairs at bits 2 p, 2 p + 1 of four bytes (``pair_index``; ``rotated_pair_codes``)."""
     t = _axis(4, 5, 7, LK)
-    # plane p's bits 2 t, 2 t + 1 of each byte rotated to bits 2 p, 2 p + 1 (one funnel shift each)
-    y = _rotr(w0, 2 * t) & 0x03030303
-    y |= _rotr(w1, 2 * t - 2) & 0x0C0C0C0C
-    if BITS > 2:
-        y |= _rotr(w2, 2 * t - 4) & 0x30303030
-    if BITS > 3:
-        y |= _rotr(w3, 2 * t - 6) & -1061109568  # 0xC0C0C0C0
+    if BITS == 4:  # nibble rows: byte i of lane t's word m is the pair code (``k_nibble_channel``)
+        y = w0
+    else:
+        # plane p's bits 2 t, 2 t + 1 of each byte rotated to bits 2 p, 2 p + 1 (one funnel shift each)
+        y = _rotr(w0, 2 * t) & 0x03030303
+        y |= _rotr(w1, 2 * t - 2) & 0x0C0C0C0C
+        if BITS > 2:
+            y |= _rotr(w2, 2 * t - 4) & 0x30303030
     val = _lookup(y, _axis(4, 4, 7, LK), (t + 4 * _axis(8, 2, 7, LK)) * 4, TAB)  # lane t + 4 nl: copy t + 4 nl
     half = ((val >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
     return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
@@ -490,14 +592,18 @@ def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.const
     """V^T [NW, HEAD_DIM, 16] bf16 in the A-operand layout from the even (a) and odd (b) rows' plane
     words: thread (tl, j) holds the row pairs of channels 8 i + j."""
     j = _axis(8, 4, 8, LV)
-    # bit j of each byte of row a's plane p to bit 2 p, of row b's to bit 2 p + 1: two funnel shifts,
-    # a bit select of the even bits from a and the odd from b, and the plane's mask
-    y = _bitsel(_rotr(a0, j), _rotr(b0, j - 1)) & 0x03030303
-    y |= _bitsel(_rotr(a1, j - 2), _rotr(b1, j - 3)) & 0x0C0C0C0C
-    if BITS > 2:
-        y |= _bitsel(_rotr(a2, j - 4), _rotr(b2, j - 5)) & 0x30303030
-    if BITS > 3:
-        y |= _bitsel(_rotr(a3, j - 6), _rotr(b3, j - 7)) & -1061109568  # 0xC0C0C0C0
+    if BITS == 4:
+        # nibble rows: the even (j even) or odd nibbles of row a's word to the low nibbles, row b's to
+        # the high ones: byte k = the code pair of channel 8 q + 2 k + (j & 1) (``v_nibble_channel``)
+        sh = 4 * (j & 1)
+        y = (_rotr(a0, sh) & 0x0F0F0F0F) | (_rotr(b0, sh - 4) & -252645136)  # 0xF0F0F0F0
+    else:
+        # bit j of each byte of row a's plane p to bit 2 p, of row b's to bit 2 p + 1: two funnel
+        # shifts, a bit select of the even bits from a and the odd from b, and the plane's mask
+        y = _bitsel(_rotr(a0, j), _rotr(b0, j - 1)) & 0x03030303
+        y |= _bitsel(_rotr(a1, j - 2), _rotr(b1, j - 3)) & 0x0C0C0C0C
+        if BITS > 2:
+            y |= _bitsel(_rotr(a2, j - 4), _rotr(b2, j - 5)) & 0x30303030
     i = 2 * _axis(2, 2, 8, LV) + _axis(2, 3, 8, LV)
     val = _lookup(y, i, (_axis(4, 6, 8, LV) + 4 * j) * 4, TAB)  # lane tl + 4 j reads copy tl + 4 j
     half = ((val >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
@@ -554,10 +660,13 @@ def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_head
 
 @gluon.jit
 def _q_operand(q_ptr, seq, head, stride_qb, stride_qh, dtype: gl.constexpr, GROUP: gl.constexpr,
-               BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr):
+               BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr,
+               K_NIBBLES: gl.constexpr = False):
     """Q^T of the KV head's query heads (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
-    in ``dtype``, heads past the group 0."""
+    in ``dtype``, heads past the group 0; with ``K_NIBBLES`` its channels in ``k_nibble_channel``'s order."""
     dq = _axis(HEAD_DIM, 1, 3, OPB)
+    if K_NIBBLES:
+        dq = _k_nibble_channel(dq, HEAD_DIM)
     gq = _axis(BLOCK_G, 2, 3, OPB)
     wq = _axis(NW, 0, 3, OPB)
     q_ptrs = q_ptr + seq.to(gl.int64) * stride_qb + (head * GROUP + gq) * stride_qh + dq + 0 * wq
@@ -587,15 +696,18 @@ def _softmax_step(s, valid, m_i, l_i):
 @gluon.jit
 def _store_split(m_i, l_i, acc, out_scale, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                  GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, MMA: gl.constexpr,
-                 HEADS: gl.constexpr):
+                 HEADS: gl.constexpr, V_NIBBLES: gl.constexpr = False):
     """The warps' softmax states merged and written to the split's workspace rows (max, mass and the
-    unnormalized sum times ``out_scale``), as ``paged_decode._paged_split_kernel`` writes them."""
+    unnormalized sum times ``out_scale``), as ``paged_decode._paged_split_kernel`` writes them (with
+    ``V_NIBBLES`` the sum's rows, in ``v_nibble_channel``'s order, back to channel order)."""
     m = gl.max(m_i, axis=0)
     sc = gl.exp2(m_i - gl.expand_dims(m, 0))
     l = gl.sum(l_i * sc, axis=0)
     o = gl.sum(acc * gl.expand_dims(sc, 1), axis=0) * out_scale  # [HEAD_DIM, BLOCK_G], SliceLayout(0, MMA)
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
     do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, OL)), 1)
+    if V_NIBBLES:
+        do = _v_nibble_channel(do, HEAD_DIM)
     go = gl.expand_dims(gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, OL)), 0)
     ws_row = item * num_kv_heads * GROUP + head * GROUP + go
     gl.store(ws_acc_ptr + ws_row.to(gl.int64) * HEAD_DIM + do, o, mask=(go < GROUP) & (do >= 0))
@@ -667,7 +779,8 @@ def compact_split_kernel(
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.thread_barrier()
 
-    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB)
+    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB,
+                   BITS_K == 4)
     g_h = _axis(BLOCK_G, 1, 2, HEADS)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + seq * (num_kv_heads * GROUP) + head * GROUP + g_h + 0 * _axis(NW, 0, 2, HEADS),
@@ -761,7 +874,7 @@ def compact_split_kernel(
     tab._keep_alive()
 
     _store_split(m_i, l_i, acc, 1.0, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr, GROUP, BLOCK_G,
-                 HEAD_DIM, MMA, HEADS)
+                 HEAD_DIM, MMA, HEADS, BITS_V == 4)
 
 
 # ----------------------------------------------------------------------------------------------------

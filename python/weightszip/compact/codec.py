@@ -43,9 +43,12 @@ Only multiplications, comparisons and integer operations are rounded, each exact
 codes do not depend on summation order or FMA contraction: the CPU reference and a GPU kernel
 agree bit for bit.
 
-A page holds 16 tokens of one (layer, kv head, kind): ``b`` bit planes of [16 tokens][head_dim/8
-bytes] (bit j of byte i of plane p is bit p of the code of channel 8i + j) followed by the 16
-scale indices: ``16 * (b * head_dim / 8 + 1)`` bytes (``page_bytes``).
+A page holds 16 tokens of one (layer, kv head, kind): the codes, then the 16 scale indices:
+``16 * (b * head_dim / 8 + 1)`` bytes (``page_bytes``). Codes of width 4 are nibble rows (token t's
+row at byte ``t * head_dim / 2``; byte i holds channel 2i in its low nibble, 2i + 1 in its high
+nibble); other widths are ``b`` bit planes of [16 tokens][head_dim/8 bytes] (bit j of byte i of plane
+p is bit p of the code of channel 8i + j). Pages of version 1 (``PAGE_VERSION``; compact chunks
+before version 3) hold bit planes at every width.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ MULT_MAX = 2**24
 GRID_SIZE = 256
 GRID_STEPS_PER_OCTAVE = 16
 BITS_CHOICES = (2, 3, 4, 5)
+# Page layout version: 2 stores width-4 codes as nibble rows (a GPU kernel reads a channel pair's
+# two codes as one byte), 1 as bit planes like the other widths (docs/FORMAT.md, "Page").
+PAGE_VERSION = 2
 # Rotary offsets: RoPE pair i (channels i and i + d/2, transformers' rotate_half layout) turns by
 # phase(p) = p * rope_phase[i] mod 2**48 (units of 2*pi / 2**48) at position p; cos and sin come
 # from two integer tables (12 + 10 bits of the phase), values in units of 2**-30.
@@ -415,7 +421,14 @@ def page_bytes(bits: int, head_dim: int) -> int:
     return PAGE_TOKENS * (bits * head_dim // 8 + 1)
 
 
-def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int) -> torch.Tensor:
+def nibble_rows(bits: int, version: int = PAGE_VERSION) -> bool:
+    """Whether pages of this width and layout version hold nibble rows (else bit planes)."""
+    if version not in (1, PAGE_VERSION):
+        raise CompactCodecError(f"page layout version {version} is not supported (this reads 1-{PAGE_VERSION})")
+    return bits == 4 and version >= 2
+
+
+def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int, version: int = PAGE_VERSION) -> torch.Tensor:
     """codes uint8 [16, d], scale indices uint8 [16] -> page bytes uint8 [page_bytes(bits, d)]."""
     if codes.ndim != 2 or codes.shape[0] != PAGE_TOKENS or sidx.shape != (PAGE_TOKENS,):
         raise CompactCodecError("a page packs codes [16, head_dim] and 16 scale indices")
@@ -423,20 +436,28 @@ def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int) -> torch.Tenso
     c = codes.to(torch.int64)
     if int(c.max()) >= 2**bits:
         raise CompactCodecError(f"a code exceeds {bits} bits")
-    weights = (2 ** torch.arange(8, dtype=torch.int64)).view(1, 1, 8)
-    planes = []
-    for p in range(bits):
-        bit = ((c >> p) & 1).view(PAGE_TOKENS, d // 8, 8)
-        planes.append((bit * weights).sum(-1))  # [16, d/8]
-    body = torch.stack(planes).to(torch.uint8).reshape(-1)
+    if nibble_rows(bits, version):
+        body = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8).reshape(-1)  # [16, d/2]
+    else:
+        weights = (2 ** torch.arange(8, dtype=torch.int64)).view(1, 1, 8)
+        planes = []
+        for p in range(bits):
+            bit = ((c >> p) & 1).view(PAGE_TOKENS, d // 8, 8)
+            planes.append((bit * weights).sum(-1))  # [16, d/8]
+        body = torch.stack(planes).to(torch.uint8).reshape(-1)
     return torch.cat([body, sidx.to(torch.uint8)])
 
 
-def unpack_page(page: torch.Tensor, bits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_page(page: torch.Tensor, bits: int, head_dim: int,
+                version: int = PAGE_VERSION) -> tuple[torch.Tensor, torch.Tensor]:
     """Page bytes -> (codes uint8 [16, d], scale indices uint8 [16])."""
     n = page_bytes(bits, head_dim)
     if page.dtype != torch.uint8 or page.shape != (n,):
         raise CompactCodecError(f"a {bits}-bit page of head_dim {head_dim} is {n} uint8 bytes, got {page.dtype} {tuple(page.shape)}")
+    if nibble_rows(bits, version):
+        body = page[: n - PAGE_TOKENS].to(torch.int64).view(PAGE_TOKENS, head_dim // 2, 1)
+        codes = torch.cat([body & 15, body >> 4], dim=2).view(PAGE_TOKENS, head_dim)
+        return codes.to(torch.uint8), page[n - PAGE_TOKENS :].clone()
     body = page[: n - PAGE_TOKENS].to(torch.int64).view(bits, PAGE_TOKENS, head_dim // 8, 1)
     shifts = torch.arange(8, dtype=torch.int64).view(1, 1, 1, 8)
     b = ((body >> shifts) & 1).view(bits, PAGE_TOKENS, head_dim)

@@ -7,9 +7,10 @@ store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
     >>> store.put_tensor("chunk-key", kv_chunk, codec=codec)                   # ~0.28 of bf16
     >>> store.get_tensor("chunk-key")                                          # what q4 hands back
 
-Bytes: a 32-byte header (magic ``WZQC``, version 2, format index, then u32 kinds, layers, tokens,
+Bytes: a 32-byte header (magic ``WZQC``, version 3, format index, then u32 kinds, layers, tokens,
 hidden, u64 start: the position of the chunk's first token, little-endian; version 1 had no start
-and a 24-byte header, read as start 0) and, for K then V, each layer, each kv head, each 16 tokens, one page of
+and a 24-byte header, read as start 0; versions 1 and 2 hold pages of layout version 1, bit planes
+at every width, where version 3 holds width-4 codes as nibble rows) and, for K then V, each layer, each kv head, each 16 tokens, one page of
 ``weightszip.compact.codec.page_bytes(bits, head_dim)`` bytes (docs/FORMAT.md, "Compact KV pages"),
 bits from the calibration's allocation for that layer and kind. Every token of the chunk is coded:
 the sink and recent-window tokens that the paged cache keeps in bf16 are the caller's to keep out of
@@ -32,7 +33,7 @@ from weightszip.compact.calibrate import TARGETS
 from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
 
 MAGIC = b"WZQC"
-VERSION = 2
+VERSION = 3
 _HEAD = struct.Struct("<4sBB2xIIIIQ")  # 32 bytes
 _HEAD_V1 = struct.Struct("<4sBB2xIIII")  # 24 bytes, start 0
 _FORMATS = tuple(TARGETS)
@@ -110,12 +111,13 @@ class CompactChunkCodec:
         if len(data) < _HEAD_V1.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
         magic, version, fi, kinds, layers, tokens, hidden = _HEAD_V1.unpack_from(data)
-        if magic != MAGIC or version not in (1, VERSION):
+        if magic != MAGIC or version not in (1, 2, VERSION):
             raise CorruptDataError("not a compact KV chunk (magic or version)")
-        head = _HEAD if version == VERSION else _HEAD_V1
+        head = _HEAD_V1 if version == 1 else _HEAD
         if len(data) < head.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
-        start = _HEAD.unpack_from(data)[-1] if version == VERSION else 0
+        start = 0 if version == 1 else _HEAD.unpack_from(data)[-1]
+        page_version = cc.PAGE_VERSION if version == VERSION else 1
         if start + tokens > cc.POSITION_MAX:
             raise CorruptDataError(f"chunk positions {start}..{start + tokens} exceed 2**31")
         if fi >= len(_FORMATS) or _FORMATS[fi] != self.fmt:
@@ -138,7 +140,7 @@ class CompactChunkCodec:
                 sidx = torch.empty(tokens, heads, dtype=torch.uint8)
                 for h in range(heads):
                     for p in range(pages):
-                        c, s = cc.unpack_page(buf[pos : pos + n], bits, d)
+                        c, s = cc.unpack_page(buf[pos : pos + n], bits, d, page_version)
                         sl = slice(p * cc.PAGE_TOKENS, (p + 1) * cc.PAGE_TOKENS)
                         codes[sl, h], sidx[sl, h] = c, s
                         pos += n
