@@ -5,9 +5,9 @@ Read me first:
 * **What it writes.** For each new token of one layer and kind (K or V), ``x [n, kv_heads, head_dim]``
   and its slot (vLLM's slot mapping: ``slot = block * block_size + offset``; a negative slot is
   padding and writes nothing), the kernel encodes every KV head with that head's calibrated tables
-  and stores the codes (nibble rows at width 4, else ``bits`` bit planes) and the u8 scale index into the token's page of the
-  pool ``pages uint8 [num_blocks, kv_heads, block_size / 16, page_bytes]``, the layout
-  ``paged_decode`` reads (``codec.pack_page``). The bytes are the reference encoder's
+  and stores the codes (nibble rows at width 4, else ``bits`` bit planes) and the u8 scale index
+  into the token's page of the pool ``pages uint8 [num_blocks, kv_heads, block_size / 16,
+  page_bytes]``, the layout ``paged_decode`` reads (``codec.pack_page``). The bytes are the reference encoder's
   (``codec.encode_tokens``) bit for bit; ``compact_write_ref`` is the plain-PyTorch reference.
 * **Why bit for bit.** The front end is integer: ``xi = trunc(clamp(nan_to_0(x)) * 2**16)`` (a
   power-of-two product, exact), ``z = ((xi - mu) * mult) >> 16`` and the Walsh-Hadamard rotation in
@@ -21,8 +21,8 @@ Read me first:
 * **Rotary offsets** (K tables with ``rope_m``, docs/FORMAT.md): the token's position p turns the
   pre-RoPE key mean to ``r(p)`` in integer arithmetic (48-bit phase, two integer cos/sin tables,
   shifts) exactly as ``codec.rope_offset``, and ``z = ((xi - mu - r(p)) * mult) >> 16``.
-* **Schedule.** One program per (token, KV head); a token's bytes in a page (its row of each plane
-  and its scale byte) belong to it alone, so tokens of one page are written independently.
+* **Schedule.** One program per (token, KV head); a token's bytes in a page (its nibble row or its
+  row of each plane, and its scale byte) belong to it alone, so tokens of one page are written independently.
 """
 
 from __future__ import annotations

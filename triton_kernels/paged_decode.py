@@ -17,8 +17,9 @@ Read me first:
   step, ``_load_page_tile``, loads and dequantizes a tile of ``BLOCK_N`` tokens (``BLOCK_N / 16``
   pages); everything else is shared. ``PAGE_COMPACT``: the compact formats' pages (q4, q3.5, q3;
   ``codec.pack_page``), a pool ``uint8 [num_blocks, kv_heads, block_size / 16, page_bytes]`` per K
-  and V with their own widths (``k_bits``/``v_bits``, constexprs); ``_compact_planes``/``_compact_values`` unpack
-  the bit planes and returns ``codebook[code]`` and the token's ``grid[k]``, whose fp32 product is
+  and V with their own widths (``k_bits``/``v_bits``, constexprs); ``_compact_planes``/``_compact_values``
+  unpack the codes (nibble rows at width 4, bit planes otherwise) and return ``codebook[code]`` and
+  the token's ``grid[k]``, whose fp32 product is
   ``codec.dequantize`` bit for bit (``dequantize_compact_pages``); the scale multiplies the fp32
   logits (K) and the softmax weights (V). Products on the tensor cores (bf16 codebook values, q'
   and scaled weights) or, with ``KernelConfig.cuda_dot``, in fp32 on the CUDA cores.

@@ -12,11 +12,15 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   owns every NW-th page of the split and its own running softmax state (a batch dimension over the
   warps); the warps' states merge once at the end of the program.
 * **Pair codes by bit arithmetic.** A thread's operand registers hold channel pairs (K: channels
-  2c, 2c + 1 of one token) or token pairs (V^T: tokens 2t, 2t + 1 of one channel). With the page's bit
-  planes (word m of a token row: byte i bit j = channel 32 m + 8 i + j), one rotate (funnel shift)
-  and mask per plane word yields its bits of four pair codes, one per byte, whose bits interleave
-  the two values' bits (``pair_index``); a pair's table address is one byte permute (ALU pipe) and
-  one multiply-add (FMA pipe: the kernel is bound by its ALU pipe).
+  2c, 2c + 1 of one token) or token pairs (V^T: tokens 2t, 2t + 1 of one channel). Width 4 (nibble
+  rows, page layout version 2): a K pair's two codes are one byte of the row as loaded, and a V
+  pair's are one byte of a nibble select of two rows' words (two rotates and a select per four
+  pairs), looked up in the code-order table (``compact_pair_table``); the operand channels are
+  permuted (``k_nibble_channel``, ``v_nibble_channel``) so each lane reads consecutive words, and q'
+  and the output go through the same maps. Widths 2 and 3 (bit planes: word m of a token row, byte i
+  bit j = channel 32 m + 8 i + j): one rotate (funnel shift) and mask per plane word yields its bits
+  of four pair codes, one per byte, whose bits interleave the two values' bits (``pair_index``).
+  A pair's table address is one byte permute (ALU pipe) and one multiply-add (FMA pipe).
 * **Conflict-free table lookups.** The pair table (``interleaved_pair_table``: bf16 codebook[a] in the
   low half, codebook[b] in the high half) sits in shared memory 32 times over, copy ``l`` in bank ``l``;
   lane ``l`` reads copy ``l`` (``ld.shared`` through inline PTX, as Gluon has no shared-memory
@@ -24,10 +28,11 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
 * **Pages staged by cp.async** (``STAGES``, ``KernelConfig.gluon_stages``): each warp copies its next
   page's bit planes into its own slots of shared memory (16-byte ``cp.async`` through inline PTX,
   so Triton inserts no block-wide barrier; a warp waits for its own copies and syncs its own lanes),
-  so no registers hold the page in flight. On the H200 this gave 1-5% over the register path; the
-  kernel is bound by its integer/logic (ALU) pipe (about 750 SASS instructions per 16-token page
-  per warp, about 390 of them on the ALU pipe: the pair codes' rotates and masks, the lookups' byte
-  permutes), not by memory latency (BENCHMARKS.md).
+  so no registers hold the page in flight, and read back 2 or 4 words per ``ld.shared``. On the
+  H200 staging gave 1-5% over the register path with bit planes (7-18% with nibble rows); the kernel
+  is bound by instruction issue and its integer/logic (ALU) pipe, not by memory latency: q4 about
+  490 SASS instructions per 16-token page and warp, about 200 on the ALU pipe (with bit planes at
+  width 4: 750 and 390; BENCHMARKS.md).
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
