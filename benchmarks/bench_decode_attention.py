@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 SHAPES = {"llama8b": (32, 8, 128), "llama70b-tp8": (8, 1, 128)}
 KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24",
-           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+lut4", "q3.5+lut4", "q4+triton", "q3.5+triton", "q3+triton",
+           "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+triton", "q3.5+triton", "q3+triton",
            "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton", "fp8+triton", "fp8+gluon", "q4+gluon",
            "q3.5+gluon", "q3+gluon")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
@@ -59,8 +59,8 @@ COMPACT.update({f"{k}+rope24": COMPACT[k] for k in ("q4", "q3")})
 # from KernelConfig.gluon_min_work / gluon_rope_min_work of work; the Triton kernel below);
 # "+triton": the Triton split kernel. Its codebook lookups (KernelConfig.reg_lut_bits): in registers
 # when K and V are both 3 bits (q3), from pair tables in memory otherwise; "+pairs": always pair
-# tables; "+lut4": registers wherever both widths are at most 3 (width 4 is nibble rows, always pairs).
-LOOKUP = {"+pairs": 0, "+lut4": 4}
+# tables (width 4, nibble rows, always reads pairs: the "+lut4" kinds, registers at 16 entries, are gone).
+LOOKUP = {"+pairs": 0}
 COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4", "q3.5", "q3") for v in LOOKUP})
 COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4", "q3.5", "q3")})
 COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4+rope", "q4+rope24", "q3+rope24")})

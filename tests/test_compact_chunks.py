@@ -185,8 +185,10 @@ def test_compact_chunks_read_versions_1_and_2(cal):
     assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(codec.encode(kv)).view(torch.int16))
     with pytest.raises(weightszip.TruncatedError):
         codec.decode(v1[:-1])
-    with pytest.raises(weightszip.CorruptDataError, match="version"):
+    with pytest.raises(weightszip.UnsupportedVersionError, match="version 4"):
         codec.decode(v3[:4] + bytes([4]) + v3[5:])
+    with pytest.raises(weightszip.CorruptDataError, match="magic"):
+        codec.decode(b"WZQX" + v3[4:])
 
 
 def test_hostile_compact_chunks_give_typed_errors_or_the_coded_values(cal):

@@ -108,7 +108,7 @@ class KernelConfig:
     min_split_tokens: int = 1024
     cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
-    # (<= 3; width-4 pages are nibble rows, gathered as pairs) wide, their codebooks are looked up in registers (byte permutes, ``_lut_lookup``)
+    # wide (taken as 3 at most: width-4 pages are nibble rows, gathered as pairs), their codebooks are looked up in registers (byte permutes, ``_lut_lookup``)
     # instead of gathered from pair tables in memory; 0: never. On the H200 (BENCHMARKS.md): q3 3-11%
     # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
     # in registers (a per-kind choice, since dropped) 8-9% slower.
@@ -273,6 +273,7 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
     ``cb_ptr`` is ``compact_lut_table``'s and the codebook is looked up in registers
     (``_lut_lookup``; the tile's channels in ``_lut_order``; widths up to 3)."""
     ROW_W: tl.constexpr = HEAD_DIM // 32
+    tl.static_assert(not (LUT and BITS > 3), "register tables take widths up to 3 (width 4 is nibble rows)")
     if BITS == 4:  # nibble rows (``_compact_nibbles``): byte k of word q = codes of channels 8 q + 2 k, + 1
         if PAIRS:
             pcodes = (w0[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # [BLOCK_N, D / 8, 4]
@@ -302,12 +303,12 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
     return vals, g
 
 
-# _lut_lookup's PTX: $4 holds four codes (one per byte, < 16) of channels 32 m + 8 i + j, i = 0..3;
-# $5..$8 the table's low-byte words, $9..$12 its high-byte words; $0..$3 the bf16 values of the
-# four codes. The codes become prmt selector nibbles; with 16 entries a nibble's bit 3 (prmt's sign
-# mode) is masked off for the two 8-byte picks and chooses between them in a third. (Eight codes
-# per call, as nibbles made from the planes directly, compiled to more instructions and ran 9%
-# slower on the H200: BENCHMARKS.md.)
+# _lut_lookup's PTX: $4 holds four codes (one per byte, < 8) of channels 32 m + 8 i + j, i = 0..3;
+# $5, $6 the table's low-byte words, $9, $10 its high-byte words ($7, $8, $11, $12 unused); $0..$3
+# the bf16 values of the four codes. The codes become prmt selector nibbles. (A 16-entry variant,
+# two picks and a merge per byte, ran 13-21% slower than the pair tables on the H200 and was dropped
+# when width-4 pages became nibble rows; eight codes per call, as nibbles made from the planes
+# directly, compiled to more instructions and ran 9% slower: BENCHMARKS.md.)
 _LUT_SEL = """{
 .reg .b32 a, b, s, t, u, lo, hi, p, q;
 shr.b32 a, $4, 4;
@@ -321,17 +322,6 @@ prmt.b32 q, lo, hi, 0x7362;
 mov.b32 {$0, $1}, p;
 mov.b32 {$2, $3}, q;
 }"""
-_LUT_ASM_16 = tl.constexpr(_LUT_SEL + """and.b32 t, s, 0x7777;
-shr.b32 a, s, 1;
-and.b32 a, a, 0x4444;
-or.b32 u, a, 0x3210;
-prmt.b32 a, $5, $6, t;
-prmt.b32 b, $7, $8, t;
-prmt.b32 lo, a, b, u;
-prmt.b32 a, $9, $10, t;
-prmt.b32 b, $11, $12, t;
-prmt.b32 hi, a, b, u;
-""" + _LUT_OUT)
 _LUT_ASM_8 = tl.constexpr(_LUT_SEL + """prmt.b32 lo, $5, $6, s;
 prmt.b32 hi, $9, $10, s;
 """ + _LUT_OUT)
@@ -344,9 +334,9 @@ def _lut_lookup(y, lut_ptr, head, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BL
     """The codebook values of ``_plane_bytes``'s codes ``y`` looked up in registers (compiled only:
     inline PTX): ``lut_ptr`` is ``compact_lut_table``'s int32 [H, 8] (the low bytes of the bf16
     codebook entries 4 r..4 r + 3 in word r, their high bytes in word 4 + r). Each int32 of ``y``
-    holds four codes, one per byte; ``prmt`` picks their values' bytes out of the table words (two
-    picks and a merge per byte for 16 entries, one pick for 8): four values cost about 19
-    instructions (16 entries) or 11 (8), and no memory access.
+    holds four codes, one per byte; ``prmt`` picks their values' bytes out of the table words (one
+    pick per byte; codebooks of up to 8 entries): four values cost about 11 instructions and no
+    memory access.
 
     The tile [BLOCK_N, HEAD_DIM] comes out in ``_lut_order`` (the position m * 32 + j * 4 + a * 2 + b
     holds channel 32 m + 8 (a + 2 b) + j): q is read in that order and the output written back from
@@ -355,12 +345,9 @@ def _lut_lookup(y, lut_ptr, head, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BL
     lb = lut_ptr + head * 8
     args = [y, tl.load(lb), tl.load(lb + 1), tl.load(lb + 2), tl.load(lb + 3),
             tl.load(lb + 4), tl.load(lb + 5), tl.load(lb + 6), tl.load(lb + 7)]
-    if BITS == 4:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(_LUT_ASM_16, _LUT_CONSTRAINTS, args, dtype=_LUT_DTYPES,
-                                                   is_pure=True, pack=1)
-    else:
-        v0, v1, v2, v3 = tl.inline_asm_elementwise(_LUT_ASM_8, _LUT_CONSTRAINTS, args, dtype=_LUT_DTYPES,
-                                                   is_pure=True, pack=1)
+    tl.static_assert(BITS <= 3, "register tables take widths up to 3")
+    v0, v1, v2, v3 = tl.inline_asm_elementwise(_LUT_ASM_8, _LUT_CONSTRAINTS, args, dtype=_LUT_DTYPES,
+                                               is_pure=True, pack=1)
     return _lut_tile(v0, v1, v2, v3, BLOCK_N, HEAD_DIM)
 
 
@@ -1269,7 +1256,7 @@ class PagedDecodeAttention:
             ws_acc=torch.empty(n_tot * self.num_kv_heads * g * self.head_dim, dtype=torch.float32, device=dev),
         )
         if self.page_type == PAGE_COMPACT and dev.type == "cuda":
-            for bits in {self.k_bits, self.v_bits} & {2, 3, 4}:
+            for bits in {self.k_bits, self.v_bits} & {2, 3}:  # (width 4: pairs in code order)
                 self._pair_order(bits, dev)
         return {"items": int(seq_of.size), "split_tokens": split_tokens,
                 "paged_tokens": int(n_paged.sum())}
@@ -1612,11 +1599,11 @@ def compact_pair_table(codebook: torch.Tensor) -> torch.Tensor:
 
 
 def compact_lut_table(codebook: torch.Tensor) -> torch.Tensor:
-    """int32 [H, 8] from a codebook [H, 2**bits] (bits <= 4) for the register lookup (``_lut_lookup``):
+    """int32 [H, 8] from a codebook [H, 2**bits] (bits <= 3) for the register lookup (``_lut_lookup``):
     word r holds the low bytes of the bf16 bits of entries 4 r .. 4 r + 3 (entry 4 r in its lowest
     byte), word 4 + r their high bytes; entries past 2**bits are 0."""
     h, n = codebook.shape
-    _check(n <= 16, "the register lookup takes codebooks of at most 16 entries")
+    _check(n <= 8, "the register lookup takes codebooks of at most 8 entries")
     u = torch.nn.functional.pad(_bf16_bits(codebook), (0, 16 - n))
     shifts = torch.arange(0, 32, 8, device=u.device)
     lo = ((u & 0xFF).view(h, 4, 4) << shifts).sum(-1)

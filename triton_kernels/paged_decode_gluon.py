@@ -451,8 +451,8 @@ def _plane_or_staged(pages_ptr, off, r, m, p: gl.constexpr, M: gl.constexpr, L: 
 
 @gluon.jit
 def _planes(pages_ptr, off, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr = False):
-    """Bit planes 0..BITS-1 (2 to 4; the ones past BITS repeat the last, unused) of the page at byte
-    ``off`` of the pool, or (``STAGED``) at shared byte ``off``."""
+    """Bit planes 0..BITS-1 (2 or 3; the ones past BITS repeat the last, unused) of the page at byte
+    ``off`` of the pool, or (``STAGED``) at shared byte ``off``. (Width 4 is nibble rows: ``_words``.)"""
     VEC: gl.constexpr = _vec_words(M)
     w0 = _plane_or_staged(pages_ptr, off, r, m, 0, M, L, STAGED, VEC)
     w1 = _plane_or_staged(pages_ptr, off, r, m, 1, M, L, STAGED, VEC)
@@ -461,8 +461,6 @@ def _planes(pages_ptr, off, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.con
     if BITS > 2:
         w2 = _plane_or_staged(pages_ptr, off, r, m, 2, M, L, STAGED, VEC)
         w3 = w2
-    if BITS > 3:
-        w3 = _plane_or_staged(pages_ptr, off, r, m, 3, M, L, STAGED, VEC)
     return w0, w1, w2, w3
 
 
@@ -745,9 +743,9 @@ def compact_split_kernel(
     ``S^T = K Q^T`` [16 rows, BLOCK_G heads] and ``O^T += V^T P^T`` [HEAD_DIM, BLOCK_G], K and V^T the
     A operands decoded in registers, Q^T and P^T the B operands. Each warp takes every NW-th page of
     the split (16 rows per step). The next page's offsets and scales are loaded one step ahead (a few
-    registers); with STAGES > 0 its plane words are copied ahead into the warp's shared-memory slots,
-    with STAGES = 0 they are loaded at the step (each word is held by the 4 or 8 lanes that decode
-    from it)."""
+    registers); with STAGES > 0 its words are copied ahead into the warp's shared-memory slots, with
+    STAGES = 0 they are loaded at the step (a plane word is held by the 4 or 8 lanes that decode from
+    it, a nibble-row word by 1 lane for K and 2 for V)."""
     NW: gl.constexpr = gl.num_warps()
     M: gl.constexpr = HEAD_DIM // 32
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])

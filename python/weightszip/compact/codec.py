@@ -423,7 +423,7 @@ def page_bytes(bits: int, head_dim: int) -> int:
 
 def nibble_rows(bits: int, version: int = PAGE_VERSION) -> bool:
     """Whether pages of this width and layout version hold nibble rows (else bit planes)."""
-    if version not in (1, PAGE_VERSION):
+    if not (isinstance(version, int) and 1 <= version <= PAGE_VERSION):
         raise CompactCodecError(f"page layout version {version} is not supported (this reads 1-{PAGE_VERSION})")
     return bits == 4 and version >= 2
 

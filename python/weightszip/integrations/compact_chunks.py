@@ -30,10 +30,12 @@ import torch
 
 from weightszip.compact import codec as cc
 from weightszip.compact.calibrate import TARGETS
-from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError
+from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
 
 MAGIC = b"WZQC"
 VERSION = 3
+# the page layout version (``codec.PAGE_VERSION``) each chunk version holds
+PAGE_VERSIONS = {1: 1, 2: 1, 3: 2}
 _HEAD = struct.Struct("<4sBB2xIIIIQ")  # 32 bytes
 _HEAD_V1 = struct.Struct("<4sBB2xIIII")  # 24 bytes, start 0
 _FORMATS = tuple(TARGETS)
@@ -104,20 +106,23 @@ class CompactChunkCodec:
                 for h in range(heads):
                     for p in range(pages):
                         sl = slice(p * cc.PAGE_TOKENS, (p + 1) * cc.PAGE_TOKENS)
-                        out.append(cc.pack_page(codes[sl, h], sidx[sl, h], bits).numpy().tobytes())
+                        out.append(cc.pack_page(codes[sl, h], sidx[sl, h], bits, PAGE_VERSIONS[VERSION])
+                                   .numpy().tobytes())
         return b"".join(out)
 
     def decode(self, data: bytes) -> torch.Tensor:
         if len(data) < _HEAD_V1.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
         magic, version, fi, kinds, layers, tokens, hidden = _HEAD_V1.unpack_from(data)
-        if magic != MAGIC or version not in (1, 2, VERSION):
-            raise CorruptDataError("not a compact KV chunk (magic or version)")
+        if magic != MAGIC:
+            raise CorruptDataError("not a compact KV chunk (magic)")
+        if version not in PAGE_VERSIONS:
+            raise UnsupportedVersionError(f"compact KV chunk version {version} (this reads 1-{VERSION})")
         head = _HEAD_V1 if version == 1 else _HEAD
         if len(data) < head.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
         start = 0 if version == 1 else _HEAD.unpack_from(data)[-1]
-        page_version = cc.PAGE_VERSION if version == VERSION else 1
+        page_version = PAGE_VERSIONS[version]
         if start + tokens > cc.POSITION_MAX:
             raise CorruptDataError(f"chunk positions {start}..{start + tokens} exceed 2**31")
         if fi >= len(_FORMATS) or _FORMATS[fi] != self.fmt:
