@@ -19,10 +19,10 @@ Read me first:
   ``codec.pack_page``), a pool ``uint8 [num_blocks, kv_heads, block_size / 16, page_bytes]`` per K
   and V with their own widths (``k_bits``/``v_bits``, constexprs); ``_compact_planes``/``_compact_values``
   unpack the codes (nibble rows at width 4, bit planes otherwise) and return ``codebook[code]`` and
-  the token's ``grid[k]``, whose fp32 product is
-  ``codec.dequantize`` bit for bit (``dequantize_compact_pages``); the scale multiplies the fp32
-  logits (K) and the softmax weights (V). Products on the tensor cores (bf16 codebook values, q'
-  and scaled weights) or, with ``KernelConfig.cuda_dot``, in fp32 on the CUDA cores.
+  the token's ``grid[k]``, whose fp32 product is ``codec.dequantize`` bit for bit
+  (``dequantize_compact_pages``); the scale multiplies the fp32 logits (K) and the softmax weights
+  (V). Products on the tensor cores (bf16 codebook values, q' and scaled weights) or, with
+  ``KernelConfig.cuda_dot``, in fp32 on the CUDA cores.
   ``PAGE_EXACT`` and ``PAGE_EXACT4``: lossless pages in a byte heap (KV Exact, ``kv_exact_ref``; KV
   Exact4, ``kv_exact4_ref``), decoded into the same bf16 tiles as the uncompressed pages.
 * **Transformed domain.** A format may store pages in a transformed domain: the true key is ``y @ A_k
@@ -108,10 +108,11 @@ class KernelConfig:
     min_split_tokens: int = 1024
     cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
-    # wide (taken as 3 at most: width-4 pages are nibble rows, gathered as pairs), their codebooks are looked up in registers (byte permutes, ``_lut_lookup``)
-    # instead of gathered from pair tables in memory; 0: never. On the H200 (BENCHMARKS.md): q3 3-11%
-    # faster at the 8B shape (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V
-    # in registers (a per-kind choice, since dropped) 8-9% slower.
+    # wide (taken as 3 at most: width-4 pages are nibble rows, gathered as pairs), their codebooks
+    # are looked up in registers (byte permutes, ``_lut_lookup``) instead of gathered from pair
+    # tables in memory; 0: never. On the H200 (BENCHMARKS.md): q3 3-11% faster at the 8B shape
+    # (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V in registers (a
+    # per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
     # fp8 pages, compiled only: ``gluon`` runs ``paged_decode_gluon.fp8_split_kernel`` (with
     # ``gluon_warps``, ``gluon_stages`` (at least 2), ``gluon_maxnreg``, ``gluon_min_work``); on in the
@@ -264,14 +265,16 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
                     LUT: tl.constexpr = False):
     """From the bit planes ``w0..w{BITS-1}`` (``_compact_plane``; the others unused), or at width 4 the
     nibble-row words ``w0`` (``_compact_nibbles``), and scale indices of ``BLOCK_N`` tokens:
-    ``codebook[head, code]`` [BLOCK_N, HEAD_DIM] (bf16 with ``PAIRS``, else the codebook's dtype) and each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is
-    their fp32 product (codec.dequantize).
+    ``codebook[head, code]`` [BLOCK_N, HEAD_DIM] (bf16 with ``PAIRS``, else the codebook's dtype) and
+    each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is their fp32 product
+    (codec.dequantize).
 
     Codes come from ``_plane_bytes`` (planes) or the nibbles. With ``PAIRS`` (widths up to 4, bf16
-    tensor-core operands), ``cb_ptr`` is the int32 pair table of ``compact_pair_table`` (entry a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the
-    two values of channels 2 k, 2 k + 1): one gather per two values. With ``LUT`` (compiled only),
-    ``cb_ptr`` is ``compact_lut_table``'s and the codebook is looked up in registers
-    (``_lut_lookup``; the tile's channels in ``_lut_order``; widths up to 3)."""
+    tensor-core operands), ``cb_ptr`` is the int32 pair table of ``compact_pair_table`` (entry
+    a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the two values of channels 2 k, 2 k + 1):
+    one gather per two values. With ``LUT`` (compiled only), ``cb_ptr`` is ``compact_lut_table``'s
+    and the codebook is looked up in registers (``_lut_lookup``; the tile's channels in
+    ``_lut_order``; widths up to 3)."""
     ROW_W: tl.constexpr = HEAD_DIM // 32
     tl.static_assert(not (LUT and BITS > 3), "register tables take widths up to 3 (width 4 is nibble rows)")
     if BITS == 4:  # nibble rows (``_compact_nibbles``): byte k of word q = codes of channels 8 q + 2 k, + 1

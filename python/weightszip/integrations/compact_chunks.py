@@ -10,9 +10,10 @@ store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
 Bytes: a 32-byte header (magic ``WZQC``, version 3, format index, then u32 kinds, layers, tokens,
 hidden, u64 start: the position of the chunk's first token, little-endian; version 1 had no start
 and a 24-byte header, read as start 0; versions 1 and 2 hold pages of layout version 1, bit planes
-at every width, where version 3 holds width-4 codes as nibble rows) and, for K then V, each layer, each kv head, each 16 tokens, one page of
-``weightszip.compact.codec.page_bytes(bits, head_dim)`` bytes (docs/FORMAT.md, "Compact KV pages"),
-bits from the calibration's allocation for that layer and kind. Every token of the chunk is coded:
+at every width, where version 3 holds width-4 codes as nibble rows) and, for K then V, each layer,
+each kv head, each 16 tokens, one page of ``weightszip.compact.codec.page_bytes(bits, head_dim)``
+bytes (docs/FORMAT.md, "Compact KV pages"), bits from the calibration's allocation for that layer
+and kind. Every token of the chunk is coded:
 the sink and recent-window tokens that the paged cache keeps in bf16 are the caller's to keep out of
 offloaded chunks. Keys are coded at their positions (``encode(x, start=...)``): with a calibration
 that carries rotary offsets (``Calibration.has_rope_offsets``) the position decides which offset is
