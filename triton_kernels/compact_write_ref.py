@@ -1,5 +1,6 @@
 """Plain-PyTorch reference of ``compact_write``: the reference encoder (``codec.encode_tokens``) and
-the page layout (``codec.pack_page``, one token's rows at a time) writing into the same pool."""
+the page layout (``codec.unpack_page`` / ``codec.pack_page``: a token's slot replaced in its page)
+writing into the same pool."""
 
 from __future__ import annotations
 
@@ -18,20 +19,13 @@ def compact_write_ref(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.
     bits = head_tables[0].bits
     pos = None if positions is None else positions.cpu()
     codes, sidx = codec.encode_tokens(x.cpu(), head_tables, pos)  # [n, h, d], [n, h]
-    row = d // 8
-    plane = 16 * row
     block_size = pages.shape[2] * 16
-    weights = 2 ** torch.arange(8, dtype=torch.int64)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
         blk, off = divmod(slot, block_size)
         pg, tip = divmod(off, 16)
-        c = codes[t].to(torch.int64)  # [h, d]
-        if codec.nibble_rows(bits):  # token row tip of d / 2 bytes
-            byte = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8)
-            pages[blk, :, pg, tip * (d // 2): (tip + 1) * (d // 2)] = byte.to(pages.device)
-        for p in range(0 if codec.nibble_rows(bits) else bits):
-            byte = (((c >> p) & 1).view(h, row, 8) * weights).sum(-1).to(torch.uint8)  # [h, row]
-            pages[blk, :, pg, p * plane + tip * row: p * plane + (tip + 1) * row] = byte.to(pages.device)
-        pages[blk, :, pg, bits * plane + tip] = sidx[t].to(pages.device)
+        for hh in range(h):  # the page through the codec: every byte pattern unpacks and packs back unchanged
+            page_codes, page_sidx = codec.unpack_page(pages[blk, hh, pg].cpu(), bits, d)
+            page_codes[tip], page_sidx[tip] = codes[t, hh], sidx[t, hh]
+            pages[blk, hh, pg] = codec.pack_page(page_codes, page_sidx, bits).to(pages.device)

@@ -231,23 +231,24 @@ def _compact_plane(pages_ptr, pbase, valid, p, HEAD_DIM: tl.constexpr, BITS: tl.
     (word m of a token row: byte i bit j = bit p of the code of channel 32 m + 8 i + j); ``pbase``
     [NP]: each page's offset in bytes (a multiple of 16); tokens not ``valid`` read as 0. The address
     arithmetic is per page, not per token."""
-    ROW_W: tl.constexpr = HEAD_DIM // 32
-    wptr = pages_ptr.to(tl.pointer_type(tl.int32))
-    offs_w = tl.arange(0, 16 * ROW_W)  # token-in-page x word
-    vmask = tl.reshape(tl.broadcast_to(tl.reshape(valid, [NP, 16, 1]), [NP, 16, ROW_W]), [NP, 16 * ROW_W])
-    w = tl.load(wptr + (pbase // 4)[:, None] + p * (16 * ROW_W) + offs_w[None, :], mask=vmask, other=0)
-    return tl.reshape(w, [NP * 16, ROW_W])
+    return _compact_rows(pages_ptr, pbase, valid, p * (16 * (HEAD_DIM // 32)), HEAD_DIM // 32, NP)
 
 
 @triton.jit
 def _compact_nibbles(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, NP: tl.constexpr):
     """The nibble rows of ``NP`` width-4 pages as int32 words [16 NP, HEAD_DIM / 8] (word q of a token
     row: nibble j = the code of channel 8 q + j); as ``_compact_plane`` otherwise."""
-    ROW_W: tl.constexpr = HEAD_DIM // 8
+    return _compact_rows(pages_ptr, pbase, valid, 0, HEAD_DIM // 8, NP)
+
+
+@triton.jit
+def _compact_rows(pages_ptr, pbase, valid, first, ROW_W: tl.constexpr, NP: tl.constexpr):
+    """16 rows of ``ROW_W`` int32 words from word ``first`` of each of ``NP`` pages (``pbase``: their
+    byte offsets, multiples of 16) as [16 NP, ROW_W]; rows not ``valid`` read as 0."""
     wptr = pages_ptr.to(tl.pointer_type(tl.int32))
     offs_w = tl.arange(0, 16 * ROW_W)  # token-in-page x word
     vmask = tl.reshape(tl.broadcast_to(tl.reshape(valid, [NP, 16, 1]), [NP, 16, ROW_W]), [NP, 16 * ROW_W])
-    w = tl.load(wptr + (pbase // 4)[:, None] + offs_w[None, :], mask=vmask, other=0)
+    w = tl.load(wptr + (pbase // 4)[:, None] + first + offs_w[None, :], mask=vmask, other=0)
     return tl.reshape(w, [NP * 16, ROW_W])
 
 
@@ -280,10 +281,7 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
     if BITS == 4:  # nibble rows (``_compact_nibbles``): byte k of word q = codes of channels 8 q + 2 k, + 1
         if PAIRS:
             pcodes = (w0[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # [BLOCK_N, D / 8, 4]
-            pv = tl.load(cb_ptr + head * 256 + pcodes)
-            lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+            vals = _pair_values(cb_ptr + head * 256, pcodes, BLOCK_N, HEAD_DIM)
         else:
             codes = (w0[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, D / 8, 8]
             vals = tl.load(cb_ptr + head * 16 + tl.reshape(codes, [BLOCK_N, HEAD_DIM]))
@@ -296,14 +294,21 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
             ya, yb = tl.split(tl.reshape(y, [BLOCK_N, ROW_W, 4, 2]))
             pc = ya | (yb << BITS)  # byte i: pair code of channels 8 i + 2 k, + 1
             pcodes = (pc[:, :, None, :] >> ii[None, None, :, None]) & 0xFF  # [BLOCK_N, ROW_W, 4 (i), 4 (k)]
-            pv = tl.load(cb_ptr + head * (1 << (2 * BITS)) + pcodes)
-            lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+            vals = _pair_values(cb_ptr + head * (1 << (2 * BITS)), pcodes, BLOCK_N, HEAD_DIM)
         else:
             vals = tl.load(cb_ptr + head * (1 << BITS) + _byte_codes(y, BLOCK_N, HEAD_DIM))
     g = tl.load(grid_ptr + head * 256 + sidx)
     return vals, g
+
+
+@triton.jit
+def _pair_values(table_ptr, pcodes, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The bf16 tile [BLOCK_N, HEAD_DIM] of the pair codes ``pcodes`` (channel pairs in channel order)
+    gathered from a ``compact_pair_table`` row: each entry's low half, then its high half."""
+    pv = tl.load(table_ptr + pcodes)
+    lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
 
 
 # _lut_lookup's PTX: $4 holds four codes (one per byte, < 8) of channels 32 m + 8 i + j, i = 0..3;
