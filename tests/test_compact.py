@@ -166,6 +166,12 @@ def test_page_bytes_layout_and_roundtrip(bits):
     for t, c in ((0, 0), (15, 63), (7, 13), (3, 32), (9, 1)):
         if bits == 4:  # nibble rows: token t's byte i holds channel 2 i (low nibble) and 2 i + 1
             assert (int(page[t * 32 + c // 2]) >> 4 * (c % 2)) & 15 == int(codes[t, c])
+        elif bits == 3:  # crumb rows (byte i: channels 4 i + s at bits 2 s), then the bit-2 words
+            assert (int(page[t * 24 + c // 4]) >> 2 * (c % 4)) & 3 == int(codes[t, c]) & 3
+            h, r = divmod(c, 32)  # channel h 32 + 16 g + 4 k + s: word g, bit 8 k + s + 2 (s // 2) + 2 h
+            g, k, s = r // 16, (r // 4) % 4, r % 4
+            byte = int(page[t * 24 + 16 + 4 * g + k])
+            assert (byte >> (s + 2 * (s // 2) + 2 * h)) & 1 == int(codes[t, c]) >> 2
         else:  # plane p, token t, byte i, bit j = bit p of code[t, 8i + j]
             for p in range(bits):
                 assert (int(page[(p * 16 + t) * 8 + c // 8]) >> (c % 8)) & 1 == (int(codes[t, c]) >> p) & 1
@@ -174,13 +180,17 @@ def test_page_bytes_layout_and_roundtrip(bits):
     assert torch.equal(c2, codes) and torch.equal(s2, sidx)
     # layout version 1: bit planes at every width (what compact chunks before version 3 hold)
     old = codec.pack_page(codes, sidx, bits, version=1)
-    assert torch.equal(old, page) == (bits != 4)
+    assert torch.equal(old, page) == (bits not in (3, 4))
+    assert torch.equal(codec.pack_page(codes, sidx, bits, version=2), page) == (bits != 3)
     p0 = (int(old[15 * 8 + 63 // 8]) >> 7) & 1  # plane 0, token 15, channel 63
     assert p0 == int(codes[15, 63]) & 1
     c1, s1 = codec.unpack_page(old, bits, 64, version=1)
     assert torch.equal(c1, codes) and torch.equal(s1, sidx)
-    with pytest.raises(codec.CompactCodecError, match="version 3"):
-        codec.unpack_page(page, bits, 64, version=3)
+    for v in (1, 2):
+        c1, s1 = codec.unpack_page(codec.pack_page(codes, sidx, bits, version=v), bits, 64, version=v)
+        assert torch.equal(c1, codes) and torch.equal(s1, sidx)
+    with pytest.raises(codec.CompactCodecError, match="version 4"):
+        codec.unpack_page(page, bits, 64, version=4)
 
 
 def test_page_encode_decode_equal_the_token_codec():

@@ -149,9 +149,9 @@ def test_compact_chunks_record_their_start_position(cal):
         codec.decode(bytes(bad))
 
 
-def _repack_pages_v1(codec, blob: bytes, header: bytes) -> bytes:
-    """``blob`` (a version-3 chunk) with its pages in layout version 1 (bit planes at every width),
-    after ``header``: the bytes a version-1 or -2 writer made."""
+def _repack_pages(codec, blob: bytes, header: bytes, version: int = 1) -> bytes:
+    """``blob`` (a chunk of this version) with its pages in layout ``version`` (1: bit planes at every
+    width), after ``header``: the bytes an older writer made."""
     cal, d = codec.cal, codec.cal.head_dim
     kinds, layers, tokens = 2, cal.layers, struct.unpack_from("<I", blob, 16)[0]
     out, pos = [header], 32
@@ -161,34 +161,38 @@ def _repack_pages_v1(codec, blob: bytes, header: bytes) -> bytes:
             n = cc.page_bytes(bits, d)
             for _ in range(cal.kv_heads * tokens // cc.PAGE_TOKENS):
                 c, s = cc.unpack_page(torch.frombuffer(bytearray(blob[pos : pos + n]), dtype=torch.uint8), bits, d)
-                out.append(cc.pack_page(c, s, bits, version=1).numpy().tobytes())
+                out.append(cc.pack_page(c, s, bits, version=version).numpy().tobytes())
                 pos += n
     assert pos == len(blob)
     return b"".join(out)
 
 
-def test_compact_chunks_read_versions_1_and_2(cal):
+def test_compact_chunks_read_older_versions(cal):
     """Chunks of versions 1 (24-byte header, no start) and 2 (a start) hold pages of layout version 1
-    (bit planes at width 4 too): both decode as the version-3 chunk of the same KV (version 1 at
-    start 0); q3's allocation has 4-bit layers, so the two layouts differ in its bytes."""
+    (bit planes at every width), version 3 of layout 2 (nibble rows at width 4): all decode as the
+    version-4 chunk of the same KV (version 1 at start 0); q3's allocation has 3- and 4-bit layers,
+    so the layouts differ in its bytes."""
     codec = CompactChunkCodec(cal, "q3")
-    assert any(4 in kinds for kinds in cal.allocation["q3"])
+    assert any(4 in kinds for kinds in cal.allocation["q3"]) and any(3 in kinds for kinds in cal.allocation["q3"])
     kv = _kv()
-    v3 = codec.encode(kv, start=7)
-    magic, version, fi, kinds, layers, tokens, hidden, start = struct.unpack_from("<4sBB2xIIIIQ", v3)
-    assert version == 3 and start == 7
-    v2 = _repack_pages_v1(codec, v3, struct.pack("<4sBB2xIIIIQ", magic, 2, fi, kinds, layers, tokens, hidden, start))
-    v1 = _repack_pages_v1(codec, codec.encode(kv), struct.pack("<4sBB2xIIII", magic, 1, fi, kinds, layers, tokens,
-                                                                hidden))
-    assert v2[32:] != v3[32:]
-    assert torch.equal(codec.decode(v2).view(torch.int16), codec.decode(v3).view(torch.int16))
+    v4 = codec.encode(kv, start=7)
+    magic, version, fi, kinds, layers, tokens, hidden, start = struct.unpack_from("<4sBB2xIIIIQ", v4)
+    assert version == 4 and start == 7
+    head = struct.pack("<4sBB2xIIIIQ", magic, 2, fi, kinds, layers, tokens, hidden, start)
+    v2 = _repack_pages(codec, v4, head)
+    v3 = _repack_pages(codec, v4, head[:4] + bytes([3]) + head[5:], version=2)
+    v1 = _repack_pages(codec, codec.encode(kv), struct.pack("<4sBB2xIIII", magic, 1, fi, kinds, layers, tokens,
+                                                             hidden))
+    assert v2[32:] != v4[32:] and v3[32:] != v4[32:] and v2[32:] != v3[32:]
+    for old in (v2, v3):
+        assert torch.equal(codec.decode(old).view(torch.int16), codec.decode(v4).view(torch.int16))
     assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(codec.encode(kv)).view(torch.int16))
     with pytest.raises(weightszip.TruncatedError):
         codec.decode(v1[:-1])
-    with pytest.raises(weightszip.UnsupportedVersionError, match="version 4"):
-        codec.decode(v3[:4] + bytes([4]) + v3[5:])
+    with pytest.raises(weightszip.UnsupportedVersionError, match="version 5"):
+        codec.decode(v4[:4] + bytes([5]) + v4[5:])
     with pytest.raises(weightszip.CorruptDataError, match="magic"):
-        codec.decode(b"WZQX" + v3[4:])
+        codec.decode(b"WZQX" + v4[4:])
 
 
 def test_hostile_compact_chunks_give_typed_errors_or_the_coded_values(cal):

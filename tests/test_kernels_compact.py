@@ -530,13 +530,13 @@ def _real_shape_case(shape, k_bits, v_bits):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="real shapes need the GPU")
 @pytest.mark.parametrize("lookup", [(0, 4), (3, 3), (4, 4)],
-                         ids=["k4v3-pair-tables", "k3v3-registers", "k4v3-lut4-as-pairs"])
+                         ids=["k4v3-pair-tables", "k3v3-lut3-as-pairs", "k4v3-lut4-as-pairs"])
 @pytest.mark.parametrize("cuda_dot", [False, True], ids=["tensor-cores", "cuda-cores"])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
 def test_real_shapes_gpu(shape, cuda_dot, lookup):
     """Attention against the reference at the Llama shapes: K 4 / V 3 bits with the codebooks from
-    pair tables, also when register tables of 16 entries are asked for (width 4 is nibble rows, read
-    as pairs), and K 3 / V 3 bits in registers (the default for q3)."""
+    pair tables, also when register tables are asked for (widths 4 and 3 are nibble and crumb rows,
+    read as pairs), and K 3 / V 3 bits."""
     lut_bits, k_bits = lookup
     if cuda_dot and lookup != (0, 4):
         pytest.skip("the CUDA-core path has no codebook lookup choice")
@@ -677,7 +677,7 @@ def _plane_words(page: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return body[..., 0] | body[..., 1] << 8 | body[..., 2] << 16 | body[..., 3] << 24
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("bits", [2])
 def test_gluon_rotations_and_table_offsets_match_pair_index(bits):
     """The kernel's own formulas (funnel-shift rotates by 2 t - 2 p for K, by j - 2 p and j - 2 p - 1 with
     an even/odd bit select for V, the prmt byte select times 128 plus the lane's offset), emulated in
@@ -748,7 +748,55 @@ def test_gluon_nibble_rows_give_the_codebook_values(d):
                         assert torch.equal(val >> 16, want[codes[1::2, s]])
 
 
-@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_gluon_crumb_rows_give_the_codebook_values(d):
+    """Width 3 (crumb rows and a bit-2 row): the Gluon kernel's operand math in PyTorch on random pages.
+    K: lane t's crumb word (t >> 1) M + m and bit-2 word m through ``crumb_pair_codes_k``, byte i,
+    looked up in ``crumb_pair_table``, are the values of the stored channels ``k_crumb_channel`` maps
+    32 m + 8 i + 2 t (+ 1) to. V: lane j's crumb words (j >> 2) M + m and bit-2 words m of rows 2 r,
+    2 r + 1 through ``crumb_pair_codes_v``, byte 2 i1 + i0, are the two rows' values of
+    ``v_crumb_channel``'s stored channel for 32 m + 16 i1 + 8 i0 + j. The maps are permutations, and
+    the kernel's own (``_k_stored_channel``, ``_v_stored_channel``) are these."""
+    from weightszip.kernels.paged_decode_gluon import (_k_stored_channel, _v_stored_channel, crumb_pair_codes_k,
+                                                       crumb_pair_codes_v, crumb_pair_table, k_crumb_channel,
+                                                       v_crumb_channel)
+
+    mm = d // 32
+    ch = torch.arange(d)
+    assert sorted(k_crumb_channel(ch, d).tolist()) == sorted(v_crumb_channel(ch, d).tolist()) == list(range(d))
+    assert torch.equal(_k_stored_channel.fn(ch, d, 3), k_crumb_channel(ch, d))
+    assert torch.equal(_v_stored_channel.fn(ch, d, 3), v_crumb_channel(ch, d))
+    g = torch.Generator().manual_seed(d + 3)
+    cb = torch.sort(torch.rand(2, 8, generator=g) * 2 - 1, dim=1)[0]
+    table = crumb_pair_table(cb)[1].to(torch.int64) & 0xFFFFFFFF
+    want = cb[1].to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    for _ in range(3):
+        page = torch.randint(0, 256, (codec.page_bytes(3, d),), dtype=torch.uint8, generator=g)
+        codes = codec.unpack_page(page, 3, d)[0].long()  # [16, d]
+        body = page[: 6 * d].to(torch.int64).view(16, 3 * mm, 4)
+        w = body[..., 0] | body[..., 1] << 8 | body[..., 2] << 16 | body[..., 3] << 24  # [16 rows, 3 M words]
+        for t in range(4):
+            for m in range(mm):
+                y = crumb_pair_codes_k(w[:, (t >> 1) * mm + m], w[:, 2 * mm + m], t)  # [16]
+                for i in range(4):
+                    val = table[(y >> 8 * i) & 0xFF]
+                    s0 = k_crumb_channel(32 * m + 8 * i + 2 * t, d)
+                    assert s0 == k_crumb_channel(32 * m + 8 * i + 2 * t + 1, d) - 1
+                    assert torch.equal(val & 0xFFFF, want[codes[:, s0]])
+                    assert torch.equal(val >> 16, want[codes[:, s0 + 1]])
+        for j in range(8):
+            for m in range(mm):
+                c, p = w[:, (j >> 2) * mm + m], w[:, 2 * mm + m]
+                y = crumb_pair_codes_v(c[0::2], c[1::2], p[0::2], p[1::2], j)  # [8]
+                for i1 in range(2):
+                    for i0 in range(2):
+                        val = table[(y >> 8 * (2 * i1 + i0)) & 0xFF]
+                        s = v_crumb_channel(32 * m + 16 * i1 + 8 * i0 + j, d)
+                        assert torch.equal(val & 0xFFFF, want[codes[0::2, s]])
+                        assert torch.equal(val >> 16, want[codes[1::2, s]])
+
+
+@pytest.mark.parametrize("bits", [2])
 def test_gluon_pair_codes_give_the_codebook_values(bits):
     """The Gluon kernel's operand math (``pair_index`` + ``interleaved_pair_table``), run in PyTorch on
     random pages: K's channel pairs (thread t: bits 2t, 2t + 1 of each byte of a row's word) and V's
@@ -859,8 +907,9 @@ print("mma", "mma.sync.aligned.m16n8k16" in k.asm["ptx"], "spills", spills)
 """
 
 
-@pytest.mark.parametrize("case", [(4, 4, "pairs"), (4, 3, "pairs"), (3, 3, "registers"), (4, 4, "cuda-dot")],
-                         ids=["q4-pairs", "q3.5-pairs", "q3-registers", "q4-cuda-dot"])
+@pytest.mark.parametrize("case", [(4, 4, "pairs"), (4, 3, "pairs"), (3, 3, "pairs"), (2, 2, "registers"),
+                                  (4, 4, "cuda-dot")],
+                         ids=["q4-pairs", "q3.5-pairs", "q3-pairs", "k2v2-registers", "q4-cuda-dot"])
 def test_triton_compact_kernel_compiles_for_hopper(case, compile_in_child):
     """The Triton split kernel compiles for sm_90 without a GPU at the widths and lookups it runs with
     (width 4 reads nibble rows, the others bit planes). The interpreter runs what the compiler may

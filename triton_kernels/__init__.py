@@ -7,13 +7,14 @@ as ``weightszip.kernels``, never as a top-level ``triton_kernels`` (a PyPI packa
 GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before importing this).
 
 * ``paged_decode``: decode attention over a paged KV cache (bf16 and fp8 e4m3 pages, side tokens,
-  transformed-domain pages, and the compact formats' pages of nibble rows and bit planes:
+  transformed-domain pages, and the compact formats' pages of nibble rows, crumb rows and bit planes:
   ``page_type="compact"``),
   split-K with a log-sum-exp merge, ``plan()``/``run()``; reference in ``paged_decode_ref``.
 * ``paged_decode_gluon``: its split kernel for compact pages in Gluon (codes decoded into the
   tensor cores' registers; compiled only, GPU), which ``paged_decode`` runs where it applies; the
   same reference, and its decode math in PyTorch (``pair_index``, ``interleaved_pair_table``,
-  ``k_nibble_channel``, ``v_nibble_channel``, ``nibble_pair_codes``).
+  ``k_nibble_channel``, ``v_nibble_channel``, ``nibble_pair_codes``, ``k_crumb_channel``,
+  ``v_crumb_channel``, ``crumb_pair_codes_k``, ``crumb_pair_codes_v``).
 * ``compact_write``: new bf16 K/V tokens into compact pages, the reference encoder's bytes bit for
   bit; reference in ``compact_write_ref``.
 """

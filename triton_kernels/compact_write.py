@@ -5,7 +5,8 @@ Read me first:
 * **What it writes.** For each new token of one layer and kind (K or V), ``x [n, kv_heads, head_dim]``
   and its slot (vLLM's slot mapping: ``slot = block * block_size + offset``; a negative slot is
   padding and writes nothing), the kernel encodes every KV head with that head's calibrated tables
-  and stores the codes (nibble rows at width 4, else ``bits`` bit planes) and the u8 scale index
+  and stores the codes (nibble rows at width 4, crumb rows and a bit-2 row at width 3, else ``bits``
+  bit planes) and the u8 scale index
   into the token's page of the pool ``pages uint8 [num_blocks, kv_heads, block_size / 16,
   page_bytes]``, the layout ``paged_decode`` reads (``codec.pack_page``). The bytes are the reference encoder's
   (``codec.encode_tokens``) bit for bit; ``compact_write_ref`` is the plain-PyTorch reference.
@@ -138,6 +139,19 @@ def _compact_write_kernel(
         lo, hi = tl.split(tl.reshape(code, [HEAD_DIM // 2, 2]))
         offs_n = tl.arange(0, HEAD_DIM // 2)
         tl.store(pages_ptr + page + tip * (HEAD_DIM // 2) + offs_n, (lo | (hi << 4)).to(tl.uint8), mask=ok)
+    elif BITS == 3:  # crumb rows, then the bit-2 words (``codec.bit2_positions``); row t at t * 3 HEAD_DIM / 8
+        M: tl.constexpr = HEAD_DIM // 32
+        row = page + tip * (3 * HEAD_DIM // 8)
+        c4 = tl.reshape(code, [HEAD_DIM // 4, 4])
+        crumb = tl.sum((c4 & 3) << (2 * tl.arange(0, 4))[None, :], axis=1)
+        tl.store(pages_ptr + row + tl.arange(0, HEAD_DIM // 4), crumb.to(tl.uint8), mask=ok)
+        # channel h HEAD_DIM / 2 + 16 g + 4 k + s: bit s + 2 (s // 2) + 2 h of byte k of word g
+        b = (tl.reshape(code, [2, M, 4, 4]) >> 2) & 1
+        hh = tl.arange(0, 2)[:, None, None, None]
+        ss = tl.arange(0, 4)[None, None, None, :]
+        byte = tl.sum(tl.sum(b << (ss + 2 * (ss // 2) + 2 * hh), axis=3), axis=0)  # [M, 4]
+        offs_b = tl.arange(0, M)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        tl.store(pages_ptr + row + HEAD_DIM // 4 + offs_b, byte.to(tl.uint8), mask=ok)
     else:
         c2 = tl.reshape(code, [ROW, 8])
         w8 = (1 << tl.arange(0, 8))[None, :]

@@ -18,10 +18,10 @@ Read me first:
   pages); everything else is shared. ``PAGE_COMPACT``: the compact formats' pages (q4, q3.5, q3;
   ``codec.pack_page``), a pool ``uint8 [num_blocks, kv_heads, block_size / 16, page_bytes]`` per K
   and V with their own widths (``k_bits``/``v_bits``, constexprs); ``_compact_planes``/``_compact_values``
-  unpack the codes (nibble rows at width 4, bit planes otherwise) and return ``codebook[code]`` and
-  the token's ``grid[k]``, whose fp32 product is ``codec.dequantize`` bit for bit
-  (``dequantize_compact_pages``); the scale multiplies the fp32 logits (K) and the softmax weights
-  (V). Products on the tensor cores (bf16 codebook values, q' and scaled weights) or, with
+  unpack the codes (nibble rows at width 4, crumb rows at 3, bit planes otherwise) and return
+  ``codebook[code]`` and the token's ``grid[k]``, whose fp32 product is ``codec.dequantize`` bit for
+  bit (``dequantize_compact_pages``); the scale multiplies the fp32 logits (K) and the softmax
+  weights (V). Products on the tensor cores (bf16 codebook values, q' and scaled weights) or, with
   ``KernelConfig.cuda_dot``, in fp32 on the CUDA cores.
   ``PAGE_EXACT`` and ``PAGE_EXACT4``: lossless pages in a byte heap (KV Exact, ``kv_exact_ref``; KV
   Exact4, ``kv_exact4_ref``), decoded into the same bf16 tiles as the uncompressed pages.
@@ -108,10 +108,11 @@ class KernelConfig:
     min_split_tokens: int = 1024
     cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
-    # wide (taken as 3 at most: width-4 pages are nibble rows, gathered as pairs), their codebooks
-    # are looked up in registers (byte permutes, ``_lut_lookup``) instead of gathered from pair
-    # tables in memory; 0: never. On the H200 (BENCHMARKS.md): q3 3-11% faster at the 8B shape
-    # (slower at 70B TP8 batch 8); 16 entries 13-21% slower; q3.5 with only V in registers (a
+    # wide, their codebooks are looked up in registers (byte permutes, ``_lut_lookup``) instead of
+    # gathered from pair tables in memory; 0: never. Taken as 2 at most: widths 3 and 4 are crumb and
+    # nibble rows, gathered as pairs. On the H200 (BENCHMARKS.md), with bit planes at width 3: q3
+    # 3-11% faster at the 8B shape, slower at 70B TP8 batch 8 (where alone the Triton kernel still
+    # runs, below ``gluon_min_work``); 16 entries 13-21% slower; q3.5 with only V in registers (a
     # per-kind choice, since dropped) 8-9% slower.
     reg_lut_bits: int = 3
     # fp8 pages, compiled only: ``gluon`` runs ``paged_decode_gluon.fp8_split_kernel`` (with
@@ -231,25 +232,41 @@ def _compact_plane(pages_ptr, pbase, valid, p, HEAD_DIM: tl.constexpr, BITS: tl.
     (word m of a token row: byte i bit j = bit p of the code of channel 32 m + 8 i + j); ``pbase``
     [NP]: each page's offset in bytes (a multiple of 16); tokens not ``valid`` read as 0. The address
     arithmetic is per page, not per token."""
-    return _compact_rows(pages_ptr, pbase, valid, p * (16 * (HEAD_DIM // 32)), HEAD_DIM // 32, NP)
+    return _compact_rows(pages_ptr, pbase, valid, p * (16 * (HEAD_DIM // 32)), HEAD_DIM // 32, HEAD_DIM // 32, NP)
 
 
 @triton.jit
 def _compact_nibbles(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, NP: tl.constexpr):
     """The nibble rows of ``NP`` width-4 pages as int32 words [16 NP, HEAD_DIM / 8] (word q of a token
     row: nibble j = the code of channel 8 q + j); as ``_compact_plane`` otherwise."""
-    return _compact_rows(pages_ptr, pbase, valid, 0, HEAD_DIM // 8, NP)
+    return _compact_rows(pages_ptr, pbase, valid, 0, HEAD_DIM // 8, HEAD_DIM // 8, NP)
 
 
 @triton.jit
-def _compact_rows(pages_ptr, pbase, valid, first, ROW_W: tl.constexpr, NP: tl.constexpr):
-    """16 rows of ``ROW_W`` int32 words from word ``first`` of each of ``NP`` pages (``pbase``: their
-    byte offsets, multiples of 16) as [16 NP, ROW_W]; rows not ``valid`` read as 0."""
+def _compact_rows(pages_ptr, pbase, valid, first, N: tl.constexpr, ROW: tl.constexpr, NP: tl.constexpr):
+    """Words ``first`` .. ``first + N - 1`` of 16 rows of ``ROW`` int32 words (row r from word
+    ``first + r ROW``) of each of ``NP`` pages (``pbase``: their byte offsets, multiples of 16) as
+    [16 NP, N]; rows not ``valid`` read as 0."""
     wptr = pages_ptr.to(tl.pointer_type(tl.int32))
-    offs_w = tl.arange(0, 16 * ROW_W)  # token-in-page x word
-    vmask = tl.reshape(tl.broadcast_to(tl.reshape(valid, [NP, 16, 1]), [NP, 16, ROW_W]), [NP, 16 * ROW_W])
-    w = tl.load(wptr + (pbase // 4)[:, None] + first + offs_w[None, :], mask=vmask, other=0)
-    return tl.reshape(w, [NP * 16, ROW_W])
+    offs = tl.arange(0, 16)[:, None] * ROW + tl.arange(0, N)[None, :]  # token-in-page x word
+    vmask = tl.reshape(tl.broadcast_to(tl.reshape(valid, [NP, 16, 1]), [NP, 16, N]), [NP, 16 * N])
+    w = tl.load(wptr + (pbase // 4)[:, None] + first + tl.reshape(offs, [16 * N])[None, :], mask=vmask, other=0)
+    return tl.reshape(w, [NP * 16, N])
+
+
+@triton.jit
+def _crumb_codes(wc, wb, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The codes [BLOCK_N, HEAD_DIM] (channel order) of width-3 rows from their crumb words ``wc``
+    [BLOCK_N, HEAD_DIM / 16] (word w: channel 16 w + q at bits 2 q, 2 q + 1) and bit-2 words ``wb``
+    [BLOCK_N, HEAD_DIM / 32] (``codec.bit2_positions``: channel h HEAD_DIM / 2 + 16 g + 4 k + s at
+    bit 8 k + s + 2 (s // 2) + 2 h of word g)."""
+    M: tl.constexpr = HEAD_DIM // 32
+    low = tl.reshape((wc[:, :, None] >> (2 * tl.arange(0, 16))[None, None, :]) & 3, [BLOCK_N, HEAD_DIM])
+    hh = tl.arange(0, 2)[None, :, None, None, None]
+    kk = tl.arange(0, 4)[None, None, None, :, None]
+    ss = tl.arange(0, 4)[None, None, None, None, :]
+    b2 = (wb[:, None, :, None, None] >> (8 * kk + ss + 2 * (ss // 2) + 2 * hh)) & 1  # [N, 2 (h), M (g), 4, 4]
+    return low | (tl.reshape(b2, [BLOCK_N, HEAD_DIM]) << 2)
 
 
 @triton.jit
@@ -270,14 +287,14 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
     each token's ``grid[head, k]`` fp32 [BLOCK_N]; the value attention reads is their fp32 product
     (codec.dequantize).
 
-    Codes come from ``_plane_bytes`` (planes) or the nibbles. With ``PAIRS`` (widths up to 4, bf16
-    tensor-core operands), ``cb_ptr`` is the int32 pair table of ``compact_pair_table`` (entry
-    a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the two values of channels 2 k, 2 k + 1):
-    one gather per two values. With ``LUT`` (compiled only), ``cb_ptr`` is ``compact_lut_table``'s
-    and the codebook is looked up in registers (``_lut_lookup``; the tile's channels in
-    ``_lut_order``; widths up to 3)."""
+    Codes come from ``_plane_bytes`` (planes), the nibbles or ``_crumb_codes``. With ``PAIRS`` (widths
+    up to 4, bf16 tensor-core operands), ``cb_ptr`` is the int32 pair table of ``compact_pair_table``
+    (entry a | b << BITS = bf16 codebook[a] | codebook[b] << 16, the two values of channels 2 k,
+    2 k + 1): one gather per two values. With ``LUT`` (compiled only), ``cb_ptr`` is
+    ``compact_lut_table``'s and the codebook is looked up in registers (``_lut_lookup``; the tile's
+    channels in ``_lut_order``; width 2)."""
     ROW_W: tl.constexpr = HEAD_DIM // 32
-    tl.static_assert(not (LUT and BITS > 3), "register tables take widths up to 3 (width 4 is nibble rows)")
+    tl.static_assert(not (LUT and BITS > 2), "register tables take width 2 (bit planes) only")
     if BITS == 4:  # nibble rows (``_compact_nibbles``): byte k of word q = codes of channels 8 q + 2 k, + 1
         if PAIRS:
             pcodes = (w0[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # [BLOCK_N, D / 8, 4]
@@ -285,6 +302,16 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
         else:
             codes = (w0[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BLOCK_N, D / 8, 8]
             vals = tl.load(cb_ptr + head * 16 + tl.reshape(codes, [BLOCK_N, HEAD_DIM]))
+    elif BITS == 3:  # crumb rows and the bit-2 words (``_crumb_codes``)
+        codes = _crumb_codes(w0, w1, BLOCK_N, HEAD_DIM)
+        if PAIRS:
+            ca, cb = tl.split(tl.reshape(codes, [BLOCK_N, HEAD_DIM // 2, 2]))
+            pv = tl.load(cb_ptr + head * 64 + (ca | (cb << 3)))
+            lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+        else:
+            vals = tl.load(cb_ptr + head * 8 + codes)
     else:
         y = _plane_bytes(w0, w1, w2, w3, w4, BITS)
         if LUT:
@@ -353,7 +380,7 @@ def _lut_lookup(y, lut_ptr, head, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, BL
     lb = lut_ptr + head * 8
     args = [y, tl.load(lb), tl.load(lb + 1), tl.load(lb + 2), tl.load(lb + 3),
             tl.load(lb + 4), tl.load(lb + 5), tl.load(lb + 6), tl.load(lb + 7)]
-    tl.static_assert(BITS <= 3, "register tables take widths up to 3")
+    tl.static_assert(BITS <= 2, "register tables take width 2 (bit planes) only")
     v0, v1, v2, v3 = tl.inline_asm_elementwise(_LUT_ASM_8, _LUT_CONSTRAINTS, args, dtype=_LUT_DTYPES,
                                                is_pure=True, pack=1)
     return _lut_tile(v0, v1, v2, v3, BLOCK_N, HEAD_DIM)
@@ -407,22 +434,24 @@ def _byte_codes(y, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def _compact_planes(pages_ptr, pbase, valid, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, NP: tl.constexpr):
-    """All bit planes (up to 5; unused ones are zeros), or at width 4 the nibble rows as ``w0``, and
-    the scale indices of ``NP`` pages."""
+    """All bit planes (widths 2 and 5; unused ones are zeros), or at width 4 the nibble rows as ``w0``,
+    at width 3 the crumb words as ``w0`` and the bit-2 words as ``w1``; and the scale indices of ``NP``
+    pages."""
     zero = tl.zeros([NP * 16, HEAD_DIM // 32], dtype=tl.int32)
-    if BITS == 4:
-        w0 = _compact_nibbles(pages_ptr, pbase, valid, HEAD_DIM, NP)
-    else:
-        w0 = _compact_plane(pages_ptr, pbase, valid, 0, HEAD_DIM, BITS, NP)
     w1 = zero
     w2 = zero
     w3 = zero
     w4 = zero
-    if BITS > 1 and BITS != 4:
+    if BITS == 4:
+        w0 = _compact_nibbles(pages_ptr, pbase, valid, HEAD_DIM, NP)
+    elif BITS == 3:  # crumb words, then the bit-2 words of each row
+        w0 = _compact_rows(pages_ptr, pbase, valid, 0, HEAD_DIM // 16, 3 * HEAD_DIM // 32, NP)
+        w1 = _compact_rows(pages_ptr, pbase, valid, HEAD_DIM // 16, HEAD_DIM // 32, 3 * HEAD_DIM // 32, NP)
+    else:
+        w0 = _compact_plane(pages_ptr, pbase, valid, 0, HEAD_DIM, BITS, NP)
         w1 = _compact_plane(pages_ptr, pbase, valid, 1, HEAD_DIM, BITS, NP)
-    if BITS > 2 and BITS != 4:
-        w2 = _compact_plane(pages_ptr, pbase, valid, 2, HEAD_DIM, BITS, NP)
     if BITS > 4:
+        w2 = _compact_plane(pages_ptr, pbase, valid, 2, HEAD_DIM, BITS, NP)
         w3 = _compact_plane(pages_ptr, pbase, valid, 3, HEAD_DIM, BITS, NP)
         w4 = _compact_plane(pages_ptr, pbase, valid, 4, HEAD_DIM, BITS, NP)
     return w0, w1, w2, w3, w4, _compact_sidx(pages_ptr, pbase, valid, HEAD_DIM, BITS, NP)
@@ -1264,7 +1293,7 @@ class PagedDecodeAttention:
             ws_acc=torch.empty(n_tot * self.num_kv_heads * g * self.head_dim, dtype=torch.float32, device=dev),
         )
         if self.page_type == PAGE_COMPACT and dev.type == "cuda":
-            for bits in {self.k_bits, self.v_bits} & {2, 3}:  # (width 4: pairs in code order)
+            for bits in {self.k_bits, self.v_bits} & {2}:  # (widths 3, 4: their own pair orders)
                 self._pair_order(bits, dev)
         return {"items": int(seq_of.size), "split_tokens": split_tokens,
                 "paged_tokens": int(n_paged.sum())}
@@ -1385,16 +1414,17 @@ class PagedDecodeAttention:
                     # with the rotary term, groups up to 8 (wider ones spill 200+ bytes at 16 warps)
                     and not (has_rope and G > 8)
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
-                from .paged_decode_gluon import interleaved_pair_table
+                from .paged_decode_gluon import crumb_pair_table, interleaved_pair_table
 
-                # width 4 (nibble rows): pairs in code order; bit planes: in interleaved-bit order
-                gluon_tabs = tuple(compact_pair_table(cb) if bits == 4
+                # width 4 (nibble rows): pairs in code order; width 3 (crumb rows): crumbs, then bit 2;
+                # bit planes: in interleaved-bit order
+                gluon_tabs = tuple(compact_pair_table(cb) if bits == 4 else crumb_pair_table(cb) if bits == 3
                                    else interleaved_pair_table(cb, self._pair_order(bits, cb.device))
                                    for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))
             elif not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
-                # (register tables read the bit planes' code order: widths up to 3)
-                lut_bits = min(self.config.reg_lut_bits, 3) if not _interpreting() else 0
+                # (register tables read the bit planes' code order: width 2, the only planes up to 4)
+                lut_bits = min(self.config.reg_lut_bits, 2) if not _interpreting() else 0
                 reg_lut = max(self.k_bits, self.v_bits) <= lut_bits
                 k_codebook, v_codebook = (compact_lut_table(cb) if reg_lut else compact_pair_table(cb) if bits <= 4
                                           else cb.to(torch.bfloat16)

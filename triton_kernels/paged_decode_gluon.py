@@ -15,11 +15,15 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   2c, 2c + 1 of one token) or token pairs (V^T: tokens 2t, 2t + 1 of one channel). Width 4 (nibble
   rows, page layout version 2): a K pair's two codes are one byte of the row as loaded, and a V
   pair's are one byte of a nibble select of two rows' words (two rotates and a select per four
-  pairs), looked up in the code-order table (``compact_pair_table``); the operand channels are
-  permuted (``k_nibble_channel``, ``v_nibble_channel``) so each lane reads consecutive words, and q'
-  and the output go through the same maps. Widths 2 and 3 (bit planes: word m of a token row, byte i
-  bit j = channel 32 m + 8 i + j): one rotate (funnel shift) and mask per plane word yields its bits
-  of four pair codes, one per byte, whose bits interleave the two values' bits (``pair_index``).
+  pairs), looked up in the code-order table (``compact_pair_table``). Width 3 (crumb rows and a
+  bit-2 row, layout version 3): a K pair's code is a crumb nibble beside two bits of the bit-2 word
+  (two rotates and a select per four pairs, ``crumb_pair_codes_k``), a V pair's four rotates and
+  three selects per four pairs (``crumb_pair_codes_v``; table ``crumb_pair_table``). The operand
+  channels are permuted (``k_nibble_channel``, ``v_nibble_channel``, ``k_crumb_channel``,
+  ``v_crumb_channel``) so each lane reads consecutive words, and q' and the output go through the
+  same maps. Width 2 (bit planes: word m of a token row, byte i bit j = channel 32 m + 8 i + j): one
+  rotate (funnel shift) and mask per plane word yields its bits of four pair codes, one per byte,
+  whose bits interleave the two values' bits (``pair_index``).
   A pair's table address is one byte permute (ALU pipe) and one multiply-add (FMA pipe).
 * **Conflict-free table lookups.** The pair table (``interleaved_pair_table``: bf16 codebook[a] in the
   low half, codebook[b] in the high half) sits in shared memory 32 times over, copy ``l`` in bank ``l``;
@@ -179,6 +183,58 @@ def nibble_pair_codes(a: torch.Tensor, b: torch.Tensor, lane: int) -> torch.Tens
     return (_rotr32(a, sh) & 0x0F0F0F0F) | (_rotr32(b, sh - 4) & 0xF0F0F0F0)
 
 
+@constexpr_function
+def table_entries(bits):
+    """Entries of the kernel's pair table at a width: 4**bits (bit planes, nibble rows), 256 at width 3
+    (crumb rows: a pair code is a byte whose top two bits the table ignores)."""
+    return 256 if bits == 3 else 1 << 2 * bits
+
+
+def k_crumb_channel(ch, head_dim: int):
+    """The stored channel a width-3 K operand position reads (ints or int tensors): the kernel's K
+    channel ``32 m + 8 i + 2 t + b`` is stored channel ``(t >> 1) d/2 + 16 m + 4 i + 2 (t & 1) + b``:
+    lane t reads crumb words ``(t >> 1) M + m`` and bit-2 words m of a row (``codec.bit2_positions``)."""
+    m, i, t, b = ch // 32, (ch // 8) % 4, (ch // 2) % 4, ch % 2
+    return (t >> 1) * (head_dim // 2) + 16 * m + 4 * i + 2 * (t & 1) + b
+
+
+def v_crumb_channel(ch, head_dim: int):
+    """The stored channel of a width-3 V^T operand row: the kernel's V channel ``32 m + 16 i1 + 8 i0 +
+    j`` is stored channel ``(j >> 2) d/2 + 16 m + 4 (2 i1 + i0) + (j & 3)``: lane j reads crumb words
+    ``(j >> 2) M + m`` and bit-2 words m of two rows, and its pairs are byte 2 i1 + i0 of one select."""
+    m, i1, i0, j = ch // 32, (ch // 16) % 2, (ch // 8) % 2, ch % 8
+    return (j >> 2) * (head_dim // 2) + 16 * m + 4 * (2 * i1 + i0) + (j & 3)
+
+
+def crumb_pair_codes_k(c: torch.Tensor, p: torch.Tensor, lane: int) -> torch.Tensor:
+    """The K operand's width-3 pair codes by the kernel's formula (int64 tensors holding 32-bit words):
+    lane t's crumb word rotated right by 4 (t & 1) in the low nibbles, the bit-2 word rotated right by
+    4 (t & 1) - 4 + 2 (t >> 1) in the high ones (bits 6-7 of each byte are not part of the code)."""
+    return (_rotr32(c, 4 * (lane & 1)) & 0x0F0F0F0F) | (_rotr32(p, 4 * (lane & 1) - 4 + 2 * (lane >> 1)) & 0xF0F0F0F0)
+
+
+def crumb_pair_codes_v(ca, cb, pa, pb, lane: int) -> torch.Tensor:
+    """The V operand's width-3 pair codes (rows a and b: crumb words ``ca``, ``cb``, bit-2 words ``pa``,
+    ``pb``) by the kernel's formula for lane j: s = j & 3, the crumbs of channel 4 k + s from a to
+    bits 0-1 and from b to bits 2-3, its bit 2 from a to bit 4 and from b to bit 5."""
+    s = lane & 3
+    pos = s + 2 * (s >> 1) + 2 * (lane >> 2)
+    t1 = (_rotr32(ca, 2 * s) & 0x03030303) | (_rotr32(cb, 2 * s - 2) & 0xFCFCFCFC)
+    u = (_rotr32(pa, pos - 4) & 0x10101010) | (_rotr32(pb, pos - 5) & 0xEFEFEFEF)
+    return (t1 & 0x0F0F0F0F) | (u & 0xF0F0F0F0)
+
+
+def crumb_pair_table(codebook: torch.Tensor) -> torch.Tensor:
+    """int32 [H, 256] from a width-3 codebook [H, 8]: entry x holds bf16 codebook[a] in its low half
+    and codebook[b] in its high half, a = (x & 3) | (x >> 4 & 1) << 2, b = (x >> 2 & 3) | (x >> 5 & 1) << 2
+    (the byte ``crumb_pair_codes_*`` make; bits 6-7 ignored). Device ops only."""
+    x = torch.arange(256, device=codebook.device)
+    a = (x & 3) | (((x >> 4) & 1) << 2)
+    b = ((x >> 2) & 3) | (((x >> 5) & 1) << 2)
+    u = _bf16_bits(codebook)
+    return _as_int32(u[:, a] | (u[:, b] << 16))
+
+
 @gluon.jit
 def _k_nibble_channel(ch, HEAD_DIM: gl.constexpr):
     """``k_nibble_channel`` in the kernel."""
@@ -191,6 +247,30 @@ def _v_nibble_channel(ch, HEAD_DIM: gl.constexpr):
     """``v_nibble_channel`` in the kernel."""
     M: gl.constexpr = HEAD_DIM // 32
     return 8 * (((ch % 8) >> 1) * M + ch // 32) + 2 * ((ch // 8) % 4) + (ch % 2)
+
+
+@gluon.jit
+def _k_stored_channel(ch, HEAD_DIM: gl.constexpr, BITS: gl.constexpr):
+    """The stored channel of K operand channel ``ch`` at a width (``k_nibble_channel``,
+    ``k_crumb_channel``; bit planes: ``ch``)."""
+    if BITS == 4:
+        return _k_nibble_channel(ch, HEAD_DIM)
+    elif BITS == 3:
+        return ((ch // 2) % 4 >> 1) * (HEAD_DIM // 2) + 16 * (ch // 32) + 4 * ((ch // 8) % 4) + 2 * ((ch // 2) % 2) + ch % 2
+    else:
+        return ch
+
+
+@gluon.jit
+def _v_stored_channel(ch, HEAD_DIM: gl.constexpr, BITS: gl.constexpr):
+    """The stored channel of V^T operand row ``ch`` at a width (``v_nibble_channel``,
+    ``v_crumb_channel``; bit planes: ``ch``)."""
+    if BITS == 4:
+        return _v_nibble_channel(ch, HEAD_DIM)
+    elif BITS == 3:
+        return ((ch % 8) >> 2) * (HEAD_DIM // 2) + 16 * (ch // 32) + 4 * ((ch // 8) % 4) + (ch % 4)
+    else:
+        return ch
 
 
 def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int, maxnreg: int | None = None,
@@ -296,7 +376,7 @@ def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages
     the one allocated first (the tables: q4 at 16 warps x 2 stages, the rotary default); the compile
     test checks both orders. The inline PTX, which addresses both from ``global_smem``, is told where
     each lies."""
-    tab = _table_words(1 << 2 * bits_k, 1 << 2 * bits_v) * 4
+    tab = _table_words(table_entries(bits_k), table_entries(bits_v)) * 4
     stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim) * 4
     return (0, tab, tab + stg) if tab >= stg else (stg, 0, tab + stg)
 
@@ -465,28 +545,37 @@ def _planes(pages_ptr, off, r, m, BITS: gl.constexpr, M: gl.constexpr, L: gl.con
 
 
 @gluon.jit
-def _words(pages_ptr, off, r, m, q, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr):
-    """``_planes`` of rows ``r``, word ``m`` of each plane row, or at width 4 (nibble rows of 4 M words)
-    word ``q`` of each row as the first of four (the others repeat it, unused)."""
+def _words(pages_ptr, off, r, m, q4, q3, BITS: gl.constexpr, M: gl.constexpr, L: gl.constexpr, STAGED: gl.constexpr):
+    """``_planes`` of rows ``r``, word ``m`` of each plane row; at width 4 (nibble rows of 4 M words)
+    word ``q4`` of each row as the first of four (the others repeat it, unused); at width 3 (rows of
+    2 M crumb words and M bit-2 words) crumb word ``q3`` and bit-2 word m as the first two."""
     if BITS == 4:
-        w = _plane_or_staged(pages_ptr, off, r, q, 0, 4 * M, L, STAGED, _vec_words(M))
+        w = _plane_or_staged(pages_ptr, off, r, q4, 0, 4 * M, L, STAGED, _vec_words(M))
         return w, w, w, w
+    elif BITS == 3:
+        c = _plane_or_staged(pages_ptr, off, r, q3, 0, 3 * M, L, STAGED, _vec_words(M))
+        p = _plane_or_staged(pages_ptr, off, r, 2 * M + m, 0, 3 * M, L, STAGED, _vec_words(M))
+        return c, p, p, p
     else:
         return _planes(pages_ptr, off, r, m, BITS, M, L, STAGED)
 
 
 @gluon.jit
 def _k_word_index(M: gl.constexpr, LW: gl.constexpr):
-    """Word m of plane rows, and the nibble-row word (``k_nibble_channel``) of lane t: t M + m."""
+    """Word m of plane rows (and of the bit-2 words), the nibble-row word (``k_nibble_channel``) of
+    lane t, t M + m, and its crumb word (``k_crumb_channel``), (t >> 1) M + m."""
     m = _axis(M, 3, 7, LW)
-    return m, _axis(4, 5, 7, LW) * M + m
+    t = _axis(4, 5, 7, LW)
+    return m, t * M + m, (t >> 1) * M + m
 
 
 @gluon.jit
 def _v_word_index(M: gl.constexpr, LW: gl.constexpr):
-    """Word m of plane rows, and the nibble-row word (``v_nibble_channel``) of lane j: (j >> 1) M + m."""
+    """Word m of plane rows (and of the bit-2 words), the nibble-row word (``v_nibble_channel``) of
+    lane j, (j >> 1) M + m, and its crumb word (``v_crumb_channel``), (j >> 2) M + m."""
     m = _axis(M, 1, 8, LW)
-    return m, (_axis(8, 4, 8, LW) >> 1) * M + m
+    j = _axis(8, 4, 8, LW)
+    return m, (j >> 1) * M + m, (j >> 2) * M + m
 
 
 @gluon.jit
@@ -495,8 +584,8 @@ def _k_words(pages_ptr, poff, BITS: gl.constexpr, M: gl.constexpr, LK: gl.conste
     or at width 4 nibble words [NW, 2, 8, M, 1, 4 (t), 1]."""
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
-    m, q = _k_word_index(M, LW)
-    return _words(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, m, q, BITS, M, LK, False)
+    m, q4, q3 = _k_word_index(M, LW)
+    return _words(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, m, q4, q3, BITS, M, LK, False)
 
 
 @gluon.jit
@@ -505,8 +594,8 @@ def _v_words(pages_ptr, poff, e: gl.constexpr, BITS: gl.constexpr, M: gl.constex
     [NW, M, 1, 1, 1, 2 (th), 4 (tl), 1], or at width 4 nibble words [NW, M, 1, 1, 8 (j), 2, 4, 1]."""
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
-    m, q = _v_word_index(M, LW)
-    return _words(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, m, q, BITS, M, LV, False)
+    m, q4, q3 = _v_word_index(M, LW)
+    return _words(pages_ptr, gl.convert_layout(poff, LW, assert_trivial=True), r, m, q4, q3, BITS, M, LV, False)
 
 
 @gluon.jit
@@ -524,8 +613,8 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 7, LW)
-    m, q = _k_word_index(M, LW)
-    return _words(None, base, r, m, q, BITS, M, LK, True)
+    m, q4, q3 = _k_word_index(M, LW)
+    return _words(None, base, r, m, q4, q3, BITS, M, LK, True)
 
 
 @gluon.jit
@@ -535,8 +624,8 @@ def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.c
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW) + K_BYTES
-    m, q = _v_word_index(M, LW)
-    return _words(None, base, r, m, q, BITS, M, LV, True)
+    m, q4, q3 = _v_word_index(M, LW)
+    return _words(None, base, r, m, q4, q3, BITS, M, LV, True)
 
 
 # rotate right by $2 mod 32 (a funnel shift of the word with itself)
@@ -578,6 +667,11 @@ def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: 
     t = _axis(4, 5, 7, LK)
     if BITS == 4:  # nibble rows: byte i of lane t's word m is the pair code (``k_nibble_channel``)
         y = w0
+    elif BITS == 3:
+        # crumb rows: lane t's crumb word (w0) rotated by 4 (t & 1) gives four pairs' crumbs in the low
+        # nibbles, the bit-2 word (w1) rotated by 4 (t & 1) - 4 + 2 (t >> 1) their bits 2 at bits 4-5
+        # (``k_crumb_channel``, ``crumb_pair_codes_k``)
+        y = (_rotr(w0, 4 * (t & 1)) & 0x0F0F0F0F) | (_rotr(w1, 4 * (t & 1) - 4 + 2 * (t >> 1)) & -252645136)
     else:
         # plane p's bits 2 t, 2 t + 1 of each byte rotated to bits 2 p, 2 p + 1 (one funnel shift each)
         y = _rotr(w0, 2 * t) & 0x03030303
@@ -600,6 +694,15 @@ def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.const
         # the high ones: byte k = the code pair of channel 8 q + 2 k + (j & 1) (``v_nibble_channel``)
         sh = 4 * (j & 1)
         y = (_rotr(a0, sh) & 0x0F0F0F0F) | (_rotr(b0, sh - 4) & -252645136)  # 0xF0F0F0F0
+    elif BITS == 3:
+        # crumb rows (``v_crumb_channel``, ``crumb_pair_codes_v``): channel 4 k + s (s = j & 3) of the
+        # rows' crumb words (a0, b0) to bits 0-1 and 2-3 of byte k, its bit 2 from the bit-2 words
+        # (a1, b1) to bits 4 and 5
+        s = j & 3
+        pos = s + 2 * (s >> 1) + 2 * (j >> 2)
+        t1 = (_rotr(a0, 2 * s) & 0x03030303) | (_rotr(b0, 2 * s - 2) & -50529028)  # 0xFCFCFCFC
+        u = (_rotr(a1, pos - 4) & 0x10101010) | (_rotr(b1, pos - 5) & -269488145)  # 0xEFEFEFEF
+        y = (t1 & 0x0F0F0F0F) | (u & -252645136)
     else:
         # bit j of each byte of row a's plane p to bit 2 p, of row b's to bit 2 p + 1: two funnel
         # shifts, a bit select of the even bits from a and the odd from b, and the plane's mask
@@ -664,12 +767,11 @@ def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_head
 @gluon.jit
 def _q_operand(q_ptr, seq, head, stride_qb, stride_qh, dtype: gl.constexpr, GROUP: gl.constexpr,
                BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr,
-               K_NIBBLES: gl.constexpr = False):
+               K_BITS: gl.constexpr = 0):
     """Q^T of the KV head's query heads (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
-    in ``dtype``, heads past the group 0; with ``K_NIBBLES`` its channels in ``k_nibble_channel``'s order."""
-    dq = _axis(HEAD_DIM, 1, 3, OPB)
-    if K_NIBBLES:
-        dq = _k_nibble_channel(dq, HEAD_DIM)
+    in ``dtype``, heads past the group 0; with ``K_BITS`` (compact pages) its channels in the K
+    operand's order (``_k_stored_channel``)."""
+    dq = _k_stored_channel(_axis(HEAD_DIM, 1, 3, OPB), HEAD_DIM, K_BITS)
     gq = _axis(BLOCK_G, 2, 3, OPB)
     wq = _axis(NW, 0, 3, OPB)
     q_ptrs = q_ptr + seq.to(gl.int64) * stride_qb + (head * GROUP + gq) * stride_qh + dq + 0 * wq
@@ -699,18 +801,18 @@ def _softmax_step(s, valid, m_i, l_i):
 @gluon.jit
 def _store_split(m_i, l_i, acc, out_scale, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                  GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, MMA: gl.constexpr,
-                 HEADS: gl.constexpr, V_NIBBLES: gl.constexpr = False):
+                 HEADS: gl.constexpr, V_BITS: gl.constexpr = 0):
     """The warps' softmax states merged and written to the split's workspace rows (max, mass and the
     unnormalized sum times ``out_scale``), as ``paged_decode._paged_split_kernel`` writes them (with
-    ``V_NIBBLES`` the sum's rows, in ``v_nibble_channel``'s order, back to channel order)."""
+    ``V_BITS``, compact pages, the sum's rows from the V operand's order, ``_v_stored_channel``, back
+    to channel order)."""
     m = gl.max(m_i, axis=0)
     sc = gl.exp2(m_i - gl.expand_dims(m, 0))
     l = gl.sum(l_i * sc, axis=0)
     o = gl.sum(acc * gl.expand_dims(sc, 1), axis=0) * out_scale  # [HEAD_DIM, BLOCK_G], SliceLayout(0, MMA)
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
     do = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, OL)), 1)
-    if V_NIBBLES:
-        do = _v_nibble_channel(do, HEAD_DIM)
+    do = _v_stored_channel(do, HEAD_DIM, V_BITS)
     go = gl.expand_dims(gl.arange(0, BLOCK_G, layout=gl.SliceLayout(0, OL)), 0)
     ws_row = item * num_kv_heads * GROUP + head * GROUP + go
     gl.store(ws_acc_ptr + ws_row.to(gl.int64) * HEAD_DIM + do, o, mask=(go < GROUP) & (do >= 0))
@@ -755,8 +857,8 @@ def compact_split_kernel(
     LV: gl.constexpr = v_layout(NW, M)
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, BLOCK_G]
     ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, 16]
-    EK: gl.constexpr = 1 << (2 * BITS_K)
-    EV: gl.constexpr = 1 << (2 * BITS_V)
+    EK: gl.constexpr = table_entries(BITS_K)
+    EV: gl.constexpr = table_entries(BITS_V)
     PB_K: gl.constexpr = 16 * (BITS_K * HEAD_DIM // 8 + 1)
     PB_V: gl.constexpr = 16 * (BITS_V * HEAD_DIM // 8 + 1)
 
@@ -782,8 +884,7 @@ def compact_split_kernel(
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.thread_barrier()
 
-    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB,
-                   BITS_K == 4)
+    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, BITS_K)
     g_h = _axis(BLOCK_G, 1, 2, HEADS)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + seq * (num_kv_heads * GROUP) + head * GROUP + g_h + 0 * _axis(NW, 0, 2, HEADS),
@@ -877,7 +978,7 @@ def compact_split_kernel(
     tab._keep_alive()
 
     _store_split(m_i, l_i, acc, 1.0, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr, GROUP, BLOCK_G,
-                 HEAD_DIM, MMA, HEADS, BITS_V == 4)
+                 HEAD_DIM, MMA, HEADS, BITS_V)
 
 
 # ----------------------------------------------------------------------------------------------------

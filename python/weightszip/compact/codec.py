@@ -46,9 +46,12 @@ agree bit for bit.
 A page holds 16 tokens of one (layer, kv head, kind): the codes, then the 16 scale indices:
 ``16 * (b * head_dim / 8 + 1)`` bytes (``page_bytes``). Codes of width 4 are nibble rows (token t's
 row at byte ``t * head_dim / 2``; byte i holds channel 2i in its low nibble, 2i + 1 in its high
-nibble); other widths are ``b`` bit planes of [16 tokens][head_dim/8 bytes] (bit j of byte i of plane
-p is bit p of the code of channel 8i + j). Pages of version 1 (``PAGE_VERSION``; compact chunks
-before version 3) hold bit planes at every width.
+nibble); codes of width 3 are crumb rows and a bit-2 row (token t's row at byte ``t * 3 head_dim / 8``:
+head_dim/4 bytes of the codes' bits 0-1, channel 4i + s at bits 2s, 2s + 1 of byte i, then their
+bits 2 in the order of ``bit2_positions``); widths 2 and 5 are ``b`` bit planes of [16 tokens]
+[head_dim/8 bytes] (bit j of byte i of plane p is bit p of the code of channel 8i + j). Older layouts
+(``PAGE_VERSION``): version 1 (compact chunks before version 3) holds bit planes at every width,
+version 2 (chunks of version 3) at every width but 4.
 """
 
 from __future__ import annotations
@@ -67,8 +70,13 @@ GRID_SIZE = 256
 GRID_STEPS_PER_OCTAVE = 16
 BITS_CHOICES = (2, 3, 4, 5)
 # Page layout version: 2 stores width-4 codes as nibble rows (a GPU kernel reads a channel pair's
-# two codes as one byte), 1 as bit planes like the other widths (docs/FORMAT.md, "Page").
-PAGE_VERSION = 2
+# two codes as one byte), 1 as bit planes like the other widths; 3 stores width-3 codes as crumb
+# rows (their low two bits) and a bit-2 row in pair order (docs/FORMAT.md, "Page").
+PAGE_VERSION = 3
+# in a width-3 row's bit-2 word g (layout 3), channel 16 g + 4 k + s sits at bit 8 k + _BIT2_A[s] and
+# channel d/2 + 16 g + 4 k + s at bit 8 k + _BIT2_B[s]
+_BIT2_A = (0, 1, 4, 5)
+_BIT2_B = (2, 3, 6, 7)
 # Rotary offsets: RoPE pair i (channels i and i + d/2, transformers' rotate_half layout) turns by
 # phase(p) = p * rope_phase[i] mod 2**48 (units of 2*pi / 2**48) at position p; cos and sin come
 # from two integer tables (12 + 10 bits of the phase), values in units of 2**-30.
@@ -421,11 +429,33 @@ def page_bytes(bits: int, head_dim: int) -> int:
     return PAGE_TOKENS * (bits * head_dim // 8 + 1)
 
 
-def nibble_rows(bits: int, version: int = PAGE_VERSION) -> bool:
-    """Whether pages of this width and layout version hold nibble rows (else bit planes)."""
+def _check_version(version: int) -> None:
     if not (isinstance(version, int) and 1 <= version <= PAGE_VERSION):
         raise CompactCodecError(f"page layout version {version} is not supported (this reads 1-{PAGE_VERSION})")
+
+
+def nibble_rows(bits: int, version: int = PAGE_VERSION) -> bool:
+    """Whether pages of this width and layout version hold nibble rows."""
+    _check_version(version)
     return bits == 4 and version >= 2
+
+
+def crumb_rows(bits: int, version: int = PAGE_VERSION) -> bool:
+    """Whether pages of this width and layout version hold crumb rows and a bit-2 row (width 3)."""
+    _check_version(version)
+    return bits == 3 and version >= 3
+
+
+def bit2_positions(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each channel of a width-3 row (layout 3): the 32-bit word of the row's bit-2 part that holds
+    its bit 2, and the bit's place in that word (int64 [head_dim] each)."""
+    c = torch.arange(head_dim)
+    half = head_dim // 2
+    hi = c >= half
+    r = torch.where(hi, c - half, c)  # 16 g + 4 k + s
+    g, k, s = r // 16, (r // 4) % 4, r % 4
+    q = torch.where(hi, torch.tensor(_BIT2_B)[s], torch.tensor(_BIT2_A)[s])
+    return g, 8 * k + q
 
 
 def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int, version: int = PAGE_VERSION) -> torch.Tensor:
@@ -438,6 +468,13 @@ def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int, version: int =
         raise CompactCodecError(f"a code exceeds {bits} bits")
     if nibble_rows(bits, version):
         body = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8).reshape(-1)  # [16, d/2]
+    elif crumb_rows(bits, version):
+        crumbs = ((c & 3).view(PAGE_TOKENS, d // 4, 4) << (2 * torch.arange(4))).sum(-1)  # [16, d/4]
+        g, pos = bit2_positions(d)
+        words = torch.zeros(PAGE_TOKENS, d // 32, dtype=torch.int64)
+        words.index_add_(1, g, ((c >> 2) & 1) << pos)
+        b2 = (words.unsqueeze(-1) >> (8 * torch.arange(4))) & 0xFF  # [16, d/32, 4]: little-endian bytes
+        body = torch.cat([crumbs, b2.reshape(PAGE_TOKENS, d // 8)], dim=1).to(torch.uint8).reshape(-1)
     else:
         weights = (2 ** torch.arange(8, dtype=torch.int64)).view(1, 1, 8)
         planes = []
@@ -457,6 +494,14 @@ def unpack_page(page: torch.Tensor, bits: int, head_dim: int,
     if nibble_rows(bits, version):
         body = page[: n - PAGE_TOKENS].to(torch.int64).view(PAGE_TOKENS, head_dim // 2, 1)
         codes = torch.cat([body & 15, body >> 4], dim=2).view(PAGE_TOKENS, head_dim)
+        return codes.to(torch.uint8), page[n - PAGE_TOKENS :].clone()
+    if crumb_rows(bits, version):
+        rows = page[: n - PAGE_TOKENS].to(torch.int64).view(PAGE_TOKENS, 3 * head_dim // 8)
+        crumbs = (rows[:, : head_dim // 4, None] >> (2 * torch.arange(4))) & 3
+        b2 = rows[:, head_dim // 4 :].view(PAGE_TOKENS, head_dim // 32, 4)
+        words = (b2 << (8 * torch.arange(4))).sum(-1)  # [16, d/32]
+        g, pos = bit2_positions(head_dim)
+        codes = crumbs.reshape(PAGE_TOKENS, head_dim) | (((words[:, g] >> pos) & 1) << 2)
         return codes.to(torch.uint8), page[n - PAGE_TOKENS :].clone()
     body = page[: n - PAGE_TOKENS].to(torch.int64).view(bits, PAGE_TOKENS, head_dim // 8, 1)
     shifts = torch.arange(8, dtype=torch.int64).view(1, 1, 1, 8)

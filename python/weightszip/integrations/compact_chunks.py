@@ -34,9 +34,9 @@ from weightszip.compact.calibrate import TARGETS
 from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
 
 MAGIC = b"WZQC"
-VERSION = 3
+VERSION = 4
 # the page layout version (``codec.PAGE_VERSION``) each chunk version holds
-PAGE_VERSIONS = {1: 1, 2: 1, 3: 2}
+PAGE_VERSIONS = {1: 1, 2: 1, 3: 2, 4: 3}
 _HEAD = struct.Struct("<4sBB2xIIIIQ")  # 32 bytes
 _HEAD_V1 = struct.Struct("<4sBB2xIIII")  # 24 bytes, start 0
 _FORMATS = tuple(TARGETS)
