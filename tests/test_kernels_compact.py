@@ -696,7 +696,7 @@ def test_gluon_rotations_and_table_offsets_match_pair_index(bits):
         for i in range(4):
             for lane in (0, 17, 31):
                 off = pair_table_offset(want, i, lane)
-                assert torch.equal(off // 4, ((want >> 8 * i) & 0xFF) * 32 + lane)
+                assert torch.equal(off // 4, ((want >> 8 * i) & 0xFF) * 64 + lane)  # row of 64 words
     assert int(want.max()) >= 1 << 24  # the top byte is in play (its bits wrap in the rotations)
 
 

@@ -24,11 +24,13 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   same maps. Width 2 (bit planes: word m of a token row, byte i bit j = channel 32 m + 8 i + j): one
   rotate (funnel shift) and mask per plane word yields its bits of four pair codes, one per byte,
   whose bits interleave the two values' bits (``pair_index``).
-  A pair's table address is one byte permute (ALU pipe) and one multiply-add (FMA pipe).
-* **Conflict-free table lookups.** The pair table (``interleaved_pair_table``: bf16 codebook[a] in the
-  low half, codebook[b] in the high half) sits in shared memory 32 times over, copy ``l`` in bank ``l``;
-  lane ``l`` reads copy ``l`` (``ld.shared`` through inline PTX, as Gluon has no shared-memory
-  gather), so a warp's 32 lookups are one shared-memory wavefront whatever the codes.
+  A pair's table address is one byte permute (``_lookup``).
+* **Conflict-free table lookups.** The pair tables (bf16 codebook[a] in the low half, codebook[b] in
+  the high half) sit in shared memory 32 times over, one 256-byte row per pair code holding K's 32
+  copies and then V's, copy ``l`` in bank ``l`` (``_fill_tables``); lane ``l`` reads copy ``l``
+  (``ld.shared`` through inline PTX, as Gluon has no shared-memory gather), so a warp's 32 lookups
+  are one shared-memory wavefront whatever the codes, and a lookup's address is the pair code in
+  bits 8-15 beside the lane's offset: one byte permute.
 * **Pages staged by cp.async** (``STAGES``, ``KernelConfig.gluon_stages``): each warp copies its next
   page's bit planes into its own slots of shared memory (16-byte ``cp.async`` through inline PTX,
   so Triton inserts no block-wide barrier; a warp waits for its own copies and syncs its own lanes),
@@ -149,10 +151,10 @@ def rotated_pair_codes(w_a: torch.Tensor, w_b: torch.Tensor | None, lane: int, b
 
 
 def pair_table_offset(y: torch.Tensor, i: int, lane: int) -> torch.Tensor:
-    """The kernel's table address of byte ``i`` of pair-code word ``y`` in lane ``lane``'s copy (byte
-    offset past the table's start): ``prmt`` selector 0x4440 + i (byte i, three zero bytes), times 128,
-    plus 4 x lane."""
-    return ((y >> (8 * i)) & 0xFF) * 128 + 4 * lane
+    """The kernel's table address of byte ``i`` of pair-code word ``y`` in lane ``lane``'s K copy (byte
+    offset past the tables' start; V's copies are 128 bytes further): ``prmt`` with selector
+    0x55i4 puts byte i in bits 8-15 beside the lane's offset 4 x lane in bits 0-7."""
+    return ((y >> (8 * i)) & 0xFF) * 256 + 4 * lane
 
 
 def k_nibble_channel(ch, head_dim: int):
@@ -357,10 +359,9 @@ def _axis_layout(layout, dim, rank):
 
 @constexpr_function
 def _table_words(ek, ev):
-    """Shared words of the pair tables: K's (ek entries, 32 copies), then V's at a multiple of its
-    size (Gluon's slices need it), rounded up to a power of two (as the tensors stored into it)."""
-    n = (max(ek, ev) + ev) * 32
-    return 1 << (n - 1).bit_length()
+    """Shared words of the pair tables: one 64-word row per entry (``_fill_tables``), as many rows as
+    the larger table has entries (a power of two)."""
+    return max(ek, ev) * 64
 
 
 @constexpr_function
@@ -467,12 +468,18 @@ def _staged_plane(base, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr,
 
 
 @gluon.jit
-def _fill_table(tab, src_ptr, E: gl.constexpr, NW: gl.constexpr):
-    """32 copies of the E-entry int32 table at ``src_ptr`` into ``tab`` (entry x, copy l at x * 32 + l:
-    lane l reads copy l, in bank l, so a warp's lookups never conflict)."""
+def _fill_tables(tab, k_src, v_src, EK: gl.constexpr, EV: gl.constexpr, NW: gl.constexpr):
+    """32 copies of the K and V int32 pair tables (EK and EV entries at ``k_src``, ``v_src``) into
+    ``tab``, one 64-word row per entry: K's entry x for lane l at word 64 x + l, V's at 64 x + 32 + l.
+    Lane l reads copy l, in bank l, so a warp's lookups never conflict, and a lookup's byte address
+    is the pair code in bits 8-15 beside the lane's offset in bits 0-7 (``_lookup``: one byte permute)."""
     TL: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
-    x = gl.arange(0, E * 32, layout=TL)
-    tab.store(gl.load(src_ptr + x // 32))
+    w = gl.arange(0, max(EK, EV) * 64, layout=TL)
+    row = w // 64
+    is_v = (w % 64) >= 32
+    k = gl.load(k_src + row, mask=(row < EK) & ((w % 64) < 32), other=0)
+    v = gl.load(v_src + row, mask=(row < EV) & is_v, other=0)
+    tab.store(gl.where(is_v, v, k))
 
 
 @gluon.jit
@@ -643,18 +650,18 @@ def _bitsel(even, odd):
     return (even & 0x55555555) | (odd & -1431655766)  # 0xAAAAAAAA
 
 
-# byte i of $1 (prmt with selector $2 = 0x444i: byte i of $1, then three zero bytes of the operand 0)
-# times 128 plus $3: the permute on the ALU pipe, the multiply-add on the FMA pipe (the kernel is
-# bound by the ALU pipe; a shift and a mask-or there measured 3-20% slower on the H200)
-_BYTE_ADDR = gl.constexpr("{ .reg .b32 t; prmt.b32 t, $1, 0, $2; mad.lo.u32 $0, t, 128, $3; }")
+# byte i of $1 in bits 8-15 beside byte 0 of $2 in bits 0-7, bits 16-31 zero (prmt with selector
+# $3 = 0x55i4: bytes 1-3 of $2 are zero): a table row's byte address, one instruction on the ALU pipe
+_BYTE_ADDR = gl.constexpr("prmt.b32 $0, $1, $2, $3;")
 
 
 @gluon.jit
 def _lookup(y, i, lane4, TAB: gl.constexpr):
-    """The pair table entry of byte ``i`` of ``y`` (an interleaved pair code) in this lane's copy: byte
-    offset TAB + code * 128 + lane4 (i is a register index, so the selector is a constant)."""
-    addr = gl.inline_asm_elementwise(_BYTE_ADDR, "=r,r,r,r", [y, 0x4440 + i, lane4], dtype=gl.int32, is_pure=True,
-                                     pack=1)
+    """The pair table entry of byte ``i`` of ``y`` (a pair code) in this lane's copy: byte offset
+    TAB + code * 256 + lane4 (``_fill_tables``; lane4 < 128; i is a register index, so the selector is
+    a constant)."""
+    addr = gl.inline_asm_elementwise(_BYTE_ADDR, "=r,r,r,r", [y, lane4, 0x5504 + 16 * i], dtype=gl.int32,
+                                     is_pure=True, pack=1)
     return _lds(TAB + addr)
 
 
@@ -868,11 +875,9 @@ def compact_split_kernel(
     t0 = gl.load(work_start_ptr + item)
     t1 = gl.load(work_end_ptr + item)
 
-    # the pair tables, K's then V's, 32 copies each, at TAB_OFF (``smem_offsets``)
+    # the pair tables, 32 copies of K's and V's entry x in row x, at TAB_OFF (``smem_offsets``)
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    VT: gl.constexpr = max(EK, EV) * 32  # V's table after K's, at a multiple of its size (Gluon's slices)
-    _fill_table(tab.slice(0, EK * 32), k_tab_ptr + head * EK, EK, NW)
-    _fill_table(tab.slice(VT, EV * 32), v_tab_ptr + head * EV, EV, NW)
+    _fill_tables(tab, k_tab_ptr + head * EK, v_tab_ptr + head * EV, EK, EV, NW)
     # STAGES > 0: each warp's next STAGES - 1 pages copied into its own slots of shared memory
     # (cp.async, no registers held), at STAGE_OFF (``smem_offsets``)
     SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM)
@@ -963,7 +968,7 @@ def compact_split_kernel(
             if not V_EARLY:  # V's words only now: fewer registers live across the K half
                 a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
                 b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
-        vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, TAB_OFF + VT * 4, HEAD_DIM, NW, LV, OPA)
+        vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, TAB_OFF + 128, HEAD_DIM, NW, LV, OPA)
         acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
         m_i = m_new
         fr, kg, vg = nfr, nkg, nvg
