@@ -306,10 +306,7 @@ def _compact_values(w0, w1, w2, w3, w4, sidx, cb_ptr, grid_ptr, head,
         codes = _crumb_codes(w0, w1, BLOCK_N, HEAD_DIM)
         if PAIRS:
             ca, cb = tl.split(tl.reshape(codes, [BLOCK_N, HEAD_DIM // 2, 2]))
-            pv = tl.load(cb_ptr + head * 64 + (ca | (cb << 3)))
-            lo = (pv & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            hi = (pv >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            vals = tl.reshape(tl.join(lo, hi), [BLOCK_N, HEAD_DIM])
+            vals = _pair_values(cb_ptr + head * 64, ca | (cb << 3), BLOCK_N, HEAD_DIM)
         else:
             vals = tl.load(cb_ptr + head * 8 + codes)
     else:
