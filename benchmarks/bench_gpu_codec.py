@@ -338,6 +338,9 @@ def exact4_speed(args, sets, reps, torch):
     def dec_all():
         out["x"] = C4.decode_pages(enc["b"], enc["o"], h, d)
 
+    def dec_into():
+        C4.decode_pages(enc["b"], enc["o"], h, d, out=out["x"])
+
     def tiles():
         out["t"] = dequantize_exact4_pages(enc["b"], starts, h, d)
 
@@ -349,7 +352,8 @@ def exact4_speed(args, sets, reps, torch):
     res["raw_bytes"] = total_raw
     res["ratio_tiled"] = enc["b"].numel() / total_raw
     for name, fn in (("encode", enc_all), ("encode_sizes_pass", lambda: C4.page_entries(big)),
-                     ("encode_write_pass", write_only), ("decode_validating", dec_all), ("decode_tile_loader", tiles)):
+                     ("encode_write_pass", write_only), ("decode_validating", dec_all), ("decode_validating_out", dec_into),
+                     ("decode_tile_loader", tiles)):
         t, times = _timed(fn, args.repeats, torch)
         res[name + "_GBps"] = total_raw / t / 1e9
         res[name + "_times"] = times

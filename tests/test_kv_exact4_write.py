@@ -93,6 +93,30 @@ def test_decoder_returns_the_values(pages):
     assert _same(got, _outcome(lambda: R4.decode_pages(shifted, torch.cat([off[:1], off + 8]), H, D)))
 
 
+def test_decoder_writes_into_the_callers_buffer(pages):
+    """``out=``: the values land in the caller's tensor (the kernel's path and the reference's), the
+    tensor comes back, and an out of the wrong shape, type or layout is refused before anything runs."""
+    buf, off = R4.encode_pages(pages).to_bytes()
+    out = torch.full_like(pages, -1)
+    assert C4.decode_pages(buf, off, H, D, out=out) is out
+    assert torch.equal(out, pages)
+    x = pages[:2, :, :1, :].repeat(1, 1, 1, 2)[..., :96].contiguous()  # head_dim 96: the reference decoder
+    xb, xo = R4.encode_pages(x).to_bytes()
+    xout = torch.zeros_like(x)
+    assert C4.decode_pages(xb, xo, 1, 96, out=xout) is xout
+    assert torch.equal(xout, x)
+    for bad in (pages.float(), pages[:-1].clone(), pages.transpose(2, 3).contiguous().transpose(2, 3),
+                torch.empty((pages.shape[0], 16, H, D // 2), dtype=torch.int16, device=DEVICE)):
+        with pytest.raises(InvalidArgumentError):
+            C4.decode_pages(buf, off, H, D, out=bad)
+    # a page that breaks a rule still raises with out= (what out then holds is unspecified), and the
+    # next clean call is not told of it (the verdict flag is cleared per call)
+    broken = _set(buf.clone(), 12, 1)[0]  # header padding
+    got = _outcome(lambda: C4.decode_pages(broken, off, H, D, out=torch.empty_like(pages)))
+    assert got[0] == "CorruptDataError" and _same(got, _outcome(lambda: R4.decode_pages(broken, off, H, D)))
+    assert torch.equal(C4.decode_pages(buf, off, H, D, out=out), pages)
+
+
 @pytest.mark.parametrize("rule, damage", [
     ("shorter than its plain rows", lambda b, o: (b[: int(o[1]) - 16], torch.tensor([0, int(o[1]) - 16]))),
     ("bytes of header and slots", lambda b, o: (b[:4800], torch.tensor([0, 4800]))),  # (16-byte aligned)

@@ -32,6 +32,8 @@ buffer. ``decode_pages`` returns the values of pages that pass; the attention ke
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -337,12 +339,13 @@ def _row_loads(sw, m, okw, t: tl.constexpr, WR: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D: tl.constexpr, HB: tl.constexpr,
-                   FAST: tl.constexpr):
+def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, flag_ptr, size, n, H, HDR, FIXED, D: tl.constexpr,
+                   HB: tl.constexpr, FAST: tl.constexpr):
     """Decode and check page ``program_id(0)``, ``buf[off_ptr[page]:off_ptr[page + 1]]``: writes its
-    16 rows of int16 ``[n, 16, H, D]``, stores its rule bits (``ERRORS``) at ``err_ptr[page]`` and ORs
-    them into ``err_ptr[n]`` (zero before the launch). The page's rules once, then its heads ``HB`` at
-    a time (``_decode_heads``)."""
+    16 rows of int16 ``[n, 16, H, D]``, stores its rule bits (``ERRORS``) at ``err_ptr[page]`` and,
+    where it breaks some rule, 1 at ``flag_ptr`` (zero before the launch; pinned host memory on a
+    GPU, so the host reads it without a copy). The page's rules once, then its heads ``HB`` at a
+    time (``_decode_heads``)."""
     page = tl.program_id(0)
     start = tl.load(off_ptr + page)
     end = tl.load(off_ptr + page + 1)
@@ -370,7 +373,7 @@ def _decode_kernel(buf_ptr, off_ptr, out_ptr, err_ptr, size, n, H, HDR, FIXED, D
     want = FIXED + total.to(tl.int64) * (2 * D)
     err |= tl.where(ok & (length < want), 8, 0) | tl.where(ok & (length > want), 16, 0)
     tl.store(err_ptr + page, err)
-    tl.atomic_or(err_ptr + n, err, mask=err != 0, sem="relaxed")  # every page's bits, for one host read
+    tl.store(flag_ptr, 1, mask=err != 0)  # (a plain store: any page's 1 will do, and it may be host memory)
 
 
 @triton.jit
@@ -504,12 +507,14 @@ def encode_pages(values: torch.Tensor, *, num_warps: int = 1) -> tuple[torch.Ten
 
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim: int, *,
-                 num_warps: int | None = None, maxnreg: int | None = 64,
+                 out: torch.Tensor | None = None, num_warps: int | None = None, maxnreg: int | None = 64,
                  heads_per_step: int | None = None) -> torch.Tensor:
     """Validate and decode pages stored back to back (page i = ``buf[offsets[i]:offsets[i + 1]]``),
     as ``kv_exact4_ref.decode_pages``: int16 bits ``[n, 16, H, D]``, or its TruncatedError /
     CorruptDataError for the same rule and page (the offsets checked as ``page_spans`` checks them).
-    One host sync (the verdict); misaligned pages go to the reference decoder. One program per page,
+    ``out``: where to write them (contiguous int16 ``[n, 16, H, D]`` on buf's device; None: a new
+    tensor); after an error its contents are unspecified. One host sync (the verdict, a flag in
+    pinned host memory: no copy); misaligned pages go to the reference decoder. One program per page,
     ``num_warps`` warps (None: up to 4, a word column per thread), each thread on one word column (8
     channels) of a head for all 16 rows; ``maxnreg``: registers per thread (None: the compiler's
     choice, 111 at 4 warps; 64 spills nothing and lets 8 programs share an SM: H200, 1 GiB of real
@@ -519,32 +524,70 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
            "buf must be a 1-D uint8 tensor")
     _check(isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() >= 1
            and not offsets.is_floating_point(), "offsets must be an integer tensor [n + 1]")
-    if not supports(heads, head_dim):  # other shapes: the reference decoder (the same rules)
-        return ref.decode_pages(buf, offsets, heads, head_dim)
+    n, h, d = offsets.numel() - 1, heads, head_dim
+    if out is not None:
+        _check(isinstance(out, torch.Tensor) and out.dtype == torch.int16 and out.is_contiguous()
+               and tuple(out.shape) == (n, ref.PAGE_TOKENS, h, d) and out.device == buf.device,
+               f"out must be a contiguous int16 tensor [{n}, {ref.PAGE_TOKENS}, {h}, {d}] on buf's device")
     buf = buf.contiguous()
+    if not supports(heads, head_dim) or n == 0 or buf.data_ptr() % 16:
+        # other shapes, no pages, or pages the kernel's aligned word loads cannot read: the reference
+        # decoder (the same rules)
+        return _into(ref.decode_pages(buf, offsets, heads, head_dim), out)
     off = offsets.to(device=buf.device, dtype=torch.int64).contiguous()
-    n, h, d = off.numel() - 1, heads, head_dim
-    if n == 0 or buf.data_ptr() % 16:  # (the kernel's aligned word loads)
-        return ref.decode_pages(buf, offsets, heads, head_dim)
     # heads per step: one word column per thread (a head has D / 8), all heads at once where they fit
     wr = d // 8  # word columns per head
     if num_warps is None:
         num_warps = max(1, min(4, triton.next_power_of_2(h) * wr // 32))
     hb = min(triton.next_power_of_2(h), max(1, 32 * num_warps // wr)) if heads_per_step is None else heads_per_step
     _check(hb & (hb - 1) == 0 and 1 <= hb <= 256, "heads_per_step must be a power of two up to 256")
-    out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)
-    page_err = torch.zeros(n + 1, dtype=torch.int32, device=buf.device)  # each page's rule bits, then all's
+    if out is None:
+        out = torch.empty((n, ref.PAGE_TOKENS, h, d), dtype=torch.int16, device=buf.device)
+    page_err = torch.empty(n, dtype=torch.int32, device=buf.device)  # each page's rule bits (every page stores)
+    flag, view = _verdict_flag(buf.device)
     fast = not _interpreting()
-    _decode_kernel[(n,)](buf, off, out, page_err, buf.numel(), n, h, ref.header_bytes(h), ref.page_length(h, d, 0),
-                         D=d, HB=hb, FAST=fast, num_warps=num_warps,
+    _decode_kernel[(n,)](buf, off, out, page_err, flag, buf.numel(), n, h, ref.header_bytes(h),
+                         ref.page_length(h, d, 0), D=d, HB=hb, FAST=fast, num_warps=num_warps,
                          **({"maxnreg": maxnreg} if fast and maxnreg else {}))
-    if int(page_err[n]):
-        page_err = page_err[:n]
+    if _flag_raised(view, buf.device):
         if bool((page_err & OFFSETS.value).any()):
             ref.page_spans(buf, offsets)  # raises, unless the offsets are only unaligned:
-            return ref.decode_pages(buf, offsets, heads, head_dim)
+            return _into(ref.decode_pages(buf, offsets, heads, head_dim), out)
         for bit, cls, what in ERRORS:
             hit = torch.nonzero(page_err & bit)
             if hit.numel():
                 raise cls(f"page {int(hit[0, 0])}: " + what.format(fixed=ref.page_length(h, d, 0)))
     return out
+
+
+def _into(values: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``values``, or copied into ``out`` (the caller's buffer) and ``out``."""
+    return values if out is None else out.copy_(values)
+
+
+_FLAGS = threading.local()  # per thread and device: a pinned int32 and its numpy view (calls sync before return)
+
+
+def _verdict_flag(device: torch.device) -> tuple[torch.Tensor, object]:
+    """A zeroed int32 [1] for ``_decode_kernel``'s flag and what reads it: on a GPU pinned host memory
+    (mapped, so the kernel stores into it and the host reads it after a stream sync without a copy: a
+    launch less than a device flag's zeroing and its read), kept per thread and device, cleared here
+    through its numpy view; else a tensor on ``device``."""
+    if device.type != "cuda":
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return flag, flag
+    flags = _FLAGS.__dict__.setdefault("flags", {})
+    pair = flags.get(device.index)
+    if pair is None:
+        flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        pair = flags[device.index] = (flag, flag.numpy())
+    pair[1][0] = 0
+    return pair
+
+
+def _flag_raised(view, device: torch.device) -> bool:
+    """Whether the decoder raised the flag read through ``view``: on a GPU after syncing ``device``'s
+    current stream (the launch's)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return bool(view[0])
