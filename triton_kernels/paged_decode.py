@@ -1207,14 +1207,18 @@ class PagedDecodeAttention:
             self._pairs_cache[key] = torch.arange(half, dtype=torch.int32, device=device)
         return self._pairs_cache[key]
 
-    def _pair_order(self, bits: int, device):
-        """The Gluon kernel's pair-table order for ``bits`` (``interleaved_pair_order``), made once: plan()
-        makes it, so a run captured in a CUDA graph only gathers the tables."""
-        key = ("pair_order", bits, str(device))
+    def _pair_order(self, bits: int, device, gluon: bool = True):
+        """A pair table's gather index for ``bits``, made once (plan() makes the ones a run needs, so a
+        run captured in a CUDA graph only gathers the tables): the Gluon kernel's (width 4 code order,
+        3 crumb order, up to 2 interleaved), or the Triton kernel's (``gluon`` False: code order)."""
+        gluon = gluon and bits < 4  # (width 4: code order in both)
+        key = ("pair_order", bits, gluon, str(device))
         if key not in self._pairs_cache:
-            from .paged_decode_gluon import interleaved_pair_order
+            from .paged_decode_gluon import crumb_pair_order, interleaved_pair_order
 
-            self._pairs_cache[key] = interleaved_pair_order(bits, device)
+            self._pairs_cache[key] = (compact_pair_order(bits, device) if not gluon
+                                      else crumb_pair_order(device) if bits == 3
+                                      else interleaved_pair_order(bits, device))
         return self._pairs_cache[key]
 
     # -- plan ------------------------------------------------------------------------------------------
@@ -1290,8 +1294,9 @@ class PagedDecodeAttention:
             ws_acc=torch.empty(n_tot * self.num_kv_heads * g * self.head_dim, dtype=torch.float32, device=dev),
         )
         if self.page_type == PAGE_COMPACT and dev.type == "cuda":
-            for bits in {self.k_bits, self.v_bits} & {2}:  # (widths 3, 4: their own pair orders)
+            for bits in {self.k_bits, self.v_bits} & {1, 2, 3, 4}:  # (the tables' gather indexes)
                 self._pair_order(bits, dev)
+                self._pair_order(bits, dev, gluon=False)
         return {"items": int(seq_of.size), "split_tokens": split_tokens,
                 "paged_tokens": int(n_paged.sum())}
 
@@ -1411,19 +1416,18 @@ class PagedDecodeAttention:
                     # with the rotary term, groups up to 8 (wider ones spill 200+ bytes at 16 warps)
                     and not (has_rope and G > 8)
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
-                from .paged_decode_gluon import crumb_pair_table, interleaved_pair_table
-
                 # width 4 (nibble rows): pairs in code order; width 3 (crumb rows): crumbs, then bit 2;
-                # bit planes: in interleaved-bit order
-                gluon_tabs = tuple(compact_pair_table(cb) if bits == 4 else crumb_pair_table(cb) if bits == 3
-                                   else interleaved_pair_table(cb, self._pair_order(bits, cb.device))
+                # bit planes: in interleaved-bit order (each a cached gather index: one gather a table)
+                gluon_tabs = tuple(gather_pairs(cb, self._pair_order(bits, cb.device))
                                    for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))
             elif not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
                 # (register tables read the bit planes' code order: width 2, the only planes up to 4)
                 lut_bits = min(self.config.reg_lut_bits, 2) if not _interpreting() else 0
                 reg_lut = max(self.k_bits, self.v_bits) <= lut_bits
-                k_codebook, v_codebook = (compact_lut_table(cb) if reg_lut else compact_pair_table(cb) if bits <= 4
+                k_codebook, v_codebook = (compact_lut_table(cb) if reg_lut
+                                          else gather_pairs(cb, self._pair_order(bits, cb.device, gluon=False))
+                                          if bits <= 4
                                           else cb.to(torch.bfloat16)
                                           for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))
         exact = self.page_type in EXACT_PAGES
@@ -1624,13 +1628,34 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
-def compact_pair_table(codebook: torch.Tensor) -> torch.Tensor:
+def pair_gather(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A pair table's gather index from the codes ``a``, ``b`` of each entry: ``a[x]`` at 2 x, ``b[x]``
+    at 2 x + 1 (int64 [2 E]; what ``gather_pairs`` takes)."""
+    return torch.stack((a, b), dim=-1).reshape(-1)
+
+
+def gather_pairs(codebook: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """int32 [H, E] from a codebook [H, n] and a ``pair_gather`` index [2 E]: entry x holds the bf16
+    bits of ``codebook[index[2 x]]`` in its low half and of ``codebook[index[2 x + 1]]`` in its high
+    half. One gather of the codebook's bf16 bits as int16, read as int32 (little-endian, as torch's
+    devices are): two device ops, none when a step's tables are made from a cached index."""
+    bits16 = codebook.to(torch.bfloat16).contiguous().view(torch.int16)
+    return bits16[:, index].view(torch.int32)
+
+
+def compact_pair_order(bits: int, device) -> torch.Tensor:
+    """``compact_pair_table``'s gather index: entry ``a | b << bits`` (device ops only)."""
+    x = torch.arange(1 << 2 * bits, device=device)
+    return pair_gather(x & ((1 << bits) - 1), x >> bits)
+
+
+def compact_pair_table(codebook: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [H, 4**bits] from a codebook [H, 2**bits]: entry ``a | b << bits`` holds the bf16 bits of
     ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half (channels 2 k and 2 k + 1
-    of a tensor-core operand), so the kernel gathers two values at once (widths up to 4)."""
-    h, n = codebook.shape
-    u = _bf16_bits(codebook)
-    return _as_int32((u[:, None, :] | (u[:, :, None] << 16)).reshape(h, n * n))  # [h, b, a]
+    of a tensor-core operand), so the kernel gathers two values at once (widths up to 4). ``order``:
+    ``compact_pair_order`` made beforehand (None: made here)."""
+    n = codebook.shape[1]
+    return gather_pairs(codebook, compact_pair_order(n.bit_length() - 1, codebook.device) if order is None else order)
 
 
 def compact_lut_table(codebook: torch.Tensor) -> torch.Tensor:

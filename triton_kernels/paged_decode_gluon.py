@@ -69,7 +69,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from .paged_decode import _as_int32, _bf16_bits
+from .paged_decode import gather_pairs, pair_gather
 
 NEG_BIG = gl.constexpr(-1.0e30)
 # One 32-bit lookup in shared memory at byte offset $1 of the kernel's dynamic shared memory
@@ -97,24 +97,24 @@ def _lds_vec_constraints(n):
     return ",".join(["=r"] * n + ["r"] * n)
 
 
-def interleaved_pair_order(bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each interleaved pair code x (4**bits), the codes a, b whose bits it interleaves (bit 2 p of
-    x is bit p of a, bit 2 p + 1 bit p of b), as index tensors on ``device`` (device ops only)."""
+def interleaved_pair_order(bits: int, device) -> torch.Tensor:
+    """``interleaved_pair_table``'s gather index (``paged_decode.pair_gather``): for each interleaved
+    pair code x (4**bits), the codes a, b whose bits it interleaves (bit 2 p of x is bit p of a, bit
+    2 p + 1 bit p of b). Device ops only."""
     x = torch.arange(1 << 2 * bits, device=device)
-    return (sum(((x >> 2 * p) & 1) << p for p in range(bits)),
-            sum(((x >> 2 * p + 1) & 1) << p for p in range(bits)))
+    return pair_gather(sum(((x >> 2 * p) & 1) << p for p in range(bits)),
+                       sum(((x >> 2 * p + 1) & 1) << p for p in range(bits)))
 
 
-def interleaved_pair_table(codebook: torch.Tensor, order: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def interleaved_pair_table(codebook: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [H, 4**bits] from a codebook [H, 2**bits] (bits <= 4): entry ``x`` holds the bf16 bits of
     ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half (``interleaved_pair_order``,
     the order ``pair_index`` makes; pass it to skip recomputing it); ``paged_decode.compact_pair_table``
     packs the same pairs in code order. Device ops only (no host to device copy), so a decode step
     that builds it can be captured in a CUDA graph."""
-    a, b = order if order is not None else interleaved_pair_order(codebook.shape[1].bit_length() - 1,
-                                                                   codebook.device)
-    u = _bf16_bits(codebook)
-    return _as_int32(u[:, a] | (u[:, b] << 16))
+    if order is None:
+        order = interleaved_pair_order(codebook.shape[1].bit_length() - 1, codebook.device)
+    return gather_pairs(codebook, order)
 
 
 def pair_index(w_lo: torch.Tensor, w_hi: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
@@ -226,15 +226,18 @@ def crumb_pair_codes_v(ca, cb, pa, pb, lane: int) -> torch.Tensor:
     return (t1 & 0x0F0F0F0F) | (u & 0xF0F0F0F0)
 
 
-def crumb_pair_table(codebook: torch.Tensor) -> torch.Tensor:
+def crumb_pair_order(device) -> torch.Tensor:
+    """``crumb_pair_table``'s gather index: for each byte x, a = (x & 3) | (x >> 4 & 1) << 2 and
+    b = (x >> 2 & 3) | (x >> 5 & 1) << 2 (device ops only)."""
+    x = torch.arange(256, device=device)
+    return pair_gather((x & 3) | (((x >> 4) & 1) << 2), ((x >> 2) & 3) | (((x >> 5) & 1) << 2))
+
+
+def crumb_pair_table(codebook: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [H, 256] from a width-3 codebook [H, 8]: entry x holds bf16 codebook[a] in its low half
-    and codebook[b] in its high half, a = (x & 3) | (x >> 4 & 1) << 2, b = (x >> 2 & 3) | (x >> 5 & 1) << 2
-    (the byte ``crumb_pair_codes_*`` make; bits 6-7 ignored). Device ops only."""
-    x = torch.arange(256, device=codebook.device)
-    a = (x & 3) | (((x >> 4) & 1) << 2)
-    b = ((x >> 2) & 3) | (((x >> 5) & 1) << 2)
-    u = _bf16_bits(codebook)
-    return _as_int32(u[:, a] | (u[:, b] << 16))
+    and codebook[b] in its high half, a and b as ``crumb_pair_order`` makes them from the byte
+    ``crumb_pair_codes_*`` make (bits 6-7 ignored). ``order``: that index made beforehand. Device ops only."""
+    return gather_pairs(codebook, crumb_pair_order(codebook.device) if order is None else order)
 
 
 @gluon.jit
