@@ -700,6 +700,44 @@ def test_gluon_rotations_and_table_offsets_match_pair_index(bits):
     assert int(want.max()) >= 1 << 24  # the top byte is in play (its bits wrap in the rotations)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_pair_tables_entry_by_entry(bits):
+    """Each pair table (one gather of the codebook's bf16 bits by a cached index) holds, entry by entry,
+    bf16 codebook[a] in its low half and codebook[b] in its high half for the entry's (a, b): code
+    order (a | b << bits), interleaved bit order, and at width 3 the crumb byte; fp32 and bf16
+    codebooks (bf16 rounding, -0.0, infinities kept bit for bit). The attention object makes each
+    index once."""
+    from weightszip.kernels.paged_decode import compact_pair_table
+    from weightszip.kernels.paged_decode_gluon import crumb_pair_table, interleaved_pair_table
+
+    g = torch.Generator().manual_seed(bits)
+    cb = torch.randn(3, 1 << bits, generator=g) * 5
+    cb[0, 0], cb[1, -1], cb[2, 0] = -0.0, float("inf"), 1 + 2.0**-10  # (rounds in bf16)
+    n = 1 << bits
+
+    def word(c, a, b):
+        u = c.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+        w = int(u[a]) | int(u[b]) << 16
+        return w - (1 << 32) if w >= 1 << 31 else w
+
+    def interleave(x):
+        return (sum(((x >> 2 * p) & 1) << p for p in range(bits)), sum(((x >> 2 * p + 1) & 1) << p for p in range(bits)))
+
+    cases = [(compact_pair_table, lambda x: (x % n, x // n), n * n),
+             (interleaved_pair_table, interleave, n * n)]
+    if bits == 3:
+        cases.append((crumb_pair_table, lambda x: ((x & 3) | ((x >> 4) & 1) << 2, ((x >> 2) & 3) | ((x >> 5) & 1) << 2), 256))
+    for dtype in (torch.float32, torch.bfloat16):
+        c = cb.to(dtype)
+        for make, ab, entries in cases:
+            t = make(c)
+            assert t.dtype == torch.int32 and tuple(t.shape) == (3, entries) and t.is_contiguous()
+            assert t.tolist() == [[word(c[h], *ab(x)) for x in range(entries)] for h in range(3)], make.__name__
+    w = max(bits, 2)  # (compact pages are 2 bits wide at least)
+    attn = PagedDecodeAttention(8, 2, 64, page_type="compact", k_bits=w, v_bits=w)
+    assert attn._pair_order(w, "cpu") is attn._pair_order(w, "cpu")
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_gluon_nibble_rows_give_the_codebook_values(d):
     """Width 4 (nibble rows): the Gluon kernel's operand math in PyTorch on random pages. K: lane t's

@@ -1294,7 +1294,7 @@ class PagedDecodeAttention:
             ws_acc=torch.empty(n_tot * self.num_kv_heads * g * self.head_dim, dtype=torch.float32, device=dev),
         )
         if self.page_type == PAGE_COMPACT and dev.type == "cuda":
-            for bits in {self.k_bits, self.v_bits} & {1, 2, 3, 4}:  # (the tables' gather indexes)
+            for bits in {self.k_bits, self.v_bits} & {2, 3, 4}:  # (the pair tables' gather indexes)
                 self._pair_order(bits, dev)
                 self._pair_order(bits, dev, gluon=False)
         return {"items": int(seq_of.size), "split_tokens": split_tokens,
