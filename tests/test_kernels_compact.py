@@ -738,6 +738,32 @@ def test_pair_tables_entry_by_entry(bits):
     assert attn._pair_order(w, "cpu") is attn._pair_order(w, "cpu")
 
 
+def _check_operand_pairs(table, want, codes, d, k_pairs, v_pairs, k_channel, v_channel):
+    """The Gluon kernel's operand pairs looked up in ``table`` (int64 words) are the codebook's bf16
+    bits (``want`` [entries]) of the page's ``codes`` [16, d]: K lane t's pair codes ``k_pairs(t, m)``
+    [16 rows], byte i, hold stored channels ``k_channel(32 m + 8 i + 2 t)`` and the next; V lane j's
+    ``v_pairs(j, m)`` [8 row pairs], byte 2 i1 + i0, hold rows 2 r and 2 r + 1 of stored channel
+    ``v_channel(32 m + 16 i1 + 8 i0 + j)``."""
+    for t in range(4):
+        for m in range(d // 32):
+            y = k_pairs(t, m)
+            for i in range(4):
+                val = table[(y >> 8 * i) & 0xFF]
+                s0 = k_channel(32 * m + 8 * i + 2 * t, d)
+                assert s0 == k_channel(32 * m + 8 * i + 2 * t + 1, d) - 1
+                assert torch.equal(val & 0xFFFF, want[codes[:, s0]])
+                assert torch.equal(val >> 16, want[codes[:, s0 + 1]])
+    for j in range(8):
+        for m in range(d // 32):
+            y = v_pairs(j, m)
+            for i1 in range(2):
+                for i0 in range(2):
+                    val = table[(y >> 8 * (2 * i1 + i0)) & 0xFF]
+                    s = v_channel(32 * m + 16 * i1 + 8 * i0 + j, d)
+                    assert torch.equal(val & 0xFFFF, want[codes[0::2, s]])
+                    assert torch.equal(val >> 16, want[codes[1::2, s]])
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_gluon_nibble_rows_give_the_codebook_values(d):
     """Width 4 (nibble rows): the Gluon kernel's operand math in PyTorch on random pages. K: lane t's
@@ -766,24 +792,9 @@ def test_gluon_nibble_rows_give_the_codebook_values(d):
         page = torch.randint(0, 256, (codec.page_bytes(4, d),), dtype=torch.uint8, generator=g)
         codes = codec.unpack_page(page, 4, d)[0].long()  # [16, d]
         w = _plane_words(page, 4, d)[0]  # [16 rows, d / 8]
-        for t in range(4):
-            for m in range(mm):
-                y = w[:, t * mm + m]  # [16]
-                for i in range(4):
-                    val = table[(y >> 8 * i) & 0xFF]
-                    s0 = k_nibble_channel(32 * m + 8 * i + 2 * t, d)
-                    assert s0 == k_nibble_channel(32 * m + 8 * i + 2 * t + 1, d) - 1
-                    assert torch.equal(val & 0xFFFF, want[codes[:, s0]])
-                    assert torch.equal(val >> 16, want[codes[:, s0 + 1]])
-        for j in range(8):
-            for m in range(mm):
-                y = nibble_pair_codes(w[0::2, (j >> 1) * mm + m], w[1::2, (j >> 1) * mm + m], j)  # [8]
-                for i1 in range(2):
-                    for i0 in range(2):
-                        val = table[(y >> 8 * (2 * i1 + i0)) & 0xFF]
-                        s = v_nibble_channel(32 * m + 16 * i1 + 8 * i0 + j, d)
-                        assert torch.equal(val & 0xFFFF, want[codes[0::2, s]])
-                        assert torch.equal(val >> 16, want[codes[1::2, s]])
+        _check_operand_pairs(table, want, codes, d, lambda t, m: w[:, t * mm + m],
+                             lambda j, m: nibble_pair_codes(w[0::2, (j >> 1) * mm + m], w[1::2, (j >> 1) * mm + m], j),
+                             k_nibble_channel, v_nibble_channel)
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
@@ -813,25 +824,14 @@ def test_gluon_crumb_rows_give_the_codebook_values(d):
         codes = codec.unpack_page(page, 3, d)[0].long()  # [16, d]
         body = page[: 6 * d].to(torch.int64).view(16, 3 * mm, 4)
         w = body[..., 0] | body[..., 1] << 8 | body[..., 2] << 16 | body[..., 3] << 24  # [16 rows, 3 M words]
-        for t in range(4):
-            for m in range(mm):
-                y = crumb_pair_codes_k(w[:, (t >> 1) * mm + m], w[:, 2 * mm + m], t)  # [16]
-                for i in range(4):
-                    val = table[(y >> 8 * i) & 0xFF]
-                    s0 = k_crumb_channel(32 * m + 8 * i + 2 * t, d)
-                    assert s0 == k_crumb_channel(32 * m + 8 * i + 2 * t + 1, d) - 1
-                    assert torch.equal(val & 0xFFFF, want[codes[:, s0]])
-                    assert torch.equal(val >> 16, want[codes[:, s0 + 1]])
-        for j in range(8):
-            for m in range(mm):
-                c, p = w[:, (j >> 2) * mm + m], w[:, 2 * mm + m]
-                y = crumb_pair_codes_v(c[0::2], c[1::2], p[0::2], p[1::2], j)  # [8]
-                for i1 in range(2):
-                    for i0 in range(2):
-                        val = table[(y >> 8 * (2 * i1 + i0)) & 0xFF]
-                        s = v_crumb_channel(32 * m + 16 * i1 + 8 * i0 + j, d)
-                        assert torch.equal(val & 0xFFFF, want[codes[0::2, s]])
-                        assert torch.equal(val >> 16, want[codes[1::2, s]])
+
+        def v_pairs(j, m):
+            c, p = w[:, (j >> 2) * mm + m], w[:, 2 * mm + m]
+            return crumb_pair_codes_v(c[0::2], c[1::2], p[0::2], p[1::2], j)
+
+        _check_operand_pairs(table, want, codes, d,
+                             lambda t, m: crumb_pair_codes_k(w[:, (t >> 1) * mm + m], w[:, 2 * mm + m], t),
+                             v_pairs, k_crumb_channel, v_crumb_channel)
 
 
 @pytest.mark.parametrize("bits", [2])
