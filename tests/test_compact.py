@@ -193,6 +193,20 @@ def test_page_bytes_layout_and_roundtrip(bits):
         codec.unpack_page(page, bits, 64, version=4)
 
 
+@pytest.mark.parametrize("d", [8, 16])
+def test_narrow_heads_keep_bit_planes_at_width_3(d):
+    """A bit-2 word covers 32 channels, so below head_dim 32 width-3 pages keep bit planes at every
+    layout version; they round-trip."""
+    g = torch.Generator().manual_seed(d)
+    codes = torch.randint(0, 8, (16, d), generator=g, dtype=torch.int64).to(torch.uint8)
+    sidx = torch.randint(0, 256, (16,), generator=g, dtype=torch.int64).to(torch.uint8)
+    page = codec.pack_page(codes, sidx, 3)
+    assert torch.equal(page, codec.pack_page(codes, sidx, 3, version=1))
+    assert not codec.crumb_rows(3, d) and codec.crumb_rows(3, 32)
+    c2, s2 = codec.unpack_page(page, 3, d)
+    assert torch.equal(c2, codes) and torch.equal(s2, sidx)
+
+
 def test_page_encode_decode_equal_the_token_codec():
     kv = _real_kv()
     x = kv[0, 2, 16:32]  # [16, 3, 64]

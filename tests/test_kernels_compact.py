@@ -160,6 +160,17 @@ def test_write_kernel_bytes_equal_the_reference(bits, kind):
         assert torch.equal(full[0, hh, 0].cpu(), codec.encode_page(xs[16:32, hh], tabs[hh]))
 
 
+def test_write_kernel_narrow_heads_at_width_3():
+    """head_dim 16 at width 3: the write kernel keeps bit planes there, as the codec does (a bit-2 word
+    covers 32 channels): whole pages equal codec.encode_page."""
+    x = KV[1, 1][:16, :, :16].contiguous()
+    tabs = tables_for(x, "v", 3)
+    full = pool(1, 3, 16, 3, 16)
+    compact_write(x.to(DEVICE), torch.arange(16, device=DEVICE), full, compact_write_tables(tabs, DEVICE))
+    for hh in range(3):
+        assert torch.equal(full[0, hh, 0].cpu(), codec.encode_page(x[:, hh], tabs[hh]))
+
+
 def rope_tables(x, bits, seed=0):
     """K tables with rotary offsets fitted on x [T, H, d] (positions 0..T-1)."""
     h, d = x.shape[1], x.shape[2]

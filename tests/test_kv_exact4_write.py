@@ -109,6 +109,16 @@ def test_decoder_writes_into_the_callers_buffer(pages):
                 torch.empty((pages.shape[0], 16, H, D // 2), dtype=torch.int16, device=DEVICE)):
         with pytest.raises(InvalidArgumentError):
             C4.decode_pages(buf, off, H, D, out=bad)
+    # an out off the 16-byte grid (2 bytes in): decoded, then copied in
+    flat = torch.full((pages.numel() + 1,), -1, dtype=torch.int16, device=DEVICE)
+    odd = flat[1:].view(pages.shape)
+    assert odd.data_ptr() % 16 and C4.decode_pages(buf, off, H, D, out=odd) is odd and torch.equal(odd, pages)
+    # an out over buf's bytes is refused (pages would be overwritten while programs read them)
+    room = torch.zeros(buf.numel() + pages.numel() * 2, dtype=torch.uint8, device=DEVICE)
+    room[: buf.numel()] = buf
+    over = room[16:].view(torch.int16)[: pages.numel()].view(pages.shape)
+    with pytest.raises(InvalidArgumentError, match="overlap"):
+        C4.decode_pages(room[: buf.numel()], off, H, D, out=over)
     # a page that breaks a rule still raises with out= (what out then holds is unspecified), and the
     # next clean call is not told of it (the verdict flag is cleared per call)
     broken = _set(buf.clone(), 12, 1)[0]  # header padding

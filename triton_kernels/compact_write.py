@@ -5,7 +5,7 @@ Read me first:
 * **What it writes.** For each new token of one layer and kind (K or V), ``x [n, kv_heads, head_dim]``
   and its slot (vLLM's slot mapping: ``slot = block * block_size + offset``; a negative slot is
   padding and writes nothing), the kernel encodes every KV head with that head's calibrated tables
-  and stores the codes (nibble rows at width 4, crumb rows and a bit-2 row at width 3, else ``bits``
+  and stores the codes (nibble rows at width 4, crumb rows and a bit-2 row at width 3 from head_dim 32, else ``bits``
   bit planes) and the u8 scale index
   into the token's page of the pool ``pages uint8 [num_blocks, kv_heads, block_size / 16,
   page_bytes]``, the layout ``paged_decode`` reads (``codec.pack_page``). The bytes are the reference encoder's
@@ -139,7 +139,7 @@ def _compact_write_kernel(
         lo, hi = tl.split(tl.reshape(code, [HEAD_DIM // 2, 2]))
         offs_n = tl.arange(0, HEAD_DIM // 2)
         tl.store(pages_ptr + page + tip * (HEAD_DIM // 2) + offs_n, (lo | (hi << 4)).to(tl.uint8), mask=ok)
-    elif BITS == 3:  # crumb rows, then the bit-2 words (``codec.bit2_positions``); row t at t * 3 HEAD_DIM / 8
+    elif BITS == 3 and HEAD_DIM >= 32:  # crumb rows, then the bit-2 words (``codec.bit2_positions``); row t at t * 3 HEAD_DIM / 8
         M: tl.constexpr = HEAD_DIM // 32
         row = page + tip * (3 * HEAD_DIM // 8)
         c4 = tl.reshape(code, [HEAD_DIM // 4, 4])

@@ -529,6 +529,14 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
         _check(isinstance(out, torch.Tensor) and out.dtype == torch.int16 and out.is_contiguous()
                and tuple(out.shape) == (n, ref.PAGE_TOKENS, h, d) and out.device == buf.device,
                f"out must be a contiguous int16 tensor [{n}, {ref.PAGE_TOKENS}, {h}, {d}] on buf's device")
+        _check(out.numel() == 0 or buf.numel() == 0 or _disjoint(out, buf), "out must not overlap buf")
+        if out.data_ptr() % 16:  # (the kernel stores whole aligned words): decode, then copy
+            return out.copy_(decode_pages(buf, offsets, heads, head_dim, num_warps=num_warps, maxnreg=maxnreg,
+                                          heads_per_step=heads_per_step))
+    if buf.is_cuda and buf.device.index != torch.cuda.current_device():
+        with torch.cuda.device(buf.device):  # (Triton launches on the current device's stream, read below)
+            return decode_pages(buf, offsets, heads, head_dim, out=out, num_warps=num_warps, maxnreg=maxnreg,
+                                heads_per_step=heads_per_step)
     buf = buf.contiguous()
     if not supports(heads, head_dim) or n == 0 or buf.data_ptr() % 16:
         # other shapes, no pages, or pages the kernel's aligned word loads cannot read: the reference
@@ -558,6 +566,12 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, heads: int, head_dim:
             if hit.numel():
                 raise cls(f"page {int(hit[0, 0])}: " + what.format(fixed=ref.page_length(h, d, 0)))
     return out
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes do not overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 + a.numel() * a.element_size() <= b0 or b0 + b.numel() * b.element_size() <= a0
 
 
 def _into(values: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -1201,8 +1201,17 @@ class PagedDecodeAttention:
         self._plan = None
         self._pairs_cache: dict = {}
 
+    @staticmethod
+    def _device_key(device) -> str:
+        """A device's cache key, the same for "cuda" and the current "cuda:N" (plan() gets the
+        object's device, run() the tensors')."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return str(device)
+
     def _all_rope_pairs(self, half: int, device) -> torch.Tensor:
-        key = (half, str(device))
+        key = (half, self._device_key(device))
         if key not in self._pairs_cache:
             self._pairs_cache[key] = torch.arange(half, dtype=torch.int32, device=device)
         return self._pairs_cache[key]
@@ -1212,7 +1221,7 @@ class PagedDecodeAttention:
         run captured in a CUDA graph only gathers the tables): the Gluon kernel's (width 4 code order,
         3 crumb order, up to 2 interleaved), or the Triton kernel's (``gluon`` False: code order)."""
         gluon = gluon and bits < 4  # (width 4: code order in both)
-        key = ("pair_order", bits, gluon, str(device))
+        key = ("pair_order", bits, gluon, self._device_key(device))
         if key not in self._pairs_cache:
             from .paged_decode_gluon import crumb_pair_order, interleaved_pair_order
 

@@ -48,7 +48,7 @@ A page holds 16 tokens of one (layer, kv head, kind): the codes, then the 16 sca
 row at byte ``t * head_dim / 2``; byte i holds channel 2i in its low nibble, 2i + 1 in its high
 nibble); codes of width 3 are crumb rows and a bit-2 row (token t's row at byte ``t * 3 head_dim / 8``:
 head_dim/4 bytes of the codes' bits 0-1, channel 4i + s at bits 2s, 2s + 1 of byte i, then their
-bits 2 in the order of ``bit2_positions``); widths 2 and 5 are ``b`` bit planes of [16 tokens]
+bits 2 in the order of ``bit2_positions``; head_dim 32 and up, bit planes below); widths 2 and 5 are ``b`` bit planes of [16 tokens]
 [head_dim/8 bytes] (bit j of byte i of plane p is bit p of the code of channel 8i + j). Older layouts
 (``PAGE_VERSION``): version 1 (compact chunks before version 3) holds bit planes at every width,
 version 2 (chunks of version 3) at every width but 4.
@@ -440,10 +440,11 @@ def nibble_rows(bits: int, version: int = PAGE_VERSION) -> bool:
     return bits == 4 and version >= 2
 
 
-def crumb_rows(bits: int, version: int = PAGE_VERSION) -> bool:
-    """Whether pages of this width and layout version hold crumb rows and a bit-2 row (width 3)."""
+def crumb_rows(bits: int, head_dim: int, version: int = PAGE_VERSION) -> bool:
+    """Whether pages of this width, head_dim and layout version hold crumb rows and a bit-2 row (width
+    3, head_dim 32 and up: a bit-2 word covers 32 channels; narrower heads keep bit planes)."""
     _check_version(version)
-    return bits == 3 and version >= 3
+    return bits == 3 and version >= 3 and head_dim >= 32
 
 
 def bit2_positions(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,7 +469,7 @@ def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int, version: int =
         raise CompactCodecError(f"a code exceeds {bits} bits")
     if nibble_rows(bits, version):
         body = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8).reshape(-1)  # [16, d/2]
-    elif crumb_rows(bits, version):
+    elif crumb_rows(bits, d, version):
         crumbs = ((c & 3).view(PAGE_TOKENS, d // 4, 4) << (2 * torch.arange(4))).sum(-1)  # [16, d/4]
         g, pos = bit2_positions(d)
         words = torch.zeros(PAGE_TOKENS, d // 32, dtype=torch.int64)
@@ -495,7 +496,7 @@ def unpack_page(page: torch.Tensor, bits: int, head_dim: int,
         body = page[: n - PAGE_TOKENS].to(torch.int64).view(PAGE_TOKENS, head_dim // 2, 1)
         codes = torch.cat([body & 15, body >> 4], dim=2).view(PAGE_TOKENS, head_dim)
         return codes.to(torch.uint8), page[n - PAGE_TOKENS :].clone()
-    if crumb_rows(bits, version):
+    if crumb_rows(bits, head_dim, version):
         rows = page[: n - PAGE_TOKENS].to(torch.int64).view(PAGE_TOKENS, 3 * head_dim // 8)
         crumbs = (rows[:, : head_dim // 4, None] >> (2 * torch.arange(4))) & 3
         b2 = rows[:, head_dim // 4 :].view(PAGE_TOKENS, head_dim // 32, 4)
