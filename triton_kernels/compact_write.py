@@ -5,8 +5,8 @@ Read me first:
 * **What it writes.** For each new token of one layer and kind (K or V), ``x [n, kv_heads, head_dim]``
   and its slot (vLLM's slot mapping: ``slot = block * block_size + offset``; a negative slot is
   padding and writes nothing), the kernel encodes every KV head with that head's calibrated tables
-  and stores the codes (nibble rows at width 4, crumb rows and a bit-2 row at width 3 from head_dim 32, else ``bits``
-  bit planes) and the u8 scale index
+  and stores the codes (nibble rows at width 4, crumb rows and a bit-2 row at width 3 from head_dim
+  32, else ``bits`` bit planes) and the u8 scale index
   into the token's page of the pool ``pages uint8 [num_blocks, kv_heads, block_size / 16,
   page_bytes]``, the layout ``paged_decode`` reads (``codec.pack_page``). The bytes are the reference encoder's
   (``codec.encode_tokens``) bit for bit; ``compact_write_ref`` is the plain-PyTorch reference.

@@ -48,8 +48,9 @@ A page holds 16 tokens of one (layer, kv head, kind): the codes, then the 16 sca
 row at byte ``t * head_dim / 2``; byte i holds channel 2i in its low nibble, 2i + 1 in its high
 nibble); codes of width 3 are crumb rows and a bit-2 row (token t's row at byte ``t * 3 head_dim / 8``:
 head_dim/4 bytes of the codes' bits 0-1, channel 4i + s at bits 2s, 2s + 1 of byte i, then their
-bits 2 in the order of ``bit2_positions``; head_dim 32 and up, bit planes below); widths 2 and 5 are ``b`` bit planes of [16 tokens]
-[head_dim/8 bytes] (bit j of byte i of plane p is bit p of the code of channel 8i + j). Older layouts
+bits 2 in the order of ``bit2_positions``; from head_dim 32, bit planes below); widths 2 and 5 are
+``b`` bit planes of [16 tokens] [head_dim/8 bytes] (bit j of byte i of plane p is bit p of the code
+of channel 8i + j). Older layouts
 (``PAGE_VERSION``): version 1 (compact chunks before version 3) holds bit planes at every width,
 version 2 (chunks of version 3) at every width but 4.
 """
