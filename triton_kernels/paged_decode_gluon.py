@@ -193,19 +193,18 @@ def table_entries(bits):
 
 
 def k_crumb_channel(ch, head_dim: int):
-    """The stored channel a width-3 K operand position reads (ints or int tensors): the kernel's K
-    channel ``32 m + 8 i + 2 t + b`` is stored channel ``(t >> 1) d/2 + 16 m + 4 i + 2 (t & 1) + b``:
-    lane t reads crumb words ``(t >> 1) M + m`` and bit-2 words m of a row (``codec.bit2_positions``)."""
+    """The stored channel a width-3 operand position reads (ints or int tensors), K's and V^T's alike.
+    K: operand channel ``32 m + 8 i + 2 t + b`` is stored channel ``(t >> 1) d/2 + 16 m + 4 i + 2 (t &
+    1) + b``: lane t reads crumb words ``(t >> 1) M + m`` and bit-2 words m of a row
+    (``codec.bit2_positions``). V^T: with ``i = 2 i1 + i0`` and ``j = 2 t + b`` the same channel
+    ``32 m + 16 i1 + 8 i0 + j`` is stored channel ``(j >> 2) d/2 + 16 m + 4 (2 i1 + i0) + (j & 3)``:
+    lane j reads crumb words ``(j >> 2) M + m`` and bit-2 words m of two rows, and its pairs are byte
+    2 i1 + i0 of one select."""
     m, i, t, b = ch // 32, (ch // 8) % 4, (ch // 2) % 4, ch % 2
     return (t >> 1) * (head_dim // 2) + 16 * m + 4 * i + 2 * (t & 1) + b
 
 
-def v_crumb_channel(ch, head_dim: int):
-    """The stored channel of a width-3 V^T operand row: the kernel's V channel ``32 m + 16 i1 + 8 i0 +
-    j`` is stored channel ``(j >> 2) d/2 + 16 m + 4 (2 i1 + i0) + (j & 3)``: lane j reads crumb words
-    ``(j >> 2) M + m`` and bit-2 words m of two rows, and its pairs are byte 2 i1 + i0 of one select."""
-    m, i1, i0, j = ch // 32, (ch // 16) % 2, (ch // 8) % 2, ch % 8
-    return (j >> 2) * (head_dim // 2) + 16 * m + 4 * (2 * i1 + i0) + (j & 3)
+v_crumb_channel = k_crumb_channel  # (one map: see k_crumb_channel)
 
 
 def crumb_pair_codes_k(c: torch.Tensor, p: torch.Tensor, lane: int) -> torch.Tensor:

@@ -7,10 +7,11 @@ store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
     >>> store.put_tensor("chunk-key", kv_chunk, codec=codec)                   # ~0.28 of bf16
     >>> store.get_tensor("chunk-key")                                          # what q4 hands back
 
-Bytes: a 32-byte header (magic ``WZQC``, version 3, format index, then u32 kinds, layers, tokens,
+Bytes: a 32-byte header (magic ``WZQC``, version 4, format index, then u32 kinds, layers, tokens,
 hidden, u64 start: the position of the chunk's first token, little-endian; version 1 had no start
-and a 24-byte header, read as start 0; versions 1 and 2 hold pages of layout version 1, bit planes
-at every width, where version 3 holds width-4 codes as nibble rows) and, for K then V, each layer,
+and a 24-byte header, read as start 0; the page layout of each version is ``PAGE_VERSIONS``:
+versions 1 and 2 bit planes at every width, 3 width-4 codes as nibble rows, 4 also width-3 codes as
+crumb rows) and, for K then V, each layer,
 each kv head, each 16 tokens, one page of ``weightszip.compact.codec.page_bytes(bits, head_dim)``
 bytes (docs/FORMAT.md, "Compact KV pages"), bits from the calibration's allocation for that layer
 and kind. Every token of the chunk is coded:
