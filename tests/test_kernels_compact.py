@@ -775,6 +775,20 @@ def _check_operand_pairs(table, want, codes, d, k_pairs, v_pairs, k_channel, v_c
                     assert torch.equal(val >> 16, want[codes[1::2, s]])
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_gluon_table_fill_orders_entries_as_the_host_indexes(bits):
+    """The Gluon kernel makes its pair tables from the codebooks (``_fill_tables``): its entry codes
+    (``_entry_codes``, its Python body run on a tensor) are the host's gather indexes (width 4 code
+    order, width 3 crumb order, bit planes interleaved), which the lookup tests above check."""
+    from weightszip.kernels.paged_decode import compact_pair_order
+    from weightszip.kernels.paged_decode_gluon import _entry_codes, crumb_pair_order, interleaved_pair_order, table_entries
+
+    order = (compact_pair_order(4, "cpu") if bits == 4 else crumb_pair_order("cpu") if bits == 3
+             else interleaved_pair_order(bits, "cpu"))
+    a, b = _entry_codes.fn(torch.arange(table_entries(bits)), bits)
+    assert torch.equal(a, order[0::2]) and torch.equal(b, order[1::2])
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_gluon_nibble_rows_give_the_codebook_values(d):
     """Width 4 (nibble rows): the Gluon kernel's operand math in PyTorch on random pages. K: lane t's
@@ -888,7 +902,7 @@ warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_w
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
-        "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64"}
+        "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off)

@@ -1216,18 +1216,13 @@ class PagedDecodeAttention:
             self._pairs_cache[key] = torch.arange(half, dtype=torch.int32, device=device)
         return self._pairs_cache[key]
 
-    def _pair_order(self, bits: int, device, gluon: bool = True):
-        """A pair table's gather index for ``bits``, made once (plan() makes the ones a run needs, so a
-        run captured in a CUDA graph only gathers the tables): the Gluon kernel's (width 4 code order,
-        3 crumb order, up to 2 interleaved), or the Triton kernel's (``gluon`` False: code order)."""
-        gluon = gluon and bits < 4  # (width 4: code order in both)
-        key = ("pair_order", bits, gluon, self._device_key(device))
+    def _pair_order(self, bits: int, device):
+        """The Triton kernel's pair table gather index for ``bits`` (code order), made once (plan() makes
+        the ones a run needs, so a run captured in a CUDA graph only gathers the tables; the Gluon
+        kernel makes its own tables from the codebooks)."""
+        key = ("pair_order", bits, self._device_key(device))
         if key not in self._pairs_cache:
-            from .paged_decode_gluon import crumb_pair_order, interleaved_pair_order
-
-            self._pairs_cache[key] = (compact_pair_order(bits, device) if not gluon
-                                      else crumb_pair_order(device) if bits == 3
-                                      else interleaved_pair_order(bits, device))
+            self._pairs_cache[key] = compact_pair_order(bits, device)
         return self._pairs_cache[key]
 
     # -- plan ------------------------------------------------------------------------------------------
@@ -1303,9 +1298,8 @@ class PagedDecodeAttention:
             ws_acc=torch.empty(n_tot * self.num_kv_heads * g * self.head_dim, dtype=torch.float32, device=dev),
         )
         if self.page_type == PAGE_COMPACT and dev.type == "cuda":
-            for bits in {self.k_bits, self.v_bits} & {2, 3, 4}:  # (the pair tables' gather indexes)
+            for bits in {self.k_bits, self.v_bits} & {2, 3, 4}:  # (the Triton kernel's pair tables)
                 self._pair_order(bits, dev)
-                self._pair_order(bits, dev, gluon=False)
         return {"items": int(seq_of.size), "split_tokens": split_tokens,
                 "paged_tokens": int(n_paged.sum())}
 
@@ -1425,17 +1419,16 @@ class PagedDecodeAttention:
                     # with the rotary term, groups up to 8 (wider ones spill 200+ bytes at 16 warps)
                     and not (has_rope and G > 8)
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
-                # width 4 (nibble rows): pairs in code order; width 3 (crumb rows): crumbs, then bit 2;
-                # bit planes: in interleaved-bit order (each a cached gather index: one gather a table)
-                gluon_tabs = tuple(gather_pairs(cb, self._pair_order(bits, cb.device))
-                                   for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))
+                # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
+                # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
+                gluon_tabs = (k_codebook, v_codebook)
             elif not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
                 # (register tables read the bit planes' code order: width 2, the only planes up to 4)
                 lut_bits = min(self.config.reg_lut_bits, 2) if not _interpreting() else 0
                 reg_lut = max(self.k_bits, self.v_bits) <= lut_bits
                 k_codebook, v_codebook = (compact_lut_table(cb) if reg_lut
-                                          else gather_pairs(cb, self._pair_order(bits, cb.device, gluon=False))
+                                          else gather_pairs(cb, self._pair_order(bits, cb.device))
                                           if bits <= 4
                                           else cb.to(torch.bfloat16)
                                           for cb, bits in ((k_codebook, self.k_bits), (v_codebook, self.v_bits)))

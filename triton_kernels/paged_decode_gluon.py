@@ -470,18 +470,54 @@ def _staged_plane(base, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr,
 
 
 @gluon.jit
-def _fill_tables(tab, k_src, v_src, EK: gl.constexpr, EV: gl.constexpr, NW: gl.constexpr):
-    """32 copies of the K and V int32 pair tables (EK and EV entries at ``k_src``, ``v_src``) into
-    ``tab``, one 64-word row per entry: K's entry x for lane l at word 64 x + l, V's at 64 x + 32 + l.
-    Lane l reads copy l, in bank l, so a warp's lookups never conflict, and a lookup's byte address
-    is the pair code in bits 8-15 beside the lane's offset in bits 0-7 (``_lookup``: one byte permute)."""
+def _entry_codes(x, BITS: gl.constexpr):
+    """The codes (a, b) of pair-table entry ``x`` at a width, as the host's gather indexes order them:
+    width 4 code order (``paged_decode.compact_pair_order``), width 3 the crumb byte
+    (``crumb_pair_order``), else interleaved bits (``interleaved_pair_order``)."""
+    if BITS == 4:
+        a = x & 15
+        b = x >> 4
+    elif BITS == 3:
+        a = (x & 3) | (((x >> 4) & 1) << 2)
+        b = ((x >> 2) & 3) | (((x >> 5) & 1) << 2)
+    else:
+        a = x & 1
+        b = (x >> 1) & 1
+        if BITS == 2:
+            a |= ((x >> 2) & 1) << 1
+            b |= ((x >> 3) & 1) << 1
+    return a, b
+
+
+@gluon.jit
+def _bf16_word(cb, a, b, ok):
+    """bf16 codebook[a] in the low half and codebook[b] in the high half of an int32 (cb: fp32 or bf16
+    codebook row; rounded to nearest even as torch's ``.to(torch.bfloat16)``); 0 where not ``ok``."""
+    lo = gl.load(cb + a, mask=ok, other=0.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    hi = gl.load(cb + b, mask=ok, other=0.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return lo | (hi << 16)
+
+
+@gluon.jit
+def _fill_tables(tab, k_cb, v_cb, BITS_K: gl.constexpr, BITS_V: gl.constexpr, EK: gl.constexpr,
+                 EV: gl.constexpr, NW: gl.constexpr):
+    """32 copies of the K and V pair tables, made from the codebook rows ``k_cb``, ``v_cb`` (fp32 or
+    bf16; entry x = bf16 codebook[a] | bf16 codebook[b] << 16, ``_entry_codes``), into ``tab``, one
+    64-word row per entry: K's entry x for lane l at word 64 x + l, V's at 64 x + 32 + l. Lane l
+    reads copy l, in bank l, so a warp's lookups never conflict, and a lookup's byte address is the
+    pair code in bits 8-15 beside the lane's offset in bits 0-7 (``_lookup``: one byte permute)."""
     TL: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
-    w = gl.arange(0, max(EK, EV) * 64, layout=TL)
-    row = w // 64
-    is_v = (w % 64) >= 32
-    k = gl.load(k_src + row, mask=(row < EK) & ((w % 64) < 32), other=0)
-    v = gl.load(v_src + row, mask=(row < EV) & is_v, other=0)
-    tab.store(gl.where(is_v, v, k))
+    WORDS: gl.constexpr = max(EK, EV) * 64
+    CH: gl.constexpr = min(WORDS, NW * 128)  # words a pass (4 a thread: few registers live)
+    for c in gl.static_range(WORDS // CH):
+        w = c * CH + gl.arange(0, CH, layout=TL)
+        row = w // 64
+        is_v = (w % 64) >= 32
+        ka, kb = _entry_codes(row, BITS_K)
+        va, vb = _entry_codes(row, BITS_V)
+        k = _bf16_word(k_cb, ka, kb, (row < EK) & ~is_v)
+        v = _bf16_word(v_cb, va, vb, (row < EV) & is_v)
+        tab.slice(c * CH, CH).store(gl.where(is_v, v, k))
 
 
 @gluon.jit
@@ -837,7 +873,7 @@ def compact_split_kernel(
     q_ptr, bias_ptr, k_pages_ptr, v_pages_ptr, block_tables_ptr,
     work_seq_ptr, work_start_ptr, work_end_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-    k_tab_ptr, v_tab_ptr, k_grid_ptr, v_grid_ptr,
+    k_cb_ptr, v_cb_ptr, k_grid_ptr, v_grid_ptr,
     rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
@@ -877,9 +913,10 @@ def compact_split_kernel(
     t0 = gl.load(work_start_ptr + item)
     t1 = gl.load(work_end_ptr + item)
 
-    # the pair tables, 32 copies of K's and V's entry x in row x, at TAB_OFF (``smem_offsets``)
+    # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x, at TAB_OFF
+    # (``smem_offsets``)
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    _fill_tables(tab, k_tab_ptr + head * EK, v_tab_ptr + head * EV, EK, EV, NW)
+    _fill_tables(tab, k_cb_ptr + head * (1 << BITS_K), v_cb_ptr + head * (1 << BITS_V), BITS_K, BITS_V, EK, EV, NW)
     # STAGES > 0: each warp's next STAGES - 1 pages copied into its own slots of shared memory
     # (cp.async, no registers held), at STAGE_OFF (``smem_offsets``)
     SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM)
