@@ -1388,7 +1388,7 @@ class PagedDecodeAttention:
         has_rope = rope_coef is not None or rope_phase is not None
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
-        gluon_tabs = None  # the Gluon kernel's pair tables (KernelConfig.gluon)
+        gluon_cbs = None  # the codebooks the Gluon kernel makes its pair tables from (KernelConfig.gluon)
         # fp8 pages on the Gluon kernel (KernelConfig.gluon)
         # (no logit bias: the kernel has none; 2 warps at least: with one, no Triton op touches shared
         # memory and ptxas loses the symbol the inline PTX addresses it by)
@@ -1421,7 +1421,7 @@ class PagedDecodeAttention:
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
-                gluon_tabs = (k_codebook, v_codebook)
+                gluon_cbs = (k_codebook, v_codebook)
             elif not cuda_dot:  # tensor-core operands are bf16: codebooks as register byte tables, or
                 # (widths <= 4) packed pairs to gather, or bf16 values to gather
                 # (register tables read the bit planes' code order: width 2, the only planes up to 4)
@@ -1499,16 +1499,16 @@ class PagedDecodeAttention:
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 STAGES=fp8_stages, num_warps=cfg.gluon_warps,
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
-        elif pl["n_items"] and gluon_tabs is not None:
+        elif pl["n_items"] and gluon_cbs is not None:
             from . import paged_decode_gluon as pg
 
-            k_tab, v_tab = gluon_tabs
+            k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             tab_off, stage_off, _ = pg.smem_offsets(self.k_bits, self.v_bits, D, warps, cfg.gluon_stages)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
-                k_tab, v_tab, k_grid, v_grid,
+                k_cb, v_cb, k_grid, v_grid,
                 rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
                 rope_pairs if has_rope else dummy, rope_pairs.numel() if has_rope else 0, qk_scale,
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),

@@ -110,8 +110,8 @@ def interleaved_pair_table(codebook: torch.Tensor, order: torch.Tensor | None = 
     """int32 [H, 4**bits] from a codebook [H, 2**bits] (bits <= 4): entry ``x`` holds the bf16 bits of
     ``codebook[a]`` in its low half and of ``codebook[b]`` in its high half (``interleaved_pair_order``,
     the order ``pair_index`` makes; pass it to skip recomputing it); ``paged_decode.compact_pair_table``
-    packs the same pairs in code order. Device ops only (no host to device copy), so a decode step
-    that builds it can be captured in a CUDA graph."""
+    packs the same pairs in code order. The reference of the tables the kernel makes in shared
+    memory (``_fill_tables``) at width 2 (bit planes). Device ops only."""
     if order is None:
         order = interleaved_pair_order(codebook.shape[1].bit_length() - 1, codebook.device)
     return gather_pairs(codebook, order)
@@ -843,6 +843,51 @@ def _softmax_step(s, valid, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
+# The compact kernel's running max moves only when a page's max exceeds it by more than this (base
+# 2): the weights are then at most 2**8 (fp32 and bf16 hold them), and most pages leave the sum
+# unscaled (``_rescale`` skips the multiply when no head of the warp moved). Not in the fp8 kernel,
+# which is bound by memory: measured 1-3% slower with it (BENCHMARKS.md, session 20)
+MAX_SLACK = gl.constexpr(8.0)
+
+
+@gluon.jit
+def _lazy_softmax_step(s, valid, m_i, l_t):
+    """``_softmax_step`` with a lazy max and the mass kept per thread (``l_t`` [NW, 16, BLOCK_G]: the
+    rows each thread holds, summed across them at the end): the max moves only by more than
+    MAX_SLACK (the result is the same at any max the weights do not overflow at: the merge divides
+    the sum by the mass at one max), so ``alpha`` is 1 on most pages, and no shuffles sum the mass."""
+    s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
+    m_c = gl.maximum(m_i, gl.max(s, axis=1))
+    m_new = gl.where(m_c > m_i + MAX_SLACK, m_c, m_i)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    return p, alpha, m_new, l_t * gl.expand_dims(alpha, 1) + p
+
+
+@constexpr_function
+def _rescale_asm(n):
+    """``n`` values ($0.., tied to their inputs) times their factors ($2n..) unless the flag $3n is
+    0: a branch, uniform when the flag is (``_rescale``), around the multiplies."""
+    muls = " ".join(f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
+    return f"{{ .reg .pred p; setp.eq.s32 p, ${3 * n}, 0; @p bra.uni SKIP; {muls} SKIP: }}"
+
+
+@constexpr_function
+def _rescale_constraints(n):
+    return ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n + ["r"] * n)
+
+
+@gluon.jit
+def _rescale(acc, alpha, moved, HEAD_DIM: gl.constexpr, BLOCK_G: gl.constexpr):
+    """``acc`` [NW, HEAD_DIM, BLOCK_G] times ``alpha`` [NW, BLOCK_G] per head, skipped in a warp none
+    of whose heads' max ``moved`` (the common case past the first pages: see ``MAX_SLACK``)."""
+    need = gl.max(moved.to(gl.int32), axis=1)  # [NW]: one value per warp (a reduction within it)
+    n: gl.constexpr = min(32, HEAD_DIM * BLOCK_G // 32)  # a thread's values (all of them: one branch)
+    return gl.inline_asm_elementwise(_rescale_asm(n), _rescale_constraints(n),
+                                     [acc, gl.expand_dims(alpha, 1), gl.expand_dims(gl.expand_dims(need, 1), 1)],
+                                     dtype=gl.float32, is_pure=True, pack=n)
+
+
 @gluon.jit
 def _store_split(m_i, l_i, acc, out_scale, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                  GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, MMA: gl.constexpr,
@@ -884,7 +929,8 @@ def compact_split_kernel(
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
-    the running max (base 2), softmax mass and unnormalized fp32 sum of p * y into the workspace.
+    the running max (base 2; lazy, ``_lazy_softmax_step``), softmax mass and unnormalized fp32 sum of
+    p * y into the workspace.
 
     Transposed products, so the GQA group is the narrow side (n = 8 on mma.sync, not m = 16):
     ``S^T = K Q^T`` [16 rows, BLOCK_G heads] and ``O^T += V^T P^T`` [HEAD_DIM, BLOCK_G], K and V^T the
@@ -936,7 +982,8 @@ def compact_split_kernel(
     else:
         bias = gl.zeros([NW, BLOCK_G], gl.float32, layout=HEADS)
 
-    m_i, l_i, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
+    m_i, _, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
+    l_t = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)  # the mass per thread (``_lazy_softmax_step``)
     bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
     lo = t0 - t0 % 16
     n_iter = gl.cdiv(t1 - lo, NW * 16)
@@ -996,7 +1043,7 @@ def compact_split_kernel(
             s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
                               _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2, ROPE_CHUNKS, NW,
                               MMA, OPA, OPB) * qk_scale
-        p, alpha, m_new, l_i = _softmax_step(s, valid, m_i, l_i)
+        p, alpha, m_new, l_t = _lazy_softmax_step(s, valid, m_i, l_t)
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
         if STAGES > 0:
             a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV)
@@ -1008,7 +1055,7 @@ def compact_split_kernel(
                 a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
                 b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
         vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, TAB_OFF + 128, HEAD_DIM, NW, LV, OPA)
-        acc = mma_v2(vt, pt, acc * gl.expand_dims(alpha, 1))
+        acc = mma_v2(vt, pt, _rescale(acc, alpha, m_new != m_i, HEAD_DIM, BLOCK_G))
         m_i = m_new
         fr, kg, vg = nfr, nkg, nvg
         if STAGES == 0:
@@ -1021,8 +1068,8 @@ def compact_split_kernel(
     gl.thread_barrier()
     tab._keep_alive()
 
-    _store_split(m_i, l_i, acc, 1.0, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr, GROUP, BLOCK_G,
-                 HEAD_DIM, MMA, HEADS, BITS_V)
+    _store_split(m_i, gl.sum(l_t, axis=1), acc, 1.0, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+                 GROUP, BLOCK_G, HEAD_DIM, MMA, HEADS, BITS_V)
 
 
 # ----------------------------------------------------------------------------------------------------
