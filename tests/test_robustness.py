@@ -86,6 +86,21 @@ def test_declared_huge_shape_is_refused_before_allocating():
         weightszip.decompress(_reseal(bytearray(blob), bytes(idx)))
 
 
+@pytest.mark.parametrize("dim", [1 << 63, (1 << 50) + 1])
+def test_empty_tensor_with_a_huge_dimension_is_refused(dim):
+    """An empty tensor ([0, 4]) whose other dimension is past the format's limit (``MAX_DIM``, 2^50;
+    numpy and torch take less than 2^63): LimitExceededError when the index is read, not a ValueError
+    from numpy or a TypeError from torch when the tensor is allocated."""
+    blob = weightszip.compress(np.zeros((0, 4), np.float32))
+    idx = _index(blob)
+    dims_at = 8 + 2 + 4 + 2  # (as above: the entry's first dimension; the second follows)
+    idx[dims_at + 8 : dims_at + 16] = struct.pack("<Q", dim)
+    bad = _reseal(bytearray(blob), bytes(idx))
+    for read in (weightszip.info, weightszip.decompress, lambda b: weightszip.decompress(b, out="torch")):
+        with pytest.raises(errors.LimitExceededError):
+            read(bad)
+
+
 def test_expansion_beyond_the_format_limit_is_refused():
     # A 64 MiB chunk of zeros is legal but highly compressed; shrink its stored length claim.
     blob = weightszip.compress(np.zeros(1 << 16, np.uint8), chunk_bytes=1 << 16)

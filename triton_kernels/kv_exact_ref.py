@@ -151,12 +151,11 @@ class EncodedPages:
 def encode_pages(values: torch.Tensor, bases: torch.Tensor) -> EncodedPages:
     """Code ``n`` pages. values: bf16 (or int16 bits) ``[n, 16, H, D]`` (token-major, as a model
     writes K or V); bases: uint8 ``[H, D]`` (or ``[H * D]``) of this layer and kind."""
-    _check(values.dim() == 4 and values.shape[1] == PAGE_TOKENS,
-           f"values must be [n, {PAGE_TOKENS}, kv_heads, head_dim], not {list(values.shape)}")
+    _check(isinstance(values, torch.Tensor) and values.dim() == 4 and values.shape[1] == PAGE_TOKENS,
+           f"values must be a tensor [n, {PAGE_TOKENS}, kv_heads, head_dim]")
     n, _, h, d = values.shape
     _check(d % 32 == 0 and d > 0, f"head_dim must be a positive multiple of 32, not {d}")
-    bases = bases.reshape(h, d).to(values.device)
-    _check(bases.dtype == torch.uint8, "bases must be uint8")
+    bases = _tops(bases, h, d, values.device)
     bits = _bits(values).permute(0, 2, 1, 3)  # [n, H, 16, D]
     code = codes_of(bits, bases[None, :, None, :])
     raw = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
@@ -169,6 +168,13 @@ def encode_pages(values: torch.Tensor, bases: torch.Tensor) -> EncodedPages:
     counts = esc.sum((2, 3)).to(torch.int64)
     escapes = ((bits >> 7) & 0xFF)[esc].to(torch.uint8)  # page, head, token, channel order
     return EncodedPages(fixed, counts, escapes, h, d)
+
+
+def _tops(bases, h: int, d: int, device) -> torch.Tensor:
+    """The window tops as uint8 [H, D] on ``device``: a uint8 tensor of H x D values (any shape)."""
+    _check(isinstance(bases, torch.Tensor) and bases.dtype == torch.uint8 and bases.numel() == h * d,
+           f"bases must be a uint8 tensor of {h} x {d} window tops")
+    return bases.reshape(h, d).to(device)
 
 
 def _u32(b: torch.Tensor) -> torch.Tensor:
@@ -195,13 +201,13 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, bases: torch.Tensor, 
     (page i is ``buf[offsets[i]:offsets[i + 1]]``), bases uint8 [H, D]. Returns int16 bits
     ``[n, 16, H, D]``. Raises TruncatedError / CorruptDataError (with the page's index) for any
     input that an encoder could not have written; never reads outside ``buf``."""
-    _check(buf.dtype == torch.uint8 and buf.dim() == 1, "buf must be a 1-D uint8 tensor")
-    _check(offsets.dim() == 1 and offsets.numel() >= 1 and not offsets.is_floating_point(),
-           "offsets must be an integer tensor [n + 1]")
+    _check(isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1,
+           "buf must be a 1-D uint8 tensor")
+    _check(isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() >= 1
+           and not offsets.is_floating_point(), "offsets must be an integer tensor [n + 1]")
     h, d = heads, head_dim
     _check(h > 0 and d > 0 and d % 32 == 0, f"head_dim must be a positive multiple of 32, not {d}")
-    bases = bases.reshape(h, d).to(buf.device)
-    _check(bases.dtype == torch.uint8, "bases must be uint8")
+    bases = _tops(bases, h, d, buf.device)
     off, length = page_spans(buf, offsets)
     n = off.numel() - 1
     fb = fixed_bytes(h, d)

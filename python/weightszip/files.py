@@ -265,6 +265,11 @@ def decompress_file(
 def _write_safetensors(src, dst, index: dict, threads: int) -> None:
     header, offset = {}, 0
     for e in index["entries"]:
+        # (the container allows any names; a safetensors header is a JSON object of unique names,
+        # "__metadata__" reserved: refuse what it cannot hold instead of writing a broken file)
+        if e["name"] in header or e["name"] == "__metadata__":
+            raise InvalidArgumentError(f"tensor name {e['name']!r} twice or reserved: the container cannot be "
+                                       "written as a .safetensors file")
         header[e["name"]] = {
             "dtype": _TO_SAFETENSORS[e["dtype"]],
             "shape": e["shape"],

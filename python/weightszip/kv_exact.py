@@ -46,10 +46,10 @@ import numpy as np
 import torch
 
 from weightszip import _core
-from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError
+from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, TruncatedError
 from weightszip.kernels import kv_exact4_ref as ref4
 from weightszip.kernels import kv_exact_ref as ref
-from weightszip.pages import _bytes, _u16
+from weightszip.pages import _bytes, _offsets_u64, _u16
 
 PAGE = ref.PAGE_TOKENS
 
@@ -101,14 +101,22 @@ def cpu_encode_pages(values, bases) -> tuple[bytes, np.ndarray]:
     return buf, np.asarray(offs, np.int64)
 
 
-def _offsets_u64(offsets) -> list[int]:
-    """Page offsets (n + 1 integers) for the Rust decoders: int64 values cross as u64 (two's
-    complement), so a negative one lies past any buffer's end and the codec tells hostile offsets
-    apart as the references do (not from 0 to the end: Truncated; a middle one decreasing or outside
-    the buffer: Corrupt)."""
-    offs = np.asarray(offsets).reshape(-1)
-    _check(offs.size >= 1 and offs.dtype.kind in "iu", "offsets must be n + 1 integers")
-    return [int(o) % (1 << 64) for o in offs]
+def _check_spans(offs: list[int], buf_len: int, min_page: int) -> None:
+    """The decoders' first rules, on the offsets alone and before the output is allocated, so that
+    hostile offsets cannot ask for more memory than the bytes could decode to: they run from 0 to the
+    buffer's end (TruncatedError), do not decrease (CorruptDataError), and no page is shorter than
+    ``min_page`` (TruncatedError naming it; the references' order). After them n pages hold at least
+    n x ``min_page`` bytes."""
+    o = np.asarray(offs, dtype=np.uint64)
+    if int(o[0]) != 0 or int(o[-1]) != buf_len:
+        raise TruncatedError(f"page offsets cover bytes {int(o[0])}..{int(o[-1])} of a {buf_len}-byte buffer")
+    down = np.flatnonzero(o[1:] < o[:-1])
+    if down.size:
+        raise CorruptDataError(f"page {int(down[0])}: offsets decrease")
+    short = np.flatnonzero(np.diff(o) < min_page)
+    if short.size:
+        i = int(short[0])
+        raise TruncatedError(f"page {i}: {int(o[i + 1] - o[i])} bytes, a page has at least {min_page}")
 
 
 def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarray:
@@ -117,10 +125,14 @@ def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarr
     TruncatedError / CorruptDataError naming the page."""
     src = _bytes(buf)
     offs = _offsets_u64(offsets)
-    _check(heads > 0 and head_dim > 0, "heads and head_dim must be positive")
+    _check(heads > 0 and head_dim > 0 and head_dim % 32 == 0,
+           f"KV Exact pages need heads > 0 and head_dim a positive multiple of 32, not {heads} x {head_dim}")
+    if heads * head_dim > 1 << 16:
+        raise LimitExceededError(f"{heads} x {head_dim} channels (at most {1 << 16})")
+    tops = _bases(bases, heads * head_dim)
+    _check_spans(offs, src.nbytes, ref.fixed_bytes(heads, head_dim))
     out = np.empty((len(offs) - 1, PAGE, heads, head_dim), np.uint16)
-    _core.kvx_decode(heads, head_dim, _bases(bases, heads * head_dim), src.ctypes.data, src.nbytes,
-                     offs, out.ctypes.data, out.nbytes)
+    _core.kvx_decode(heads, head_dim, tops, src.ctypes.data, src.nbytes, offs, out.ctypes.data, out.nbytes)
     return out
 
 
@@ -146,6 +158,7 @@ def cpu_decode_exact4_pages(buf, offsets, heads: int, head_dim: int) -> np.ndarr
     _check(head_dim > 0 and head_dim % 32 == 0, f"head_dim must be a positive multiple of 32, not {head_dim}")
     if heads * head_dim > 1 << 16:
         raise LimitExceededError(f"{heads} x {head_dim} channels (at most {1 << 16})")
+    _check_spans(offs, src.nbytes, ref4.page_length(heads, head_dim, 0))
     out = np.empty((len(offs) - 1, PAGE, heads, head_dim), np.uint16)
     _core.kvx4_decode(heads, head_dim, src.ctypes.data, src.nbytes, offs, out.ctypes.data, out.nbytes)
     return out

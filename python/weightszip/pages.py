@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from weightszip import _core
-from weightszip.errors import InvalidArgumentError
+from weightszip.errors import CorruptDataError, InvalidArgumentError
 
 PAGE_TOKENS = _core.PAGE_TOKENS
 STREAM_CHANNELS = _core.PAGE_STREAM_CHANNELS
@@ -44,6 +44,16 @@ def _bytes(buf) -> np.ndarray:
     if isinstance(buf, (bytes, bytearray, memoryview)):
         return np.frombuffer(buf, np.uint8)
     return np.ascontiguousarray(buf).view(np.uint8)
+
+
+def _offsets_u64(offsets) -> list[int]:
+    """Page offsets (a 1-D array of n + 1 integers) for the Rust decoders: int64 values cross as u64
+    (two's complement), so a negative one lies past any buffer's end and the codecs tell hostile
+    offsets apart as the references do (InvalidArgumentError for anything but 1-D integers)."""
+    offs = np.asarray(offsets)
+    if offs.ndim != 1 or offs.size < 1 or offs.dtype.kind not in "iu":
+        raise InvalidArgumentError("offsets must be a 1-D array of n + 1 integers")
+    return [int(o) % (1 << 64) for o in offs]
 
 
 def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8) -> bytes:
@@ -77,10 +87,19 @@ def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
     """Decode the pages at ``offsets`` (n + 1 entries) of ``buf``; returns uint16 [n, 16, channels]."""
     _, _, channels, _ = codebook_info(codebook)
     src = _bytes(buf)
-    offs = [int(o) for o in np.asarray(offsets).reshape(-1)]
-    n = max(len(offs) - 1, 0)
+    offs = _offsets_u64(offsets)
+    # the output is allocated for the pages up to the first one that cannot decode (outside the
+    # buffer, offsets decreasing, or shorter than a header and a raw byte per value; pages are
+    # checked in order, so the codec raises for it or an earlier one): hostile offsets cannot ask
+    # for more memory than the buffer's bytes could decode to
+    o = np.asarray(offs, np.uint64)
+    least = -(-2 * (channels // STREAM_CHANNELS) // 8) * 8 + PAGE_TOKENS * channels
+    bad = np.flatnonzero((o[1:] < o[:-1]) | (o[1:] > src.nbytes) | (o[1:] - o[:-1] < least))
+    n = len(offs) - 1 if bad.size == 0 else int(bad[0]) + 1
     out = np.empty((n, PAGE_TOKENS, channels), np.uint16)
-    _core.page_decode(bytes(codebook), src.ctypes.data, src.nbytes, offs, out.ctypes.data, out.nbytes)
+    _core.page_decode(bytes(codebook), src.ctypes.data, src.nbytes, offs[:n + 1], out.ctypes.data, out.nbytes)
+    if n < len(offs) - 1:  # (the codec raised for page n - 1 or before; this says the same if not)
+        raise CorruptDataError(f"page {n - 1}: offsets {offs[n - 1]}..{offs[n]} cannot hold a page")
     return out
 
 

@@ -193,29 +193,39 @@ class Calibration:
             meta = json.loads(bytes(np.asarray(t["meta"], dtype=np.uint8)).decode())
         except (KeyError, ValueError, UnicodeDecodeError) as e:
             raise CalibrationError(f"{path}: no readable calibration metadata ({e})") from e
+        if not isinstance(meta, dict):
+            raise CalibrationError(f"{path}: calibration metadata must be a JSON object")
         if meta.get("kind") != CALIBRATION_KIND:
             raise CalibrationError(f"{path} is not a weightszip compact calibration file")
         if meta.get("version") not in (1, CALIBRATION_VERSION):
             raise CalibrationError(f"{path}: calibration version {meta.get('version')} is not supported (this reads 1-{CALIBRATION_VERSION})")
+        def table(name, dtype):  # a stored table of its documented dtype (a cast would hide NaN)
+            a = np.asarray(t[name])
+            if a.dtype != dtype:
+                raise TypeError(f"calibration tensor {name} is {a.dtype}, not {np.dtype(dtype)}")
+            return torch.from_numpy(a)
+
         try:
             L, H, d = int(meta["layers"]), int(meta["kv_heads"]), int(meta["head_dim"])
+            if not isinstance(meta["allocation"], dict):
+                raise TypeError("allocation is not an object")
             cal = cls(
                 layers=L,
                 kv_heads=H,
                 head_dim=d,
-                mu=torch.from_numpy(np.asarray(t["mu"], dtype=np.int64)),
-                mult=torch.from_numpy(np.asarray(t["mult"], dtype=np.int64)),
-                signs=torch.from_numpy(np.asarray(t["signs"], dtype=np.int64)),
-                e0=torch.from_numpy(np.asarray(t["e0"], dtype=np.int64)),
-                codebooks={b: torch.from_numpy(np.asarray(t[f"codebook_{b}"], dtype=np.float32)) for b in BITS_CHOICES},
+                mu=table("mu", np.int64),
+                mult=table("mult", np.int64),
+                signs=table("signs", np.int64),
+                e0=table("e0", np.int64),
+                codebooks={b: table(f"codebook_{b}", np.float32) for b in BITS_CHOICES},
                 allocation={k: [[int(b) for b in lk] for lk in v] for k, v in meta["allocation"].items()},
-                rope_m=torch.from_numpy(np.asarray(t["rope_m"], dtype=np.int64)) if "rope_m" in t else None,
-                rope_phase=torch.from_numpy(np.asarray(t["rope_phase"], dtype=np.int64)) if "rope_phase" in t else None,
+                rope_m=table("rope_m", np.int64) if "rope_m" in t else None,
+                rope_phase=table("rope_phase", np.int64) if "rope_phase" in t else None,
                 sink_tokens=int(meta["sink_tokens"]),
                 recent_window=int(meta["recent_window"]),
                 meta=meta,
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CalibrationError(f"{path}: incomplete calibration ({e!r})") from e
         cal.validate()
         return cal

@@ -153,6 +153,8 @@ class HeadTables:
             raise CompactCodecError(f"codebook must be float32 [{2**self.bits}]")
         if not bool(torch.all(self.codebook[1:] > self.codebook[:-1])):
             raise CompactCodecError("codebook entries must be strictly ascending")
+        if not bool(torch.all(self.codebook.abs() <= 1)):  # (NaN and infinities fail too)
+            raise CompactCodecError("codebook entries must lie in [-1, 1]")
         for name in ("mu", "mult", "signs"):
             t = getattr(self, name)
             if t.shape != (d,) or t.dtype != torch.int64:
@@ -161,7 +163,8 @@ class HeadTables:
             raise CompactCodecError("mult must lie in [1, 2**24]")
         if not bool(torch.all(self.signs.abs() == 1)):
             raise CompactCodecError("signs must be +-1")
-        if not bool(torch.all(self.mu.abs() <= 2**37)):
+        # (compared both ways: abs() of the most negative int64 is itself, negative)
+        if not bool(torch.all((self.mu >= -(2**37)) & (self.mu <= 2**37))):
             raise CompactCodecError("|mu| must be at most 2**37")
         grid_table(self.e0)  # validates e0
         if (self.rope_m is None) != (self.rope_phase is None):
@@ -171,7 +174,7 @@ class HeadTables:
                 raise CompactCodecError(f"rope_m must be int64 [{d}]")
             if self.rope_phase.shape != (d // 2,) or self.rope_phase.dtype != torch.int64:
                 raise CompactCodecError(f"rope_phase must be int64 [{d // 2}]")
-            if not bool(torch.all(self.rope_m.abs() < ROPE_M_MAX)):
+            if not bool(torch.all((self.rope_m > -ROPE_M_MAX) & (self.rope_m < ROPE_M_MAX))):
                 raise CompactCodecError("|rope_m| must be below 2**31")
             if not bool(torch.all((self.rope_phase >= 0) & (self.rope_phase < 2**PHASE_BITS))):
                 raise CompactCodecError("rope_phase must lie in [0, 2**48)")

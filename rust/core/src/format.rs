@@ -28,6 +28,8 @@ pub const MAX_NAME_LEN: usize = 4096;
 pub const MAX_NDIM: usize = 16;
 pub const MAX_CHUNK_RAW: u64 = 64 << 20;
 pub const MAX_TENSOR_BYTES: u64 = 1 << 50;
+/// Each dimension of a shape, an empty tensor's too (numpy and torch take at most 2^63 - 1).
+pub const MAX_DIM: u64 = 1 << 50;
 /// A chunk may declare at most this many raw bytes per stored byte. Every coded symbol costs at
 /// least -log2(4095/4096) bits (rans.rs), so 8 / 3.52e-4 = 22,708 one-byte units per stored byte
 /// is the most a valid stream can hold; 32768 leaves room and is a power of two.
@@ -100,6 +102,9 @@ impl TensorMeta {
         }
         if self.shape.len() > MAX_NDIM {
             return Err(Error::LimitExceeded(format!("{} dimensions (limit {MAX_NDIM})", self.shape.len())));
+        }
+        if let Some(&d) = self.shape.iter().find(|&&d| d > MAX_DIM) {
+            return Err(Error::LimitExceeded(format!("dimension {d} (limit {MAX_DIM})")));
         }
         if !self.shape.is_empty() && self.channel_axis as usize >= self.shape.len() {
             return Err(Error::InvalidArgument(format!(

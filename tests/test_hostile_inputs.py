@@ -1,0 +1,182 @@
+"""Hostile inputs found by an audit of the Python-facing decoders (session 20): each is a typed
+error (weightszip.errors, or the compact formats' CalibrationError / CompactCodecError), never an
+untyped exception, an allocation the input's bytes cannot justify, or a silently wrong result."""
+
+import json
+import os
+import resource
+import struct
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weightszip  # noqa: E402
+from weightszip import errors, kv_exact, pages  # noqa: E402
+from weightszip.kernels import kv_exact4_ref as ref4  # noqa: E402
+from weightszip.kernels import kv_exact_ref as ref  # noqa: E402
+
+from test_robustness import _index, _reseal  # noqa: E402
+
+
+@pytest.fixture
+def small_address_space():
+    """At most 2 GiB more address space for the test's body: an output sized from hostile offsets
+    would fail with MemoryError instead of the typed error the decoders must raise first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _exact4_pages(n=2, h=1, d=32):
+    v = torch.randn(n, 16, h, d).to(torch.bfloat16)
+    buf, offs = kv_exact.cpu_encode_exact4_pages(v)
+    return buf, offs
+
+
+def test_page_offsets_that_cannot_be_pages_are_refused_before_allocating(small_address_space):
+    # 10**5 empty pages of 256 x 256 channels would be a 195 GiB output
+    many = np.zeros(10**5, np.int64)
+    with pytest.raises(errors.TruncatedError):
+        kv_exact.cpu_decode_exact4_pages(b"", many, 256, 256)
+    with pytest.raises(errors.TruncatedError):
+        kv_exact.cpu_decode_pages(b"", many, np.zeros(256 * 256, np.uint8), 256, 256)
+    # offsets that run from 0 to the end, one page too short: the first short page, named
+    buf, offs = _exact4_pages(3)
+    bad = offs.copy()
+    bad[1] = 8
+    with pytest.raises(errors.TruncatedError, match="page 0"):
+        kv_exact.cpu_decode_exact4_pages(buf, bad, 1, 32)
+    with pytest.raises(errors.TruncatedError, match="page 0"):  # the reference, for the same input
+        ref4.decode_pages(torch.frombuffer(bytearray(buf), dtype=torch.uint8), torch.from_numpy(bad), 1, 32)
+    down = offs.copy()
+    down[1], down[2] = down[2], down[1]
+    with pytest.raises(errors.CorruptDataError):
+        kv_exact.cpu_decode_exact4_pages(buf, down, 1, 32)
+
+
+def test_page_offsets_must_be_one_dimensional_integers():
+    buf, offs = _exact4_pages(2)
+    for bad in (offs.reshape(1, -1), offs.astype(np.float64), np.zeros(0, np.int64)):
+        with pytest.raises(errors.InvalidArgumentError):
+            kv_exact.cpu_decode_exact4_pages(buf, bad, 1, 32)
+    x = np.zeros((16, 32), np.uint16)
+    cb = pages.calibrate(x)
+    pbuf, poffs = pages.encode_pages(cb, x[None])
+    with pytest.raises(errors.InvalidArgumentError):
+        pages.decode_pages(cb, pbuf, np.asarray(poffs).reshape(1, -1))
+
+
+def test_exact_page_profile_offsets_negative_huge_or_too_many(small_address_space):
+    x = np.zeros((16, 32), np.uint16)
+    cb = pages.calibrate(x)
+    buf, offs = pages.encode_pages(cb, x[None])
+    for bad in ([0, -8, len(buf)], [0, 1 << 63, len(buf)], [0, len(buf) + 1]):
+        with pytest.raises(errors.CorruptDataError):
+            pages.decode_pages(cb, buf, np.asarray(bad, dtype=np.uint64 if bad[1] >= 1 << 63 else np.int64))
+    # a million pages claimed over one page's bytes: the second page cannot be one
+    many = np.full(10**6 + 1, len(buf), np.int64)
+    many[0] = 0
+    with pytest.raises(errors.TruncatedError):
+        pages.decode_pages(cb, buf, many)
+    assert (pages.decode_pages(cb, buf, offs) == x[None]).all()
+
+
+def test_kv_exact_reference_checks_its_arguments():
+    v = torch.zeros((1, 16, 1, 32), dtype=torch.int16)
+    bases = torch.full((32,), 127, dtype=torch.uint8)
+    enc = ref.encode_pages(v, bases.reshape(1, 32))
+    buf, offs = enc.to_bytes()
+    for bad_bases in (bases[:16], bases.numpy(), bases.to(torch.int32)):
+        with pytest.raises(errors.InvalidArgumentError):
+            ref.decode_pages(buf, offs, bad_bases, 1, 32)
+        with pytest.raises(errors.InvalidArgumentError):
+            ref.encode_pages(v, bad_bases)
+    with pytest.raises(errors.InvalidArgumentError):
+        ref.decode_pages(buf.numpy(), offs, bases, 1, 32)
+    with pytest.raises(errors.InvalidArgumentError):
+        ref.decode_pages(buf, offs.numpy(), bases, 1, 32)
+    assert torch.equal(ref.decode_pages(buf, offs, bases, 1, 32), v)
+
+
+def _calibration():
+    from test_compact import _small_calibration
+
+    return _small_calibration(layers=1)
+
+
+def test_head_tables_refuse_the_most_negative_int64_and_levels_outside_one():
+    from weightszip.compact import codec as cc
+
+    tb = _calibration().tables(0, "v", 4)[0]
+    fields = dict(tb.__dict__)
+    mu = tb.mu.clone()
+    mu[0] = -(2**63)  # abs() of it is itself: negative, so |mu| <= 2**37 held
+    with pytest.raises(cc.CompactCodecError, match="mu"):
+        cc.HeadTables(**{**fields, "mu": mu})
+    rope_m = torch.zeros_like(tb.mu)
+    rope_m[0] = -(2**63)
+    with pytest.raises(cc.CompactCodecError, match="rope_m"):
+        cc.HeadTables(**{**fields, "rope_m": rope_m, "rope_phase": torch.zeros(tb.mu.shape[0] // 2, dtype=torch.int64)})
+    for last in (float("inf"), 1.5):
+        cb = tb.codebook.clone()
+        cb[-1] = last
+        with pytest.raises(cc.CompactCodecError, match=r"\[-1, 1\]"):
+            cc.HeadTables(**{**fields, "codebook": cb})
+
+
+def test_calibration_files_with_malformed_metadata_or_tables(tmp_path):
+    from weightszip.compact.calibrate import Calibration, CalibrationError
+
+    cal = _calibration()
+    path = tmp_path / "c.wzcal"
+    cal.save(path)
+    t0 = weightszip.load_file(path)
+    meta = json.loads(bytes(t0["meta"]).decode())
+
+    def load_with(raw_meta=None, **tables):
+        t = {**t0, **tables}
+        if raw_meta is not None:
+            t["meta"] = np.frombuffer(raw_meta.encode(), np.uint8).copy()
+        weightszip.save_file(t, tmp_path / "x.wzcal")
+        return Calibration.load(tmp_path / "x.wzcal")
+
+    mu_nan = t0["mu"].astype(np.float64)
+    mu_nan[0, 0, 0, 0] = np.nan  # a cast to int64 would hide it (the most negative int64)
+    cb_inf = t0["codebook_4"].copy()
+    cb_inf[..., -1] = np.inf
+    for raw, tables in (("[]", {}), (json.dumps(meta).replace('"layers": 1', '"layers": Infinity'), {}),
+                        (json.dumps({**meta, "allocation": []}), {}), (None, {"mu": mu_nan}),
+                        (None, {"codebook_4": cb_inf})):
+        with pytest.raises(CalibrationError):
+            load_with(raw, **tables)
+    assert load_with().allocation == cal.allocation
+
+
+def test_compact_codec_needs_the_format_in_the_calibration():
+    from weightszip.integrations.compact_chunks import CompactChunkCodec
+
+    cal = _calibration()
+    cal.allocation = {"q4": cal.allocation["q4"]}
+    CompactChunkCodec(cal, "q4")
+    with pytest.raises(errors.InvalidArgumentError, match="q3"):
+        CompactChunkCodec(cal, "q3")
+
+
+def test_decompress_file_refuses_names_a_safetensors_file_cannot_hold(tmp_path):
+    src = tmp_path / "a.wz"
+    weightszip.save_file({"a": np.arange(4, dtype=np.int32), "b": np.arange(3, dtype=np.int32)}, src)
+    blob = bytearray(src.read_bytes())
+    idx = _index(bytes(blob))
+    at = bytes(idx).find(b"\x01\x00b")  # entry 1's name: length 1, "b"
+    assert at > 0
+    idx[at + 2] = ord("a")
+    src.write_bytes(_reseal(blob, bytes(idx)))
+    dst = tmp_path / "a.safetensors"
+    with pytest.raises(errors.InvalidArgumentError, match="twice"):
+        weightszip.decompress_file(src, dst)
+    assert not dst.exists()
