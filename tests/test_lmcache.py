@@ -94,6 +94,22 @@ def test_kv_chunk_format_codec_mode():
     assert torch.equal(y.view(torch.int16), x.view(torch.int16) & ~0xFF)
 
 
+def test_kv_chunk_format_codec_mode_does_not_convert_dtypes():
+    """A codec-mode chunk decoded into a buffer of another dtype: refused (as exact mode refuses it),
+    not converted; a 0-d output buffer or a numpy destination is a typed error too."""
+    codec = register_codec(HalfCodec(), replace=True)
+    x = real_kv_torch()
+    buf = torch.empty(x.numel() * 2, dtype=torch.uint8)
+    kvserde.serialize_into(real_kv(), buf, codec=codec)
+    for dtype in (torch.float16, torch.float32):
+        with pytest.raises(weightszip.InvalidArgumentError):
+            kvserde.deserialize_into(buf, torch.empty(x.shape, dtype=dtype))
+    with pytest.raises(weightszip.InvalidArgumentError):
+        kvserde.deserialize_into(buf, np.empty(tuple(x.shape), np.float32))
+    with pytest.raises(weightszip.InvalidArgumentError):
+        kvserde.serialize_into(x, torch.tensor(1.0))
+
+
 # --- the real LMCache ----------------------------------------------------------------------------
 
 
@@ -245,6 +261,17 @@ def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
         assert back.meta.fmt == MemoryFormat.KV_2LTD
         assert torch.equal(back.tensor.view(torch.int16), kv.view(torch.int16))
         assert await conn.get(other) is None
+        # a stored chunk that is not what the connector writes: a typed error, not an IndexError
+        # or a ValueError (a memory format LMCache does not have; a container of two tensors)
+        from weightszip.store import TAG_CONTAINER
+
+        conn.store.put(conn._key(other), weightszip.compress(kv), tag=TAG_CONTAINER | (200 << 8))
+        with pytest.raises(weightszip.CorruptDataError, match="memory format"):
+            await conn.get(other)
+        weightszip.save_file({"a": kv, "b": kv}, tmp_path / "two.wz")
+        conn.store.put(conn._key(other), (tmp_path / "two.wz").read_bytes(), tag=TAG_CONTAINER | (int(MemoryFormat.KV_2LTD.value) << 8))
+        with pytest.raises(weightszip.CorruptDataError, match="2 tensors"):
+            await conn.get(other)
         assert conn.remove_sync(key) and not conn.exists_sync(key)
         await conn.close()
 

@@ -381,3 +381,24 @@ def test_gpu_edge_cases_and_damage(real_kv):
     s.chunks[2].host[0:2].view(torch.int16)[0] = -1
     ol.restore(s, torch.empty_like(x), verify=False)
     torch.cuda.synchronize()  # no illegal address
+
+
+@pytest.mark.parametrize("backend", ["rust", "triton"])
+def test_restore_refuses_chunks_that_do_not_tile_the_session(small_session, backend):
+    """A session edited or damaged in memory: a chunk moved past the end (the Triton path wrote
+    outside its output), onto another, or missing (pages left unwritten): CorruptDataError before
+    anything is decoded."""
+    import copy
+
+    x, tids, codec = small_session
+    s = ol.offload(x, codec, tids, chunk_pages=2, backend="rust")
+    assert len(s.chunks) >= 3
+    for edit in (lambda t: setattr(t.chunks[1], "start", 100), lambda t: setattr(t.chunks[1], "start", 0),
+                 lambda t: setattr(t.chunks[1], "start", -2), lambda t: t.chunks.pop(1),
+                 lambda t: setattr(t.chunks[2], "host", t.chunks[2].host.numpy())):
+        bad = copy.copy(s)
+        bad.chunks = [copy.copy(c) for c in s.chunks]
+        edit(bad)
+        with pytest.raises(CorruptDataError):
+            ol.restore(bad, torch.zeros_like(x), backend=backend)
+    assert torch.equal(ol.restore(s, torch.zeros_like(x), backend=backend).view(torch.int16), x.view(torch.int16))

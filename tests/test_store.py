@@ -339,3 +339,77 @@ def test_write_back_full_disk_is_counted_not_hidden(tiny_fs):
     for i in range(200):
         b = s.get(f"k{i}")
         assert b is None or b == value(i) * 4
+
+
+# -- found by an audit (session 20): data the store cannot read is not deleted, a failed put leaves
+# the older version, a file in a chunk's place is not believed ---------------------------------------
+
+
+def test_a_smaller_max_chunk_bytes_leaves_larger_chunks_in_place(tmp_path):
+    s = ChunkStore(tmp_path)
+    s.put("k", b"x" * 5000)
+    s.close()
+    small = ChunkStore(tmp_path, max_chunk_bytes=1000)  # cannot read it: not indexed, not deleted
+    assert small.get("k") is None and small.stats()["corrupt_evicted"] == 0
+    small.close()
+    s = ChunkStore(tmp_path)
+    assert s.get("k") == b"x" * 5000
+    s.close()
+
+
+def test_a_failed_put_without_ram_leaves_the_older_version(tmp_path):
+    """With a zero RAM budget a put is on disk when it returns: a failed write (here the new file's
+    name taken by a folder) is the put's error and the older version stays readable (it was
+    unlinked before the write)."""
+    s = ChunkStore(tmp_path, ram_bytes=0)
+    s.put("k", b"old" * 100)
+    old = Path(s.file_of("k"))
+    h, seq = old.stem.split("-")
+    (old.parent / f"{h}-{int(seq, 16) + 1:016x}.wzc").mkdir()
+    with pytest.raises(weightszip.WeightszipError):
+        s.put("k", b"new" * 100)
+    assert s.get("k") == b"old" * 100
+    s.close()
+
+
+def test_an_older_file_copied_over_the_current_one_is_not_returned(tmp_path):
+    s = ChunkStore(tmp_path, ram_bytes=0)
+    s.put("k", b"version-1")
+    v1 = Path(s.file_of("k")).read_bytes()
+    s.put("k", b"version-2")
+    Path(s.file_of("k")).write_bytes(v1)  # a valid chunk file, of the older sequence number
+    with pytest.raises(weightszip.CorruptDataError):
+        s.get("k")
+    assert s.get("k") is None
+    s.close()
+
+
+def test_a_fifo_named_like_a_chunk_does_not_hang_the_store(tmp_path):
+    s = ChunkStore(tmp_path, write_through=True)
+    s.put("k", b"data")
+    name = Path(s.file_of("k"))
+    s.close()
+    fifo = name.parent / f"{name.stem.split('-')[0]}-{'f' * 16}.wzc"
+    os.mkfifo(fifo)
+    opened = []
+    t = threading.Thread(target=lambda: opened.append(ChunkStore(tmp_path)), daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert opened, "opening a store folder with a FIFO in it did not return"
+    assert opened[0].get("k") == b"data" and not fifo.exists()
+    opened[0].close()
+
+
+def test_tags_keys_and_payloads_of_the_wrong_kind_are_typed_errors():
+    s = ChunkStore(None)
+    for tag in (-1, 2**32, 1.5, True):
+        with pytest.raises(weightszip.InvalidArgumentError, match="tag"):
+            s.put("k", b"x", tag=tag)
+    with pytest.raises(weightszip.InvalidArgumentError, match="UTF-8"):
+        s.put("\ud800", b"x")
+    with pytest.raises(weightszip.InvalidArgumentError):
+        s.put("k", np.array([object()]))
+    with pytest.raises(weightszip.InvalidArgumentError):
+        ChunkStore(None, ram_bytes=2**64)
+    assert s.get("k") is None
+    s.close()

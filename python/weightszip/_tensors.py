@@ -121,6 +121,8 @@ def as_buffer(x: Any) -> _Buffer:
 def bytes_buffer(b: Any) -> tuple[int, int, Any]:
     """Address and length of a bytes-like object (bytes, bytearray, memoryview, uint8 array)."""
     if isinstance(b, np.ndarray):
+        if b.dtype.hasobject:  # (pointers, not data)
+            raise InvalidArgumentError(f"expected bytes-like input, got an array of {b.dtype}")
         a = np.ascontiguousarray(b.reshape(-1)).view(np.uint8)
     else:
         try:

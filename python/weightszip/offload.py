@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -595,6 +596,22 @@ def _chunk_parts(c: Chunk):
     return c.host[:o], offs, c.host[t : t + 4 * c.n_pages].view(torch.int32)
 
 
+def _check_chunks(session: CompressedSession) -> None:
+    """The chunks tile pages 0 .. n_pages exactly, in order, each a 1-D uint8 host region: checked
+    before anything is decoded, so that a session edited or damaged in memory cannot make restore
+    write outside its output or leave pages unwritten (CorruptDataError)."""
+    at = 0
+    for c in session.chunks:
+        if not (isinstance(c, Chunk) and all(isinstance(x, numbers.Integral) for x in (c.start, c.n_pages, c.nbytes))
+                and c.nbytes >= 0 and c.n_pages >= 1 and c.start == at
+                and isinstance(c.host, torch.Tensor) and c.host.dtype == torch.uint8 and c.host.dim() == 1):
+            raise CorruptDataError(f"session chunks must cover pages 0..{session.n_pages} in order; one at page "
+                                   f"{getattr(c, 'start', '?')} (of {getattr(c, 'n_pages', '?')} pages) does not follow page {at}")
+        at += c.n_pages
+    if at != session.n_pages:
+        raise CorruptDataError(f"session chunks cover pages 0..{at}, the session has {session.n_pages}")
+
+
 def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = None, *, depth: int = 3,
             verify: bool = True, backend: str = "auto", device=None, block_pages: int | None = None) -> torch.Tensor:
     """Decode ``session`` into ``out_pages_gpu`` ([n, 16, C], allocated on ``device`` when not
@@ -604,6 +621,7 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
     (default: ``exact_page.decode_into``'s)."""
     if not isinstance(session, CompressedSession):
         raise InvalidArgumentError(f"restore takes a CompressedSession, got {type(session).__name__}")
+    _check_chunks(session)
     codec = session.codec
     if out_pages_gpu is None:
         dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -18,6 +18,7 @@ what survives a crash.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,9 +62,19 @@ def register_codec(codec: ChunkCodec, *, replace: bool = False) -> ChunkCodec:
     return codec
 
 
+def _tag(tag) -> int:
+    """A chunk's tag: an int in [0, 2**32) (a float or bool is refused, not truncated)."""
+    if isinstance(tag, bool) or not isinstance(tag, numbers.Integral) or not 0 <= int(tag) < 2**32:
+        raise InvalidArgumentError(f"a chunk's tag is an int in [0, 2**32), not {tag!r}")
+    return int(tag)
+
+
 def _key(key: str | bytes) -> bytes:
     if isinstance(key, str):
-        key = key.encode()
+        try:
+            key = key.encode()
+        except UnicodeEncodeError as e:  # (a lone surrogate)
+            raise InvalidArgumentError(f"key {key!r} is not valid UTF-8 text: {e}") from e
     elif isinstance(key, (bytearray, memoryview)):
         key = bytes(key)
     if not isinstance(key, bytes):
@@ -119,8 +130,8 @@ class ChunkStore:
         cfg = StoreConfig(path=path, **kwargs)
         for name in ("ram_bytes", "disk_bytes", "io_threads", "max_chunk_bytes", "redis_timeout_ms"):
             v = getattr(cfg, name)
-            if not isinstance(v, int) or v < 0:
-                raise InvalidArgumentError(f"{name} must be an int >= 0, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63:
+                raise InvalidArgumentError(f"{name} must be an int in [0, 2**63), got {v!r}")
         self.config = cfg
         self._inner: _core.Store | None = _core.Store(
             None if cfg.path is None else os.fspath(cfg.path),
@@ -146,7 +157,7 @@ class ChunkStore:
     def put(self, key: str | bytes, data: Any, tag: int = TAG_RAW) -> None:
         """Store bytes-like `data` (bytes, bytearray, memoryview, numpy array) under `key`."""
         addr, n, keep = bytes_buffer(data)
-        self._s.put(_key(key), addr, n, int(tag))
+        self._s.put(_key(key), addr, n, _tag(tag))
         del keep
 
     def get(self, key: str | bytes) -> bytes | None:
@@ -164,7 +175,7 @@ class ChunkStore:
         for k, d in pairs:
             addr, n, owner = bytes_buffer(d)
             keep.append(owner)
-            args.append((_key(k), addr, n, int(tag)))
+            args.append((_key(k), addr, n, _tag(tag)))
         _raise_first(self._s.put_many(args))
 
     def get_many(self, keys: Iterable[str | bytes], *, errors: str = "raise") -> list[bytes | None]:

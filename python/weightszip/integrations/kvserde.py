@@ -53,7 +53,7 @@ def _u8(t):
         raise InvalidArgumentError(f"expected a torch tensor, got {type(t).__name__}")
     if t.device.type != "cpu" or not t.is_contiguous():
         raise InvalidArgumentError("buffers must be contiguous CPU tensors")
-    return t.view(torch.uint8).reshape(-1) if t.dtype != torch.uint8 else t.reshape(-1)
+    return t.reshape(-1).view(torch.uint8)  # (flat first: a 0-d tensor has no bytes view)
 
 
 def serialize_into(x: Any, out, *, codec=None, threads: int | None = None) -> int:
@@ -87,6 +87,8 @@ def deserialize_into(src, dst, *, threads: int | None = None) -> None:
     be longer) into the tensor `dst`, whose dtype and shape must be the chunk's."""
     import torch
 
+    if not isinstance(dst, torch.Tensor):
+        raise InvalidArgumentError(f"dst must be a torch tensor, not {type(dst).__name__}")
     s = _u8(src)
     if s.numel() < HEADER_LEN:
         raise TruncatedError(f"serialized KV chunk of {s.numel()} bytes")
@@ -108,11 +110,12 @@ def deserialize_into(src, dst, *, threads: int | None = None) -> None:
             # numpy (bf16 / fp8 as ml_dtypes types, which torch cannot take): move the bits.
             a = np.ascontiguousarray(out)
             ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-            if a.dtype.itemsize != dst.element_size() or a.dtype.itemsize not in ints:
+            # (by name: bits of one 2-byte type read as another would be other numbers)
+            if a.dtype.name != str(dst.dtype).removeprefix("torch.") or a.dtype.itemsize not in ints:
                 raise InvalidArgumentError(f"codec decoded {a.dtype}; the buffer is {dst.dtype}")
             out = torch.from_numpy(a.view(ints[a.dtype.itemsize])).view(dst.dtype)
-        if tuple(out.shape) != tuple(dst.shape):
-            raise InvalidArgumentError(f"chunk has shape {tuple(out.shape)}, the buffer {tuple(dst.shape)}")
+        if tuple(out.shape) != tuple(dst.shape) or out.dtype != dst.dtype:  # (no silent conversion)
+            raise InvalidArgumentError(f"chunk is {out.dtype} {tuple(out.shape)}, the buffer {dst.dtype} {tuple(dst.shape)}")
         dst.copy_(out)
         return
     addr, length = body.data_ptr(), body.numel()

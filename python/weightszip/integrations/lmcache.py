@@ -46,7 +46,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 import weightszip
 from weightszip import _core
 from weightszip._tensors import _torch_maps, bytes_buffer
-from weightszip.errors import InvalidArgumentError
+from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
 from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec
 
@@ -185,8 +185,17 @@ class WeightszipConnector(RemoteConnector):
         if tag & 0xFF != TAG_CONTAINER:
             raise InvalidArgumentError(f"chunk {self._key(key)!r} has tag {tag}, not a weightszip container")
         addr, n, keep = bytes_buffer(data)
-        e = _core.buffer_index(addr, n)["entries"][0]
-        obj = self.local_cpu_backend.allocate(torch.Size(e["shape"]), _torch_maps()[1][e["dtype"]], MemoryFormat(tag >> 8))
+        entries = _core.buffer_index(addr, n)["entries"]
+        if len(entries) != 1:
+            raise CorruptDataError(f"chunk {self._key(key)!r} holds {len(entries)} tensors, not one")
+        e = entries[0]
+        try:
+            fmt = MemoryFormat(tag >> 8)
+        except ValueError as err:
+            raise CorruptDataError(f"chunk {self._key(key)!r} has tag {tag}: no LMCache memory format {tag >> 8}") from err
+        if e["dtype"] not in _torch_maps()[1]:
+            raise CorruptDataError(f"chunk {self._key(key)!r} holds {e['dtype']}, which torch has not")
+        obj = self.local_cpu_backend.allocate(torch.Size(e["shape"]), _torch_maps()[1][e["dtype"]], fmt)
         if obj is None:
             return None  # LMCache's allocator is full: a miss, as its own connectors report it
         _core.decode_buffer_entry(addr, n, 0, obj.tensor.data_ptr(), e["raw_bytes"], 0)

@@ -86,7 +86,11 @@ class WeightszipHiCacheStorage(HiCacheStorage):
 
     def _decode_into(self, data: bytes, target: torch.Tensor) -> Optional[torch.Tensor]:
         addr, n, keep = bytes_buffer(data)
-        e = _core.buffer_index(addr, n)["entries"][0]
+        entries = _core.buffer_index(addr, n)["entries"]
+        if len(entries) != 1:
+            logger.error("weightszip HiCache: stored page holds %d tensors, not one", len(entries))
+            return None
+        e = entries[0]
         t = target.view(-1)
         if e["raw_bytes"] != t.numel() * t.element_size() or e["dtype"] != as_buffer(t[:0]).dtype:
             logger.error("weightszip HiCache: stored page is %s %s, target %s %s", e["dtype"], e["shape"], t.dtype, t.numel())

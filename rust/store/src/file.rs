@@ -179,7 +179,7 @@ pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8
 /// Read the header and key of a chunk file and check them (the header checksum covers both);
 /// the payload is not read. Used when a store is opened.
 pub fn read_header(path: &Path, max_payload: u64) -> Result<(Header, Vec<u8>)> {
-    let mut f = File::open(path)?;
+    let mut f = open_regular(path)?;
     let file_len = f.metadata()?.len();
     let (h, key) = read_header_from(&mut f, file_len, max_payload)?;
     Ok((h, key))
@@ -191,14 +191,8 @@ fn read_header_from(f: &mut File, file_len: u64, max_payload: u64) -> Result<(He
     }
     let mut hb = [0u8; HEADER_LEN];
     f.read_exact(&mut hb)?;
-    let (h, sum) = Header::decode(&hb, max_payload)?;
-    if h.file_len() != file_len {
-        return Err(if h.file_len() > file_len {
-            Error::Truncated(format!("chunk file has {file_len} bytes, its header declares {}", h.file_len()))
-        } else {
-            Error::Corrupt(format!("chunk file has {file_len} bytes, its header declares {}", h.file_len()))
-        });
-    }
+    let (h, sum) = Header::decode(&hb, u64::MAX)?; // (the store's limit below, once the header is believed)
+    check_length(&h, file_len, "chunk file")?;
     let mut key = vec![0u8; h.key_len as usize];
     f.read_exact(&mut key)?;
     if header_sum(&hb[..56], &key) != sum {
@@ -207,17 +201,51 @@ fn read_header_from(f: &mut File, file_len: u64, max_payload: u64) -> Result<(He
     if key_hash(&key) != h.key_hash {
         return Err(Error::ChecksumMismatch("chunk file key hash".into()));
     }
+    check_limit(&h, max_payload)?;
     Ok((h, key))
+}
+
+/// The header's sizes against the bytes there are: a header declaring more is Truncated, less
+/// Corrupt (damage: a store evicts it), whatever its payload length (no sum overflows).
+fn check_length(h: &Header, len: u64, what: &str) -> Result<()> {
+    let declared = (HEADER_LEN as u64 + h.key_len as u64).checked_add(h.payload_len);
+    match declared {
+        Some(d) if d == len => Ok(()),
+        Some(d) if d < len => Err(Error::Corrupt(format!("{what} has {len} bytes, its header declares {d}"))),
+        _ => Err(Error::Truncated(format!("{what} has {len} bytes, its header declares {} payload bytes", h.payload_len))),
+    }
+}
+
+/// A verified header whose payload is above this store's `max_chunk_bytes`: valid data this store
+/// does not read (LimitExceeded, which a store does not treat as damage), checked before the
+/// payload is allocated.
+fn check_limit(h: &Header, max_payload: u64) -> Result<()> {
+    if h.payload_len > max_payload {
+        return Err(Error::LimitExceeded(format!(
+            "chunk declares {} payload bytes, the store's limit is {max_payload}",
+            h.payload_len
+        )));
+    }
+    Ok(())
 }
 
 /// Read a whole chunk file and verify it: sizes against the file's length (before anything is
 /// allocated), the header checksum, the key hash, the payload checksum. A missing file is
 /// `Ok(None)`.
+/// Open a chunk file for reading, if it is a regular file (a FIFO or a device named like a chunk
+/// would block the open or the read forever): anything else is Corrupt.
+fn open_regular(path: &Path) -> Result<File> {
+    if !fs::metadata(path)?.file_type().is_file() {
+        return Err(Error::Corrupt(format!("{} is not a regular file", path.display())));
+    }
+    Ok(File::open(path)?)
+}
+
 pub fn read_chunk(path: &Path, max_payload: u64) -> Result<Option<FileChunk>> {
-    let mut f = match File::open(path) {
+    let mut f = match open_regular(path) {
         Ok(f) => f,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e.into()),
+        Err(Error::Io(e)) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
     };
     let file_len = f.metadata()?.len();
     let (header, key) = read_header_from(&mut f, file_len, max_payload)?;
@@ -247,14 +275,8 @@ pub fn parse_chunk(buf: &[u8], max_payload: u64) -> Result<FileChunk> {
     let Some(hb) = buf.first_chunk::<HEADER_LEN>() else {
         return Err(Error::Truncated(format!("chunk of {} bytes", buf.len())));
     };
-    let (header, sum) = Header::decode(hb, max_payload)?;
-    if header.file_len() != buf.len() as u64 {
-        return Err(Error::Truncated(format!(
-            "chunk has {} bytes, its header declares {}",
-            buf.len(),
-            header.file_len()
-        )));
-    }
+    let (header, sum) = Header::decode(hb, u64::MAX)?;
+    check_length(&header, buf.len() as u64, "chunk")?;
     let key = &buf[HEADER_LEN..HEADER_LEN + header.key_len as usize];
     if header_sum(&buf[..56], key) != sum {
         return Err(Error::ChecksumMismatch("chunk header".into()));
@@ -262,6 +284,7 @@ pub fn parse_chunk(buf: &[u8], max_payload: u64) -> Result<FileChunk> {
     if key_hash(key) != header.key_hash {
         return Err(Error::ChecksumMismatch("chunk key hash".into()));
     }
+    check_limit(&header, max_payload)?;
     let payload = &buf[HEADER_LEN + key.len()..];
     if xxh3_64(payload) != header.payload_xxh3 {
         return Err(Error::ChecksumMismatch("chunk payload".into()));

@@ -262,18 +262,18 @@ pub struct ChunkStore {
     _lock: Option<File>,
 }
 
-/// Errors that mean "this chunk's bytes are not what was stored": the chunk is evicted.
+/// Errors that mean "this chunk's bytes are not what was stored": the chunk is evicted. Not a
+/// chunk of a newer writer (UnsupportedVersion, Unsupported) nor one above this store's
+/// `max_chunk_bytes` (LimitExceeded): those are valid data this store cannot read, left in place
+/// (a store opened with a larger limit, or a newer version, reads them).
 fn is_damage(e: &Error) -> bool {
-    matches!(
-        e,
-        Error::BadMagic
-            | Error::UnsupportedVersion(..)
-            | Error::Unsupported(_)
-            | Error::Truncated(_)
-            | Error::Corrupt(_)
-            | Error::ChecksumMismatch(_)
-            | Error::LimitExceeded(_)
-    )
+    matches!(e, Error::BadMagic | Error::Truncated(_) | Error::Corrupt(_) | Error::ChecksumMismatch(_))
+}
+
+/// Errors of a chunk this store cannot read but must not delete (`is_damage`'s complement among
+/// the format's errors).
+fn is_unreadable(e: &Error) -> bool {
+    matches!(e, Error::UnsupportedVersion(..) | Error::Unsupported(_) | Error::LimitExceeded(_))
 }
 
 impl ChunkStore {
@@ -473,7 +473,9 @@ impl ChunkStore {
         let mut unlink = Vec::new();
         let mut dropped = 0;
         let seq;
-        if has_disk && self.cfg.write_through {
+        // A chunk larger than the RAM budget (a zero budget: every chunk) would be flushed by this
+        // call at once: written first too, so that a failed write leaves the older version in place
+        if has_disk && (self.cfg.write_through || v.cost() > self.cfg.ram_bytes) {
             seq = {
                 let mut st = self.lock();
                 st.next_seq += 1;
@@ -553,6 +555,20 @@ impl ChunkStore {
             let path = self.path(h, disk_seq).expect("disk entries exist only with a folder");
             match file::read_chunk(&path, self.cfg.max_chunk_bytes) {
                 Ok(None) => continue,
+                Ok(Some(fc)) if fc.header.seq != disk_seq => {
+                    // an older (or other) chunk file put in this one's place: not what was stored
+                    // under this name (scan refuses it too)
+                    let e = Error::Corrupt(format!("chunk file of sequence {disk_seq} holds sequence {}", fc.header.seq));
+                    {
+                        let mut st = self.lock();
+                        if st.disk.get(&h).map(|d| d.seq) == Some(disk_seq) {
+                            st.remove_disk(h);
+                        }
+                    }
+                    let _ = fs::remove_file(&path);
+                    self.counters.corrupt_evicted.fetch_add(1, Relaxed);
+                    return Err(e);
+                }
                 Ok(Some(fc)) => {
                     if fc.key != key {
                         // Two keys with one XXH3-128: never seen, but never returned either.
@@ -596,8 +612,10 @@ impl ChunkStore {
         let fc = match file::parse_chunk(&buf, self.cfg.max_chunk_bytes) {
             Ok(fc) => fc,
             Err(e) => {
-                let _ = remote.delete(h);
-                self.counters.corrupt_evicted.fetch_add(1, Relaxed);
+                if is_damage(&e) {
+                    let _ = remote.delete(h);
+                    self.counters.corrupt_evicted.fetch_add(1, Relaxed);
+                }
                 return Err(e);
             }
         };
@@ -819,6 +837,9 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, 
                         let _ = fs::remove_file(&path);
                         counters.corrupt_evicted.fetch_add(1, Relaxed);
                     }
+                    // a chunk this store cannot read (a newer writer's, or above max_chunk_bytes):
+                    // left on disk, not indexed
+                    Err(e) if is_unreadable(&e) => {}
                     Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => return Err(e),
                 }

@@ -225,12 +225,13 @@ fn bad_arguments_and_lying_headers_are_typed_errors() {
     assert!(matches!(s.put(&vec![b'k'; 70_000], vec![1], 0), Err(Error::InvalidArgument(_))));
     assert!(matches!(s.put(b"big", vec![0; 4097], 0), Err(Error::LimitExceeded(_))));
     s.put(b"k", vec![0; 100], 0).unwrap();
-    // A header that declares a payload far beyond the limit must fail before allocating it.
+    // A header that declares a payload far beyond the file (and the limit) must fail before
+    // allocating it: a truncated file (damage: evicted)
     let p = s.file_of(b"k").unwrap();
     let mut b = fs::read(&p).unwrap();
     b[16..24].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
     fs::write(&p, &b).unwrap();
-    assert!(matches!(s.get(b"k"), Err(Error::LimitExceeded(_))));
+    assert!(matches!(s.get(b"k"), Err(Error::Truncated(_))));
     assert!(s.get(b"k").unwrap().is_none());
     // One process per folder.
     assert!(matches!(ChunkStore::open(cfg(Some(dir.path()), 0)), Err(Error::InvalidArgument(_))));
