@@ -140,6 +140,9 @@ struct State {
     disk_used: u64,
     tick: u64,
     next_seq: u64,
+    /// Deletes so far: a remote chunk read while a delete ran is not promoted (it would bring the
+    /// deleted key back)
+    deletes: u64,
 }
 
 impl State {
@@ -605,6 +608,7 @@ impl ChunkStore {
             self.counters.misses.fetch_add(1, Relaxed);
             return Ok(None);
         };
+        let deletes = self.lock().deletes; // (before the read: see State::deletes)
         let Some(buf) = remote.get(h)? else {
             self.counters.misses.fetch_add(1, Relaxed);
             return Ok(None);
@@ -636,7 +640,7 @@ impl ChunkStore {
                 let mut dropped = 0;
                 {
                     let mut st = self.lock();
-                    if st.current_seq(h).is_none() {
+                    if st.current_seq(h).is_none() && st.deletes == deletes {
                         let seq = st.next_seq;
                         st.next_seq += 1;
                         let has_disk = self.cfg.dir.is_some();
@@ -705,17 +709,21 @@ impl ChunkStore {
     /// Remove `key` from every tier. Returns whether it was stored.
     pub fn delete(&self, key: &[u8]) -> bool {
         let h = key_hash(key);
+        // the remote copy first: a get between the two would read it again and promote it (the
+        // local removal below counts in State::deletes, which stops a promote of a value read
+        // before it)
+        let remote = self.remote.as_ref().is_some_and(|r| r.delete(h).unwrap_or(false));
         let mut unlink = Vec::new();
         let found;
         {
             let mut st = self.lock();
+            st.deletes += 1;
             let a = st.remove_ram(h).is_some();
             let b = st.flushing.remove(&h).is_some();
             let c = st.remove_disk(h).map(|e| unlink.push((h, e.seq))).is_some();
             found = a || b || c;
         }
         self.unlink(&unlink);
-        let remote = self.remote.as_ref().is_some_and(|r| r.delete(h).unwrap_or(false));
         found || remote
     }
 
