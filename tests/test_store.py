@@ -411,5 +411,10 @@ def test_tags_keys_and_payloads_of_the_wrong_kind_are_typed_errors():
         s.put("k", np.array([object()]))
     with pytest.raises(weightszip.InvalidArgumentError):
         ChunkStore(None, ram_bytes=2**64)
+    # one key twice in a batch (written in parallel: either could have been kept)
+    with pytest.raises(weightszip.InvalidArgumentError, match="twice"):
+        s.put_many([("k", b"1"), ("j", b"2"), ("k", b"3")])
+    with pytest.raises(weightszip.InvalidArgumentError, match="twice"):
+        s.put_tensors([("k", np.zeros(4, np.float32)), (b"k", np.ones(4, np.float32))])
     assert s.get("k") is None
     s.close()

@@ -82,6 +82,19 @@ def _key(key: str | bytes) -> bytes:
     return key
 
 
+def _no_repeats(keys: Sequence[bytes]) -> None:
+    """A batch's keys are distinct: its items are written in parallel, so of two with one key any
+    could be the one kept."""
+    if len(set(keys)) != len(keys):
+        seen, twice = set(), None
+        for k in keys:
+            if k in seen:
+                twice = k
+                break
+            seen.add(k)
+        raise InvalidArgumentError(f"key {twice!r} is given twice in one batch")
+
+
 def _raise_first(results: Sequence[Any]) -> None:
     for r in results:
         if isinstance(r, BaseException):
@@ -176,6 +189,7 @@ class ChunkStore:
             addr, n, owner = bytes_buffer(d)
             keep.append(owner)
             args.append((_key(k), addr, n, _tag(tag)))
+        _no_repeats([a[0] for a in args])
         _raise_first(self._s.put_many(args))
 
     def get_many(self, keys: Iterable[str | bytes], *, errors: str = "raise") -> list[bytes | None]:
@@ -215,6 +229,7 @@ class ChunkStore:
             self.put_many(blobs, tag=codec.tag)
             return [len(b) for _, b in blobs]
         bufs = [(_key(k), as_buffer(x)) for k, x in pairs]
+        _no_repeats([k for k, _ in bufs])
         res = self._s.put_tensors(
             [(k, meta_tuple(b, "", axis, LAYOUT_TENSOR), b.addr, b.nbytes) for k, b in bufs],
             _core.DEFAULT_CHUNK_BYTES,

@@ -78,7 +78,9 @@ class WeightszipHiCacheStorage(HiCacheStorage):
         if values is None or len(values) != len(keys):
             return False
         try:
-            self.store.put_tensors([(self._k(k), self._encode(v)) for k, v in zip(keys, values)])
+            # (a key twice in one batch names one page by its hash: the last value is stored)
+            pages = dict(zip((self._k(k) for k in keys), values))
+            self.store.put_tensors([(k, self._encode(v)) for k, v in pages.items()])
             return True
         except WeightszipError as e:
             logger.error("weightszip HiCache: storing %d pages failed: %s", len(keys), e)
