@@ -556,22 +556,16 @@ impl ChunkStore {
                 st.touch_disk(h);
             }
             let path = self.path(h, disk_seq).expect("disk entries exist only with a folder");
-            match file::read_chunk(&path, self.cfg.max_chunk_bytes) {
-                Ok(None) => continue,
-                Ok(Some(fc)) if fc.header.seq != disk_seq => {
-                    // an older (or other) chunk file put in this one's place: not what was stored
-                    // under this name (scan refuses it too)
-                    let e = Error::Corrupt(format!("chunk file of sequence {disk_seq} holds sequence {}", fc.header.seq));
-                    {
-                        let mut st = self.lock();
-                        if st.disk.get(&h).map(|d| d.seq) == Some(disk_seq) {
-                            st.remove_disk(h);
-                        }
-                    }
-                    let _ = fs::remove_file(&path);
-                    self.counters.corrupt_evicted.fetch_add(1, Relaxed);
-                    return Err(e);
+            // an older (or other) chunk file put in this one's place is damage: not what was stored
+            // under this name (scan refuses it too)
+            let read = file::read_chunk(&path, self.cfg.max_chunk_bytes).and_then(|r| match r {
+                Some(fc) if fc.header.seq != disk_seq => {
+                    Err(Error::Corrupt(format!("chunk file of sequence {disk_seq} holds sequence {}", fc.header.seq)))
                 }
+                other => Ok(other),
+            });
+            match read {
+                Ok(None) => continue,
                 Ok(Some(fc)) => {
                     if fc.key != key {
                         // Two keys with one XXH3-128: never seen, but never returned either.
