@@ -81,6 +81,12 @@ def test_kv_chunk_format_rejects_bad_input():
         kvserde.deserialize_into(buf, torch.empty(x.shape, dtype=torch.float16))
     with pytest.raises(weightszip.InvalidArgumentError, match="destination"):
         kvserde.deserialize_into(buf, torch.empty(x.numel(), dtype=torch.bfloat16))
+    # the codec tag of an exact-mode chunk (bytes 6-7) is 0: any other is damage
+    for flip in (6, 7):
+        bad = buf.clone()
+        bad[flip] ^= 1
+        with pytest.raises(weightszip.CorruptDataError, match="tag"):
+            kvserde.deserialize_into(bad, torch.empty_like(x))
 
 
 def test_kv_chunk_format_codec_mode():
@@ -108,6 +114,12 @@ def test_kv_chunk_format_codec_mode_does_not_convert_dtypes():
         kvserde.deserialize_into(buf, np.empty(tuple(x.shape), np.float32))
     with pytest.raises(weightszip.InvalidArgumentError):
         kvserde.serialize_into(x, torch.tensor(1.0))
+
+    class WideTag(HalfCodec):  # the store takes 32-bit tags; the chunk header holds 16 bits
+        tag = 70_000
+
+    with pytest.raises(weightszip.InvalidArgumentError, match="u16"):
+        kvserde.serialize_into(real_kv(), buf, codec=WideTag())
 
 
 # --- the real LMCache ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import numpy as np
 
 from weightszip import _core
 from weightszip._tensors import as_buffer, meta_tuple, threads_default, LAYOUT_TENSOR
-from weightszip.errors import BadMagicError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
+from weightszip.errors import BadMagicError, CorruptDataError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
 
 MAGIC = b"WZKV"
 VERSION = 1
@@ -71,8 +71,11 @@ def serialize_into(x: Any, out, *, codec=None, threads: int | None = None) -> in
         )
         head = HEADER.pack(MAGIC, VERSION, MODE_EXACT, 0, len(body))
     else:
+        tag = int(codec.tag)
+        if not 0 < tag < 2**16:  # (the header's field is a u16; the store's tags are wider)
+            raise InvalidArgumentError(f"a KV chunk's codec tag is a u16: {tag} does not fit")
         body = codec.encode(x)
-        head = HEADER.pack(MAGIC, VERSION, MODE_CODEC, int(codec.tag), len(body))
+        head = HEADER.pack(MAGIC, VERSION, MODE_CODEC, tag, len(body))
     n = HEADER_LEN + len(body)
     if n > dst.numel():
         raise InvalidArgumentError(f"serialized chunk needs {n} bytes, the buffer has {dst.numel()}")
@@ -97,6 +100,8 @@ def deserialize_into(src, dst, *, threads: int | None = None) -> None:
         raise BadMagicError("not a weightszip KV chunk (bad magic)")
     if version != VERSION or mode not in (MODE_EXACT, MODE_CODEC):
         raise UnsupportedVersionError(f"KV chunk version {version}, mode {mode}")
+    if mode == MODE_EXACT and tag != 0:  # (exact mode writes 0 there: any other is damage)
+        raise CorruptDataError(f"exact-mode KV chunk with codec tag {tag}")
     if n > s.numel() - HEADER_LEN:
         raise TruncatedError(f"KV chunk declares {n} bytes, {s.numel() - HEADER_LEN} are there")
     body = s[HEADER_LEN : HEADER_LEN + n]
