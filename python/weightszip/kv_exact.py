@@ -101,6 +101,12 @@ def cpu_encode_pages(values, bases) -> tuple[bytes, np.ndarray]:
     return buf, np.asarray(offs, np.int64)
 
 
+def _check_channels(heads: int, head_dim: int) -> None:
+    """The Rust codecs' limit on a page's channels (heads x head_dim), checked before the offsets."""
+    if heads * head_dim > 1 << 16:
+        raise LimitExceededError(f"{heads} x {head_dim} channels (at most {1 << 16})")
+
+
 def _check_spans(offs: list[int], buf_len: int, min_page: int) -> None:
     """The decoders' first rules, on the offsets alone and before the output is allocated, so that
     hostile offsets cannot ask for more memory than the bytes could decode to: they run from 0 to the
@@ -127,8 +133,7 @@ def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarr
     offs = _offsets_u64(offsets)
     _check(heads > 0 and head_dim > 0 and head_dim % 32 == 0,
            f"KV Exact pages need heads > 0 and head_dim a positive multiple of 32, not {heads} x {head_dim}")
-    if heads * head_dim > 1 << 16:
-        raise LimitExceededError(f"{heads} x {head_dim} channels (at most {1 << 16})")
+    _check_channels(heads, head_dim)
     tops = _bases(bases, heads * head_dim)
     _check_spans(offs, src.nbytes, ref.fixed_bytes(heads, head_dim))
     out = np.empty((len(offs) - 1, PAGE, heads, head_dim), np.uint16)
@@ -156,8 +161,7 @@ def cpu_decode_exact4_pages(buf, offsets, heads: int, head_dim: int) -> np.ndarr
     offs = _offsets_u64(offsets)
     _check(0 < heads <= ref4.MAX_HEADS, f"KV Exact4 pages hold 1 to {ref4.MAX_HEADS} KV heads, not {heads}")
     _check(head_dim > 0 and head_dim % 32 == 0, f"head_dim must be a positive multiple of 32, not {head_dim}")
-    if heads * head_dim > 1 << 16:
-        raise LimitExceededError(f"{heads} x {head_dim} channels (at most {1 << 16})")
+    _check_channels(heads, head_dim)
     _check_spans(offs, src.nbytes, ref4.page_length(heads, head_dim, 0))
     out = np.empty((len(offs) - 1, PAGE, heads, head_dim), np.uint16)
     _core.kvx4_decode(heads, head_dim, src.ctypes.data, src.nbytes, offs, out.ctypes.data, out.nbytes)

@@ -85,14 +85,11 @@ def _key(key: str | bytes) -> bytes:
 def _no_repeats(keys: Sequence[bytes]) -> None:
     """A batch's keys are distinct: its items are written in parallel, so of two with one key any
     could be the one kept."""
-    if len(set(keys)) != len(keys):
-        seen, twice = set(), None
-        for k in keys:
-            if k in seen:
-                twice = k
-                break
-            seen.add(k)
-        raise InvalidArgumentError(f"key {twice!r} is given twice in one batch")
+    seen = set()
+    for k in keys:
+        if k in seen:
+            raise InvalidArgumentError(f"key {k!r} is given twice in one batch")
+        seen.add(k)
 
 
 def _raise_first(results: Sequence[Any]) -> None:

@@ -199,6 +199,7 @@ class Calibration:
             raise CalibrationError(f"{path} is not a weightszip compact calibration file")
         if meta.get("version") not in (1, CALIBRATION_VERSION):
             raise CalibrationError(f"{path}: calibration version {meta.get('version')} is not supported (this reads 1-{CALIBRATION_VERSION})")
+
         def table(name, dtype):  # a stored table of its documented dtype (a cast would hide NaN)
             a = np.asarray(t[name])
             if a.dtype != dtype:

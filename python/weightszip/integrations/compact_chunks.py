@@ -58,9 +58,10 @@ class CompactChunkCodec:
     def __init__(self, calibration, fmt: str = "q4", tag: int = 32 + 0):
         if fmt not in _FORMATS:
             raise InvalidArgumentError(f"compact format must be one of {', '.join(_FORMATS)}, not {fmt!r}")
-        if fmt not in getattr(calibration, "allocation", {}):
+        allocation = getattr(calibration, "allocation", {})
+        if fmt not in allocation:
             raise InvalidArgumentError(f"the calibration has no allocation for {fmt!r} (it has "
-                                       f"{', '.join(sorted(getattr(calibration, 'allocation', {}))) or 'none'})")
+                                       f"{', '.join(sorted(allocation)) or 'none'})")
         self.cal = calibration
         self.fmt = fmt
         self.tag = tag + _FORMATS.index(fmt)

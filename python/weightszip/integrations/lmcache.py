@@ -193,9 +193,10 @@ class WeightszipConnector(RemoteConnector):
             fmt = MemoryFormat(tag >> 8)
         except ValueError as err:
             raise CorruptDataError(f"chunk {self._key(key)!r} has tag {tag}: no LMCache memory format {tag >> 8}") from err
-        if e["dtype"] not in _torch_maps()[1]:
+        dtype = _torch_maps()[1].get(e["dtype"])
+        if dtype is None:
             raise CorruptDataError(f"chunk {self._key(key)!r} holds {e['dtype']}, which torch has not")
-        obj = self.local_cpu_backend.allocate(torch.Size(e["shape"]), _torch_maps()[1][e["dtype"]], fmt)
+        obj = self.local_cpu_backend.allocate(torch.Size(e["shape"]), dtype, fmt)
         if obj is None:
             return None  # LMCache's allocator is full: a miss, as its own connectors report it
         _core.decode_buffer_entry(addr, n, 0, obj.tensor.data_ptr(), e["raw_bytes"], 0)

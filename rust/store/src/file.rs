@@ -94,8 +94,9 @@ impl Header {
         out
     }
 
-    /// Parse and check the fixed header (not yet the key or the payload).
-    pub fn decode(b: &[u8; HEADER_LEN], max_payload: u64) -> Result<(Header, u64)> {
+    /// Parse and check the fixed header (not yet the key or the payload; the store's payload limit
+    /// is `check_limit`'s, once the header's checksum is believed).
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<(Header, u64)> {
         if b[0..4] != MAGIC {
             return Err(Error::BadMagic);
         }
@@ -119,12 +120,6 @@ impl Header {
         };
         if h.key_len == 0 || h.key_len as usize > MAX_KEY_LEN {
             return Err(Error::Corrupt(format!("chunk file key length {}", h.key_len)));
-        }
-        if h.payload_len > max_payload {
-            return Err(Error::LimitExceeded(format!(
-                "chunk file declares {} payload bytes, the store's limit is {max_payload}",
-                h.payload_len
-            )));
         }
         Ok((h, u64at(56)))
     }
@@ -191,7 +186,7 @@ fn read_header_from(f: &mut File, file_len: u64, max_payload: u64) -> Result<(He
     }
     let mut hb = [0u8; HEADER_LEN];
     f.read_exact(&mut hb)?;
-    let (h, sum) = Header::decode(&hb, u64::MAX)?; // (the store's limit below, once the header is believed)
+    let (h, sum) = Header::decode(&hb)?;
     check_length(&h, file_len, "chunk file")?;
     let mut key = vec![0u8; h.key_len as usize];
     f.read_exact(&mut key)?;
@@ -229,9 +224,6 @@ fn check_limit(h: &Header, max_payload: u64) -> Result<()> {
     Ok(())
 }
 
-/// Read a whole chunk file and verify it: sizes against the file's length (before anything is
-/// allocated), the header checksum, the key hash, the payload checksum. A missing file is
-/// `Ok(None)`.
 /// Open a chunk file for reading, if it is a regular file (a FIFO or a device named like a chunk
 /// would block the open or the read forever): anything else is Corrupt.
 fn open_regular(path: &Path) -> Result<File> {
@@ -241,6 +233,9 @@ fn open_regular(path: &Path) -> Result<File> {
     Ok(File::open(path)?)
 }
 
+/// Read a whole chunk file and verify it: sizes against the file's length (before anything is
+/// allocated), the header checksum, the key hash, the payload checksum. A missing file is
+/// `Ok(None)`.
 pub fn read_chunk(path: &Path, max_payload: u64) -> Result<Option<FileChunk>> {
     let mut f = match open_regular(path) {
         Ok(f) => f,
@@ -275,7 +270,7 @@ pub fn parse_chunk(buf: &[u8], max_payload: u64) -> Result<FileChunk> {
     let Some(hb) = buf.first_chunk::<HEADER_LEN>() else {
         return Err(Error::Truncated(format!("chunk of {} bytes", buf.len())));
     };
-    let (header, sum) = Header::decode(hb, u64::MAX)?;
+    let (header, sum) = Header::decode(hb)?;
     check_length(&header, buf.len() as u64, "chunk")?;
     let key = &buf[HEADER_LEN..HEADER_LEN + header.key_len as usize];
     if header_sum(&buf[..56], key) != sum {
@@ -314,17 +309,17 @@ mod tests {
         let h = Header { tag: 3, key_len: 2, payload_len: 10, seq: 9, key_hash: key_hash(key), payload_xxh3: 5 };
         let enc = h.encode(key);
         let hb: [u8; 64] = enc[..64].try_into().unwrap();
-        let (d, _) = Header::decode(&hb, 100).unwrap();
+        let (d, _) = Header::decode(&hb).unwrap();
         assert_eq!(d, h);
-        assert!(matches!(Header::decode(&hb, 9), Err(Error::LimitExceeded(_))));
+        assert!(matches!(check_limit(&d, 9), Err(Error::LimitExceeded(_))));
         let mut bad = hb;
         bad[0] ^= 1;
-        assert!(matches!(Header::decode(&bad, 100), Err(Error::BadMagic)));
+        assert!(matches!(Header::decode(&bad), Err(Error::BadMagic)));
         let mut bad = hb;
         bad[4] = 2;
-        assert!(matches!(Header::decode(&bad, 100), Err(Error::UnsupportedVersion(2, 1))));
+        assert!(matches!(Header::decode(&bad), Err(Error::UnsupportedVersion(2, 1))));
         let mut bad = hb;
         bad[6] = 1;
-        assert!(matches!(Header::decode(&bad, 100), Err(Error::Unsupported(_))));
+        assert!(matches!(Header::decode(&bad), Err(Error::Unsupported(_))));
     }
 }
