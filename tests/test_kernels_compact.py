@@ -834,6 +834,11 @@ class _Vals:
 
     __radd__ = __add__
 
+    def __mul__(self, o):
+        return _Vals(self.t * self._v(o))
+
+    __rmul__ = __mul__
+
     def to(self, dtype, bitcast=False):
         return _Vals(self.t.view(dtype) if bitcast else self.t.to(dtype))
 
@@ -846,6 +851,14 @@ class _Ptr:
 
     def __add__(self, o):
         return (self, o.t) if isinstance(o, _Vals) else _Ptr(self.buf, self.off + o)
+
+
+def _masked_load(addr, mask=None, other=0):
+    ptr, idx = (addr, torch.tensor(0)) if isinstance(addr, _Ptr) else addr
+    idx, mask = torch.broadcast_tensors(idx, torch.as_tensor(_Vals._v(mask)))
+    out = torch.full(idx.shape, other, dtype=ptr.buf.dtype)
+    out[mask] = ptr.buf[ptr.off + idx[mask]]
+    return _Vals(out)
 
 
 class _Shared:
@@ -861,32 +874,36 @@ class _Shared:
         self.buf.copy_(x.t.to(torch.int32))
 
 
-def _masked_load(addr, mask=None, other=0):
-    ptr, idx = addr
-    out = torch.full(idx.shape, other, dtype=ptr.buf.dtype)
-    out[mask.t] = ptr.buf[ptr.off + idx[mask.t]]
-    return _Vals(out)
-
-
 @pytest.mark.parametrize("warps", [4, 8, 16])
 def test_gluon_table_fill_writes_the_host_tables(warps, monkeypatch):
-    """``_fill_tables`` (its Python body, the Gluon ops standing in on the CPU) writes the host's pair
-    tables (``compact_pair_table``, ``crumb_pair_table``, ``interleaved_pair_table``) for every K and V
-    width pair, fp32 and bf16 codebooks and each head's codebook: K's entry x in words 64 x .. 64 x +
-    31 (one copy a lane), V's in the next 32, rows past a table's entries 0. (The conversion to bf16
-    is torch's here; on the GPU it is ``cvt.rn.bf16.f32``, the same rounding.)"""
+    """``_fill_tables`` (its Python body, the Gluon ops and its inline-PTX stores standing in on the
+    CPU) writes the host's pair tables (``compact_pair_table``, ``crumb_pair_table``,
+    ``interleaved_pair_table``) for every K and V width pair, fp32 and bf16 codebooks and each head's
+    codebook: K's entry x in words 64 x .. 64 x + 31 (one copy a lane), V's in the next 32. Every entry
+    a code can name is written (the buffer starts at -1, which no bf16 pair of these codebooks is);
+    rows past the smaller table's entries are left as they were. (The conversion to bf16 is torch's
+    here; on the GPU it is ``cvt.rn.bf16.f32``, the same rounding.)"""
     import types
 
     from weightszip.kernels import paged_decode_gluon as pg
     from weightszip.kernels.paged_decode import compact_pair_table
 
-    gl = types.SimpleNamespace(BlockedLayout=lambda *a: None, static_range=range, load=_masked_load,
+    gl = types.SimpleNamespace(BlockedLayout=lambda *a: None, load=_masked_load,
                                arange=lambda a, b, layout=None: _Vals(torch.arange(a, b, dtype=torch.int32)),
-                               where=lambda c, a, b: _Vals(torch.where(c.t, a.t, b.t)),
                                bfloat16=torch.bfloat16, int16=torch.int16, int32=torch.int32)
-    g = pg._fill_tables.fn.__globals__
-    for name, value in (("gl", gl), ("_entry_codes", pg._entry_codes.fn), ("_bf16_word", pg._bf16_word.fn)):
-        monkeypatch.setitem(g, name, value)
+
+    def axis(n, dim, rank, layout):
+        return _Vals(torch.arange(n, dtype=torch.int32).reshape([n if d == dim else 1 for d in range(rank)]))
+
+    def sts(addr, x):
+        addr, x = torch.broadcast_tensors(addr.t, x.t)
+        assert bool((addr % 4 == 0).all())
+        tab.buf[addr.reshape(-1) // 4] = x.reshape(-1).to(torch.int32)
+
+    fill = pg._fill_tables.fn
+    for name, value in [("gl", gl), ("_axis", axis), ("_sts", sts)] + [
+            (f, getattr(pg, f).fn) for f in ("_entry_codes", "_entry_row", "_bf16_word", "_fill_table")]:
+        monkeypatch.setitem(fill.__globals__, name, value)  # the module's globals: every function's
     host = {2: pg.interleaved_pair_table, 3: pg.crumb_pair_table, 4: compact_pair_table}
     gen = torch.Generator().manual_seed(warps)
     for kb in (2, 3, 4):
@@ -897,14 +914,13 @@ def test_gluon_table_fill_writes_the_host_tables(warps, monkeypatch):
                 ek, ev = pg.table_entries(kb), pg.table_entries(vb)
                 for head in range(3):
                     tab = _Shared(max(ek, ev) * 64)
-                    pg._fill_tables.fn(tab, _Ptr(k_cb.reshape(-1)) + head * (1 << kb),
-                                       _Ptr(v_cb.reshape(-1)) + head * (1 << vb), kb, vb, ek, ev, warps)
+                    fill(tab, _Ptr(k_cb.reshape(-1)) + head * (1 << kb),
+                                       _Ptr(v_cb.reshape(-1)) + head * (1 << vb), kb, vb, warps, 0)
                     rows = tab.buf.view(-1, 64)
                     for half, table, entries in ((rows[:, :32], host[kb](k_cb)[head], ek),
                                                  (rows[:, 32:], host[vb](v_cb)[head], ev)):
-                        want = torch.zeros(rows.shape[0], dtype=torch.int32)
-                        want[:entries] = table
-                        assert torch.equal(half, want[:, None].expand(-1, 32)), (kb, vb, dtype, head)
+                        assert torch.equal(half[:entries], table[:, None].expand(-1, 32)), (kb, vb, dtype, head)
+                        assert bool((half[entries:] == -1).all()), (kb, vb, dtype, head)
 
 
 def test_gluon_lazy_softmax_gives_the_softmax(monkeypatch):
@@ -1053,7 +1069,7 @@ def test_gluon_pair_codes_give_the_codebook_values(bits):
 
 
 _COMPILE_GLUON = """
-import re, sys
+import sys
 from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_for_hopper, smem_offsets
 
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
@@ -1069,13 +1085,9 @@ const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DI
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
 ptx = k.asm["ptx"]
-# the pair tables' fill (the kernel's first shared-memory store) at the offset the inline PTX reads
-# them from: Triton placed the allocations as smem_offsets says
-first = re.search(r"st\\.shared\\S*\\s+\\[%r\\d+(?:\\+(\\d+))?\\]", ptx)
-# with staging, the two allocations exactly fill the kernel's shared memory: the tables where the
-# lookups read them and nothing between, so the staging buffer is the rest, at STAGE_OFF
-print("cp.async", ptx.count("cp.async.cg.shared.global") > 0, "tables_at", int(first.group(1) or 0) == tab_off,
-      "shared", k.metadata.shared == smem_end if stages else k.metadata.shared >= smem_end)
+# the tables and the staging buffer (inline PTX alone reads and writes them, at smem_offsets') are
+# the kernel's whole shared memory: no Triton scratch shares their bytes while they live
+print("cp.async", ptx.count("cp.async.cg.shared.global") > 0, "shared", k.metadata.shared == smem_end)
 print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, "cos", "cos.approx" in ptx,
       "v4", "ld.shared.v4.b32" in ptx, "spills", spills)
 """
@@ -1095,14 +1107,15 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     from mma.sync, and at the default 128 registers ptxas spills nothing for the shapes it runs
     (head_dim x padded group <= GLUON_MAX_ACC; q4-64x16 is at that limit). The rotary-offset term
     (``KernelConfig.gluon_rope``) compiles at the 16 warps it runs on; the staged variants
-    (``KernelConfig.gluon_stages``) issue cp.async, and the pair tables lie where their lookups read
-    them (``smem_offsets``: the order Triton places the two allocations in)."""
+    (``KernelConfig.gluon_stages``) issue cp.async, and the kernel's shared memory is exactly the
+    pair tables and the staging buffer (``smem_offsets``: inline PTX addresses them, so no Triton
+    scratch may lie in their bytes)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()
     # staged words of a 128-wide head are read four at a time (ld.shared.v4)
     v4 = str(case[5] > 0 and case[2] >= 128)
-    assert out[-16:-1] == ["cp.async", str(case[5] > 0), "tables_at", "True", "shared", "True",
+    assert out[-14:-1] == ["cp.async", str(case[5] > 0), "shared", "True",
                            "lds", "True", "mma", "True", "cos", rope, "v4", v4, "spills"], stdout
     # with the rotary term ptxas spills a few words at 16 warps (4-32 bytes; 80 for q4 on the register
     # path since width 4 is nibble rows and the softmax mass is kept per thread; none staged, the

@@ -27,7 +27,8 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   A pair's table address is one byte permute (``_lookup``).
 * **Conflict-free table lookups.** The pair tables (bf16 codebook[a] in the low half, codebook[b] in
   the high half) sit in shared memory 32 times over, one 256-byte row per pair code holding K's 32
-  copies and then V's, copy ``l`` in bank ``l`` (``_fill_tables``); lane ``l`` reads copy ``l``
+  copies and then V's, copy ``l`` in bank ``l`` (``_fill_tables``: each thread loads every code a of
+  a codebook against a few codes b and stores its words by inline PTX, one barrier after); lane ``l`` reads copy ``l``
   (``ld.shared`` through inline PTX, as Gluon has no shared-memory gather), so a warp's 32 lookups
   are one shared-memory wavefront whatever the codes, and a lookup's address is the pair code in
   bits 8-15 beside the lane's offset: one byte permute.
@@ -73,8 +74,8 @@ from .paged_decode import gather_pairs, pair_gather
 
 NEG_BIG = gl.constexpr(-1.0e30)
 # One 32-bit lookup in shared memory at byte offset $1 of the kernel's dynamic shared memory
-# (``global_smem``; the pair tables lie at TAB_OFF and the staging slots at STAGE_OFF, where
-# ``smem_offsets`` says Triton places them: the compile test checks it).
+# (``global_smem``; the pair tables lie at TAB_OFF and the staging slots at STAGE_OFF,
+# ``smem_offsets``: bytes only inline PTX touches, the compile test checks no Triton scratch does).
 _LDS = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b32 $0, [a]; }")
 
 
@@ -375,13 +376,13 @@ def _slot_words(bits_k, bits_v, head_dim):
 
 def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
-    the end of both. Triton places the larger of the two allocations first, and of two the same size
-    the one allocated first (the tables: q4 at 16 warps x 2 stages, the rotary default); the compile
-    test checks both orders. The inline PTX, which addresses both from ``global_smem``, is told where
-    each lies."""
+    the end of both. Only inline PTX reads and writes them (from ``global_smem``), so their order is
+    ours: the kernel's two allocations, made first and live through the loop, reserve [0, end) in
+    whichever order Triton places them (the compile test checks that the kernel's shared memory is
+    exactly that: no Triton scratch lies in it)."""
     tab = _table_words(table_entries(bits_k), table_entries(bits_v)) * 4
     stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim) * 4
-    return (0, tab, tab + stg) if tab >= stg else (stg, 0, tab + stg)
+    return 0, tab, tab + stg
 
 
 # One 16-byte cp.async (global $2 to shared byte offset $1 of ``global_smem``) when $3 is not 0
@@ -415,6 +416,16 @@ def _axis(n: gl.constexpr, dim: gl.constexpr, rank: gl.constexpr, layout: gl.con
 def _lds(addr):
     """int32 at byte offset ``addr`` of the dynamic shared memory (elementwise)."""
     return gl.inline_asm_elementwise(_LDS, "=r,r", [addr], dtype=gl.int32, is_pure=True, pack=1)
+
+
+# int32 $2 to shared byte offset $1 of ``global_smem`` (Triton does not see it: no barrier added)
+_STS = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.b32 [a], $2; mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _sts(addr, x):
+    """Store int32 ``x`` at byte offset ``addr`` of the dynamic shared memory (elementwise)."""
+    gl.inline_asm_elementwise(_STS, "=r,r,r", [addr, x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -499,25 +510,49 @@ def _bf16_word(cb, a, b, ok):
 
 
 @gluon.jit
-def _fill_tables(tab, k_cb, v_cb, BITS_K: gl.constexpr, BITS_V: gl.constexpr, EK: gl.constexpr,
-                 EV: gl.constexpr, NW: gl.constexpr):
+def _entry_row(a, b, BITS: gl.constexpr):
+    """The pair-table entry of codes (a, b) at a width: ``_entry_codes``' inverse (at width 3 the
+    entry in rows 0-63; rows 64 r + x, r = 1..3, hold the same pair)."""
+    if BITS == 4:
+        x = a | (b << 4)
+    elif BITS == 3:
+        x = (a & 3) | ((b & 3) << 2) | ((a >> 2) << 4) | ((b >> 2) << 5)
+    elif BITS == 2:
+        x = (a & 1) | ((b & 1) << 1) | ((a >> 1) << 2) | ((b >> 1) << 3)
+    else:
+        x = a | (b << 1)
+    return x
+
+
+@gluon.jit
+def _fill_table(cb, BITS: gl.constexpr, OFF: gl.constexpr, NW: gl.constexpr):
+    """32 copies of one pair table (codebook row ``cb``) at shared byte offset OFF: entry x of lane l
+    at byte OFF + 256 x + 4 l. A thread holds every code a (its N loads of codebook[a]) against a few
+    codes b (in rows h = b + N r: width 3 repeats its 64 entries 4 times), so it loads and converts
+    N + E / (N NW) codebook values and stores E / NW words, in bank l of lane l. The stores are
+    inline PTX: Triton would put a CTA barrier before each of its stores into the buffer."""
+    N: gl.constexpr = 1 << BITS
+    H: gl.constexpr = table_entries(BITS) // N
+    L3: gl.constexpr = gl.BlockedLayout([1, N, 1], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
+    h = _axis(H, 0, 3, L3)
+    a = _axis(N, 1, 3, L3)
+    word = _bf16_word(cb, a, h % N, (a < N) & (h < H))
+    row = _entry_row(a, h % N, BITS) + (h // N) * (N * N)
+    _sts(OFF + 256 * row + 4 * _axis(32, 2, 3, L3), word)
+
+
+@gluon.jit
+def _fill_tables(k_cb, v_cb, BITS_K: gl.constexpr, BITS_V: gl.constexpr, NW: gl.constexpr,
+                 TAB_OFF: gl.constexpr):
     """32 copies of the K and V pair tables, made from the codebook rows ``k_cb``, ``v_cb`` (fp32 or
-    bf16; entry x = bf16 codebook[a] | bf16 codebook[b] << 16, ``_entry_codes``), into ``tab``, one
-    64-word row per entry: K's entry x for lane l at word 64 x + l, V's at 64 x + 32 + l. Lane l
-    reads copy l, in bank l, so a warp's lookups never conflict, and a lookup's byte address is the
-    pair code in bits 8-15 beside the lane's offset in bits 0-7 (``_lookup``: one byte permute)."""
-    TL: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
-    WORDS: gl.constexpr = max(EK, EV) * 64
-    CH: gl.constexpr = min(WORDS, NW * 128)  # words a pass (4 a thread: few registers live)
-    for c in gl.static_range(WORDS // CH):
-        w = c * CH + gl.arange(0, CH, layout=TL)
-        row = w // 64
-        is_v = (w % 64) >= 32
-        ka, kb = _entry_codes(row, BITS_K)
-        va, vb = _entry_codes(row, BITS_V)
-        k = _bf16_word(k_cb, ka, kb, (row < EK) & ~is_v)
-        v = _bf16_word(v_cb, va, vb, (row < EV) & is_v)
-        tab.slice(c * CH, CH).store(gl.where(is_v, v, k))
+    bf16; entry x = bf16 codebook[a] | bf16 codebook[b] << 16, ``_entry_codes``), at shared byte
+    TAB_OFF, one 64-word row per entry: K's entry x for lane l at word 64 x + l, V's at
+    64 x + 32 + l. Lane l reads copy l, in bank l, so a warp's lookups never conflict, and a lookup's
+    byte address is the pair code in bits 8-15 beside the lane's offset in bits 0-7 (``_lookup``: one
+    byte permute). The words past a table's entries (the smaller one's rows) are left unwritten:
+    no code reads them."""
+    _fill_table(k_cb, BITS_K, TAB_OFF, NW)
+    _fill_table(v_cb, BITS_V, TAB_OFF + 128, NW)
 
 
 @gluon.jit
@@ -959,19 +994,21 @@ def compact_split_kernel(
     t0 = gl.load(work_start_ptr + item)
     t1 = gl.load(work_end_ptr + item)
 
-    # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x, at TAB_OFF
-    # (``smem_offsets``)
+    # Shared memory, addressed by inline PTX alone (``smem_offsets``): the pair tables at TAB_OFF and,
+    # with STAGES > 0, each warp's next STAGES - 1 pages copied into its own slots (cp.async, no
+    # registers held) at STAGE_OFF. Both allocations are made first and live to the end of the loop,
+    # so Triton places no scratch of its own in them (the compile test checks that the kernel's
+    # shared memory is exactly theirs).
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    _fill_tables(tab, k_cb_ptr + head * (1 << BITS_K), v_cb_ptr + head * (1 << BITS_V), BITS_K, BITS_V, EK, EV, NW)
-    # STAGES > 0: each warp's next STAGES - 1 pages copied into its own slots of shared memory
-    # (cp.async, no registers held), at STAGE_OFF (``smem_offsets``)
     SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM)
+    if STAGES > 0:
+        stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x
+    _fill_tables(k_cb_ptr + head * (1 << BITS_K), v_cb_ptr + head * (1 << BITS_V), BITS_K, BITS_V, NW, TAB_OFF)
     NK: gl.constexpr = BITS_K * HEAD_DIM // 8
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
     NCH: gl.constexpr = 1 << ((NK + NV + 31) // 32 - 1).bit_length()
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
-    if STAGES > 0:
-        stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     gl.thread_barrier()
 
     q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, BITS_K)
