@@ -914,7 +914,7 @@ def test_gluon_table_fill_writes_the_host_tables(warps, monkeypatch):
                 ek, ev = pg.table_entries(kb), pg.table_entries(vb)
                 for head in range(3):
                     tab = _Shared(max(ek, ev) * 64)
-                    fill(tab, _Ptr(k_cb.reshape(-1)) + head * (1 << kb),
+                    fill(_Ptr(k_cb.reshape(-1)) + head * (1 << kb),
                                        _Ptr(v_cb.reshape(-1)) + head * (1 << vb), kb, vb, warps, 0)
                     rows = tab.buf.view(-1, 64)
                     for half, table, entries in ((rows[:, :32], host[kb](k_cb)[head], ek),

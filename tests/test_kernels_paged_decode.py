@@ -259,6 +259,44 @@ def test_bad_plan_and_run():
         attn.plan([20, 40], bad)
 
 
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 40000), min_size=1, max_size=12), heads=st.sampled_from([1, 2, 8]),
+       waves=st.integers(1, 3), min_split=st.sampled_from([16, 1000, 2048]), block_n=st.sampled_from([16, 128]),
+       sinks=st.sampled_from([0, 4]), window=st.sampled_from([0, 64]))
+def test_default_split_fits_the_programs(lens, heads, waves, min_split, block_n, sinks, window):
+    """The planner's default split (``_fit_split``) is the shortest whole number of steps, at least
+    min_split_tokens, whose items times the KV heads fit in waves x multiprocessors (7 here); where
+    even one item a sequence is more, one item a sequence. Its schedule covers each sequence's paged
+    tokens once (every item in range, consecutive, none empty)."""
+    cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=1, waves=waves, min_split_tokens=min_split)
+    attn = PagedDecodeAttention(heads * 2, heads, 32, config=cfg, sink_tokens=sinks, window=window, device="cpu")
+    attn._num_sms = lambda: 7
+    bt = torch.zeros(len(lens), -(-max(lens) // 16), dtype=torch.int32)
+    info = attn.plan(lens, bt)
+    split, budget = info["split_tokens"], 7 * waves // heads
+    assert split % block_n == 0 and split >= min_split
+    a0 = sinks // block_n * block_n
+    spans = [max(n - window, 0) - a0 if n - window > sinks else 0 for n in lens]
+
+    def items(t):
+        return sum(-(-s // t) for s in spans)
+
+    assert info["items"] == items(split)
+    if items(split) > max(budget, 1):  # only where one item a sequence is already more
+        assert items(split) == sum(s > 0 for s in spans)
+    else:
+        shorter = split - block_n
+        assert shorter < min_split or items(shorter) > max(budget, 1)
+    p = attn._plan
+    seq, start, end = (p[k].tolist() for k in ("work_seq", "work_start", "work_end"))
+    for i, n in enumerate(lens):
+        mine = [(a, b) for s_, a, b in zip(seq, start, end) if s_ == i]
+        lo, hi = sinks, n - window
+        want = [(lo, hi)] if hi > lo else []
+        assert [(mine[0][0], mine[-1][1])] == want if mine else want == []
+        assert all(a < b for a, b in mine) and all(b == a2 for (_, b), (a2, _) in zip(mine, mine[1:]))
+
+
 # -- real shapes, GPU only -----------------------------------------------------------------------------
 
 

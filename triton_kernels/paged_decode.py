@@ -96,8 +96,8 @@ class KernelConfig:
     """Launch parameters of the split kernel.
 
     ``block_n``: tokens per loop step (a multiple of 16: ``block_n / 16`` pages per tile).
-    ``num_warps``/``num_stages``: Triton's. ``waves``: the planner aims at ``waves`` programs per
-    multiprocessor in all; ``min_split_tokens``: no split is shorter (fewer, longer splits cost less
+    ``num_warps``/``num_stages``: Triton's. ``waves``: the planner makes at most ``waves`` programs
+    per multiprocessor in all where it can (``PagedDecodeAttention._fit_split``); ``min_split_tokens``: no split is shorter (fewer, longer splits cost less
     merging). Defaults chosen on the H200 (see BENCHMARKS.md, "Paged decode attention").
     """
 
@@ -177,14 +177,20 @@ class KernelConfig:
 # q4, q3) over the 8 points of the issue-5 grid among 9 (waves, min_split_tokens) pairs
 # (`benchmarks/results/box/s13_run04/split_sweep.json`): against the previous 4 (8 for fp8) x 1024,
 # 3% (bf16), 17% (fp8), 7% (q4) and 8% (q3) less time; fp8 at 70B TP8 batch 8 x 128k 0.316 -> 0.145 ms
-# (1024 splits of 1024 tokens, each program's fixed cost dominating).
+# (1024 splits of 1024 tokens, each program's fixed cost dominating). Since session 21 the planner
+# keeps the count of programs within waves x multiprocessors (`_fit_split`; the even share rounded
+# up to whole splits of each sequence had given up to 25% more): compact 9-10% less time in geometric
+# mean over that grid at 2 waves (`box/s21_run03/plan_ab.json`), fp8 9% at 1 wave.
 DEFAULT_CONFIGS = {
     PAGE_BF16: KernelConfig(block_n=128, num_warps=4, num_stages=2, waves=2, min_split_tokens=2048),
     # fp8: the Gluon kernel where it applies, at any step size (H200, `box/dec_fp8gluon.json`,
     # `box/s10_run31/dec_fp8_small.json`: 0.59-0.90 of the read bandwidth against the Triton kernel's
     # 0.44-0.54 from batch 8 x 32k x 8 heads up; at 70B TP8 batch 8 as fast or 3% faster), else the
     # Triton kernel with these fields
-    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=2, min_split_tokens=2048, gluon=True,
+    # 1 program per multiprocessor since session 21 (`_fit_split`; `box/s21_run03/plan_ab.json`: against
+    # 2, 9% less time in geometric mean over the 16 points of batch 8-64 x 32k/128k at both shapes,
+    # 0.146 -> 0.114 ms at 70B TP8 8 x 128k; 8% more at 70B TP8 64 x 128k)
+    PAGE_FP8: KernelConfig(block_n=128, num_warps=4, num_stages=3, waves=1, min_split_tokens=2048, gluon=True,
                            gluon_min_work=0),
     # `bench_decode_attention.py --tune-compact` (2026-11-30): 128 tokens/step, 4 warps, 1 stage (the
     # next tile's planes are prefetched by hand; 2 stages would stage the codebook gathers through
@@ -1231,13 +1237,37 @@ class PagedDecodeAttention:
             return torch.cuda.get_device_properties(self.device).multi_processor_count
         return 4
 
+    def _fit_split(self, spans: np.ndarray, bn: int) -> int:
+        """The default split: the shortest (a multiple of ``bn``, at least ``config.min_split_tokens``)
+        whose items, times the KV heads, fit in ``config.waves`` programs per multiprocessor. Each
+        sequence's span (``spans``: tokens from its first step, 0 for none) is cut into whole splits,
+        so the even share of the total can give more programs than that (8 sequences of 128k at
+        waves 1: 17 splits each of 8064 tokens, 136 programs on 132 multiprocessors, four of which
+        then run two): the split grows until the count fits, or to the longest span (one item a
+        sequence, where even that is more)."""
+        budget = max(1, self._num_sms() * self.config.waves // self.num_kv_heads)
+
+        def steps(n):  # n tokens in whole steps of bn, at least min_split_tokens
+            return -(-max(int(n), self.config.min_split_tokens) // bn)
+
+        lo_s = steps(-(-int(spans.sum()) // budget))
+        hi_s = max(lo_s, steps(spans.max()))
+        while lo_s < hi_s:  # the fewest steps whose items fit (items fall as the split grows)
+            mid = (lo_s + hi_s) // 2
+            if int((-(-spans // (mid * bn))).sum()) <= budget:
+                hi_s = mid
+            else:
+                lo_s = mid + 1
+        return lo_s * bn
+
     def plan(self, seq_lens, block_tables: torch.Tensor, *, split_tokens: int | None = None) -> dict:
         """Split schedule and workspace for one decode step.
 
         seq_lens: the total length ``L`` of each sequence (side tokens included), ints >= 1, on the host
         (a list, numpy array or tensor). block_tables: int32 [num_seqs, max_blocks] on the device.
         split_tokens: tokens per split (a multiple of ``config.block_n``); default: enough splits to
-        fill the GPU ``config.waves`` programs per multiprocessor. Returns a summary (items, split size).
+        fill the GPU with at most ``config.waves`` programs per multiprocessor (``_fit_split``). Returns a
+        summary (items, split size).
         """
         lens = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, dtype=np.int64)
         _check(lens.ndim == 1 and lens.size > 0, "seq_lens must be a non-empty 1-D sequence")
@@ -1256,13 +1286,11 @@ class PagedDecodeAttention:
         _check(int(need_blocks.max()) <= block_tables.shape[1],
                f"block_tables has {block_tables.shape[1]} blocks per sequence; the longest needs "
                f"{int(need_blocks.max())}")
+        a0 = (lo // bn) * bn
         if split_tokens is None:
-            target_items = max(1, self._num_sms() * self.config.waves // self.num_kv_heads)
-            split_tokens = -(-int(n_paged.sum()) // target_items)
-            split_tokens = max(split_tokens, self.config.min_split_tokens)
+            split_tokens = self._fit_split(np.where(n_paged > 0, hi - a0, 0), bn)
         _check(split_tokens > 0, "split_tokens must be positive")
         split_tokens = -(-int(split_tokens) // bn) * bn
-        a0 = (lo // bn) * bn
         n_items = np.where(n_paged > 0, -(-(hi - a0) // split_tokens), 0)
         seq_of = np.repeat(np.arange(lens.size), n_items)
         first = np.repeat(np.cumsum(n_items) - n_items, n_items)
@@ -1549,6 +1577,9 @@ class PagedDecodeAttention:
             )
         ks = k_side if side else q
         vs = v_side if side else q
+        # the merge's splits a step and warps (H200, `box/s21_run06`, 70B TP8 batch 8-32: 4 warps and 4
+        # splits a step had taken 12-52 us, as long as the split kernel at batch 8; one warp 6-12 us; with
+        # the inverse V transform 16 splits a step on 4 warps 15-22 us, against 16-56)
         _merge_kernel[(B, Hkv)](
             q, ks, vs, pl["seq_lens"], pl["item_indptr"],
             pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1561,9 +1592,9 @@ class PagedDecodeAttention:
             Hkv,
             GROUP=G, BLOCK_G=block_g, HEAD_DIM=D,
             SINKS=self.sink_tokens, WINDOW=self.window, BLOCK_S=_pow2_at_least(min(side, 64), 16),
-            BLOCK_I=max(1, 64 // block_g),
+            BLOCK_I=max(1, (256 if v_inv_transform is not None else 64) // block_g),
             HAS_V_TRANSFORM=v_inv_transform is not None, HAS_V_MEAN=v_mean is not None,
-            num_warps=4,
+            num_warps=4 if v_inv_transform is not None or side else 1,
         )
         return out
 
