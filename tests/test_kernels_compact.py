@@ -874,15 +874,16 @@ class _Shared:
         self.buf.copy_(x.t.to(torch.int32))
 
 
-@pytest.mark.parametrize("warps", [4, 8, 16])
-def test_gluon_table_fill_writes_the_host_tables(warps, monkeypatch):
+def test_gluon_table_fill_writes_the_host_tables(monkeypatch):
     """``_fill_tables`` (its Python body, the Gluon ops and its inline-PTX stores standing in on the
     CPU) writes the host's pair tables (``compact_pair_table``, ``crumb_pair_table``,
     ``interleaved_pair_table``) for every K and V width pair, fp32 and bf16 codebooks and each head's
     codebook: K's entry x in words 64 x .. 64 x + 31 (one copy a lane), V's in the next 32. Every entry
     a code can name is written (the buffer starts at -1, which no bf16 pair of these codebooks is);
     rows past the smaller table's entries are left as they were. (The conversion to bf16 is torch's
-    here; on the GPU it is ``cvt.rn.bf16.f32``, the same rounding.)"""
+    here; on the GPU it is ``cvt.rn.bf16.f32``, the same rounding. The layouts stand in as whole
+    tensors, so how the words spread over warps is not exercised here: the compile test and the GPU
+    tests at 2-16 warps are.)"""
     import types
 
     from weightszip.kernels import paged_decode_gluon as pg
@@ -905,7 +906,7 @@ def test_gluon_table_fill_writes_the_host_tables(warps, monkeypatch):
             (f, getattr(pg, f).fn) for f in ("_entry_codes", "_entry_row", "_bf16_word", "_fill_table")]:
         monkeypatch.setitem(fill.__globals__, name, value)  # the module's globals: every function's
     host = {2: pg.interleaved_pair_table, 3: pg.crumb_pair_table, 4: compact_pair_table}
-    gen = torch.Generator().manual_seed(warps)
+    gen = torch.Generator().manual_seed(0)
     for kb in (2, 3, 4):
         for vb in (2, 3, 4):
             for dtype in (torch.float32, torch.bfloat16):
@@ -915,7 +916,7 @@ def test_gluon_table_fill_writes_the_host_tables(warps, monkeypatch):
                 for head in range(3):
                     tab = _Shared(max(ek, ev) * 64)
                     fill(_Ptr(k_cb.reshape(-1)) + head * (1 << kb),
-                                       _Ptr(v_cb.reshape(-1)) + head * (1 << vb), kb, vb, warps, 0)
+                                       _Ptr(v_cb.reshape(-1)) + head * (1 << vb), kb, vb, 8, 0)
                     rows = tab.buf.view(-1, 64)
                     for half, table, entries in ((rows[:, :32], host[kb](k_cb)[head], ek),
                                                  (rows[:, 32:], host[vb](v_cb)[head], ev)):

@@ -262,7 +262,7 @@ def test_bad_plan_and_run():
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 40000), min_size=1, max_size=12), heads=st.sampled_from([1, 2, 8]),
        waves=st.integers(1, 3), min_split=st.sampled_from([16, 1000, 2048]), block_n=st.sampled_from([16, 128]),
-       sinks=st.sampled_from([0, 4]), window=st.sampled_from([0, 64]))
+       sinks=st.sampled_from([0, 4, 200]), window=st.sampled_from([0, 64]))
 def test_default_split_fits_the_programs(lens, heads, waves, min_split, block_n, sinks, window):
     """The planner's default split (``_fit_split``) is the shortest whole number of steps, at least
     min_split_tokens, whose items times the KV heads fit in waves x multiprocessors (7 here); where
@@ -295,6 +295,41 @@ def test_default_split_fits_the_programs(lens, heads, waves, min_split, block_n,
         want = [(lo, hi)] if hi > lo else []
         assert [(mine[0][0], mine[-1][1])] == want if mine else want == []
         assert all(a < b for a, b in mine) and all(b == a2 for (_, b), (a2, _) in zip(mine, mine[1:]))
+
+
+_COMPILE_MERGE = """
+import sys
+from weightszip.kernels.paged_decode import _merge_kernel, merge_launch
+from weightszip.kernels.paged_decode_gluon import compile_for_hopper
+
+group, d, transform, side = (int(x) for x in sys.argv[1:5])
+block_g = max(16, 1 << (group - 1).bit_length())
+block_i, warps = merge_launch(group, d, block_g, bool(transform), bool(side))
+ptrs = {"q_ptr": "*bf16", "k_side_ptr": "*bf16", "v_side_ptr": "*bf16", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
+        "ws_acc_ptr": "*fp32", "v_inv_ptr": "*fp32", "v_mean_ptr": "*fp32", "out_ptr": "*bf16"}
+const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, SINKS=4 if side else 0, WINDOW=64 if side else 0, BLOCK_S=64,
+             BLOCK_I=block_i, HAS_V_TRANSFORM=bool(transform), HAS_V_MEAN=bool(transform))
+k, spills = compile_for_hopper(_merge_kernel, const, ptrs, warps)
+print("warps", warps, "block_i", block_i, "spills", spills)
+"""
+
+
+@pytest.mark.parametrize("case", [(4, 128, 0, 0), (8, 128, 0, 0), (8, 128, 1, 0), (7, 128, 1, 0), (16, 128, 0, 0),
+                                  (16, 128, 1, 0), (8, 64, 1, 0), (32, 128, 0, 0), (8, 128, 0, 1)],
+                         ids=["g4", "g8", "g8-transform", "g7-transform", "g16", "g16-transform", "g8-d64-transform",
+                              "g32", "g8-side"])
+def test_merge_launch_compiles_without_spills(case, compile_in_child):
+    """The merge kernel at the splits a step and warps ``merge_launch`` gives (one warp for the
+    measured 8 x 128 and smaller without the inverse V transform) compiles for sm_90 and ptxas
+    spills at most 16 bytes (the 4-warp launch's own at 16 x 128 with the transform); one warp at
+    16 x 128 spilled 952. With side tokens the launch stays 4 warps and 4 splits a step (it spills
+    72 bytes there, as it did before the launch was tuned)."""
+    out = compile_in_child(_COMPILE_MERGE, *case, timeout=600).split()
+    assert out[-6:-1:2] == ["warps", "block_i", "spills"], out
+    if case[3]:
+        assert out[-5] == "4" and out[-3] == "4", out
+    else:
+        assert int(out[-1]) <= 16, out
 
 
 # -- real shapes, GPU only -----------------------------------------------------------------------------

@@ -939,6 +939,17 @@ def _paged_split_kernel(
              mask=g_valid[:, None])
 
 
+def merge_launch(group: int, head_dim: int, block_g: int, transform: bool, side: bool) -> tuple[int, int]:
+    """The merge kernel's splits a step (BLOCK_I) and warps. H200 (`box/s21_run06`, 70B TP8 batch
+    8-32): 4 warps and 4 splits a step had taken 12-52 us, as long as the split kernel at batch 8;
+    one warp 6-12 us; with the inverse V transform 16 splits a step on 4 warps 15-22 us, against
+    16-56. Measured at a group x head_dim of 8 x 128; at 16 x 128 and wider those spill (ptxas,
+    sm_90: 390-6200 bytes), so wider shapes, and the side tokens' products, keep 4 warps and 4."""
+    small = group * head_dim <= 8 * 128
+    block_i = max(1, (256 if transform and small else 64) // block_g)
+    return block_i, 4 if transform or side or not small else 1
+
+
 @triton.jit
 def _merge_kernel(
     q_ptr, k_side_ptr, v_side_ptr, seq_lens_ptr, item_indptr_ptr,
@@ -1446,7 +1457,10 @@ class PagedDecodeAttention:
                     and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
                     # with the rotary term, groups up to 8 (wider ones spill 200+ bytes at 16 warps)
                     and not (has_rope and G > 8)
-                    and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)):
+                    and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)
+                    # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
+                    # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
+                    and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
                 gluon_cbs = (k_codebook, v_codebook)
@@ -1577,9 +1591,7 @@ class PagedDecodeAttention:
             )
         ks = k_side if side else q
         vs = v_side if side else q
-        # the merge's splits a step and warps (H200, `box/s21_run06`, 70B TP8 batch 8-32: 4 warps and 4
-        # splits a step had taken 12-52 us, as long as the split kernel at batch 8; one warp 6-12 us; with
-        # the inverse V transform 16 splits a step on 4 warps 15-22 us, against 16-56)
+        merge_block_i, merge_warps = merge_launch(G, D, block_g, v_inv_transform is not None, side > 0)
         _merge_kernel[(B, Hkv)](
             q, ks, vs, pl["seq_lens"], pl["item_indptr"],
             pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1592,9 +1604,9 @@ class PagedDecodeAttention:
             Hkv,
             GROUP=G, BLOCK_G=block_g, HEAD_DIM=D,
             SINKS=self.sink_tokens, WINDOW=self.window, BLOCK_S=_pow2_at_least(min(side, 64), 16),
-            BLOCK_I=max(1, (256 if v_inv_transform is not None else 64) // block_g),
+            BLOCK_I=merge_block_i,
             HAS_V_TRANSFORM=v_inv_transform is not None, HAS_V_MEAN=v_mean is not None,
-            num_warps=4 if v_inv_transform is not None or side else 1,
+            num_warps=merge_warps,
         )
         return out
 
