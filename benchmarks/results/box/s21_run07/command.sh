@@ -1,4 +1,5 @@
 # session 21 run 7: the merge kernel's launch (1 warp, 4 splits a step; 4 warps, 16 with the V transform) with
+# (.boxq/x/s21_prof.py is kept as ../s21_run05/s21_prof.py: the same file)
 # the planner's split choice: GPU tests at real shapes, kernel times at small batches, the full issue-5 grid
 source .boxq/r/setup.sh
 mkdir -p $OUT
