@@ -1,6 +1,6 @@
 # session 21 run 7: the merge kernel's launch (1 warp, 4 splits a step; 4 warps, 16 with the V transform) with
-# (.boxq/x/s21_prof.py is kept as ../s21_run05/s21_prof.py: the same file)
 # the planner's split choice: GPU tests at real shapes, kernel times at small batches, the full issue-5 grid
+# (.boxq/x/s21_prof.py is kept as ../s21_run05/s21_prof.py: the same file)
 source .boxq/r/setup.sh
 mkdir -p $OUT
 timeout 200 python3 -m pytest -q -rf --tb=short tests/test_kernels_paged_decode.py tests/test_kernels_compact.py -p no:cacheprovider \
