@@ -853,7 +853,7 @@ class _Ptr:
         return (self, o.t) if isinstance(o, _Vals) else _Ptr(self.buf, self.off + o)
 
 
-def _masked_load(addr, mask=None, other=0):
+def _masked_load(addr, mask=True, other=0):
     ptr, idx = (addr, torch.tensor(0)) if isinstance(addr, _Ptr) else addr
     idx, mask = torch.broadcast_tensors(idx, torch.as_tensor(_Vals._v(mask)))
     out = torch.full(idx.shape, other, dtype=ptr.buf.dtype)
@@ -903,7 +903,7 @@ def test_gluon_table_fill_writes_the_host_tables(monkeypatch):
 
     fill = pg._fill_tables.fn
     for name, value in [("gl", gl), ("_axis", axis), ("_sts", sts)] + [
-            (f, getattr(pg, f).fn) for f in ("_entry_codes", "_entry_row", "_bf16_word", "_fill_table")]:
+            (f, getattr(pg, f).fn) for f in ("_entry_codes", "_entry_row", "_bf16_bits", "_fill_table")]:
         monkeypatch.setitem(fill.__globals__, name, value)  # the module's globals: every function's
     host = {2: pg.interleaved_pair_table, 3: pg.crumb_pair_table, 4: compact_pair_table}
     gen = torch.Generator().manual_seed(0)

@@ -97,8 +97,8 @@ class KernelConfig:
 
     ``block_n``: tokens per loop step (a multiple of 16: ``block_n / 16`` pages per tile).
     ``num_warps``/``num_stages``: Triton's. ``waves``: the planner makes at most ``waves`` programs
-    per multiprocessor in all where it can (``PagedDecodeAttention._fit_split``); ``min_split_tokens``: no split is shorter (fewer, longer splits cost less
-    merging). Defaults chosen on the H200 (see BENCHMARKS.md, "Paged decode attention").
+    per multiprocessor in all where it can (``PagedDecodeAttention._fit_split``);
+    ``min_split_tokens``: no split is shorter (fewer, longer splits cost less merging). Defaults chosen on the H200 (see BENCHMARKS.md, "Paged decode attention").
     """
 
     block_n: int = 128

@@ -28,10 +28,10 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
 * **Conflict-free table lookups.** The pair tables (bf16 codebook[a] in the low half, codebook[b] in
   the high half) sit in shared memory 32 times over, one 256-byte row per pair code holding K's 32
   copies and then V's, copy ``l`` in bank ``l`` (``_fill_tables``: each thread loads every code a of
-  a codebook against a few codes b and stores its words by inline PTX, one barrier after); lane ``l`` reads copy ``l``
-  (``ld.shared`` through inline PTX, as Gluon has no shared-memory gather), so a warp's 32 lookups
-  are one shared-memory wavefront whatever the codes, and a lookup's address is the pair code in
-  bits 8-15 beside the lane's offset: one byte permute.
+  a codebook against a few codes b and stores its words by inline PTX, one barrier after); lane
+  ``l`` reads copy ``l`` (``ld.shared`` through inline PTX, as Gluon has no shared-memory gather),
+  so a warp's 32 lookups are one shared-memory wavefront whatever the codes, and a lookup's address
+  is the pair code in bits 8-15 beside the lane's offset: one byte permute.
 * **Pages staged by cp.async** (``STAGES``, ``KernelConfig.gluon_stages``): each warp copies its next
   page's bit planes into its own slots of shared memory (16-byte ``cp.async`` through inline PTX,
   so Triton inserts no block-wide barrier; a warp waits for its own copies and syncs its own lanes),
@@ -501,12 +501,10 @@ def _entry_codes(x, BITS: gl.constexpr):
 
 
 @gluon.jit
-def _bf16_word(cb, a, b, ok):
-    """bf16 codebook[a] in the low half and codebook[b] in the high half of an int32 (cb: fp32 or bf16
-    codebook row; rounded to nearest even as torch's ``.to(torch.bfloat16)``); 0 where not ``ok``."""
-    lo = gl.load(cb + a, mask=ok, other=0.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    hi = gl.load(cb + b, mask=ok, other=0.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    return lo | (hi << 16)
+def _bf16_bits(cb, a):
+    """The bf16 bits of codebook[a] in the low half of an int32 (cb: fp32 or bf16 codebook row;
+    rounded to nearest even as torch's ``.to(torch.bfloat16)``)."""
+    return gl.load(cb + a).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
 
 
 @gluon.jit
@@ -536,7 +534,7 @@ def _fill_table(cb, BITS: gl.constexpr, OFF: gl.constexpr, NW: gl.constexpr):
     L3: gl.constexpr = gl.BlockedLayout([1, N, 1], [1, 1, 32], [NW, 1, 1], [2, 1, 0])
     h = _axis(H, 0, 3, L3)
     a = _axis(N, 1, 3, L3)
-    word = _bf16_word(cb, a, h % N, (a < N) & (h < H))
+    word = _bf16_bits(cb, a) | (_bf16_bits(cb, h % N) << 16)  # [1, N, 1] | [H, 1, 1]: N + H / NW loads
     row = _entry_row(a, h % N, BITS) + (h // N) * (N * N)
     _sts(OFF + 256 * row + 4 * _axis(32, 2, 3, L3), word)
 
@@ -545,8 +543,8 @@ def _fill_table(cb, BITS: gl.constexpr, OFF: gl.constexpr, NW: gl.constexpr):
 def _fill_tables(k_cb, v_cb, BITS_K: gl.constexpr, BITS_V: gl.constexpr, NW: gl.constexpr,
                  TAB_OFF: gl.constexpr):
     """32 copies of the K and V pair tables, made from the codebook rows ``k_cb``, ``v_cb`` (fp32 or
-    bf16; entry x = bf16 codebook[a] | bf16 codebook[b] << 16, ``_entry_codes``), at shared byte
-    TAB_OFF, one 64-word row per entry: K's entry x for lane l at word 64 x + l, V's at
+    bf16; entry x = bf16 codebook[a] | bf16 codebook[b] << 16 for x's codes (a, b), ``_entry_codes``),
+    at shared byte TAB_OFF, one 64-word row per entry: K's entry x for lane l at word 64 x + l, V's at
     64 x + 32 + l. Lane l reads copy l, in bank l, so a warp's lookups never conflict, and a lookup's
     byte address is the pair code in bits 8-15 beside the lane's offset in bits 0-7 (``_lookup``: one
     byte permute). The words past a table's entries (the smaller one's rows) are left unwritten:
