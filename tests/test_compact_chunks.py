@@ -80,7 +80,7 @@ def test_compact_chunks_reject_bad_input(cal):
         codec.decode(blob[:-1])
     with pytest.raises(weightszip.CorruptDataError):
         codec.decode(b"XXXX" + blob[4:])
-    with pytest.raises(weightszip.InvalidArgumentError, match="q3"):
+    with pytest.raises(weightszip.CorruptDataError, match="q3"):
         CompactChunkCodec(cal, "q4").decode(blob)
 
 
@@ -193,6 +193,34 @@ def test_compact_chunks_read_older_versions(cal):
         codec.decode(v4[:4] + bytes([5]) + v4[5:])
     with pytest.raises(weightszip.CorruptDataError, match="magic"):
         codec.decode(b"WZQX" + v4[4:])
+
+
+def test_damaged_compact_chunk_headers_are_corrupt_data(cal):
+    """The header is data read from a file, not the caller's argument: a bit flipped in its magic,
+    format index, pad bytes, kinds, layers, tokens, hidden or the high bits of its start is
+    CorruptDataError (TruncatedError where the header then implies another length), never
+    InvalidArgumentError. Bytes 6-7 must be zero, in version 1's 24-byte header too. (The version
+    byte's flips are UnsupportedVersionError; the start's low bits are any position.)"""
+    codec = CompactChunkCodec(cal, "q3")
+    kv = _kv()[:, :, :32]
+    blob = codec.encode(kv, start=100)
+    assert blob[6:8] == b"\0\0"
+    bits = [8 * byte + b for byte in [0, 1, 2, 3, *range(5, 24)] for b in range(8)] + list(range(8 * 24 + 31, 8 * 32))
+    for bit in bits:
+        bad = bytearray(blob)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(weightszip.CorruptDataError):
+            codec.decode(bytes(bad))
+    for pad in (b"\1\0", b"\0\x80"):
+        with pytest.raises(weightszip.CorruptDataError, match="pad"):
+            codec.decode(blob[:6] + pad + blob[8:])
+    v1 = _repack_pages(codec, codec.encode(kv), blob[:4] + bytes([1]) + blob[5:24])
+    assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(codec.encode(kv)).view(torch.int16))
+    with pytest.raises(weightszip.CorruptDataError, match="pad"):
+        codec.decode(v1[:7] + b"\4" + v1[8:])
+    # decoding a chunk with another format's codec: the chunk's bytes do not fit, so the same class
+    with pytest.raises(weightszip.CorruptDataError, match="q3"):
+        CompactChunkCodec(cal, "q4").decode(blob)
 
 
 def test_hostile_compact_chunks_give_typed_errors_or_the_coded_values(cal):

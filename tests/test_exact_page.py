@@ -188,6 +188,30 @@ def test_hostile_inputs_raise_typed_errors(real_kv):
             pass
 
 
+def test_a_bit_set_in_the_slack_between_pages_is_corrupt(real_kv):
+    """The bytes between a page's end and the next offset (alignment slack, and after the last page)
+    are zeros, as every encoder writes them: a bit flipped there is CorruptDataError, not ignored."""
+    x, p = _pages(real_kv, channels=32)
+    cb = pages.calibrate(x, "bfloat16")
+    buf, offs = pages.encode_pages(cb, p, align=32)
+    slack = [at for i in range(len(offs) - 1)
+             for at in range(int(offs[i]) + _page_len(cb, buf, int(offs[i])), int(offs[i + 1]))]
+    assert slack and not any(buf[at] for at in slack)
+    for at in slack:
+        bad = bytearray(buf)
+        bad[at] ^= 0x10
+        with pytest.raises(CorruptDataError, match="slack"):
+            pages.decode_pages(cb, bytes(bad), offs)
+    assert (pages.decode_pages(cb, buf, offs) == p).all()
+
+
+def _page_len(cb: bytes, buf: bytes, at: int) -> int:
+    """The length of the page at ``at`` from its header (FORMAT.md: H + 16 C + 4 words)."""
+    _, _, channels, _ = pages.codebook_info(cb)
+    words = np.frombuffer(buf, np.uint16, channels // 32, at).astype(np.int64).sum()
+    return pages.header_len(channels) + 16 * channels + 4 * int(words)
+
+
 _COMPILE_CODEC = """
 from weightszip.kernels import exact_page as ep, regions
 from weightszip.kernels.paged_decode_gluon import compile_for_hopper

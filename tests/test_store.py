@@ -384,6 +384,30 @@ def test_an_older_file_copied_over_the_current_one_is_not_returned(tmp_path):
     s.close()
 
 
+def test_a_chunk_file_in_another_hash_folder_is_removed_at_open(tmp_path):
+    """``get`` reads a chunk only from the folder its hash names: a file moved into another ``HH/``
+    is neither counted by ``contains`` nor left to be, and a copy there does not displace the
+    original (it did: the two had one sequence number and the original was deleted as stale)."""
+    s = ChunkStore(tmp_path, ram_bytes=0)
+    s.put("a", b"moved")
+    s.put("b", b"copied")
+    pa, pb = Path(s.file_of("a")), Path(s.file_of("b"))
+    s.close()
+
+    def elsewhere(p: Path) -> Path:
+        return tmp_path / f"{(int(p.parent.name, 16) + 1) % 256:02x}" / p.name
+
+    pa.rename(elsewhere(pa))
+    elsewhere(pb).write_bytes(pb.read_bytes())
+    s = ChunkStore(tmp_path)
+    assert "a" not in s and s.get("a") is None
+    assert s.get("b") == b"copied" and "b" in s
+    assert not elsewhere(pa).exists() and not elsewhere(pb).exists() and pb.exists()
+    st = s.stats()
+    assert st["disk_chunks"] == 1 and st["corrupt_evicted"] == 2
+    s.close()
+
+
 def test_a_fifo_named_like_a_chunk_does_not_hang_the_store(tmp_path):
     s = ChunkStore(tmp_path, write_through=True)
     s.put("k", b"data")

@@ -84,7 +84,8 @@ def encode_pages(codebook: bytes, values, align: int = 8) -> tuple[bytes, np.nda
 
 
 def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
-    """Decode the pages at ``offsets`` (n + 1 entries) of ``buf``; returns uint16 [n, 16, channels]."""
+    """Decode the pages at ``offsets`` (n + 1 entries) of ``buf``; returns uint16 [n, 16, channels].
+    Page i ends by ``offsets[i + 1]``, the slack after it zero (CorruptDataError if not)."""
     _, _, channels, _ = codebook_info(codebook)
     src = _bytes(buf)
     offs = _offsets_u64(offsets)

@@ -7,9 +7,9 @@ store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
     >>> store.put_tensor("chunk-key", kv_chunk, codec=codec)                   # ~0.28 of bf16
     >>> store.get_tensor("chunk-key")                                          # what q4 hands back
 
-Bytes: a 32-byte header (magic ``WZQC``, version 4, format index, then u32 kinds, layers, tokens,
-hidden, u64 start: the position of the chunk's first token, little-endian; version 1 had no start
-and a 24-byte header, read as start 0; the page layout of each version is ``PAGE_VERSIONS``:
+Bytes: a 32-byte header (magic ``WZQC``, version 4, format index, two zero bytes, then u32 kinds,
+layers, tokens, hidden, u64 start: the position of the chunk's first token, little-endian; version 1
+had no start and a 24-byte header, read as start 0; the page layout of each version is ``PAGE_VERSIONS``:
 versions 1 and 2 bit planes at every width, 3 width-4 codes as nibble rows, 4 also width-3 codes as
 crumb rows) and, for K then V, each layer,
 each kv head, each 16 tokens, one page of ``weightszip.compact.codec.page_bytes(bits, head_dim)``
@@ -20,6 +20,11 @@ offloaded chunks. Keys are coded at their positions (``encode(x, start=...)``): 
 that carries rotary offsets (``Calibration.has_rope_offsets``) the position decides which offset is
 taken off, so a wrong start costs accuracy (the offset no longer cancels the k_proj bias), never
 consistency: decoding uses the start the chunk records.
+
+``decode`` reads the header as data, not as the caller's arguments: a header that this codec cannot
+read (nonzero bytes 6-7, a format other than the codec's, a shape that does not fit the calibration,
+tokens not whole pages) is CorruptDataError, as damage is; a chunk of another format or model given
+to this codec looks the same, and the message names both.
 """
 
 from __future__ import annotations
@@ -69,15 +74,17 @@ class CompactChunkCodec:
     def _bits(self, layer: int, ki: int) -> int:
         return self.cal.allocation[self.fmt][layer][ki]
 
-    def _check(self, kinds: int, layers: int, tokens: int, hidden: int) -> int:
+    def _check(self, kinds: int, layers: int, tokens: int, hidden: int, error: type = InvalidArgumentError) -> int:
+        """Pages per head of a chunk [kinds, layers, tokens, hidden]; ``error`` when the shape does
+        not fit (InvalidArgumentError for the caller's shapes, CorruptDataError for a header's)."""
         cal = self.cal
         if kinds != 2 or layers != cal.layers or hidden != cal.kv_heads * cal.head_dim:
-            raise InvalidArgumentError(
+            raise error(
                 f"chunk [{kinds}, {layers}, {tokens}, {hidden}] does not fit the calibration "
                 f"([2, {cal.layers}, T, {cal.kv_heads} x {cal.head_dim}])"
             )
         if tokens % cc.PAGE_TOKENS:
-            raise InvalidArgumentError(f"chunk tokens must be a multiple of {cc.PAGE_TOKENS}, got {tokens}")
+            raise error(f"chunk tokens must be a multiple of {cc.PAGE_TOKENS}, got {tokens}")
         return tokens // cc.PAGE_TOKENS
 
     def max_encoded_size(self, shape, dtype=None) -> int:
@@ -124,6 +131,8 @@ class CompactChunkCodec:
             raise CorruptDataError("not a compact KV chunk (magic)")
         if version not in PAGE_VERSIONS:
             raise UnsupportedVersionError(f"compact KV chunk version {version} (this reads 1-{VERSION})")
+        if data[6:8] != b"\0\0":
+            raise CorruptDataError(f"compact KV chunk header: pad bytes 6-7 are {bytes(data[6:8]).hex()}, not zero")
         head = _HEAD_V1 if version == 1 else _HEAD
         if len(data) < head.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
@@ -131,9 +140,11 @@ class CompactChunkCodec:
         page_version = PAGE_VERSIONS[version]
         if start + tokens > cc.POSITION_MAX:
             raise CorruptDataError(f"chunk positions {start}..{start + tokens} exceed 2**31")
-        if fi >= len(_FORMATS) or _FORMATS[fi] != self.fmt:
-            raise InvalidArgumentError(f"chunk is {_FORMATS[fi] if fi < len(_FORMATS) else fi}, this codec {self.fmt}")
-        pages = self._check(kinds, layers, tokens, hidden)
+        if fi >= len(_FORMATS):
+            raise CorruptDataError(f"compact KV chunk of format index {fi} (formats 0-{len(_FORMATS) - 1})")
+        if _FORMATS[fi] != self.fmt:
+            raise CorruptDataError(f"chunk is {_FORMATS[fi]}, this codec decodes {self.fmt}")
+        pages = self._check(kinds, layers, tokens, hidden, CorruptDataError)
         want = self.max_encoded_size((kinds, layers, tokens, hidden)) - _HEAD.size + head.size
         if len(data) != want:
             raise TruncatedError(f"compact chunk has {len(data)} bytes, its header implies {want}")

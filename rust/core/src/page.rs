@@ -499,7 +499,8 @@ pub fn encode_pages(cb: &PageCodebook, values: &[u8], align: usize) -> Result<(V
 }
 
 /// Decode pages at `offsets` (n + 1 entries; page i is `buf[offsets[i] .. offsets[i] + its
-/// length]`, and must end by `offsets[i + 1]`) into `out` (n pages of raw values).
+/// length]`, and must end by `offsets[i + 1]`, the bytes after it up to there zero) into `out`
+/// (n pages of raw values).
 pub fn decode_pages(cb: &PageCodebook, buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
     let pr = cb.page_raw_len();
     let n = offsets.len().saturating_sub(1);
@@ -518,6 +519,9 @@ pub fn decode_pages(cb: &PageCodebook, buf: &[u8], offsets: &[u64], out: &mut [u
             return Err(Error::Truncated(format!("page {i} of {len} bytes does not fit its {} byte slot", region.len())));
         }
         decode_page_with(cb, lut.as_deref(), &region[..len], &mut out[i * pr..(i + 1) * pr])?;
+        if region[len..].iter().any(|&b| b != 0) {
+            return corrupt(format!("page {i}: the slack after it (bytes {}..{b}) is not zero", a + len as u64));
+        }
     }
     Ok(())
 }
@@ -602,6 +606,33 @@ mod tests {
         assert!(matches!(decode_page(&cb, &more, &mut out), Err(Error::Corrupt(_))));
         let mut small = vec![0u8; 10];
         assert!(matches!(decode_page(&cb, &page, &mut small), Err(Error::BufferTooSmall { .. })));
+    }
+
+    #[test]
+    fn slack_between_pages_must_be_zero() {
+        // Pages at multiples of 32 bytes: the bytes between a page's end and the next page's start
+        // (and after the last page, up to the last offset) are zeros; any bit set there is corrupt.
+        let ch = 32;
+        let data = sample(ch, 48, 5);
+        let cb = PageCodebook::calibrate(DTYPE_BF16, ch, &data, 8).unwrap();
+        let (buf, offs) = encode_pages(&cb, &data, 32).unwrap();
+        let mut out = vec![0u8; data.len()];
+        let mut slack = Vec::new();
+        for i in 0..3 {
+            let (a, b) = (offs[i] as usize, offs[i + 1] as usize);
+            slack.extend(a + page_len(&cb, &buf[a..b]).unwrap()..b);
+        }
+        assert!(slack.len() >= 8, "{slack:?}");
+        for &at in &slack {
+            assert_eq!(buf[at], 0);
+            for bit in [0, 7] {
+                let mut bad = buf.clone();
+                bad[at] ^= 1 << bit;
+                assert!(matches!(decode_pages(&cb, &bad, &offs, &mut out), Err(Error::Corrupt(_))), "byte {at}");
+            }
+        }
+        decode_pages(&cb, &buf, &offs, &mut out).unwrap();
+        assert_eq!(out, data);
     }
 
     #[test]

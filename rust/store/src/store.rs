@@ -829,6 +829,13 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, 
                 let Some((h, seq)) = file::parse_name(name) else {
                     continue;
                 };
+                if (h >> 120) as u32 != i {
+                    // A chunk file outside the folder its hash names (moved or copied there): `get`
+                    // would never read it, and indexed it could displace the file in its place.
+                    let _ = fs::remove_file(&path);
+                    counters.corrupt_evicted.fetch_add(1, Relaxed);
+                    continue;
+                }
                 match file::read_header(&path, max_payload) {
                     Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => out.push((h, seq, hd.file_len())),
                     Ok(_) => {

@@ -187,6 +187,36 @@ fn open_removes_temporaries_damaged_and_superseded_files() {
 }
 
 #[test]
+fn open_removes_chunk_files_outside_their_hash_folder() {
+    // A chunk file lives in the folder named by its hash's first byte; `get` looks nowhere else. A
+    // valid file moved into another folder is not this store's (removed at open, like damage, so
+    // `contains` and `get` agree), and a copy of one there must not displace the original.
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap();
+    for id in 1..=3 {
+        s.put(&key(id), value(id, 0), 0).unwrap();
+    }
+    let (p1, p2) = (s.file_of(&key(1)).unwrap(), s.file_of(&key(2)).unwrap());
+    drop(s);
+    let elsewhere = |p: &Path| {
+        let sub = p.parent().unwrap().file_name().unwrap().to_str().unwrap();
+        let other = format!("{:02x}", (u8::from_str_radix(sub, 16).unwrap()).wrapping_add(1));
+        dir.path().join(other).join(p.file_name().unwrap())
+    };
+    let (moved, copied) = (elsewhere(&p1), elsewhere(&p2));
+    fs::rename(&p1, &moved).unwrap();
+    fs::copy(&p2, &copied).unwrap();
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    assert!(!s.contains(&key(1)));
+    assert!(s.get(&key(1)).unwrap().is_none());
+    assert!(!moved.exists() && !copied.exists());
+    assert_eq!(check_value(&s.get(&key(2)).unwrap().unwrap().data), (2, 0));
+    assert!(s.contains(&key(3)));
+    assert_eq!(s.stats().disk_chunks, 2);
+    assert_eq!(s.stats().corrupt_evicted, 2);
+}
+
+#[test]
 fn disk_budget_evicts_oldest_files() {
     let dir = tempfile::tempdir().unwrap();
     let s = ChunkStore::open(StoreConfig { disk_bytes: 20_000, ..cfg(Some(dir.path()), 0) }).unwrap();
