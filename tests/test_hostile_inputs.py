@@ -180,3 +180,20 @@ def test_decompress_file_refuses_names_a_safetensors_file_cannot_hold(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="twice"):
         weightszip.decompress_file(src, dst)
     assert not dst.exists()
+
+
+def test_compact_errors_are_weightszip_errors(tmp_path):
+    """The compact formats' errors are WeightszipErrors (one ``except`` catches every failure of the
+    package; the CLI reports them as it does the codec's) and still ValueErrors."""
+    from weightszip.compact.calibrate import Calibration, CalibrationError
+    from weightszip.compact.codec import CompactCodecError, page_bytes
+    from weightszip.errors import WeightszipError
+
+    for cls in (CalibrationError, CompactCodecError):
+        assert issubclass(cls, WeightszipError) and issubclass(cls, ValueError)
+    junk = tmp_path / "junk.wzcal"
+    junk.write_bytes(b"not a calibration")
+    with pytest.raises(WeightszipError):
+        Calibration.load(junk)
+    with pytest.raises(WeightszipError):
+        page_bytes(4, 100)  # head_dim not a power of two

@@ -11,6 +11,11 @@
     ├── InvalidArgumentError     the call's arguments are not usable
     │   └── BufferTooSmallError
     └── WeightszipIOError        reading or writing a file failed
+
+The compact formats' own errors derive from it too (and from ValueError, as they always have):
+`weightszip.compact.codec.CompactCodecError` (inputs the compact codec cannot encode or decode)
+and `weightszip.compact.calibrate.CalibrationError` (a calibration file that is not one, or does
+not fit the model).
 """
 
 from weightszip._core import (

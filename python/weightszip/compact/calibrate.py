@@ -49,6 +49,7 @@ import torch
 
 from weightszip.compact import codec
 from weightszip.compact.codec import BITS_CHOICES, GRID_STEPS_PER_OCTAVE, HeadTables
+from weightszip.errors import WeightszipError
 
 SINK_TOKENS = 4
 RECENT_WINDOW = 128
@@ -60,8 +61,9 @@ ROPE_OFFSET_MIN_RATIO = 0.25
 KINDS = ("k", "v")
 
 
-class CalibrationError(ValueError):
-    """A calibration file that is not one, or does not fit the model it is used with."""
+class CalibrationError(WeightszipError, ValueError):
+    """A calibration file that is not one, or does not fit the model it is used with: a
+    WeightszipError, as every failure of the package is, and a ValueError, as it has always been."""
 
 
 # ----------------------------------------------------------------------------- the calibration

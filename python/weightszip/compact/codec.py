@@ -62,6 +62,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weightszip.errors import WeightszipError
+
 PAGE_TOKENS = 16
 FIXED_SHIFT = 16  # xi = trunc(x * 2**16)
 MULT_SHIFT = 16  # z = ((xi - mu) * mult) >> 16
@@ -89,8 +91,9 @@ POSITION_MAX = 2**31
 FRAC = np.array([2.0 ** (j / GRID_STEPS_PER_OCTAVE) for j in range(GRID_STEPS_PER_OCTAVE)], dtype=np.float32)
 
 
-class CompactCodecError(ValueError):
-    """Inputs the compact codec cannot encode or decode (wrong shapes, tables or page bytes)."""
+class CompactCodecError(WeightszipError, ValueError):
+    """Inputs the compact codec cannot encode or decode (wrong shapes, tables or page bytes): a
+    WeightszipError, as every failure of the package is, and a ValueError, as it has always been."""
 
 
 def _check_pow2(head_dim: int) -> None:
