@@ -197,3 +197,38 @@ def test_compact_errors_are_weightszip_errors(tmp_path):
         Calibration.load(junk)
     with pytest.raises(WeightszipError):
         page_bytes(4, 100)  # head_dim not a power of two
+
+
+def _safetensors_bytes(header, data: bytes) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + data
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # tensor entries the container cannot hold, or that are not sizes: the bytes stay bytes
+        _safetensors_bytes({"x": {"dtype": "F32", "shape": [-1, -2], "data_offsets": [0, 8]}}, bytes(8)),
+        _safetensors_bytes({"x": {"dtype": "F32", "shape": [[2]], "data_offsets": [0, 8]}}, bytes(8)),
+        _safetensors_bytes({"x": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, bytes(8)),
+        _safetensors_bytes({"x": {"dtype": "F32", "shape": [1] * 40000, "data_offsets": [0, 4]}}, bytes(4)),
+        _safetensors_bytes({"x": {"dtype": "F32", "shape": [1] * 17, "data_offsets": [0, 4]}}, bytes(4)),
+        _safetensors_bytes({"x" * 5000: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)),
+        _safetensors_bytes({"\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4)),
+        struct.pack("<Q", 100000) + b"[" * 100000,  # JSON nested past Python's recursion limit
+        # a .npy whose shape's product wraps around 2**64 to 4 elements
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", 117)
+        + b"{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387905, 4), }".ljust(116) + b"\n"
+        + bytes(16),
+    ],
+    ids=["negative-dims", "nested-dims", "list-dtype", "40000-dims", "17-dims", "long-name", "surrogate-name",
+         "deep-json", "npy-wrapping-shape"],
+)
+def test_compress_file_codes_malformed_tensor_headers_as_bytes(tmp_path, raw):
+    """Any file compresses (and comes back byte for byte): a header entry that is not a tensor the
+    container can hold leaves its bytes as bytes, never an untyped error or a refusal."""
+    src, wz, back = tmp_path / "m.safetensors", tmp_path / "m.wz", tmp_path / "back"
+    src.write_bytes(raw)
+    weightszip.compress_file(src, wz)
+    weightszip.decompress_file(wz, back)
+    assert back.read_bytes() == raw

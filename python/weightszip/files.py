@@ -6,6 +6,7 @@ it through with bounded memory."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -48,6 +49,27 @@ _GGML_FLOATS = {0: "float32", 1: "float16", 30: "bfloat16"}
 # coder use "same byte of the previous block" as context (the scales sit at fixed offsets).
 _GGML_BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 9: 36, 10: 84, 11: 110, 12: 144, 13: 176, 14: 210, 15: 292}
 _SIZES = {name: np.dtype(dt).itemsize for name, dt in _NAME_TO_NP.items()}
+# The container's limits (rust/core/src/format.rs): a segment beyond them stays plain bytes, and a
+# file that would need more entries is coded as one byte segment, so that any file compresses.
+_MAX_NAME_LEN, _MAX_NDIM, _MAX_DIM, _MAX_ENTRIES = 4096, 16, 1 << 50, 1 << 20
+
+
+def _count(shape) -> int | None:
+    """Elements of `shape` (exact, no wrap-around), or None if it is not a list of at most
+    _MAX_NDIM sizes (a longer one could not be a segment, and its product could take long)."""
+    if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        return None
+    return math.prod(shape)
+
+
+def _fits(seg: Segment) -> bool:
+    """Whether the container can hold `seg` as it is (its name, dimensions)."""
+    try:
+        name_len = len(seg[0].encode())
+    except UnicodeEncodeError:
+        return False
+    shape = seg[2]
+    return name_len <= _MAX_NAME_LEN and len(shape) <= _MAX_NDIM and all(0 <= d <= _MAX_DIM for d in shape)
 
 
 def _bytes_segment(name: str, n: int) -> Segment:
@@ -68,10 +90,12 @@ def _cover(extents: list[tuple[int, int, Segment]], size: int) -> list[Segment]:
             continue
         if start > pos:
             segs.append(_bytes_segment("", start - pos))
-        segs.append(seg)
+        segs.append(seg if _fits(seg) else _bytes_segment("", end - start))
         pos = end
     if pos < size:
         segs.append(_bytes_segment("", size - pos))
+    if len(segs) > _MAX_ENTRIES:
+        return [_bytes_segment("", size)]
     return segs
 
 
@@ -84,7 +108,7 @@ def _safetensors_segments(f, size: int) -> list[Segment] | None:
         return None
     try:
         header = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(header, dict):
         return None
@@ -93,18 +117,16 @@ def _safetensors_segments(f, size: int) -> list[Segment] | None:
     for name, t in header.items():
         if name == "__metadata__" or not isinstance(t, dict):
             continue
-        dtype = _SAFETENSORS_DTYPES.get(t.get("dtype"))
+        dtype = t.get("dtype")
+        dtype = _SAFETENSORS_DTYPES.get(dtype) if isinstance(dtype, str) else None
         shape, offs = t.get("shape"), t.get("data_offsets")
-        if dtype is None or not isinstance(shape, list) or not isinstance(offs, list) or len(offs) != 2:
+        count = _count(shape)
+        if dtype is None or count is None or not isinstance(offs, list) or len(offs) != 2 or _count(offs) is None:
             continue
-        try:
-            count = int(np.prod(shape, dtype=np.uint64)) if shape else 1
-            start, end = base + int(offs[0]), base + int(offs[1])
-        except (TypeError, ValueError, OverflowError):
-            continue
+        start, end = base + offs[0], base + offs[1]
         if end - start != count * _SIZES[dtype]:
             continue
-        extents.append((start, end, _tensor_segment(name, dtype, [int(d) for d in shape])))
+        extents.append((start, end, _tensor_segment(name, dtype, shape)))
     return _cover(extents, size)
 
 
@@ -187,12 +209,12 @@ def _gguf_segments(f, size: int) -> list[Segment] | None:
         shape = list(reversed(dims))  # ggml's ne[0] varies fastest: numpy order is reversed
         if gtype in _GGML_FLOATS:
             dtype = _GGML_FLOATS[gtype]
-            n = int(np.prod(shape, dtype=np.uint64)) * _SIZES[dtype] if shape else _SIZES[dtype]
+            n = math.prod(shape) * _SIZES[dtype]
             if start + n <= end:
                 extents.append((start, start + n, _tensor_segment(name, dtype, shape)))
                 continue
         block = _GGML_BLOCK_BYTES.get(gtype)
-        if block and shape and (int(np.prod(shape, dtype=np.uint64)) // 256 * 256) and (end - start) % block == 0:
+        if block and shape and (math.prod(shape) // 256 * 256) and (end - start) % block == 0:
             n_blocks = (end - start) // block
             extents.append((start, end, (name, "uint8", [n_blocks, block], 1, LAYOUT_FILE_BYTES, 0)))
             continue
@@ -213,7 +235,7 @@ def _npy_segments(f, size: int) -> list[Segment] | None:
     name = {np.dtype(v): k for k, v in _NAME_TO_NP.items()}.get(np.dtype(dtype).newbyteorder("="))
     if fortran or name is None or np.dtype(dtype).byteorder == ">":
         return None
-    n = int(np.prod(shape, dtype=np.uint64)) * _SIZES[name] if shape else _SIZES[name]
+    n = math.prod(shape) * _SIZES[name]
     if start + n > size:
         return None
     return _cover([(0, start, _bytes_segment("__header__", start)), (start, start + n, _tensor_segment("", name, list(shape)))], size)
