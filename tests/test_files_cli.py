@@ -143,3 +143,16 @@ def test_tensor_archive_decompresses_to_safetensors(tmp_path, real_kv):
 def test_missing_input_exits_nonzero(tmp_path, capsys):
     assert run_cli("info", tmp_path / "missing.wz") == 1
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [("--threads", "-1"), ("--chunk-size", "-5")])
+def test_negative_counts_are_usage_errors(tmp_path, capsys, args):
+    """A negative --threads / --chunk-size is argparse's usage error (exit 2), not an OverflowError
+    traceback from the core's unsigned arguments."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    with pytest.raises(SystemExit) as e:
+        run_cli("compress", p, "-q", *args)
+    assert e.value.code == 2 and ">= 0" in capsys.readouterr().err
+    assert not (tmp_path / "f.bin.wz").exists()
+
