@@ -156,3 +156,13 @@ def test_negative_counts_are_usage_errors(tmp_path, capsys, args):
     assert e.value.code == 2 and ">= 0" in capsys.readouterr().err
     assert not (tmp_path / "f.bin.wz").exists()
 
+
+def test_output_onto_a_directory_fails_and_leaves_no_partial_file(tmp_path, capsys):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    (tmp_path / "out" / "sub").mkdir(parents=True)
+    assert run_cli("compress", p, "-o", tmp_path / "out", "-q") == 1
+    assert run_cli("compress", p, "-o", tmp_path / "f.wz", "-q") == 0
+    assert run_cli("decompress", tmp_path / "f.wz", "-o", tmp_path / "out", "-q") == 1
+    assert "error" in capsys.readouterr().err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["f.bin", "f.wz", "out"]

@@ -282,10 +282,11 @@ fn write_atomically(path: &Path, f: impl FnOnce(&mut BufWriter<File>) -> Result<
         Ok(())
     })();
     match result {
-        Ok(()) => {
-            std::fs::rename(&tmp, path)?;
-            Ok(())
-        }
+        // (a rename that fails, e.g. onto a directory, leaves no temporary file behind either)
+        Ok(()) => std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::Io(e)
+        }),
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
             Err(e)
