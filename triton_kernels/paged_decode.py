@@ -98,7 +98,8 @@ class KernelConfig:
     ``block_n``: tokens per loop step (a multiple of 16: ``block_n / 16`` pages per tile).
     ``num_warps``/``num_stages``: Triton's. ``waves``: the planner makes at most ``waves`` programs
     per multiprocessor in all where it can (``PagedDecodeAttention._fit_split``);
-    ``min_split_tokens``: no split is shorter (fewer, longer splits cost less merging). Defaults chosen on the H200 (see BENCHMARKS.md, "Paged decode attention").
+    ``min_split_tokens``: no split is shorter (fewer, longer splits cost less merging). Defaults
+    chosen on the H200 (see BENCHMARKS.md, "Paged decode attention").
     """
 
     block_n: int = 128
@@ -1298,11 +1299,12 @@ class PagedDecodeAttention:
                f"block_tables has {block_tables.shape[1]} blocks per sequence; the longest needs "
                f"{int(need_blocks.max())}")
         a0 = (lo // bn) * bn
+        spans = np.where(n_paged > 0, hi - a0, 0)  # tokens from each sequence's first step (0: none)
         if split_tokens is None:
-            split_tokens = self._fit_split(np.where(n_paged > 0, hi - a0, 0), bn)
+            split_tokens = self._fit_split(spans, bn)
         _check(split_tokens > 0, "split_tokens must be positive")
         split_tokens = -(-int(split_tokens) // bn) * bn
-        n_items = np.where(n_paged > 0, -(-(hi - a0) // split_tokens), 0)
+        n_items = -(-spans // split_tokens)
         seq_of = np.repeat(np.arange(lens.size), n_items)
         first = np.repeat(np.cumsum(n_items) - n_items, n_items)
         k = np.arange(seq_of.size) - first

@@ -43,7 +43,7 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _count(text: str) -> int:
+def _nonnegative_int(text: str) -> int:
     """argparse type for counts (threads, bytes): a negative one is a usage error, not a traceback."""
     n = int(text)
     if n < 0:
@@ -147,14 +147,15 @@ def _cmd_demo(a) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightszip", description="Bit-exact compression of LLM tensors and files.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--threads", type=_count, default=0, help="worker threads (default: one per core)")
+    common.add_argument("--threads", type=_nonnegative_int, default=0, help="worker threads (default: one per core)")
     common.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("compress", parents=[common], help="compress any file (.safetensors, .gguf, .npy tensor-aware)")
     c.add_argument("input")
     c.add_argument("-o", "--output", help="output path (default INPUT.wz)")
-    c.add_argument("--chunk-size", type=_count, default=files._core.DEFAULT_CHUNK_BYTES, help="bytes per chunk")
+    c.add_argument("--chunk-size", type=_nonnegative_int, default=files._core.DEFAULT_CHUNK_BYTES,
+                   help="bytes per chunk")
     c.set_defaults(fn=_cmd_compress)
 
     d = sub.add_parser("decompress", parents=[common], help="restore the original file")
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_cmd_verify)
 
     m = sub.add_parser("demo", help="compress a real KV cache and real weights, prove it bit-exact")
-    m.add_argument("--threads", type=_count, default=0)
+    m.add_argument("--threads", type=_nonnegative_int, default=0)
     m.add_argument("--quick", action="store_true", help="shorter context (for CI)")
     m.set_defaults(fn=_cmd_demo)
     from weightszip.eval import capacity

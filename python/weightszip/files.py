@@ -121,7 +121,8 @@ def _safetensors_segments(f, size: int) -> list[Segment] | None:
         dtype = _SAFETENSORS_DTYPES.get(dtype) if isinstance(dtype, str) else None
         shape, offs = t.get("shape"), t.get("data_offsets")
         count = _count(shape)
-        if dtype is None or count is None or not isinstance(offs, list) or len(offs) != 2 or _count(offs) is None:
+        if (dtype is None or count is None or not isinstance(offs, list) or len(offs) != 2
+                or not all(type(o) is int and o >= 0 for o in offs)):
             continue
         start, end = base + offs[0], base + offs[1]
         if end - start != count * _SIZES[dtype]:
