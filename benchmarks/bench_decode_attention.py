@@ -7,7 +7,9 @@
 Compact formats: bit widths per layer as in COMPACT below, the same in every layer (q4: K 4 + V 4
 bits; q3.5: K 4 + V 3; q3: K 3 + V 3; head_dim 128: (bits * 16 + 1) bytes per token, KV head and
 kind); random page bytes (every byte pattern is a valid page), random codebooks and scale grids,
-and the transformed-domain path the formats use (q', logit bias, inverse V transform and mean).
+and the transformed-domain path the formats use (q', logit bias, inverse V transform and mean), with
+the tokens the formats keep in bf16 (``--side``: 4 sinks and the last 128 tokens by default, read by
+the merge kernel; the pages hold the tokens between them).
 ``--tune-compact`` sweeps the compact kernel's launch parameters (tensor-core or CUDA-core
 products, tokens per step, warps, stages) on q4 at four grid points; ``--write`` times the cache-write
 kernel (one decode step's tokens and an 8k-token prefill, per layer and kind).
@@ -84,6 +86,9 @@ def parse_args(argv=None):
     # nor the rotary kinds)
     p.add_argument("--kernels", default=",".join(k for k in KERNELS if "+rope" not in k and not k.endswith("+gluon")),
                    help=f"comma-separated, of {', '.join(KERNELS)}")
+    p.add_argument("--side", default="4,128",
+                   help="SINKS,WINDOW: the tokens the compact kinds keep in bf16 beside their pages (the "
+                        "calibrated formats' defaults; 0,0 for pages only). bf16, fp8 and sdpa have none")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "decode_attention"),
                    help="output prefix: writes PREFIX.json, PREFIX.md, PREFIX.png")
@@ -211,15 +216,23 @@ def compact_inputs(name, B, L, Hq, Hkv, D, gen):
     return kp, vp, bt, tabs, extra
 
 
-def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config):
+def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config, side=(0, 0)):
+    """Time, bytes read and plan info of the compact kernel for format ``name``; ``side`` = (sinks,
+    window): the tokens the format keeps in bf16 (read by the merge kernel; the pages then hold the
+    tokens between them)."""
     from weightszip.kernels import PagedDecodeAttention
 
     kb, vb = COMPACT[name]
     kp, vp, bt, tabs, extra = compact_inputs(name, B, L, Hq, Hkv, D, gen)
+    S, W = side
+    if S + W:
+        extra = dict(extra, **{n: torch.randn(B, S + W, Hkv, D, device="cuda", generator=gen).to(torch.bfloat16)
+                               for n in ("k_side", "v_side")})
     if config is not None and config.cuda_dot:
         tabs = {**tabs, "k_codebook": tabs["k_codebook"].float(), "v_codebook": tabs["v_codebook"].float()}
     q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
-    attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, config=config, device="cuda")
+    attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, config=config,
+                                sink_tokens=S, window=W, device="cuda")
     info = attn.plan([L] * B, bt)
     out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
     t = bench(lambda: attn.run(q, kp, vp, out=out, **tabs, **extra), rep)
@@ -235,8 +248,9 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config):
         info["max_abs_out"] = float(other.abs().max())
         attn.config = config
     per_tok = (kb * D // 8 + 1) + (vb * D // 8 + 1)
-    # + the tables each program reads (codebooks, grids) and q' (fp32) instead of a bf16 q
-    nbytes = attn.bytes_read(per_tok) + Hkv * (2**kb + 2**vb) * 2 + 2 * Hkv * 256 * 4 + B * Hq * (D * 2 + 4)
+    # + the tables each program reads (codebooks, grids), q' (fp32) instead of a bf16 q, the side tokens
+    nbytes = (attn.bytes_read(per_tok) + Hkv * (2**kb + 2**vb) * 2 + 2 * Hkv * 256 * 4 + B * Hq * (D * 2 + 4)
+              + 2 * B * (S + W) * Hkv * D * 2)
     del kp, vp
     return t, nbytes, info
 
@@ -418,6 +432,8 @@ def main(argv=None):
     res["configs"] = {k: DEFAULT_CONFIGS[v].__dict__ for k, v in PAGE_TYPES.items()}
     kernels = [k for k in args.kernels.split(",") if k in KERNELS]
     res["meta"]["kernels"] = kernels
+    side = tuple(int(x) for x in args.side.split(","))
+    res["meta"]["compact_side_tokens"] = dict(sinks=side[0], window=side[1])
     bw0 = read_bandwidth(args.rep)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -444,7 +460,7 @@ def main(argv=None):
                     change = ({"gluon": True, "gluon_min_work": 0} if suffix == "+gluon" else
                               {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})})
                     cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
-                t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg)
+                t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg, side)
             elif kind in ("fp8+gluon", "fp8+triton"):  # the fp8 default with the Gluon kernel forced / off
                 from weightszip.kernels import DEFAULT_CONFIGS
                 from weightszip.kernels.paged_decode import PAGE_FP8
@@ -492,7 +508,9 @@ def table(res):
     kernels = res["meta"].get("kernels", list(KERNELS[:3]))
     comp = [k for k in kernels if k in COMPACT]
     lines = [f"read bandwidth (sum over 4 GiB): {bw / 1e12:.2f} TB/s; {res['meta']['gpu']}, "
-             f"torch {res['meta']['torch']}, triton {res['meta']['triton']}, {res['meta']['date']}", "",
+             f"torch {res['meta']['torch']}, triton {res['meta']['triton']}, {res['meta']['date']}"
+             + ("; compact kinds with {sinks} sinks + {window} recent tokens in bf16".format(
+                 **res["meta"]["compact_side_tokens"]) if "compact_side_tokens" in res["meta"] else ""), "",
              "| shape | batch | context | " + " | ".join(f"{k} ms | eff" for k in kernels)
              + "".join(f" | {k} vs fp8" for k in comp if "fp8" in kernels) + " |",
              "|---|---:|---:|" + "---:|---:|" * len(kernels) + "---:|" * (len(comp) if "fp8" in kernels else 0)]

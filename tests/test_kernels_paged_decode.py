@@ -133,13 +133,22 @@ def test_split_count_does_not_change_result():
     assert_close(c, many, ref)
 
 
-def test_transformed_domain_pages():
+@pytest.mark.parametrize("sms", [1, 1000], ids=["one-merge-program", "column-blocks"])
+def test_transformed_domain_pages(sms, monkeypatch):
     """Pages in a transformed domain (true key = y @ A_k + mu_k, true value = y @ A_v + mu_v): the
     kernel, given q' and b (transform_query) and A_v, mu_v, equals attention over the true keys and
-    values, computed here without the reference."""
+    values, computed here without the reference. Both merge launches (``merge_launch``: one program
+    per sequence and KV head, or blocks of output columns when there are few pairs for the
+    multiprocessors), with the transform and, for the side tokens alone, without it."""
+    from weightszip.kernels import paged_decode as pd
+
+    monkeypatch.setattr(pd.PagedDecodeAttention, "_num_sms", lambda self: sms)
     B, Hq, Hkv, D, S, W = 2, 4, 2, 32, 2, 5
+    assert pd.merge_launch(Hq // Hkv, D, 16, True, True, B * Hkv, sms)[2] == (1 if sms == 1 else 2)
+    assert pd.merge_launch(Hq // Hkv, D, 16, False, True, B * Hkv, sms)[2] == (1 if sms == 1 else 2)
     lens = [40, 130]
     c = make_case(B=B, Hq=Hq, Hkv=Hkv, D=D, lens=lens, S=S, W=W, seed=7)
+    assert_close(c, run_kernel(c, split_tokens=32), run_ref(c))
     g = torch.Generator().manual_seed(11)
     a_k = (torch.linalg.qr(torch.randn(Hkv, D, D, generator=g))[0] * 1.5).to(DEVICE)
     a_v = (torch.randn(Hkv, D, D, generator=g) / D**0.5).to(DEVICE)
@@ -302,34 +311,44 @@ import sys
 from weightszip.kernels.paged_decode import _merge_kernel, merge_launch
 from weightszip.kernels.paged_decode_gluon import compile_for_hopper
 
-group, d, transform, side = (int(x) for x in sys.argv[1:5])
+group, d, transform, side, programs = (int(x) for x in sys.argv[1:6])
 block_g = max(16, 1 << (group - 1).bit_length())
-block_i, warps = merge_launch(group, d, block_g, bool(transform), bool(side))
+block_i, warps, blocks = merge_launch(group, d, block_g, bool(transform), bool(side), programs, 132)
 ptrs = {"q_ptr": "*bf16", "k_side_ptr": "*bf16", "v_side_ptr": "*bf16", "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32",
         "ws_acc_ptr": "*fp32", "v_inv_ptr": "*fp32", "v_mean_ptr": "*fp32", "out_ptr": "*bf16"}
 const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, SINKS=4 if side else 0, WINDOW=64 if side else 0, BLOCK_S=64,
-             BLOCK_I=block_i, HAS_V_TRANSFORM=bool(transform), HAS_V_MEAN=bool(transform))
-k, spills = compile_for_hopper(_merge_kernel, const, ptrs, warps)
-print("warps", warps, "block_i", block_i, "spills", spills)
+             BLOCK_I=block_i, HAS_V_TRANSFORM=bool(transform), HAS_V_MEAN=bool(transform), BLOCK_C=d // blocks)
+# as a launch specializes them: 16-byte aligned pointers, strides of whole head_dim rows
+aligned = (*ptrs, "seq_lens_ptr", "item_indptr_ptr", "stride_qb", "stride_qh", "stride_sb", "stride_st", "stride_sh",
+           "stride_ob", "stride_oh")
+k, spills = compile_for_hopper(_merge_kernel, const, ptrs, warps, divisible=aligned)
+print("warps", warps, "blocks", blocks, "spills", spills)
 """
 
 
-@pytest.mark.parametrize("case", [(4, 128, 0, 0), (8, 128, 0, 0), (8, 128, 1, 0), (7, 128, 1, 0), (16, 128, 0, 0),
-                                  (16, 128, 1, 0), (8, 64, 1, 0), (32, 128, 0, 0), (8, 128, 0, 1)],
+@pytest.mark.parametrize("case", [(4, 128, 0, 0, 8), (8, 128, 0, 0, 8), (8, 128, 1, 0, 8), (7, 128, 1, 0, 8),
+                                  (16, 128, 0, 0, 8), (16, 128, 1, 0, 8), (8, 64, 1, 0, 8), (32, 128, 0, 0, 8),
+                                  (8, 128, 0, 1, 8), (8, 128, 1, 1, 8), (4, 128, 1, 1, 8), (4, 128, 1, 0, 8),
+                                  (4, 128, 1, 1, 256), (4, 128, 0, 1, 256)],
                          ids=["g4", "g8", "g8-transform", "g7-transform", "g16", "g16-transform", "g8-d64-transform",
-                              "g32", "g8-side"])
+                              "g32", "g8-side", "g8-side-transform", "g4-side-transform", "g4-transform",
+                              "g4-side-transform-256", "g4-side-256"])
 def test_merge_launch_compiles_without_spills(case, compile_in_child):
-    """The merge kernel at the splits a step and warps ``merge_launch`` gives (one warp for the
-    measured 8 x 128 and smaller without the inverse V transform) compiles for sm_90 and ptxas
-    spills at most 16 bytes (the 4-warp launch's own at 16 x 128 with the transform); one warp at
-    16 x 128 spilled 952. With side tokens the launch stays 4 warps and 4 splits a step (it spills
-    72 bytes there, as it did before the launch was tuned)."""
+    """The merge kernel at the splits a step, warps and column blocks ``merge_launch`` gives for
+    ``programs`` (sequence, KV head) pairs on 132 multiprocessors (one or two warps and 4-8 column
+    blocks for the measured 8 x 128 and smaller with few pairs) compiles for sm_90 and ptxas spills
+    at most 16 bytes (the 4-warp launch's own at 16 x 128 with the transform); one warp at 16 x 128
+    spilled 952, 8 column blocks of one warp with the transform and no side tokens 78. Pointers and
+    strides are compiled as a launch specializes them (multiples of 16): without that hint ptxas
+    reports spills the launched kernel does not have (320 bytes for 8 blocks with side tokens)."""
+    group, d, transform, side, programs = case
     out = compile_in_child(_COMPILE_MERGE, *case, timeout=600).split()
-    assert out[-6:-1:2] == ["warps", "block_i", "spills"], out
-    if case[3]:
-        assert out[-5] == "4" and out[-3] == "4", out
-    else:
-        assert int(out[-1]) <= 16, out
+    assert out[-6:-1:2] == ["warps", "blocks", "spills"], out
+    assert int(out[-1]) <= 16, out
+    if group * d > 8 * 128 or (side and programs * 8 > 4 * 132):
+        assert out[-5] == "4" and out[-3] == "1", out
+    elif transform or side:
+        assert int(out[-3]) > 1 and d // int(out[-3]) >= 16, out
 
 
 # -- real shapes, GPU only -----------------------------------------------------------------------------

@@ -127,8 +127,8 @@ class KernelConfig:
     # plane words at the top of the step with K's, bit 1 K's words one step ahead (more registers)
     gluon: bool = False
     # ... when the step's paged tokens times KV heads reach this (in session 8 the Triton kernel was
-    # faster below 2**21 = batch 8 x 32k x 8 heads on the H200; since session 13 the compact default
-    # uses 2**18, the fp8 default 0)
+    # faster below 2**21 = batch 8 x 32k x 8 heads on the H200; the compact default used 2**18 in
+    # sessions 13-21; both defaults now use 0)
     gluon_min_work: int = 1 << 21
     gluon_warps: int = 8
     gluon_maxnreg: int = 128
@@ -200,10 +200,13 @@ DEFAULT_CONFIGS = {
     # (`benchmarks/results/box/decode_gluon_sweep_warps_s8.json`: the fastest of 6 register settings;
     # `decode_gluon_staged_s9_run1.json`, `decode_gluon_final_s9.json`: staging 1-5% faster, 16 warps
     # slower but at 64 x 128k); with the rotary term 16 warps (`decode_gluon_rope_s9_run*.json`).
-    # From 2**18 of work (70B TP8 batch 8 x 32k, the smallest step measured): there the Gluon kernel
-    # was 6-18% faster than the Triton kernel, at 8 x 128k 1.33-1.36x (`box/s13_run01/dec_small.json`).
+    # At any step size since session 22 (as fp8): the Gluon kernel 1.9-2.2x faster than the Triton kernel
+    # at every step measured below the old threshold of 2**18 of work, down to 70B TP8 batch 1 x 32k
+    # (2**15; q4 with 132 side tokens, `box/s22_run03/probe.json`); with that threshold the formats' side
+    # tokens (fewer paged tokens) had put 70B TP8 batch 8 x 32k on the Triton kernel. At 2**18 and up
+    # (session 13, `box/s13_run01/dec_small.json`) 6-18% faster, 1.33-1.36x at 70B TP8 8 x 128k.
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
-                               gluon_min_work=1 << 18),
+                               gluon_min_work=0),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
@@ -940,15 +943,32 @@ def _paged_split_kernel(
              mask=g_valid[:, None])
 
 
-def merge_launch(group: int, head_dim: int, block_g: int, transform: bool, side: bool) -> tuple[int, int]:
-    """The merge kernel's splits a step (BLOCK_I) and warps. H200 (`box/s21_run06`, 70B TP8 batch
-    8-32): 4 warps and 4 splits a step had taken 12-52 us, as long as the split kernel at batch 8;
-    one warp 6-12 us; with the inverse V transform 16 splits a step on 4 warps 15-22 us, against
-    16-56. Measured at a group x head_dim of 8 x 128; at 16 x 128 and wider those spill (ptxas,
-    sm_90: 390-6200 bytes), so wider shapes, and the side tokens' products, keep 4 warps and 4."""
-    small = group * head_dim <= 8 * 128
-    block_i = max(1, (256 if transform and small else 64) // block_g)
-    return block_i, 4 if transform or side or not small else 1
+def merge_launch(group: int, head_dim: int, block_g: int, transform: bool, side: bool, programs: int,
+                 sms: int) -> tuple[int, int, int]:
+    """The merge kernel's splits a step (BLOCK_I), warps and column blocks (programs per sequence
+    and KV head, each writing ``head_dim / blocks`` output columns), for ``programs`` (sequence, KV
+    head) pairs on ``sms`` multiprocessors. H200, group x head_dim 8 x 128 and 4 x 128, kernel time
+    by graph replay (`box/s22_run02`, `s22_run05`; 70B TP8 and 8B, batch 8-64 x 32k):
+    - no inverse V transform, no side tokens: one program of one warp, 4 splits a step (1.8-3.2 us);
+    - the transform (a 128 x 128 fp32 product): 4 column blocks of one warp, 4 splits a step, 6.2-9.9
+      us at batch 8 where one program of 4 warps and 16 splits took 11-17 (8 blocks spill), 6-16 us
+      at batch 16-64 (as before or better);
+    - the compact formats' 132 side tokens: 8 blocks of one warp, 4 splits a step (2 warps and 8
+      without the transform), the side products split by V's columns, the scores computed in each:
+      9.5-12.5 us with the transform at 70B batch 8-64 (14.5-20.2 before), 5.7-6.1 without
+      (10.8-27.5); but each block reads all of K's side tokens, and from 8B batch 16 (128 pairs) one
+      program of 4 warps, 16 splits a step is faster (15-45 us against 17-63): 8 blocks only while
+      pairs x 8 <= 4 x sms.
+    Wider shapes (one warp spilled 390-6200 bytes at 16 x 128 and up) keep 4 warps, 4 splits a step
+    and one program. A block is at least 16 columns wide (the products' smallest tile)."""
+    if group * head_dim > 8 * 128:
+        return max(1, 64 // block_g), 4, 1
+    if not transform and not side:
+        return 4, 1, 1
+    if side and programs * 8 > 4 * sms:
+        return max(1, (256 if transform else 64) // block_g), 4, 1
+    block_i, warps, blocks = (4, 1, 8 if side else 4) if transform else (8, 2, 8)
+    return block_i, warps, max(1, min(blocks, head_dim // 16))
 
 
 @triton.jit
@@ -962,20 +982,27 @@ def _merge_kernel(
     num_kv_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     SINKS: tl.constexpr, WINDOW: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
-    HAS_V_TRANSFORM: tl.constexpr, HAS_V_MEAN: tl.constexpr,
+    HAS_V_TRANSFORM: tl.constexpr, HAS_V_MEAN: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Per (sequence, KV head): log-sum-exp merge of the page splits, the inverse transform and mean
-    of the page part, then the side tokens (sinks and recent window, bf16) in the same softmax."""
+    """Per (sequence, KV head, block of BLOCK_C output columns): log-sum-exp merge of the page
+    splits, the inverse transform and mean of the page part, then the side tokens (sinks and recent
+    window, bf16) in the same softmax. The page part is merged over all HEAD_DIM columns where the
+    transform mixes them, else over the block's; the side tokens' scores use every column of q and K."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # the output columns
     g_valid = offs_g < GROUP
 
-    coef_rows = (seq * (num_kv_heads * GROUP) + head * GROUP + offs_g).to(tl.int64) * HEAD_DIM
     m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    if HAS_V_TRANSFORM:
+        offs_m = offs_d  # the columns merged
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    else:
+        offs_m = offs_c
+        acc = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
     i0 = tl.load(item_indptr_ptr + seq)
     i1 = tl.load(item_indptr_ptr + seq + 1)
     offs_i = tl.arange(0, BLOCK_I)
@@ -987,7 +1014,7 @@ def _merge_kernel(
         row = it[:, None] * (num_kv_heads * GROUP) + head * GROUP + offs_g[None, :]
         m_s = tl.load(ws_m_ptr + row, mask=ok, other=NEG_BIG)
         l_s = tl.load(ws_l_ptr + row, mask=ok, other=0.0)
-        a_s = tl.load(ws_acc_ptr + row.to(tl.int64)[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+        a_s = tl.load(ws_acc_ptr + row.to(tl.int64)[:, :, None] * HEAD_DIM + offs_m[None, None, :],
                       mask=ok[:, :, None], other=0.0)
         m_new = tl.maximum(m_i, tl.max(m_s, axis=0))
         alpha = tl.exp2(m_i - m_new)
@@ -997,10 +1024,10 @@ def _merge_kernel(
         m_i = m_new
 
     if HAS_V_TRANSFORM:
-        a_ptrs = v_inv_ptr + head * HEAD_DIM * HEAD_DIM + offs_d[:, None] * HEAD_DIM + offs_d[None, :]
+        a_ptrs = v_inv_ptr + head * HEAD_DIM * HEAD_DIM + offs_d[:, None] * HEAD_DIM + offs_c[None, :]
         acc = tl.dot(acc, tl.load(a_ptrs), input_precision="ieee")
     if HAS_V_MEAN:
-        mu = tl.load(v_mean_ptr + head * HEAD_DIM + offs_d)
+        mu = tl.load(v_mean_ptr + head * HEAD_DIM + offs_c)
         acc = acc + l_i[:, None] * mu[None, :]
 
     if SINKS + WINDOW > 0:
@@ -1020,10 +1047,9 @@ def _merge_kernel(
                 ok = is_sink | is_win
             else:
                 ok = is_sink
-            offs = (seq.to(tl.int64) * stride_sb + slot[:, None] * stride_st + head * stride_sh
-                    + offs_d[None, :])
-            k = tl.load(k_side_ptr + offs, mask=ok[:, None], other=0.0)
-            v = tl.load(v_side_ptr + offs, mask=ok[:, None], other=0.0)
+            offs = seq.to(tl.int64) * stride_sb + slot[:, None] * stride_st + head * stride_sh
+            k = tl.load(k_side_ptr + offs + offs_d[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(v_side_ptr + offs + offs_c[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -1035,7 +1061,7 @@ def _merge_kernel(
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only in padding rows (g >= GROUP)
     o_rows = seq.to(tl.int64) * stride_ob + (head * GROUP + offs_g) * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + o_rows[:, None] + offs_c[None, :], o.to(out_ptr.dtype.element_ty),
              mask=g_valid[:, None])
 
 
@@ -1593,8 +1619,9 @@ class PagedDecodeAttention:
             )
         ks = k_side if side else q
         vs = v_side if side else q
-        merge_block_i, merge_warps = merge_launch(G, D, block_g, v_inv_transform is not None, side > 0)
-        _merge_kernel[(B, Hkv)](
+        merge_block_i, merge_warps, merge_blocks = merge_launch(G, D, block_g, v_inv_transform is not None, side > 0,
+                                                                B * Hkv, self._num_sms())
+        _merge_kernel[(B, Hkv, merge_blocks)](
             q, ks, vs, pl["seq_lens"], pl["item_indptr"],
             pl["ws_m"], pl["ws_l"], pl["ws_acc"],
             v_inv_transform if v_inv_transform is not None else dummy,
@@ -1608,7 +1635,7 @@ class PagedDecodeAttention:
             SINKS=self.sink_tokens, WINDOW=self.window, BLOCK_S=_pow2_at_least(min(side, 64), 16),
             BLOCK_I=merge_block_i,
             HAS_V_TRANSFORM=v_inv_transform is not None, HAS_V_MEAN=v_mean is not None,
-            num_warps=merge_warps,
+            BLOCK_C=D // merge_blocks, num_warps=merge_warps,
         )
         return out
 

@@ -279,12 +279,13 @@ def _v_stored_channel(ch, HEAD_DIM: gl.constexpr, BITS: gl.constexpr):
 
 
 def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int, maxnreg: int | None = None,
-                       num_stages: int | None = None):
+                       num_stages: int | None = None, divisible: tuple[str, ...] = ()):
     """Compile a Gluon or Triton kernel (of any module here) for sm_90 without a GPU (as the CPU tests
     do): arguments in ``constexprs`` are constants, those in ``pointers`` have the given pointer types,
-    other ``*_ptr`` arguments are int32 pointers, ``qk_scale`` fp32, the rest int32. Returns the
-    compiled kernel and the bytes ptxas spills (its own report of the PTX, as the driver would
-    assemble it)."""
+    other ``*_ptr`` arguments are int32 pointers, ``qk_scale`` fp32, the rest int32; the arguments
+    named in ``divisible`` are taken as multiples of 16 (as a launch specializes aligned pointers and
+    strides). Returns the compiled kernel and the bytes ptxas spills (its own report of the PTX, as the
+    driver would assemble it)."""
     import inspect
     import re
     import subprocess
@@ -308,8 +309,9 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict, num_warps: int,
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
                **({"num_stages": num_stages} if num_stages else {})}
-    k = triton.compile(source(fn=kernel, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    k = triton.compile(source(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/k.ptx"
         with open(path, "w") as f:
