@@ -161,8 +161,170 @@ def test_output_onto_a_directory_fails_and_leaves_no_partial_file(tmp_path, caps
     p = tmp_path / "f.bin"
     p.write_bytes(b"hello")
     (tmp_path / "out" / "sub").mkdir(parents=True)
-    assert run_cli("compress", p, "-o", tmp_path / "out", "-q") == 1
+    # (--force: past the overwrite guard, to the rename that fails)
+    assert run_cli("compress", p, "-o", tmp_path / "out", "-q", "--force") == 1
     assert run_cli("compress", p, "-o", tmp_path / "f.wz", "-q") == 0
-    assert run_cli("decompress", tmp_path / "f.wz", "-o", tmp_path / "out", "-q") == 1
+    assert run_cli("decompress", tmp_path / "f.wz", "-o", tmp_path / "out", "-q", "--force") == 1
     assert "error" in capsys.readouterr().err
     assert sorted(x.name for x in tmp_path.iterdir()) == ["f.bin", "f.wz", "out"]
+    # without --force, the guard refuses the existing directory before any work
+    assert run_cli("compress", p, "-o", tmp_path / "out", "-q") == 1
+    assert "already exists; not overwritten" in capsys.readouterr().err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["f.bin", "f.wz", "out"]
+
+
+def test_existing_output_is_refused_without_force(tmp_path, capsys):
+    """Like gzip and zstd: an output that exists (given with -o, or the default name derived from
+    the input) is an error, exit status 1, and stays as it was; -f/--force overwrites it."""
+    p, wz, mine = tmp_path / "f.bin", tmp_path / "f.bin.wz", tmp_path / "mine"
+    p.write_bytes(b"hello, world")
+    assert run_cli("compress", p, "-q") == 0  # (INPUT.wz is new: written)
+    container = wz.read_bytes()
+    mine.write_bytes(b"mine")
+    for args, out in [(("compress", p, "-o", mine), mine), (("compress", p), wz), (("decompress", wz, "-o", mine), mine)]:
+        assert run_cli(*args, "-q") == 1
+        err = capsys.readouterr().err
+        assert err == f"weightszip: error: {out}: already exists; not overwritten (use -f/--force to overwrite it)\n"
+        assert mine.read_bytes() == b"mine" and wz.read_bytes() == container
+    # --force / -f overwrite it
+    wz.write_bytes(b"mine too")
+    assert run_cli("compress", p, "-q", "--force") == 0
+    assert wz.read_bytes() == container
+    assert run_cli("compress", p, "-o", mine, "-q", "-f") == 0
+    assert files.file_info(mine)["kind"] == 1
+    # decompress's default output (INPUT without .wz) is the original, usually still there
+    p.write_bytes(b"changed")
+    assert run_cli("decompress", str(p) + ".wz", "-q") == 1
+    assert "already exists" in capsys.readouterr().err and p.read_bytes() == b"changed"
+    assert run_cli("decompress", str(p) + ".wz", "-q", "-f") == 0
+    assert p.read_bytes() == b"hello, world"
+    # a tensor archive (decompressed by the Python writer) too
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    mine.write_bytes(b"mine")
+    assert run_cli("decompress", tmp_path / "a.wz", "-o", mine, "-q") == 1
+    assert mine.read_bytes() == b"mine"
+    assert run_cli("decompress", tmp_path / "a.wz", "-o", mine, "-q", "--force") == 0
+    assert st_load(str(mine))["i"].tolist() == [0, 1, 2]
+    assert not list(tmp_path.glob("*partial*"))
+
+
+@pytest.mark.parametrize("how", ["same path", "dot dot", "symlink", "hard link"])
+def test_output_that_is_the_input_is_refused_even_with_force(tmp_path, capsys, how):
+    """`compress f -o f` (or through a link, or a path that resolves to it) used to replace the
+    input with its own compressed form; now it is refused, exit status 1, --force or not."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"precious")
+    (tmp_path / "sub").mkdir()
+    out = {"same path": p, "dot dot": tmp_path / "sub" / ".." / "f.bin", "symlink": tmp_path / "link",
+           "hard link": tmp_path / "hard"}[how]
+    if how == "symlink":
+        out.symlink_to(p)
+    elif how == "hard link":
+        out.hardlink_to(p)
+    for force in ([], ["--force"], ["-f"]):
+        assert run_cli("compress", p, "-o", out, "-q", *force) == 1
+        assert capsys.readouterr().err == (f"weightszip: error: {out}: is the input file {p}; "
+                                           "not overwritten (not even with --force)\n")
+        assert p.read_bytes() == b"precious"
+    wz = tmp_path / "f.wz"
+    assert run_cli("compress", p, "-o", wz, "-q") == 0
+    assert run_cli("decompress", wz, "-o", wz, "-q", "--force") == 1
+    assert "is the input file" in capsys.readouterr().err
+    assert files.file_info(wz)["kind"] == 1
+    assert not list(tmp_path.glob("*partial*"))
+
+
+def test_help_describes_the_overwrite_guard(capsys):
+    for cmd in ("compress", "decompress"):
+        with pytest.raises(SystemExit):
+            run_cli(cmd, "--help")
+        text = " ".join(capsys.readouterr().out.split())
+        assert "-f, --force" in text and "not overwritten" in text and ".wz-partial" in text
+
+
+@pytest.mark.parametrize("cmd", [["kv", "dump", "--tokens", "16"], ["calibrate"]])
+def test_kv_dump_and_calibrate_refuse_an_existing_output_before_any_work(tmp_path, capsys, cmd):
+    """The other subcommands that write an -o OUTPUT refuse it the same way (exit status 2, as
+    their other errors), before the model is loaded: nothing is read or written."""
+    text = tmp_path / "book.txt"
+    text.write_text("call me Ishmael. " * 10)
+    args = [*cmd, "--model", "no-such-model", "--text", text]
+    assert run_cli(*args, "-o", text, "--force") == 2
+    assert "is the input file" in capsys.readouterr().err
+    assert text.read_text() == "call me Ishmael. " * 10
+    (tmp_path / "out.wz").write_bytes(b"mine")
+    assert run_cli(*args, "-o", tmp_path / "out.wz") == 2
+    assert "already exists; not overwritten" in capsys.readouterr().err
+    assert (tmp_path / "out.wz").read_bytes() == b"mine"
+    # with --force the guard lets it through (and the unknown model is the error)
+    assert run_cli(*args, "-o", tmp_path / "out.wz", "--force") == 2
+    assert "already exists" not in capsys.readouterr().err
+
+
+def test_temporary_files_never_touch_a_file_of_a_fixed_name(tmp_path):
+    """Both writers (the Rust core's for files, the Python one for tensor archives) used fixed
+    temporary names (.NAME.wz-partial, NAME.wz-partial), truncating and renaming away a user's file
+    of that name; now each takes a new file of a unique name, created exclusively."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 50)
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    mine = {n: f"mine: {n}".encode() for n in [".f.wz.wz-partial", "f.wz.wz-partial", ".back.bin.wz-partial",
+                                             "back.bin.wz-partial", ".a.safetensors.wz-partial",
+                                             "a.safetensors.wz-partial"]}
+    for n, b in mine.items():
+        (tmp_path / n).write_bytes(b)
+    assert run_cli("compress", p, "-o", tmp_path / "f.wz", "-q") == 0
+    assert run_cli("decompress", tmp_path / "f.wz", "-o", tmp_path / "back.bin", "-q") == 0
+    assert run_cli("decompress", tmp_path / "a.wz", "-o", tmp_path / "a.safetensors", "-q") == 0
+    assert (tmp_path / "back.bin").read_bytes() == p.read_bytes()
+    assert st_load(str(tmp_path / "a.safetensors"))["i"].tolist() == [0, 1, 2]
+    for n, b in mine.items():
+        assert (tmp_path / n).read_bytes() == b
+    made = {"f.bin", "a.wz", "f.wz", "back.bin", "a.safetensors"}
+    assert {x.name for x in tmp_path.iterdir()} == made | set(mine)
+
+
+def test_python_writer_temporary_names_are_unique_exclusive_and_removed_on_failure(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    dst = tmp_path / "out.safetensors"
+    names = set()
+    for _ in range(20):
+        tmp, fd = files._create_temporary(dst)
+        os.close(fd)
+        assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(".out.safetensors.")
+        assert tmp.endswith(".wz-partial") and f".{os.getpid()}." in tmp
+        names.add(tmp)
+    assert len(names) == 20  # each one a new file (O_EXCL): none was reused
+    for t in names:
+        os.remove(t)
+    # a name taken already is skipped, not opened
+    taken = iter(["aaaaaaaa", "aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr(files.secrets, "token_hex", lambda n: next(taken))
+    tmp1, fd1 = files._create_temporary(dst)
+    tmp2, fd2 = files._create_temporary(dst)
+    os.close(fd1), os.close(fd2)
+    assert tmp1.endswith(".aaaaaaaa.wz-partial") and tmp2.endswith(".bbbbbbbb.wz-partial")
+    os.remove(tmp1), os.remove(tmp2)
+    monkeypatch.undo()
+    # a long name is cut so that the temporary name stays within 255 bytes
+    long_dst = tmp_path / ("é" * 124 + ".st")
+    tmp, fd = files._create_temporary(long_dst)
+    os.close(fd)
+    assert len(os.path.basename(tmp).encode()) <= 255
+    os.remove(tmp)
+    # the output gets the usual mode (0o666 less the umask), as before, not mkstemp's 0o600
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    assert run_cli("decompress", tmp_path / "a.wz", "-o", dst, "-q") == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o666 & ~umask
+    # a failure while writing removes the temporary file and leaves no output
+    def boom(*a):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(files._core, "decode_file_entry", boom)
+    with pytest.raises(RuntimeError):
+        files.decompress_file(tmp_path / "a.wz", tmp_path / "b.safetensors")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wz", "out.safetensors"]

@@ -51,9 +51,41 @@ def _nonnegative_int(text: str) -> int:
     return n
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one existing file (through symbolic or hard links, `..`)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (one of them does not exist, or cannot be looked at: nothing to lose)
+        return False
+
+
+def refuse_output(output: str, inputs: list[str], force: bool) -> str | None:
+    """Why `output` must not be written, or None: it is one of `inputs` (never written, even with
+    force), or it exists and `force` is not set (like gzip and zstd without -f). Every subcommand
+    that writes an -o OUTPUT (compress, decompress, kv dump, calibrate) asks this before any work."""
+    if not os.path.lexists(output):
+        return None
+    for i in inputs:
+        if _same_file(i, output):
+            return f"{output}: is the input file {i}; not overwritten (not even with --force)"
+    if not force:
+        return f"{output}: already exists; not overwritten (use -f/--force to overwrite it)"
+    return None
+
+
+def _refused(output: str, inputs: list[str], force: bool) -> bool:
+    """Print the reason `output` is refused, as the CLI prints errors; True if it is."""
+    why = refuse_output(output, inputs, force)
+    if why is not None:
+        print(f"weightszip: error: {why}", file=sys.stderr)
+    return why is not None
+
+
 def _cmd_compress(a) -> int:
     size = os.path.getsize(a.input)
     out = a.output or a.input + ".wz"
+    if _refused(out, [a.input], a.force):
+        return 1
     kind, segs = files.file_segments(a.input)
     p = _Progress("compress", size, a.quiet)
     t = time.perf_counter()
@@ -79,6 +111,8 @@ def _cmd_decompress(a) -> int:
             raise SystemExit("weightszip: error: give -o OUTPUT (input does not end in .wz)")
         out = a.input[:-3]
     index = files.file_info(a.input)
+    if _refused(out, [a.input], a.force):
+        return 1
     size = sum(e["raw_bytes"] for e in index["entries"])
     p = _Progress("decompress", size, a.quiet)
     t = time.perf_counter()
@@ -144,6 +178,14 @@ def _cmd_demo(a) -> int:
     return demo.main(quick=a.quick, threads=a.threads)
 
 
+_OUTPUT_NOTE = (
+    "An OUTPUT that exists is not overwritten (error, exit status 1) unless -f/--force is given; "
+    "one that is the input file itself (or a link to it) is never overwritten. The output is written "
+    "to a new temporary file of a unique name beside it (.OUTPUT.PID.RANDOM.wz-partial) and renamed "
+    "into place, so a failed run leaves no partial file."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightszip", description="Bit-exact compression of LLM tensors and files.")
     common = argparse.ArgumentParser(add_help=False)
@@ -151,16 +193,25 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    c = sub.add_parser("compress", parents=[common], help="compress any file (.safetensors, .gguf, .npy tensor-aware)")
+    c = sub.add_parser("compress", parents=[common], help="compress any file (.safetensors, .gguf, .npy tensor-aware)",
+                       description="Compress any file (.safetensors, .gguf, .npy tensor-aware; anything else as bytes). "
+                       + _OUTPUT_NOTE)
     c.add_argument("input")
-    c.add_argument("-o", "--output", help="output path (default INPUT.wz)")
+    c.add_argument("-o", "--output", help="output path (default INPUT.wz); an existing one is refused without --force")
+    c.add_argument("-f", "--force", action="store_true",
+                   help="overwrite OUTPUT if it exists (never the input itself)")
     c.add_argument("--chunk-size", type=_nonnegative_int, default=files._core.DEFAULT_CHUNK_BYTES,
                    help="bytes per chunk")
     c.set_defaults(fn=_cmd_compress)
 
-    d = sub.add_parser("decompress", parents=[common], help="restore the original file")
+    d = sub.add_parser("decompress", parents=[common], help="restore the original file",
+                       description="Restore the original file, byte for byte (a container of named tensors is "
+                       "written as a .safetensors file). " + _OUTPUT_NOTE)
     d.add_argument("input")
-    d.add_argument("-o", "--output", help="output path (default: INPUT without .wz)")
+    d.add_argument("-o", "--output",
+                   help="output path (default: INPUT without .wz); an existing one is refused without --force")
+    d.add_argument("-f", "--force", action="store_true",
+                   help="overwrite OUTPUT if it exists (never the input itself)")
     d.set_defaults(fn=_cmd_decompress)
 
     i = sub.add_parser("info", help="show what a .wz file holds")

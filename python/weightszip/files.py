@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -301,9 +302,9 @@ def _write_safetensors(src, dst, index: dict, threads: int) -> None:
         offset += e["raw_bytes"]
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
-    tmp = os.fspath(dst) + ".wz-partial"
+    tmp, fd = _create_temporary(dst)
     try:
-        with open(tmp, "wb") as out:
+        with os.fdopen(fd, "wb") as out:
             out.write(struct.pack("<Q", len(h)) + h)
             for i, e in enumerate(index["entries"]):
                 buf = np.empty(e["raw_bytes"], dtype=np.uint8)
@@ -311,8 +312,28 @@ def _write_safetensors(src, dst, index: dict, threads: int) -> None:
                 out.write(buf.tobytes())
         os.replace(tmp, dst)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
+
+
+# Bytes of the output's name kept in its temporary file's name (the name stays within 255 bytes).
+_TEMPORARY_NAME_PREFIX_MAX = 160
+
+
+def _create_temporary(dst) -> tuple[str, int]:
+    """A new, empty file beside `dst`, `.NAME.PID.RANDOM.wz-partial`, created exclusively (never a
+    file that exists: a user's, or another writer's of the same output), as the Rust core's writer
+    does; returns its path and an open descriptor. Its mode is the usual 0o666 less the umask."""
+    dst = os.fspath(dst)
+    folder, name = os.path.split(dst)
+    name = name.encode("utf-8", "surrogateescape")[:_TEMPORARY_NAME_PREFIX_MAX].decode("utf-8", "ignore")
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.wz-partial")
+        try:
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {dst}")
 
 
 def file_info(path: str | os.PathLike) -> dict:

@@ -26,6 +26,11 @@ def _cmd_calibrate(a) -> int:
     for t in a.text:
         if not Path(t).exists():
             return fail(f"{t}: no such file or folder")
+    from weightszip.cli import refuse_output
+
+    why = refuse_output(a.output, [*a.text, a.model], a.force)
+    if why is not None:
+        return fail(why)
     if a.threads:
         import torch
 
@@ -82,7 +87,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="smollm2 | qwen2.5 | a model folder | a .gguf file")
     p.add_argument("--text", action="append", required=True, help="a text file or folder of .txt (repeat: one window each)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per window (default 4096)")
-    p.add_argument("-o", "--output", required=True, help="the calibration file (M.wzcal)")
+    p.add_argument("-o", "--output", required=True,
+                   help="the calibration file (M.wzcal); an existing one is refused without --force")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists (never an input)")
     p.add_argument("--queries", type=int, default=256, help="queries sampled per window for the error estimates (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")

@@ -153,6 +153,12 @@ def _cmd_kv_dump(a) -> int:
     if a.tokens < 1:
         print("weightszip: error: --tokens must be positive", file=sys.stderr)
         return 2
+    from weightszip.cli import refuse_output
+
+    why = refuse_output(a.output, [a.text, a.model], a.force)
+    if why is not None:
+        print(f"weightszip: error: {why}", file=sys.stderr)
+        return 2
     try:
         lm = _load(a.model, a.threads)
     except (ModelNotInstalled, ImportError, ValueError) as e:
@@ -245,7 +251,8 @@ def add_parsers(subparsers) -> None:
     d.add_argument("--model", required=True, help=_model_help())
     d.add_argument("--text", required=True, help="text file, or folder of *.txt")
     d.add_argument("--tokens", type=int, required=True)
-    d.add_argument("-o", "--output", required=True, help="OUT.wz")
+    d.add_argument("-o", "--output", required=True, help="OUT.wz (an existing one is refused without --force)")
+    d.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists (never an input)")
     d.add_argument("--layers", help="comma-separated layer indices (default: all)")
     d.add_argument("--threads", type=int, default=0)
     d.set_defaults(fn=_cmd_kv_dump)

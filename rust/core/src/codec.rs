@@ -269,13 +269,50 @@ fn batch_len(threads: usize) -> usize {
     t.max(1) * STREAM_BATCH_PER_THREAD
 }
 
-/// Write to `path` through a temporary file renamed into place on success, so a failed or
-/// interrupted run never leaves a partial file under the final name.
+/// Bytes of the output's name kept in its temporary file's name.
+const TEMPORARY_NAME_PREFIX_MAX: usize = 160;
+
+/// A new, empty file beside `path` named `.NAME.PID.SUFFIX.wz-partial` (SUFFIX: a per-process
+/// counter and a random number), created exclusively: it never opens an existing file (a user's,
+/// or another writer's of the same output), so concurrent writers of one output never share it.
+fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    // (a long name is cut, at a character boundary, so that the temporary name stays within the
+    // file system's 255 bytes)
+    let mut cut = name.len().min(TEMPORARY_NAME_PREFIX_MAX);
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    name.truncate(cut);
+    let pid = std::process::id();
+    let mut attempt = 0;
+    loop {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        // (RandomState is seeded from the OS's random source; hashing the counter and the time
+        // through it gives a number another process cannot guess)
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(n);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        h.write_u128(now.map_or(0, |d| d.as_nanos()));
+        let tmp = path.with_file_name(format!(".{name}.{pid}.{n}.{:08x}.wz-partial", h.finish() as u32));
+        match std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 100 => attempt += 1,
+            Err(e) => return Err(Error::Io(e)),
+        }
+    }
+}
+
+/// Write to `path` through a temporary file (see `create_temporary`) renamed into place on
+/// success, so a failed or interrupted run never leaves a partial file under the final name, and
+/// the temporary file is removed on any failure.
 fn write_atomically(path: &Path, f: impl FnOnce(&mut BufWriter<File>) -> Result<()>) -> Result<()> {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.wz-partial"));
+    let (tmp, file) = create_temporary(path)?;
     let result = (|| {
-        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        let mut w = BufWriter::with_capacity(1 << 20, file);
         f(&mut w)?;
         w.flush()?;
         w.get_ref().sync_all()?;
