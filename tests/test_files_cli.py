@@ -157,6 +157,20 @@ def test_negative_counts_are_usage_errors(tmp_path, capsys, args):
     assert not (tmp_path / "f.bin.wz").exists()
 
 
+def test_a_huge_thread_count_is_capped_not_spawned(tmp_path, safetensors_file):
+    """--threads 1000000 (a typo) runs on at most the core's MAX_THREADS workers: it had spawned a
+    thread a chunk and hung; a byte file and a .safetensors file (tensor-aware) still round-trip."""
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    assert run_cli("compress", p, "-q", "--threads", "1000000", "--chunk-size", 65536) == 0
+    assert run_cli("decompress", tmp_path / "f.bin.wz", "-o", tmp_path / "back.bin", "-q", "--threads", "1000000") == 0
+    assert (tmp_path / "back.bin").read_bytes() == data
+    assert run_cli("compress", safetensors_file, "-o", tmp_path / "m.wz", "-q", "--threads", "1000000") == 0
+    assert run_cli("decompress", tmp_path / "m.wz", "-o", tmp_path / "m2.safetensors", "-q") == 0
+    assert filecmp.cmp(safetensors_file, tmp_path / "m2.safetensors", shallow=False)
+
+
 def test_output_onto_a_directory_fails_and_leaves_no_partial_file(tmp_path, capsys):
     p = tmp_path / "f.bin"
     p.write_bytes(b"hello")

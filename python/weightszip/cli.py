@@ -189,7 +189,7 @@ _OUTPUT_NOTE = (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightszip", description="Bit-exact compression of LLM tensors and files.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--threads", type=_nonnegative_int, default=0, help="worker threads (default: one per core)")
+    common.add_argument("--threads", type=_nonnegative_int, default=0, help="worker threads (default: one per core; at most 256)")
     common.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     sub = p.add_subparsers(dest="cmd", required=True)
 

@@ -309,7 +309,10 @@ def _write_safetensors(src, dst, index: dict, threads: int) -> None:
             for i, e in enumerate(index["entries"]):
                 buf = np.empty(e["raw_bytes"], dtype=np.uint8)
                 _core.decode_file_entry(os.fspath(src), i, buf.ctypes.data, buf.nbytes, threads)
-                out.write(buf.tobytes())
+                out.write(memoryview(buf))  # (not buf.tobytes(): a second copy of the tensor)
+                del buf
+            out.flush()
+            os.fsync(out.fileno())  # (as the Rust writer: the data is on disk before the rename)
         os.replace(tmp, dst)
     finally:
         if os.path.lexists(tmp):

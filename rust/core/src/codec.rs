@@ -49,22 +49,44 @@ impl EncodeOptions {
     }
 }
 
-/// Run `f` on a pool of `threads` workers (0: the global pool, one per core). Pools are cached.
+/// The most worker threads a call uses; a larger count is taken as this many (as zstd caps its
+/// workers), so that a mistyped count neither spawns a thread for every chunk nor batches that many
+/// chunks in memory (`batch_len`).
+pub const MAX_THREADS: usize = 256;
+
+/// Pools kept for reuse; past this many distinct counts the cache is emptied (pools in use stay
+/// alive until their calls end), so varying counts cannot pile up idle threads.
+const MAX_CACHED_POOLS: usize = 8;
+
+/// Run `f` on a pool of `threads` workers (0: the global pool, one per core; at most
+/// `MAX_THREADS`). Pools are cached. If the system refuses the threads, `f` runs on the global pool.
 pub fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+    let threads = threads.min(MAX_THREADS);
     if threads == 0 {
         return f();
     }
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
     let pool = {
-        let mut pools = POOLS.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap();
-        pools
-            .entry(threads)
-            .or_insert_with(|| {
-                Arc::new(rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("thread pool"))
-            })
-            .clone()
+        let mut pools = POOLS.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner());
+        match pools.get(&threads) {
+            Some(p) => Some(p.clone()),
+            None => match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
+                Ok(p) => {
+                    if pools.len() >= MAX_CACHED_POOLS {
+                        pools.clear();
+                    }
+                    let p = Arc::new(p);
+                    pools.insert(threads, p.clone());
+                    Some(p)
+                }
+                Err(_) => None,
+            },
+        }
     };
-    pool.install(f)
+    match pool {
+        Some(p) => p.install(f),
+        None => f(),
+    }
 }
 
 /// Elements per chunk: whole rows (see `TensorMeta::row_elems`) when a row fits the target.
@@ -265,7 +287,7 @@ fn read_payload(f: &mut File, len: u32) -> Result<Vec<u8>> {
 const STREAM_BATCH_PER_THREAD: usize = 4;
 
 fn batch_len(threads: usize) -> usize {
-    let t = if threads == 0 { rayon::current_num_threads() } else { threads };
+    let t = if threads == 0 { rayon::current_num_threads() } else { threads.min(MAX_THREADS) };
     t.max(1) * STREAM_BATCH_PER_THREAD
 }
 

@@ -26,7 +26,8 @@ pub struct StoreConfig {
     pub ram_bytes: u64,
     /// Disk tier budget in bytes of chunk files; 0 means no limit (the file system's is the limit).
     pub disk_bytes: u64,
-    /// Threads of the I/O pool that batched calls run on; 0 picks 4.
+    /// Threads of the I/O pool that batched calls run on; 0 picks 4; at most
+    /// `weightszip_core::codec::MAX_THREADS` (more are taken as that many).
     pub io_threads: usize,
     /// fsync each chunk file and its folder before a write counts as done.
     pub durable: bool,
@@ -287,7 +288,7 @@ impl ChunkStore {
         if cfg.max_chunk_bytes == 0 {
             return Err(Error::InvalidArgument("max_chunk_bytes must be > 0".into()));
         }
-        let threads = if cfg.io_threads == 0 { 4 } else { cfg.io_threads };
+        let threads = if cfg.io_threads == 0 { 4 } else { cfg.io_threads.min(weightszip_core::codec::MAX_THREADS) };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("wz-store-io-{i}"))
