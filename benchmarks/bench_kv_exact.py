@@ -25,6 +25,7 @@ Data: real bf16 KV (the 16 (model, layer, K/V) sets of the .npz: SmolLM2-135M an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -56,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep", default="32:4:1,32:4:2,64:4:1,64:4:2,64:8:2,128:4:2,128:8:2,64:4:3",
                    help="block_n:warps:stages[:waves[:min_split_tokens]],... for --tune")
     p.add_argument("--format", choices=["exact", "exact4"], default="exact", help="the page format measured")
+    p.add_argument("--gluon", default="",
+                   help="exact4: also the Gluon kernel (kv_exact4_gluon) at these WARPS:STAGES[:MAXNREG] configs "
+                        "(comma-separated), each beside the same kernel over the bf16 pages")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--write-only", action="store_true", help="skip the attention grid: ratios, write path, capacity")
     p.add_argument("--rep", type=int, default=100)
@@ -188,11 +192,18 @@ def main(argv=None):
                                  v_offsets=v_off, k_bases=kbd, v_bases=vbd, out=out)
         else:
             fn = lambda: att.run(q, k_bf, v_bf, k_side=side[0], v_side=side[1], out=out)  # noqa: E731
+        fn.att = att
         return fn, out, q, side
 
     def time_kernel(B, L, cfg, page_type):
         fn, *_ = setup(B, L, cfg, page_type)
         return bench(fn, args.rep)
+
+    def kernel_of(B, L, cfg, page_type):
+        """The split kernel a config runs (a Gluon config the kernel cannot take runs the Triton one)."""
+        fn, *_ = setup(B, L, cfg, page_type)
+        fn()
+        return fn.att.last_split_kernel
 
     def identical(B, L, cfg):
         """KV Exact output == the bf16 kernel's with the same config, plan, q and side tokens."""
@@ -229,7 +240,16 @@ def main(argv=None):
         print(f"best exact config {best}", flush=True)
     res["meta"]["exact_config"] = vars(exact_cfg) if hasattr(exact_cfg, "__dict__") else str(exact_cfg)
 
+    # the Gluon kernel (exact4 only): its configs, each also run over the bf16 pages (its reference)
+    gluon_cfgs = {}
+    for spec in [s for s in args.gluon.split(",") if s] if fmt == "exact4" else []:
+        w, st, *reg = (int(v) for v in spec.split(":"))
+        gluon_cfgs[spec] = dataclasses.replace(exact_cfg, gluon=True, gluon_warps=w, gluon_stages=st,
+                                               gluon_maxnreg=reg[0] if reg else 0, gluon_min_work=0)
+    res["meta"]["gluon_configs"] = list(gluon_cfgs)
+
     rows = []
+    bytes_tok = (k_ratio + v_ratio) / 2 * 2 * C * 2 + 2 * 8 / 16
     for B in [] if args.write_only else batches:
         for L in contexts:
             row = dict(batch=B, context=L)
@@ -242,8 +262,19 @@ def main(argv=None):
                 row["sdpa_ms"], row["sdpa_how"] = t * 1e3, how
             best = min(row["bf16_ms"], row.get("sdpa_ms", math.inf))
             row["exact_vs_best_bf16"] = best / row["exact_ms"]  # > 1: exact faster
-            bytes_tok = (k_ratio + v_ratio) / 2 * 2 * C * 2 + 2 * 8 / 16
             row["exact_GBps"] = B * L * bytes_tok / (row["exact_ms"] * 1e-3) / 1e9
+            for spec, gcfg in gluon_cfgs.items():
+                g = dict(bit_identical=identical(B, L, gcfg), ms=time_kernel(B, L, gcfg, fmt) * 1e3,
+                         bf16_ms=time_kernel(B, L, gcfg, "bf16") * 1e3, kernel=kernel_of(B, L, gcfg, fmt))
+                g["vs_best_bf16"] = best / g["ms"]
+                g["GBps"] = B * L * bytes_tok / (g["ms"] * 1e-3) / 1e9
+                row[f"gluon_{spec}"] = g
+            if gluon_cfgs:
+                top = min(gluon_cfgs, key=lambda sp: row[f"gluon_{sp}"]["ms"])
+                row["gluon_best"] = top
+                # the bar: the fastest bf16 kernel measured, the Gluon kernel's bf16 mode included
+                fastest_bf16 = min([best] + [row[f"gluon_{sp}"]["bf16_ms"] for sp in gluon_cfgs])
+                row["gluon_vs_fastest_bf16"] = fastest_bf16 / row[f"gluon_{top}"]["ms"]
             rows.append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()
@@ -336,6 +367,15 @@ def write(res, prefix):
             lines.append(f"| {r['batch']} | {r['context']} | {r['exact_ms']:.3f} | {r['bf16_ms']:.3f} | "
                          f"{r['bf16_same_config_ms']:.3f} | {r.get('sdpa_ms', float('nan')):.3f} | "
                          f"{r['exact_vs_best_bf16']:.2f}x | {r['exact_GBps']:.0f} | {r['bit_identical']} |")
+        specs = res["meta"].get("gluon_configs") or []
+        if specs:
+            lines += ["", "Gluon kernel (`kv_exact4_gluon`), each config over the exact4 pages and over the bf16 pages:", "",
+                      "| batch | context | " + " | ".join(f"{s} ms | {s} bf16 ms | {s} bit-identical" for s in specs)
+                      + " | best vs fastest bf16 |", "|---:|---:|" + "---:|---:|---|" * len(specs) + "---:|"]
+            for r in res["grid"]:
+                cells = " | ".join(f"{r['gluon_' + s]['ms']:.3f} | {r['gluon_' + s]['bf16_ms']:.3f} | "
+                                   f"{r['gluon_' + s]['bit_identical']}" for s in specs)
+                lines.append(f"| {r['batch']} | {r['context']} | {cells} | {r['gluon_vs_fastest_bf16']:.2f}x |")
         plot(res, prefix.with_suffix(".png"))
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -358,6 +398,10 @@ def plot(res, path):
         for k, lab in (("exact_ms", exact), ("bf16_ms", "bf16 paged"), ("sdpa_ms", "SDPA flash")):
             if all(k in r for r in rows):
                 ax.plot(ctx, [r[k] for r in rows], marker="o", label=lab)
+        if all("gluon_best" in r for r in rows):
+            ax.plot(ctx, [r["gluon_" + r["gluon_best"]]["ms"] for r in rows], marker="s", label=exact + " (Gluon)")
+            ax.plot(ctx, [r["gluon_" + r["gluon_best"]]["bf16_ms"] for r in rows], marker="x", ls=":",
+                    label="bf16 (Gluon, same kernel)")
         ax.set_title(f"batch {B}")
         ax.set_xlabel("context (k tokens)")
         ax.set_ylabel("ms per layer")

@@ -11,6 +11,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 
@@ -381,6 +382,8 @@ def _exact_equals_bf16_pages(real, lens, split, cfg=CFG, page_type="exact", tiny
                                     k_offsets=c["koff"], v_offsets=c["voff"], k_bases=c["kb"], v_bases=c["vb"])
         else:
             outs[pt] = att.run(c["q"], c["kp"], c["vp"], k_side=c["ks"], v_side=c["vs"])
+        # a config asking for the Gluon kernel gets it on the GPU (both page types), else the Triton one
+        assert att.last_split_kernel == ("gluon_exact4" if cfg.gluon and DEVICE == "cuda" else "triton")
     assert torch.equal(outs["bf16"], outs["exact"])
     # and both are attention: against the fp64 reference
     ref = paged_decode_ref(c["q"].cpu(), c["kp"].cpu(), c["vp"].cpu(), c["bt"].cpu(), lens, window=16,
@@ -1117,6 +1120,82 @@ def test_exact4_attention_bit_identical_to_bf16_pages_head_dim_128(real):
     wide = torch.cat([real, real.roll(1, dims=2)], dim=-1)
     _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, DEFAULT_CONFIGS[PAGE_EXACT4], page_type="exact4",
                              tiny=True)
+
+
+GLUON_CFG = dataclasses.replace(CFG, gluon=True, gluon_min_work=0, gluon_warps=4, gluon_stages=2, gluon_maxnreg=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Gluon kernels run compiled only")
+@pytest.mark.parametrize("lens,split,tiny,warps,stages",
+                         [([150, 40, 97], 64, True, 4, 2), ([33], None, False, 4, 2), ([16, 17, 300], 32, True, 2, 4),
+                          ([700, 5, 64, 129], 48, True, 8, 2)])
+def test_exact4_gluon_attention_bit_identical_to_bf16_pages_gpu(real, lens, split, tiny, warps, stages):
+    """The Gluon kernel (``kv_exact4_gluon``) over KV Exact4 pages gives its own output over the bf16
+    pages bit for bit (both modes put the same values in the same operand registers), with plain rows
+    and splits that start and end inside pages, and both are attention (the fp64 reference)."""
+    from weightszip.kernels import kv_exact4_gluon  # noqa: F401 - the kernel module imports on the GPU
+
+    cfg = dataclasses.replace(GLUON_CFG, gluon_warps=warps, gluon_stages=stages)
+    _exact_equals_bf16_pages(real, lens, split, cfg, page_type="exact4", tiny=tiny)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Gluon kernels run compiled only")
+def test_exact4_gluon_attention_head_dim_128_gpu(real):
+    wide = torch.cat([real, real.roll(1, dims=2)], dim=-1)
+    _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, dataclasses.replace(GLUON_CFG, gluon_warps=8),
+                             page_type="exact4", tiny=True)
+
+
+_COMPILE_X4_GLUON = """
+import sys
+from weightszip.kernels import kv_exact4_gluon as xg
+from weightszip.kernels.paged_decode_gluon import compile_for_hopper
+
+ptrs = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", k_off_ptr="*i64", v_off_ptr="*i64", ones_ptr="*u8",
+            ws_m_ptr="*fp32", ws_l_ptr="*fp32", ws_acc_ptr="*fp32")
+for d, group, warps, stages in ((128, 4, 4, 2), (64, 3, 8, 4), (128, 8, 8, 2)):
+    for bf16 in (False, True):
+        k, spill = compile_for_hopper(xg.exact4_split_kernel, dict(GROUP=group, BLOCK_G=8, HEAD_DIM=d, STAGES=stages,
+                                      BF16=bf16), ptrs, warps)
+        print(d, group, warps, stages, int(bf16), spill, k.metadata.shared, xg.smem_bytes(d, warps, stages, bf16))
+"""
+
+
+def test_exact4_gluon_kernel_compiles_for_hopper(compile_in_child):
+    """The Gluon exact4 kernel and its bf16 mode compile for sm_90 (a child process, no GPU) without
+    spills, and their shared memory is exactly the staging slots (only inline PTX addresses it, by
+    offsets from ``global_smem``: Triton must place nothing else there)."""
+    out = compile_in_child(_COMPILE_X4_GLUON)
+    rows = [list(map(int, line.split())) for line in out.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 6, out
+    for d, group, warps, stages, bf16, spill, shared, want in rows:
+        assert spill == 0 and shared == want, (d, group, warps, stages, bf16, spill, shared, want)
+
+
+def test_exact4_gluon_channel_orders():
+    """The operands' channel maps are permutations, the kernel's inline forms (``_k_stored_channel``,
+    ``_v_stored_channel`` with order 16) agree with them, and each thread's channels sit in
+    consecutive words: K thread t reads code words M t .. M t + M - 1, V thread j raw-row bytes
+    4 M j .. 4 M j + 4 M - 1 (half order)."""
+    from weightszip.kernels import kv_exact4_gluon as xg
+    from weightszip.kernels.kv_exact4_ref import half_order
+
+    for d in (32, 64, 128, 256):
+        m = d // 32
+        ch = torch.arange(d)
+        k, v = xg.x4_k_channel(ch, d), xg.x4_v_channel(ch, d)
+        assert sorted(k.tolist()) == list(range(d)) and sorted(v.tolist()) == list(range(d))
+        # v's inline form in paged_decode_gluon._v_stored_channel (BITS == 16)
+        assert torch.equal(v, 8 * ((ch % 4) * m + ch // 32) + 4 * ((ch % 8) // 4) + 2 * ((ch // 16) % 2) + (ch // 8) % 2)
+        # K: column 32 mm + 8 i + 2 t + b -> code word m t + mm
+        t = (ch // 2) % 4
+        assert torch.equal(k // 8, m * t + ch // 32)
+        # V: row 32 mm + 16 i1 + 8 i0 + j -> raw byte 4 m j + 4 mm + 2 i1 + i0 of a half-ordered row
+        order = half_order(d)  # the channel at each byte of a raw row
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(d)  # the byte of each channel
+        j = ch % 8
+        assert torch.equal(pos[v], 4 * m * j + 4 * (ch // 32) + 2 * ((ch // 16) % 2) + (ch // 8) % 2)
 
 
 def test_exact4_attention_argument_checks(real):

@@ -15,6 +15,10 @@ GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before 
   same reference, and its decode math in PyTorch (``pair_index``, ``interleaved_pair_table``,
   ``k_nibble_channel``, ``v_nibble_channel``, ``nibble_pair_codes``, ``k_crumb_channel``,
   ``v_crumb_channel``, ``crumb_pair_codes_k``, ``crumb_pair_codes_v``).
+* ``kv_exact4_gluon``: the split kernel for KV Exact4 pages in Gluon (pairs decoded into the tensor
+  cores' registers; compiled only, GPU) and the same kernel over bf16 pages, its bit-for-bit
+  reference; ``paged_decode`` runs it where it applies; the decode math's reference is
+  ``kv_exact4_ref.pair_decode``, the attention's ``paged_decode_ref``.
 * ``compact_write``: new bf16 K/V tokens into compact pages, the reference encoder's bytes bit for
   bit; reference in ``compact_write_ref``.
 """

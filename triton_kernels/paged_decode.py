@@ -24,7 +24,10 @@ Read me first:
   weights (V). Products on the tensor cores (bf16 codebook values, q' and scaled weights) or, with
   ``KernelConfig.cuda_dot``, in fp32 on the CUDA cores.
   ``PAGE_EXACT`` and ``PAGE_EXACT4``: lossless pages in a byte heap (KV Exact, ``kv_exact_ref``; KV
-  Exact4, ``kv_exact4_ref``), decoded into the same bf16 tiles as the uncompressed pages.
+  Exact4, ``kv_exact4_ref``), decoded into the same bf16 tiles as the uncompressed pages. On the GPU
+  exact4 pages run the Gluon kernel (``kv_exact4_gluon``: pairs decoded into the tensor cores' register
+  operands) where it applies, and its output equals the same kernel's over the bf16 pages (bf16 pages
+  with a ``gluon`` config) bit for bit; the Triton kernel's exact4 path is the reference elsewhere.
 * **Transformed domain.** A format may store pages in a transformed domain: the true key is ``y @ A_k
   + mu_k`` and the true value ``y @ A_v + mu_v``, ``y`` the dequantized page value, ``A`` a ``[head_dim,
   head_dim]`` matrix per KV head. Then ``q . k = (q @ A_k^T) . y + q . mu_k``: the split kernel gets
@@ -125,6 +128,10 @@ class KernelConfig:
     # warps per program, each on its own pages (16 tokens per step); ``gluon_maxnreg``: a register cap
     # (0: none; 128 keeps two programs of 8 warps per multiprocessor); ``gluon_ahead``: bit 0 loads V's
     # plane words at the top of the step with K's, bit 1 K's words one step ahead (more registers)
+    # exact4 pages, compiled only: ``gluon`` runs ``kv_exact4_gluon.exact4_split_kernel`` (``gluon_warps``,
+    # ``gluon_stages`` (at least 2), ``gluon_maxnreg``, ``gluon_min_work``; head_dim 64 or 128, groups up
+    # to 8); on in the exact4 default. bf16 pages with ``gluon`` run the same kernel (its bf16 mode: the
+    # reference the exact4 pages' output equals bit for bit), else the Triton kernel
     gluon: bool = False
     # ... when the step's paged tokens times KV heads reach this (in session 8 the Triton kernel was
     # faster below 2**21 = batch 8 x 32k x 8 heads on the H200; the compact default used 2**18 in
@@ -212,7 +219,13 @@ DEFAULT_CONFIGS = {
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
     # warps, 1 stage (box/s14_run06: 16 tokens 1.4x slower, 64 tokens 1.15x (8 warps) to 2.5x (4
     # warps); s14_run03: 8 warps at 32 tokens 1.7x; s14_run10: register caps 1.9-2.2x)
-    PAGE_EXACT4: KernelConfig(block_n=32, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048),
+    # On the GPU since session 23 the Gluon kernel (``kv_exact4_gluon``; 4 warps, pages staged one ahead,
+    # no register cap) for head_dim 64 or 128 and groups up to 8: 2.2-2.3x the Triton kernel's speed at
+    # batch 8-64 x 32k-128k on the H200 (`box/s23_run04`: 0.88-0.92x the faster bf16 kernel against
+    # 0.40x; 8 warps within 1%, a cap of 168 registers 1-3% slower); the Triton kernel elsewhere, with
+    # the fields above
+    PAGE_EXACT4: KernelConfig(block_n=32, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
+                              gluon_min_work=0, gluon_warps=4, gluon_stages=2, gluon_maxnreg=0),
 }
 
 
@@ -1244,6 +1257,7 @@ class PagedDecodeAttention:
         self.device = torch.device(device)
         self._plan = None
         self._pairs_cache: dict = {}
+        self.last_split_kernel: str | None = None
 
     @staticmethod
     def _device_key(device) -> str:
@@ -1253,6 +1267,13 @@ class PagedDecodeAttention:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return str(device)
+
+    def _ones16(self, device) -> torch.Tensor:
+        """16 bytes of 0xFF on ``device`` (the Gluon exact4 kernel's code-15 rows outside a split)."""
+        key = ("ones16", self._device_key(device))
+        if key not in self._pairs_cache:
+            self._pairs_cache[key] = torch.full((16,), 255, dtype=torch.uint8, device=device)
+        return self._pairs_cache[key]
 
     def _all_rope_pairs(self, half: int, device) -> torch.Tensor:
         key = (half, self._device_key(device))
@@ -1471,6 +1492,19 @@ class PagedDecodeAttention:
             from .paged_decode_gluon import fp8_smem_bytes
 
             gluon_fp8 = fp8_smem_bytes(D, cfg.gluon_warps, fp8_stages) <= GLUON_MAX_SMEM
+        # KV Exact4 pages on the Gluon kernel (``kv_exact4_gluon``), and bf16 pages on the same kernel
+        # (its bit-for-bit reference) when their config asks for it; the same limits as fp8's
+        gluon_x4 = (self.page_type in (PAGE_EXACT4, PAGE_BF16) and cfg.gluon and not _interpreting()
+                    and logit_bias is None and cfg.gluon_warps >= 2 and D in (64, 128) and G <= 8
+                    and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
+                    and all(t.data_ptr() % 16 == 0 for t in (k_pages, v_pages))
+                    and (self.page_type == PAGE_EXACT4
+                         or all(t.stride(2) == D and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
+                                for t in (k_pages, v_pages))))
+        if gluon_x4:
+            from .kv_exact4_gluon import smem_bytes as x4_smem_bytes
+
+            gluon_x4 = x4_smem_bytes(D, cfg.gluon_warps, fp8_stages, self.page_type == PAGE_BF16) <= GLUON_MAX_SMEM
         if compact:
             for name, t, bits in (("k_codebook", k_codebook, self.k_bits), ("v_codebook", v_codebook, self.v_bits)):
                 _check(isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.bfloat16)
@@ -1558,7 +1592,25 @@ class PagedDecodeAttention:
         qk_scale = self.sm_scale * LOG2E
         dummy = pl["ws_m"]
         rope_chunks = -(-rope_pairs.numel() // 16) if has_rope else 0
-        if pl["n_items"] and gluon_fp8:
+        # which split kernel this call ran (tests and benchmarks read it)
+        self.last_split_kernel = ("gluon_exact4" if gluon_x4 else "gluon_fp8" if gluon_fp8
+                                  else "gluon_compact" if gluon_cbs is not None else "triton")
+        if pl["n_items"] and gluon_x4:
+            from . import kv_exact4_gluon as xg
+
+            bf = self.page_type == PAGE_BF16
+            kp, vp = (k_pages.view(torch.uint8), v_pages.view(torch.uint8)) if bf else (k_pages, v_pages)
+            xg.exact4_split_kernel[(pl["n_items"], Hkv)](
+                qp, kp, vp, dummy if bf else k_offsets, dummy if bf else v_offsets, self._ones16(qp.device),
+                pl["block_tables"], pl["work_seq"], pl["work_start"], pl["work_end"],
+                pl["ws_m"], pl["ws_l"], pl["ws_acc"], qk_scale, qp.stride(0), qp.stride(1),
+                *((2 * k_pages.stride(0), 2 * k_pages.stride(1), 2 * v_pages.stride(0), 2 * v_pages.stride(1)) if bf
+                  else (0, 0, 0, 0)),
+                pl["block_tables"].stride(0), Hkv,
+                GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, STAGES=fp8_stages, BF16=bf,
+                BLOCK_SIZE=self.block_size, num_warps=cfg.gluon_warps,
+                **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
+        elif pl["n_items"] and gluon_fp8:
             from . import paged_decode_gluon as pg
 
             pg.fp8_split_kernel[(pl["n_items"], Hkv)](

@@ -257,8 +257,9 @@ def _v_nibble_channel(ch, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def _k_stored_channel(ch, HEAD_DIM: gl.constexpr, BITS: gl.constexpr):
     """The stored channel of K operand channel ``ch`` at a width (``k_nibble_channel``,
-    ``k_crumb_channel``; bit planes: ``ch``)."""
-    if BITS == 4:
+    ``k_crumb_channel``; bit planes: ``ch``; 16: KV Exact4 pages, ``kv_exact4_gluon.x4_k_channel``, the
+    nibble rows' order)."""
+    if BITS == 4 or BITS == 16:
         return _k_nibble_channel(ch, HEAD_DIM)
     elif BITS == 3:
         return ((ch // 2) % 4 >> 1) * (HEAD_DIM // 2) + 16 * (ch // 32) + 4 * ((ch // 8) % 4) + 2 * ((ch // 2) % 2) + ch % 2
@@ -269,9 +270,11 @@ def _k_stored_channel(ch, HEAD_DIM: gl.constexpr, BITS: gl.constexpr):
 @gluon.jit
 def _v_stored_channel(ch, HEAD_DIM: gl.constexpr, BITS: gl.constexpr):
     """The stored channel of V^T operand row ``ch`` at a width (``v_nibble_channel``,
-    ``v_crumb_channel``; bit planes: ``ch``)."""
+    ``v_crumb_channel``; bit planes: ``ch``; 16: KV Exact4 pages, ``kv_exact4_gluon.x4_v_channel``)."""
     if BITS == 4:
         return _v_nibble_channel(ch, HEAD_DIM)
+    elif BITS == 16:
+        return 8 * ((ch % 4) * (HEAD_DIM // 32) + ch // 32) + 4 * ((ch % 8) // 4) + 2 * ((ch // 16) % 2) + (ch // 8) % 2
     elif BITS == 3:
         return ((ch % 8) >> 2) * (HEAD_DIM // 2) + 16 * (ch // 32) + 4 * ((ch // 8) % 4) + (ch % 4)
     else:

@@ -1,0 +1,1 @@
+../../../triton_kernels/kv_exact4_gluon.py

@@ -1,0 +1,504 @@
+"""Decode attention over KV Exact4 pages in Gluon: lossless pages decoded straight into the tensor
+cores' register operands (and the same kernel over bf16 pages, its bit-for-bit reference).
+
+Why: the Triton kernel's exact4 path (``paged_decode._paged_split_kernel`` with ``PAGE_TYPE`` 4) runs
+at 0.36-0.40x of the faster bf16 kernel on the H200 (BENCHMARKS.md, "KV Exact4"): 241 registers, 32
+tokens a step, every decoded tile through shared memory into the operand layout. Here each warp takes
+every NW-th 16-token page of the split, as ``paged_decode_gluon.fp8_split_kernel`` does:
+
+* **Staged pages.** A warp copies its next page's slot of the head (window tops, code rows, raw rows;
+  docs/FORMAT.md "KV Exact4 pages") and the 16-byte header chunk holding the head's entry into its own
+  shared-memory slot by 16-byte ``cp.async`` (inline PTX: no CTA barrier), ``STAGES - 1`` pages
+  ahead. The rows land at strides chosen so the operand loads below are free of bank conflicts (K's
+  raw rows 3 D / 2 bytes apart, V's code rows D / 2 + 16 and raw rows D + 16). Rows outside the split
+  are not read: their code chunks come from a buffer of 0xFF bytes (code 15: exponent 0) and their
+  raw chunks are zero-filled, so they decode to +0.0 (finite: a softmax weight of 0 times them is 0).
+  The page's byte offset goes into the slot beside them (for its plain rows).
+* **Pairs decoded in registers** (``kv_exact4_ref.pair_decode``'s arithmetic: a funnel shift and a
+  mask for the codes, two byte permutes for the window tops and the raw bytes with their sign bits
+  spread, a subtraction, a permute that flags code 15, one select). K is the A operand of
+  ``S^T = K Q^T`` and thread (t, nl) holds the channel pairs of code words ``M t .. M t + M - 1`` of
+  its rows (channel order ``paged_decode_gluon._k_nibble_channel``; q goes through the same map); V^T
+  is the A operand of ``O^T += V^T P^T``, thread (tl, j) holds token pairs of the channels of raw words
+  ``M j .. M j + M - 1`` in half order (``x4_v_channel``; the sum goes back through it).
+* **Plain rows** (a value outside its window: rare) are read as bf16 from after the slots by loads
+  predicated on the row, at the row's rank (its head entry's count plus the mask bits below it).
+
+``BF16`` (constexpr): the same kernel over bf16 pages ``[num_blocks, kv_heads, 16, head_dim]``: rows
+staged the same way, pairs loaded as they are. Both modes put the same bf16 values in the same
+operand registers, so over a cache and its exact4 encoding their outputs are equal bit for bit (the
+GPU tests check it).
+
+Numerics: q in bf16 times K on mma.sync (fp32 sums), the logits times sm_scale log2(e), base-2
+softmax with a lazy running max (``paged_decode_gluon._lazy_softmax_step``: it moves by more than 8
+only, so most pages skip the sum's rescale), weights rounded to bf16, fp32 sum; the merge is
+``PagedDecodeAttention``'s. Compiled only (Gluon has no interpreter): the CPU tests run the layout
+arithmetic in PyTorch (``x4_operand_model``) and compile the kernel for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.runtime.jit import constexpr_function
+
+from .paged_decode_gluon import (_COMMIT, _WARP_SYNC, _axis, _fresh_state, _lds, _lds_vec_asm, _lds_vec_constraints,
+                                 _lazy_softmax_step, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
+                                 _vec_words, _wait_stage, k_layout, v_layout, words_layout)
+
+# the channel-order code the shared helpers take for these operands (``_k_stored_channel``,
+# ``_v_stored_channel``)
+X4_ORDER = gl.constexpr(16)
+
+# a 16-byte cp.async of $3 bytes (16, or 0: zero fill) from global $2 to shared byte $1 of global_smem,
+# when $4 is not 0
+_CP_ASYNC_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
+                            "add.u32 a, a, $1; @p cp.async.cg.shared.global [a], [$2], 16, $3; mov.u32 $0, 0; }")
+# a 64-bit store to shared byte $1 of global_smem (every lane the same value: the page offset)
+_STS64 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.b64 [a], $2; "
+                      "mov.u32 $0, 0; }")
+_LDS64 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b64 $0, [a]; }")
+_PRMT = gl.constexpr("prmt.b32 $0, $1, $2, $3;")
+_POPC = gl.constexpr("popc.b32 $0, $1;")
+# rows a (at $1) and b (at $1 + $2) of one bf16 channel as a pair, a's value in the low half
+_LDS_ROWS = gl.constexpr("{ .reg .u32 a; .reg .b16 x, y; mov.u32 a, global_smem; add.u32 a, a, $1; "
+                         "ld.shared.b16 x, [a]; add.u32 a, a, $2; ld.shared.b16 y, [a]; mov.b32 $0, {x, y}; }")
+
+
+# ----------------------------------------------------------------------------------------------------
+# geometry (bytes)
+# ----------------------------------------------------------------------------------------------------
+
+
+def page_header_bytes(num_heads: int) -> int:
+    """HDR of an exact4 page: the heads' entries rounded up to 16 bytes."""
+    return (4 * num_heads + 15) // 16 * 16
+
+
+@constexpr_function
+def x4_geometry(head_dim, bf16):
+    """Offsets in a warp's staging slot: (K tops, K codes, K raw, V tops, V codes, V raw, K code row
+    stride, K raw row stride, V code row stride, V raw row stride, slot bytes). The slot starts with
+    the K and the V header chunk (bytes 0 and 16) and the K and V page offsets (32 and 40). bf16 mode:
+    the K rows at "K raw" and the V rows at "V raw", 2 head_dim bytes apart."""
+    d = head_dim
+    if bf16:
+        kr, vr = 64, 64 + 32 * d
+        return (0, 0, kr, 0, 0, vr, 0, 2 * d, 0, 2 * d, (64 + 64 * d + 127) // 128 * 128)
+    kt = 64
+    kc = kt + d
+    kr = kc + 16 * (d // 2)
+    vt = kr + 16 * (3 * d // 2)
+    vc = vt + d
+    vr = vc + 16 * (d // 2 + 16)
+    end = vr + 16 * (d + 16)
+    return (kt, kc, kr, vt, vc, vr, d // 2, 3 * d // 2, d // 2 + 16, d + 16, (end + 127) // 128 * 128)
+
+
+def slot_bytes(head_dim: int, bf16: bool = False) -> int:
+    """Bytes of one staging slot (a page of K and of V)."""
+    return x4_geometry(head_dim, bf16)[10]
+
+
+def smem_bytes(head_dim: int, num_warps: int, stages: int, bf16: bool = False) -> int:
+    """Shared memory of the staging: ``stages`` slots per warp."""
+    return num_warps * stages * slot_bytes(head_dim, bf16)
+
+
+@constexpr_function
+def _chunks_per_page(head_dim, bf16):
+    """16-byte chunks a warp copies per page and side (K or V): bf16: 16 rows of 2 head_dim bytes;
+    exact4: the header chunk, then the head's slot (25 head_dim bytes)."""
+    return 2 * head_dim if bf16 else 1 + 25 * head_dim // 16
+
+
+@constexpr_function
+def _chunk_lanes(head_dim, bf16):
+    """Chunks per lane (a power of two) for K's and V's chunks of a page."""
+    n = 2 * _chunks_per_page(head_dim, bf16)
+    return 1 << ((n + 31) // 32 - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------------
+# channel orders (the operands' rows and columns against the stored channels)
+# ----------------------------------------------------------------------------------------------------
+
+
+def x4_k_channel(ch, head_dim: int):
+    """The stored channel of K operand column ``ch`` (32 m + 8 i + 2 t + b of ``k_layout``): channel
+    8 (M t + m) + 2 i + b, so thread t decodes code words M t .. M t + M - 1 (as
+    ``paged_decode_gluon.k_nibble_channel``)."""
+    m = head_dim // 32
+    return 8 * (((ch // 2) % 4) * m + ch // 32) + 2 * ((ch // 8) % 4) + ch % 2
+
+
+def x4_v_channel(ch, head_dim: int):
+    """The stored channel of V^T operand row ``ch`` (32 m + 16 i1 + 8 i0 + j of ``v_layout``): the
+    channel at byte 4 M j + 4 m + 2 i1 + i0 of a raw row in half order (channel 8 w + 4 h + b at byte
+    h D / 2 + 4 w + b), i.e. 8 (M (j % 4) + m) + 4 (j // 4) + 2 i1 + i0."""
+    m = head_dim // 32
+    j = ch % 8
+    return 8 * ((j % 4) * m + ch // 32) + 4 * (j // 4) + 2 * ((ch // 16) % 2) + (ch // 8) % 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# the kernel's pieces
+# ----------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _prmt(a, b, sel):
+    return gl.inline_asm_elementwise(_PRMT, "=r,r,r,r", [a, b, sel], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _popc(x):
+    return gl.inline_asm_elementwise(_POPC, "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _pair(k7, t7, x):
+    """Two values' bf16 bits from their codes at bits 7-10 and 23-26 (``k7``), their window tops at bits
+    7-14 and 23-30 (``t7``) and their raw bytes with sign bits spread and masked (``x``): exponent
+    top - code, or 0 for code 15 (``kv_exact4_ref.pair_decode``). No borrow crosses the halves: a
+    page's tops are at least 15 (and in a page no row of which is read, both codes are 15)."""
+    z = _prmt(k7 + 0x78807880, 0, 0xBB99)  # 0xFFFF in the halves whose code is 15
+    return ((t7 - k7) & ~z) | x
+
+
+@gluon.jit
+def _page_offsets(bt_row, first, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb, stride_vh,
+                  BF16: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Byte offsets of the K and the V page of token ``first`` (a page's first token): exact4, the
+    heap offsets of its block (16-token blocks); bf16, its place in the pools (byte strides). Block 0's
+    past t1."""
+    blk = gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
+    if BF16:
+        b64 = blk.to(gl.int64)
+        pib = ((first % BLOCK_SIZE) // 16) * (32 * HEAD_DIM)
+        return b64 * stride_kb + head * stride_kh + pib, b64 * stride_vb + head * stride_vh + pib
+    else:
+        return gl.load(k_off_ptr + blk), gl.load(v_off_ptr + blk)
+
+
+@gluon.jit
+def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_heads, HEAD_DIM: gl.constexpr,
+           BF16: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr):
+    """cp.async of one page of K and of V (``kpo``/``vpo``: byte offsets, ``first``: the page's first
+    token, [NW, 1, 1] in ``IL``) into the warp's slot at shared byte ``dst``, as one commit group;
+    then the page offsets into the slot. Register i of a lane copies chunk 32 (i % (NCH / 2)) + lane
+    of K (i < NCH / 2) or of V: a register's side is a constant and its source address the lane's
+    plus a constant, so a chunk costs a few instructions."""
+    G: gl.constexpr = x4_geometry(HEAD_DIM, BF16)
+    NC: gl.constexpr = _chunks_per_page(HEAD_DIM, BF16)
+    NCH: gl.constexpr = _chunk_lanes(HEAD_DIM, BF16)
+    H2: gl.constexpr = NCH // 2
+    D: gl.constexpr = HEAD_DIM
+    ii = _axis(NCH, 2, 3, IL)
+    is_v = ii >= H2
+    kc = 32 * (ii % H2) + _axis(32, 1, 3, IL)  # the chunk of its side
+    on = (kc < NC).to(gl.int32)
+    # the page's rows read, as bits 4-19 (bit 20: any row, for the header and the tops), so that a
+    # chunk's source size is (rv >> its row) & 16
+    lo = gl.minimum(gl.maximum(t0 - first, 0), 16)
+    hi = gl.minimum(gl.maximum(t1 - first, 0), 16)
+    rv = ((1 << hi) - (1 << lo)) << 4
+    rv = rv | gl.where(rv != 0, 1 << 20, 0)
+    base = gl.where(is_v, v_ptr + vpo, k_ptr + kpo)
+    if BF16:
+        row = kc // (D // 8)  # 2 D-byte rows
+        src = base + 16 * kc
+        dst_rel = gl.where(is_v, G[5], G[2]) + 16 * kc
+        size = (rv >> row) & 16
+    else:
+        kq = kc - 1  # chunk of the head's slot: tops D / 16, codes D / 2, raw D
+        is_code = (kq >= D // 16) & (kq < 9 * D // 16)
+        is_row = kq >= D // 16
+        kcd = kq - D // 16
+        kr = kq - 9 * D // 16
+        crow = kcd // (D // 32)
+        rrow = kr // (D // 16)
+        row = gl.where(is_row, gl.where(is_code, crow, rrow), 16)
+        dst_rel = gl.where(kc == 0, 16 * is_v.to(gl.int32),
+                           gl.where(is_row, gl.where(is_code, gl.where(is_v, G[4], G[1]) + crow * gl.where(is_v, G[8], G[6])
+                                                     + 16 * (kcd % (D // 32)),
+                                                     gl.where(is_v, G[5], G[2]) + rrow * gl.where(is_v, G[9], G[7])
+                                                     + 16 * (kr % (D // 16))),
+                                    gl.where(is_v, G[3], G[0]) + 16 * kq))
+        hdr = (4 * num_kv_heads + 15) // 16 * 16
+        src = gl.where(kc == 0, base + 16 * (head // 4), base + (hdr + head * (25 * D) - 16) + 16 * kc)
+        size = (rv >> row) & 16
+        # V's code chunks of rows not read: code 15 from the 0xFF buffer (K's rows not read are zeros:
+        # their logits are masked, whatever their values)
+        vc = is_v & is_code & (size == 0)
+        src = gl.where(vc, ones_ptr, src)
+        size = gl.where(vc, 16, size)
+    _per_thread(_WARP_SYNC, NW)
+    gl.inline_asm_elementwise(_CP_ASYNC_ON, "=r,r,l,r,r", [dst + dst_rel, src, size, on], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    _per_thread(_COMMIT, NW)
+    if not BF16:
+        # the page offsets at bytes 32 (K) and 40 (V): even lanes store K's, odd lanes V's
+        SL: gl.constexpr = gl.SliceLayout(2, IL)
+        side = _axis(32, 1, 2, SL) % 2
+        gl.inline_asm_elementwise(_STS64, "=r,r,l", [gl.max(dst, axis=2) + 32 + 8 * side,
+                                                     gl.where(side == 1, gl.max(vpo, axis=2), gl.max(kpo, axis=2))],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@constexpr_function
+def _plain_fix_asm(n, two):
+    """``n`` pairs of bf16 bits ($0.., tied to $n..) with the values of plain rows loaded (rows a and
+    b of a V pair with ``two``: flags $2n+k / $3n+k, row addresses $4n+k / $5n+k, the pair's offset
+    $6n+k; K: one row, flags $2n+k, addresses $3n+k, offsets $4n+k), behind one branch on the last
+    operand (any flag of the thread): plain rows are rare, so a thread pays the test and the
+    branch, not the loads."""
+    if two:
+        body = " ".join(
+            f"setp.ne.s32 q, ${2 * n + k}, 0; setp.ne.s32 r, ${3 * n + k}, 0; mov.b32 {{lo, hi}}, ${k}; "
+            f"add.s64 a, ${4 * n + k}, ${6 * n + k}; @q ld.global.b16 lo, [a]; "
+            f"add.s64 a, ${5 * n + k}, ${6 * n + k}; @r ld.global.b16 hi, [a]; mov.b32 ${k}, {{lo, hi}};"
+            for k in range(n))
+        last = 7 * n
+    else:
+        body = " ".join(f"setp.ne.s32 q, ${2 * n + k}, 0; add.s64 a, ${3 * n + k}, ${4 * n + k}; "
+                        f"@q ld.global.b32 ${k}, [a];" for k in range(n))
+        last = 5 * n
+    return (f"{{ .reg .pred p, q, r; .reg .b16 lo, hi; .reg .u64 a; setp.eq.s32 p, ${last}, 0; @p bra SKIP; "
+            f"{body} SKIP: }}")
+
+
+@constexpr_function
+def _plain_fix_constraints(n, two):
+    flags, addrs = (["r"] * (2 * n), ["l"] * (2 * n)) if two else (["r"] * n, ["l"] * n)
+    return ",".join(["=r"] * n + [str(k) for k in range(n)] + flags + addrs + ["l"] * n + ["r"] * n)
+
+
+@gluon.jit
+def _k_plain_fix(v, rowp, base, off, anyp, N: gl.constexpr):
+    """K pairs ``v`` (bf16 bits, int32) replaced by the pair at ``base + off`` where ``rowp``
+    (``base``: the row's plain copy plus the lane's part, ``off``: the pair's constant part);
+    ``anyp``: any of the thread's rows plain."""
+    return gl.inline_asm_elementwise(_plain_fix_asm(N, False), _plain_fix_constraints(N, False),
+                                     [v, rowp.to(gl.int32), base, off.to(gl.int64), anyp], dtype=gl.int32,
+                                     is_pure=True, pack=N)
+
+
+@gluon.jit
+def _v_plain_fix(v, pa, pb, base_a, base_b, off, anyp, N: gl.constexpr):
+    """V token pairs ``v``: the low half from row a's plain copy where ``pa``, the high half from row
+    b's where ``pb`` (as ``_k_plain_fix``)."""
+    return gl.inline_asm_elementwise(_plain_fix_asm(N, True), _plain_fix_constraints(N, True),
+                                     [v, pa.to(gl.int32), pb.to(gl.int32), base_a, base_b, off.to(gl.int64), anyp],
+                                     dtype=gl.int32, is_pure=True, pack=N)
+
+
+@gluon.jit
+def _plain_rows(base, side: gl.constexpr, fr, r, t0, t1, head):
+    """For page rows ``r`` of the staged page (its first token ``fr``): whether each is plain (and
+    read), the byte offset of its plain row past the slots (relative to the page), from the head's
+    entry in the staged header chunk of K (``side`` 0) or V (1)."""
+    ent = _lds(base + 16 * side + 4 * (head % 4))
+    rowp = (((ent >> r) & 1) != 0) & (fr + r >= t0) & (fr + r < t1)
+    rank = ((ent >> 16) & 0xFFFF) + _popc(ent & ((1 << r) - 1) & 0xFFFF)
+    return rowp, rank
+
+
+@gluon.jit
+def _words(addr, VEC: gl.constexpr, L: gl.constexpr, DIM: gl.constexpr):
+    """The 32-bit words at shared byte offsets ``addr`` (a tensor in ``words_layout(L, m)`` whose last
+    dim has size 1), ``VEC`` consecutive words of dim m per ``ld.shared.v*``, relaid out to ``L`` and
+    that last dim (``DIM``) dropped: a tensor of ``SliceLayout(DIM, L)``."""
+    if VEC > 1:
+        w = gl.inline_asm_elementwise(_lds_vec_asm(VEC), _lds_vec_constraints(VEC), [addr], dtype=gl.int32,
+                                      is_pure=True, pack=VEC)
+    else:
+        w = _lds(addr)
+    return gl.max(gl.convert_layout(w, L, assert_trivial=True), axis=DIM)
+
+
+@gluon.jit
+def _page_offset_of(base, side: gl.constexpr):
+    return gl.inline_asm_elementwise(_LDS64, "=l,r", [base + 32 + 8 * side], dtype=gl.int64, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _k_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.constexpr, BF16: gl.constexpr,
+               NW: gl.constexpr, OPA: gl.constexpr):
+    """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout from the warp's staged page at shared byte
+    ``base`` ([NW, 1, ..] in the pair layout): thread (t, nl) holds rows 8 nh + nl, channel pairs
+    8 (M t + m) + 2 i + (0, 1) (``x4_k_channel``). The pairs are made in ``k_layout`` less its last
+    dim (one int32 each), then split into values."""
+    M: gl.constexpr = HEAD_DIM // 32
+    G: gl.constexpr = x4_geometry(HEAD_DIM, BF16)
+    LK: gl.constexpr = k_layout(NW, M)
+    LP: gl.constexpr = gl.SliceLayout(6, LK)
+    r = 8 * _axis(2, 1, 6, LP) + _axis(8, 2, 6, LP)
+    m = _axis(M, 3, 6, LP)
+    i = _axis(4, 4, 6, LP)
+    t = _axis(4, 5, 6, LP)
+    w = M * t + m  # the code word (8 channels) of the pair
+    if BF16:
+        val = _lds(base + G[2] + r * G[7] + 2 * (8 * w + 2 * i))
+    else:
+        # the words, M consecutive ones of a row per lane (vector loads), in the words' layout
+        LW: gl.constexpr = words_layout(LK, 3)
+        VEC: gl.constexpr = _vec_words(M)
+        bw = gl.expand_dims(gl.convert_layout(base, gl.SliceLayout(6, LW), assert_trivial=True), 6)
+        rw_ = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
+        ww = 4 * (M * _axis(4, 5, 7, LW) + _axis(M, 3, 7, LW))
+        hw = (_axis(4, 4, 7, LW) // 2) * (HEAD_DIM // 2)
+        cw = _words(bw + G[1] + rw_ * G[6] + ww, VEC, LK, 6)
+        tw = _words(bw + G[0] + hw + ww, VEC, LK, 6)
+        rw = _words(bw + G[2] + rw_ * G[7] + hw + ww, VEC, LK, 6)
+        k7 = _rotr(cw, 4 * i - 7) & 0x07800780  # nibble i of each half to bits 7-10
+        t7 = _prmt(tw, 0, 0x4140 + 0x202 * (i % 2)) << 7  # tops of bytes 2 (i % 2), + 1
+        x = _prmt(rw, 0, 0x9180 + 0x2222 * (i % 2)) & -2139127681  # 0x807F807F: raw bytes, signs spread
+        val = _pair(k7, t7, x)
+        rowp, rank = _plain_rows(base, 0, fr, r, t0, t1, head)
+        hdr = (4 * num_kv_heads + 15) // 16 * 16
+        prow = (heap_ptr.to(gl.int64) + _page_offset_of(base, 0) + hdr + num_kv_heads * (25 * HEAD_DIM)
+                + rank.to(gl.int64) * (2 * HEAD_DIM) + (16 * M) * t)
+        anyp = gl.expand_dims(gl.max(rowp.to(gl.int32), axis=1), 1)
+        val = _k_plain_fix(val, rowp, prow, 2 * (8 * m + 2 * i), anyp, 32)
+    half = ((gl.expand_dims(val, 6) >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16,
+                                                                                        bitcast=True)
+    return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.constexpr, BF16: gl.constexpr,
+               NW: gl.constexpr, OPA: gl.constexpr):
+    """V^T [NW, HEAD_DIM, 16] bf16 in the A-operand layout from the warp's staged page: thread (tl, j)
+    holds rows 8 th + 2 tl + (0, 1) of the channels at raw-row bytes 4 M j + 4 m + 2 i1 + i0
+    (``x4_v_channel``); the token pairs made in ``v_layout`` less its last dim."""
+    M: gl.constexpr = HEAD_DIM // 32
+    G: gl.constexpr = x4_geometry(HEAD_DIM, BF16)
+    LV: gl.constexpr = v_layout(NW, M)
+    LP: gl.constexpr = gl.SliceLayout(7, LV)
+    m = _axis(M, 1, 7, LP)
+    i1 = _axis(2, 2, 7, LP)
+    i0 = _axis(2, 3, 7, LP)
+    j = _axis(8, 4, 7, LP)
+    ra = 8 * _axis(2, 5, 7, LP) + 2 * _axis(4, 6, 7, LP)  # the pair's even row
+    w = M * (j % 4) + m  # the code word of the channel
+    bp = 2 * i1 + i0  # the channel's byte in its raw word
+    pos = 4 * M * j + 4 * m  # the raw word's byte offset in a row
+    if BF16:
+        ch = 8 * w + 4 * (j // 4) + bp
+        val = gl.inline_asm_elementwise(_LDS_ROWS, "=r,r,r", [base + G[5] + ra * G[9] + 2 * ch, G[9] + 0 * ra],
+                                        dtype=gl.int32, is_pure=True, pack=1)
+    else:
+        LW: gl.constexpr = words_layout(LV, 1)
+        VEC: gl.constexpr = _vec_words(M)
+        bw = gl.expand_dims(gl.convert_layout(base, gl.SliceLayout(7, LW), assert_trivial=True), 7)
+        raw_ = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW)
+        jw = _axis(8, 4, 8, LW)
+        mw = _axis(M, 1, 8, LW)
+        ca = _words(bw + G[4] + raw_ * G[8] + 4 * (M * (jw % 4) + mw), VEC, LV, 7)
+        cb = _words(bw + G[4] + (raw_ + 1) * G[8] + 4 * (M * (jw % 4) + mw), VEC, LV, 7)
+        bc = 2 * i0 + (j // 4)  # the byte of a code word holding the channel's nibble (nibble i1)
+        k7 = _rotr(_prmt(ca, cb, bc * 0x11 + (bc + 4) * 0x1100), 4 * i1 - 7) & 0x07800780
+        posw = 4 * M * jw + 4 * mw
+        tw = _words(bw + G[3] + posw, VEC, LV, 7)
+        t7 = _prmt(tw, 0, bp * 0x101 + 0x4040) << 7
+        rwa = _words(bw + G[5] + raw_ * G[9] + posw, VEC, LV, 7)
+        rwb = _words(bw + G[5] + (raw_ + 1) * G[9] + posw, VEC, LV, 7)
+        x = _prmt(rwa, rwb, bp * 0x1111 + 0xC480) & -2139127681  # 0x807F807F
+        val = _pair(k7, t7, x)
+        pa, rank_a = _plain_rows(base, 1, fr, ra, t0, t1, head)
+        pb, rank_b = _plain_rows(base, 1, fr, ra + 1, t0, t1, head)
+        hdr = (4 * num_kv_heads + 15) // 16 * 16
+        prow = (heap_ptr.to(gl.int64) + _page_offset_of(base, 1) + hdr + num_kv_heads * (25 * HEAD_DIM)
+                + 2 * (8 * M * (j % 4) + 4 * (j // 4)))
+        anyp = gl.expand_dims(gl.max((pa | pb).to(gl.int32), axis=5), 5)
+        val = _v_plain_fix(val, pa, pb, prow + rank_a.to(gl.int64) * (2 * HEAD_DIM),
+                           prow + rank_b.to(gl.int64) * (2 * HEAD_DIM), 2 * (8 * m + bp), anyp, 32)
+    half = ((gl.expand_dims(val, 7) >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.bfloat16,
+                                                                                        bitcast=True)
+    return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, 16]), OPA, assert_trivial=True)
+
+
+@gluon.jit
+def exact4_split_kernel(
+    q_ptr, k_ptr, v_ptr, k_off_ptr, v_off_ptr, ones_ptr, block_tables_ptr,
+    work_seq_ptr, work_start_ptr, work_end_ptr,
+    ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
+    num_kv_heads,
+    GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    BF16: gl.constexpr = False, BLOCK_SIZE: gl.constexpr = 16,
+):
+    """One split of one KV head over KV Exact4 pages (``k_ptr``/``v_ptr``: the byte heaps,
+    ``k_off_ptr``/``v_off_ptr``: int64 page offsets per block; 16-token blocks) or, with ``BF16``, bf16
+    pages (``k_ptr``/``v_ptr`` as bytes, byte strides; ``BLOCK_SIZE`` tokens a block), as ``paged_decode._paged_split_kernel`` computes
+    it: the running max (base 2), mass and unnormalized fp32 sum into the split's workspace rows.
+    ``ones_ptr``: 16 bytes of 0xFF. No logit bias."""
+    NW: gl.constexpr = gl.num_warps()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+    OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [NW, BLOCK_G]
+    ROWS: gl.constexpr = gl.SliceLayout(2, MMA)  # [NW, 16]
+    M: gl.constexpr = HEAD_DIM // 32
+    SLOT: gl.constexpr = x4_geometry(HEAD_DIM, BF16)[10]
+    NCH: gl.constexpr = _chunk_lanes(HEAD_DIM, BF16)
+    IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
+    LK: gl.constexpr = k_layout(NW, M)
+    LV: gl.constexpr = v_layout(NW, M)
+
+    item = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.load(work_seq_ptr + item)
+    t0 = gl.load(work_start_ptr + item)
+    t1 = gl.load(work_end_ptr + item)
+    # the staging slots at offset 0 (the merge's scratch reuses them after the loop)
+    stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, X4_ORDER)
+    m_i, _, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
+    l_t = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)  # the mass per thread (``_lazy_softmax_step``)
+    bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
+    lo = t0 - t0 % 16
+    n_iter = gl.cdiv(t1 - lo, NW * 16)
+    rr = _axis(16, 1, 2, ROWS)
+    wk = _axis(NW, 0, 6, gl.SliceLayout(6, LK))
+    wv = _axis(NW, 0, 7, gl.SliceLayout(7, LV))
+    wi = _axis(NW, 0, 3, IL)
+    for s0 in gl.static_range(STAGES - 1):
+        f = _tile_first(lo, s0, NW, 3, IL)
+        ko, vo = _page_offsets(bt_row, f, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb,
+                               stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, (wi * STAGES + s0) * SLOT, ones_ptr, head, num_kv_heads, HEAD_DIM,
+               BF16, NW, IL)
+    sfirst = _tile_first(lo, STAGES - 1, NW, 3, IL)
+    sok, sov = _page_offsets(bt_row, sfirst, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb,
+                             stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+    for j in range(0, n_iter):
+        # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
+        _issue(k_ptr, v_ptr, sok, sov, sfirst, t0, t1, (wi * STAGES + (j + STAGES - 1) % STAGES) * SLOT,
+               ones_ptr, head, num_kv_heads, HEAD_DIM, BF16, NW, IL)
+        sfirst = _tile_first(lo, j + STAGES, NW, 3, IL)
+        sok, sov = _page_offsets(bt_row, sfirst, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb,
+                                 stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+        slot = _wait_stage(j % STAGES, STAGES - 1)
+        fr = _tile_first(lo, j, NW, 2, ROWS)
+        frk = _tile_first(lo, j, NW, 6, gl.SliceLayout(6, LK))
+        kk = _k_operand((wk * STAGES + slot) * SLOT, k_ptr, frk, t0, t1, head, num_kv_heads, HEAD_DIM, BF16, NW,
+                        OPA)
+        s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)) * qk_scale
+        p, alpha, m_new, l_t = _lazy_softmax_step(s, (fr + rr >= t0) & (fr + rr < t1), m_i, l_t)
+        pt = gl.convert_layout(p.to(gl.bfloat16), OPB)
+        frv = _tile_first(lo, j, NW, 7, gl.SliceLayout(7, LV))
+        vt = _v_operand((wv * STAGES + slot) * SLOT, v_ptr, frv, t0, t1, head, num_kv_heads, HEAD_DIM, BF16, NW,
+                        OPA)
+        acc = mma_v2(vt, pt, _rescale(acc, alpha, m_new != m_i, HEAD_DIM, BLOCK_G))
+        m_i = m_new
+    _wait_stage(0, 0)  # the copies past the split's end, before the merge's scratch may reuse their memory
+    stg._keep_alive()
+    gl.thread_barrier()
+    _store_split(m_i, gl.sum(l_t, axis=1), acc, 1.0, item, head, num_kv_heads, ws_m_ptr, ws_l_ptr, ws_acc_ptr, GROUP, BLOCK_G,
+                 HEAD_DIM, MMA, HEADS, X4_ORDER)
