@@ -1,8 +1,13 @@
 """Whole files through the API and the `weightszip` CLI: restored byte for byte, tensor-aware."""
 
 import filecmp
+import itertools
 import json
+import os
+import stat
 import struct
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -316,10 +321,11 @@ def test_python_writer_temporary_names_are_unique_exclusive_and_removed_on_failu
     # a name taken already is skipped, not opened
     taken = iter(["aaaaaaaa", "aaaaaaaa", "bbbbbbbb"])
     monkeypatch.setattr(files.secrets, "token_hex", lambda n: next(taken))
+    monkeypatch.setattr(files, "_temporary_counter", itertools.repeat(7))
     tmp1, fd1 = files._create_temporary(dst)
     tmp2, fd2 = files._create_temporary(dst)
     os.close(fd1), os.close(fd2)
-    assert tmp1.endswith(".aaaaaaaa.wz-partial") and tmp2.endswith(".bbbbbbbb.wz-partial")
+    assert tmp1.endswith(".7.aaaaaaaa.wz-partial") and tmp2.endswith(".7.bbbbbbbb.wz-partial")
     os.remove(tmp1), os.remove(tmp2)
     monkeypatch.undo()
     # a long name is cut so that the temporary name stays within 255 bytes
@@ -342,3 +348,174 @@ def test_python_writer_temporary_names_are_unique_exclusive_and_removed_on_failu
     with pytest.raises(RuntimeError):
         files.decompress_file(tmp_path / "a.wz", tmp_path / "b.safetensors")
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wz", "out.safetensors"]
+
+
+def _racing_refusal(monkeypatch, theirs: bytes):
+    """Make the CLI's existence check pass, then create its output, as another program might
+    between the check and the end of the write."""
+    real = cli._refused
+
+    def refused(output, inputs, force):
+        if real(output, inputs, force):
+            return True
+        with open(output, "wb") as f:
+            f.write(theirs)
+        return False
+
+    monkeypatch.setattr(cli, "_refused", refused)
+
+
+@pytest.mark.parametrize("what", ["compress", "decompress file", "decompress tensors"])
+def test_an_output_created_after_the_check_is_not_replaced_without_force(tmp_path, capsys, monkeypatch, what):
+    """Without --force the output is published with no-replace semantics (a hard link, not a rename
+    after a check): a file created at OUTPUT after the existence check, while the output was being
+    written, is left as it is, with the same one-line error and exit status 1. --force replaces it."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 100)
+    assert run_cli("compress", p, "-o", tmp_path / "f.wz", "-q") == 0
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    args = {"compress": ["compress", p], "decompress file": ["decompress", tmp_path / "f.wz"],
+            "decompress tensors": ["decompress", tmp_path / "a.wz"]}[what]
+    out = tmp_path / "out"
+    _racing_refusal(monkeypatch, b"theirs")
+    assert run_cli(*args, "-o", out, "-q") == 1
+    assert capsys.readouterr().err == (f"weightszip: error: {out}: already exists; not overwritten "
+                                       "(use -f/--force to overwrite it)\n")
+    assert out.read_bytes() == b"theirs"
+    assert not list(tmp_path.glob("*partial*"))
+    assert run_cli(*args, "-o", out, "-q", "--force") == 0
+    assert out.read_bytes() != b"theirs"
+    assert not list(tmp_path.glob("*partial*"))
+
+
+def test_the_api_writers_refuse_an_existing_output_with_overwrite_false(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    mine = tmp_path / "mine"
+    mine.write_bytes(b"mine")
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    calls = [lambda: weightszip.compress_file(p, mine, overwrite=False),
+             lambda: weightszip.decompress_file(tmp_path / "a.wz", mine, overwrite=False),
+             lambda: weightszip.save_file({"i": np.arange(3)}, mine, overwrite=False)]
+    for call in calls:
+        with pytest.raises(weightszip.OutputExistsError, match="already exists; not overwritten"):
+            call()
+        assert mine.read_bytes() == b"mine"
+    # a dangling symbolic link is a taken name too (the Python writer's; the Rust one's in its tests)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(weightszip.OutputExistsError):
+        weightszip.decompress_file(tmp_path / "a.wz", tmp_path / "link", overwrite=False)
+    assert not (tmp_path / "nowhere").exists()
+    # a free name is written; the default (overwrite=True) replaces, as before
+    weightszip.decompress_file(tmp_path / "a.wz", tmp_path / "new.safetensors", overwrite=False)
+    assert st_load(str(tmp_path / "new.safetensors"))["i"].tolist() == [0, 1, 2]
+    weightszip.compress_file(p, mine)
+    assert weightszip.file_info(mine)["kind"] == 1
+    assert not list(tmp_path.glob("*partial*"))
+
+
+@pytest.mark.parametrize("what", ["compress", "decompress file", "decompress tensors"])
+def test_force_keeps_the_mode_of_the_file_it_replaces(tmp_path, what):
+    """Like gzip -f: the replaced file's permission bits are kept (not reset to 0o666 less umask)."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    assert run_cli("compress", p, "-o", tmp_path / "f.wz", "-q") == 0
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    args = {"compress": ["compress", p], "decompress file": ["decompress", tmp_path / "f.wz"],
+            "decompress tensors": ["decompress", tmp_path / "a.wz"]}[what]
+    out = tmp_path / "out"
+    out.write_bytes(b"old")
+    out.chmod(0o640)
+    assert run_cli(*args, "-o", out, "-q", "-f") == 0
+    assert out.read_bytes() != b"old" and stat.S_IMODE(out.stat().st_mode) == 0o640
+    out.chmod(0o604)
+    assert run_cli(*args, "-o", out, "-q", "-f") == 0
+    assert stat.S_IMODE(out.stat().st_mode) == 0o604
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert not os.path.exists(f"/proc/{child.pid}")
+    return child.pid
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self"), reason="stale temporary files are found through /proc (Linux)")
+@pytest.mark.parametrize("what", ["compress", "decompress tensors"])
+def test_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path, what):
+    """A run killed with SIGKILL leaves its full-size temporary file; the next run writing that
+    output removes it (its PID no longer runs). Both writers (the Rust one, the Python one) do,
+    each recognising the other's names; live writers' files and other names are left alone."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    args = {"compress": ["compress", p], "decompress tensors": ["decompress", tmp_path / "a.wz"]}[what]
+    dead, me = _dead_pid(), os.getpid()
+    stale = [f".out.{dead}.0.0123abcd.wz-partial", f".out.{dead}.12.ffffffff.wz-partial"]
+    kept = [f".out.{me}.3.0123abcd.wz-partial", ".out.1.3.0123abcd.wz-partial", f".out.1.{dead}.0.0123abcd.wz-partial",
+            f".out.{dead}.0123abcd.wz-partial", f"out.{dead}.0.0123abcd.wz-partial", f".other.{dead}.0.0123abcd.wz-partial"]
+    for n in stale + kept:
+        (tmp_path / n).write_bytes(b"partial")
+    assert run_cli(*args, "-o", tmp_path / "out", "-q") == 0
+    assert {x.name for x in tmp_path.glob("*partial*")} == set(kept)
+
+
+def test_a_killed_run_leaves_a_temporary_file_that_the_next_run_removes(tmp_path):
+    """The real thing: `weightszip compress` killed (SIGKILL) mid-write, then run again."""
+    if not os.path.exists("/proc/self"):
+        pytest.skip("stale temporary files are found through /proc (Linux)")
+    import signal
+    import time
+
+    p = tmp_path / "f.bin"
+    p.write_bytes(np.random.default_rng(0).integers(0, 256, 96 << 20, dtype=np.uint8).tobytes())
+    out = tmp_path / "f.wz"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(weightszip.__file__)),
+                                                         os.environ.get("PYTHONPATH", "")]))
+    child = subprocess.Popen([sys.executable, "-m", "weightszip.cli", "compress", str(p), "-o", str(out), "-q",
+                              "--threads", "1"], env=env)
+    try:
+        for _ in range(600):
+            if list(tmp_path.glob(".f.wz.*.wz-partial")) or child.poll() is not None:
+                break
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    if out.exists():
+        pytest.skip("the run finished before it could be killed")
+    assert len(list(tmp_path.glob(".f.wz.*.wz-partial"))) == 1
+    assert run_cli("compress", p, "-o", out, "-q") == 0
+    assert not list(tmp_path.glob("*partial*"))
+
+
+@pytest.mark.parametrize("cmd", [["compress", "f"], ["decompress", "f.wz"], ["verify", "f.wz"], ["demo"],
+                                 ["calibrate", "--model", "m", "--text", "t", "-o", "o"],
+                                 ["eval", "kl", "--model", "m", "--format", "q4", "--text", "t", "--window", "8"],
+                                 ["eval", "niah", "--model", "m", "--length", "2k"],
+                                 ["kv", "dump", "--model", "m", "--text", "t", "--tokens", "8", "-o", "o"]])
+def test_thread_counts_are_checked_and_capped_everywhere(capsys, cmd):
+    """--threads of every command: negative or not a number is a usage error (exit 2); one above
+    the core's cap of 256 is taken as 256 (a 23-digit one was an OverflowError traceback, and the
+    torch commands passed any count to torch.set_num_threads)."""
+    parser = cli.build_parser()
+    assert weightszip._core.MAX_THREADS == 256
+    assert parser.parse_args([*cmd, "--threads", "99999999999999999999999"]).threads == 256
+    assert parser.parse_args([*cmd, "--threads", "3"]).threads == 3
+    for bad in ("-1", "x"):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([*cmd, "--threads", bad])
+        assert e.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
+def test_huge_counts_are_usage_errors_or_capped(tmp_path, capsys):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    assert run_cli("compress", p, "-q", "--threads", "99999999999999999999999") == 0
+    assert run_cli("decompress", tmp_path / "f.bin.wz", "-o", tmp_path / "b", "-q", "--threads", "1" + "0" * 30) == 0
+    assert (tmp_path / "b").read_bytes() == b"hello"
+    with pytest.raises(SystemExit) as e:
+        run_cli("compress", p, "-o", tmp_path / "g.wz", "-q", "--chunk-size", "99999999999999999999999")
+    assert e.value.code == 2 and "must be at most" in capsys.readouterr().err
+    # (the library takes a huge count as the cap too)
+    assert weightszip.decompress(weightszip.compress(np.arange(4), threads=10**30), threads=10**30).tolist() == [0, 1, 2, 3]

@@ -137,7 +137,7 @@ def test_random_damage_to_a_real_frame_is_caught(real_kv, data):
 
 
 def test_exception_hierarchy():
-    assert len(errors.__all__) == 11
+    assert len(errors.__all__) == 12
     for name in errors.__all__:
         cls = getattr(weightszip, name)
         assert cls is getattr(errors, name)
@@ -145,6 +145,7 @@ def test_exception_hierarchy():
     assert issubclass(errors.TruncatedError, errors.CorruptDataError)
     assert issubclass(errors.ChecksumMismatchError, errors.CorruptDataError)
     assert issubclass(errors.UnsupportedFeatureError, errors.UnsupportedVersionError)
+    assert issubclass(errors.OutputExistsError, errors.WeightszipIOError)
 
 
 def test_missing_file_is_an_io_error(tmp_path):

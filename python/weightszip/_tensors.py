@@ -77,12 +77,13 @@ def _torch_maps():
 
 
 def threads_default(threads: int | None) -> int:
-    """0 lets the core use one thread per core; `WEIGHTSZIP_THREADS` overrides the default."""
+    """0 lets the core use one thread per core; `WEIGHTSZIP_THREADS` overrides the default. A count
+    above the core's cap (`MAX_THREADS`, 256) is taken as the cap, as the core itself does."""
     if threads is None:
         threads = int(os.environ.get("WEIGHTSZIP_THREADS", "0"))
     if threads < 0:
         raise InvalidArgumentError(f"threads must be >= 0, got {threads}")
-    return threads
+    return min(threads, _core.MAX_THREADS)
 
 
 class _Buffer:
@@ -231,8 +232,11 @@ def save_file(
     axis: int | Mapping[str, int] = -1,
     chunk_bytes: int = _core.DEFAULT_CHUNK_BYTES,
     threads: int | None = None,
+    overwrite: bool = True,
 ) -> None:
-    """Save a dict of named tensors to a .wz file (written atomically), like safetensors."""
+    """Save a dict of named tensors to a .wz file (written atomically), like safetensors. With
+    `overwrite=False` an existing `path` is left as it is and `OutputExistsError` raised, even if
+    it was created while the file was being written."""
     bufs = []
     for name, x in tensors.items():
         if not isinstance(name, str):
@@ -245,6 +249,7 @@ def save_file(
         chunk_bytes,
         threads_default(threads),
         _core.DEFAULT_LANES_LOG2,
+        overwrite=overwrite,
     )
 
 

@@ -9,7 +9,9 @@ import sys
 import time
 
 from weightszip import files
-from weightszip.errors import WeightszipError
+from weightszip.cli_args import nonnegative_int as _nonnegative_int
+from weightszip.cli_args import thread_count
+from weightszip.errors import OutputExistsError, WeightszipError
 
 # Files at least this large get a progress bar (smaller ones finish before a bar is useful).
 PROGRESS_MIN_BYTES = 32 << 20
@@ -43,14 +45,6 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _nonnegative_int(text: str) -> int:
-    """argparse type for counts (threads, bytes): a negative one is a usage error, not a traceback."""
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
 def _same_file(a: str, b: str) -> bool:
     """Whether paths `a` and `b` name one existing file (through symbolic or hard links, `..`)."""
     try:
@@ -62,7 +56,9 @@ def _same_file(a: str, b: str) -> bool:
 def refuse_output(output: str, inputs: list[str], force: bool) -> str | None:
     """Why `output` must not be written, or None: it is one of `inputs` (never written, even with
     force), or it exists and `force` is not set (like gzip and zstd without -f). Every subcommand
-    that writes an -o OUTPUT (compress, decompress, kv dump, calibrate) asks this before any work."""
+    that writes an -o OUTPUT (compress, decompress, kv dump, calibrate) asks this before any work;
+    without force, each then publishes its output with no-replace semantics (`overwrite=False`:
+    `OutputExistsError` if a file was created at OUTPUT meanwhile), so none is ever replaced."""
     if not os.path.lexists(output):
         return None
     for i in inputs:
@@ -90,7 +86,8 @@ def _cmd_compress(a) -> int:
     p = _Progress("compress", size, a.quiet)
     t = time.perf_counter()
     try:
-        index = files._core.encode_file(a.input, out, segs, a.chunk_size, a.threads, files._core.DEFAULT_LANES_LOG2, p)
+        index = files._core.encode_file(a.input, out, segs, a.chunk_size, a.threads, files._core.DEFAULT_LANES_LOG2, p,
+                                        overwrite=a.force)
     finally:
         p.close()
     dt = time.perf_counter() - t
@@ -117,7 +114,7 @@ def _cmd_decompress(a) -> int:
     p = _Progress("decompress", size, a.quiet)
     t = time.perf_counter()
     try:
-        files.decompress_file(a.input, out, threads=a.threads, progress=p)
+        files.decompress_file(a.input, out, threads=a.threads, progress=p, overwrite=a.force)
     finally:
         p.close()
     dt = time.perf_counter() - t
@@ -179,17 +176,19 @@ def _cmd_demo(a) -> int:
 
 
 _OUTPUT_NOTE = (
-    "An OUTPUT that exists is not overwritten (error, exit status 1) unless -f/--force is given; "
-    "one that is the input file itself (or a link to it) is never overwritten. The output is written "
-    "to a new temporary file of a unique name beside it (.OUTPUT.PID.RANDOM.wz-partial) and renamed "
-    "into place, so a failed run leaves no partial file."
+    "An OUTPUT that exists is not overwritten (error, exit status 1) unless -f/--force is given, not "
+    "even one created while the output was being written; one that is the input file itself (or a link "
+    "to it) is never overwritten. The output is written to a new temporary file of a unique name beside "
+    "it (.OUTPUT.PID.N.RANDOM.wz-partial) and moved into place (with --force, keeping an existing file's "
+    "permission mode), so a failed run leaves no partial file; on Linux, temporary files of OUTPUT left "
+    "by a run that was killed (PID no longer running) are removed by the next run writing OUTPUT."
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightszip", description="Bit-exact compression of LLM tensors and files.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--threads", type=_nonnegative_int, default=0, help="worker threads (default: one per core; at most 256)")
+    common.add_argument("--threads", type=thread_count, default=0, help="worker threads (default: one per core; at most 256)")
     common.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -225,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=_cmd_verify)
 
     m = sub.add_parser("demo", help="compress a real KV cache and real weights, prove it bit-exact")
-    m.add_argument("--threads", type=_nonnegative_int, default=0)
+    m.add_argument("--threads", type=thread_count, default=0, help="threads (default: one per core; at most 256)")
     m.add_argument("--quick", action="store_true", help="shorter context (for CI)")
     m.set_defaults(fn=_cmd_demo)
     from weightszip.eval import capacity
@@ -241,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except OutputExistsError as e:  # (created since refuse_output's check: still not replaced)
+        print(f"weightszip: error: {e} (use -f/--force to overwrite it)", file=sys.stderr)
+        return 1
     except WeightszipError as e:
         print(f"weightszip: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

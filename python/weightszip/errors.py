@@ -11,6 +11,7 @@
     ├── InvalidArgumentError     the call's arguments are not usable
     │   └── BufferTooSmallError
     └── WeightszipIOError        reading or writing a file failed
+        └── OutputExistsError    the output exists and was not to be overwritten (overwrite=False)
 
 The compact formats' own errors derive from it too (and from ValueError, as they always have):
 `weightszip.compact.codec.CompactCodecError` (inputs the compact codec cannot encode or decode)
@@ -25,6 +26,7 @@ from weightszip._core import (
     CorruptDataError,
     InvalidArgumentError,
     LimitExceededError,
+    OutputExistsError,
     TruncatedError,
     UnsupportedFeatureError,
     UnsupportedVersionError,
@@ -44,4 +46,5 @@ __all__ = [
     "InvalidArgumentError",
     "BufferTooSmallError",
     "WeightszipIOError",
+    "OutputExistsError",
 ]

@@ -5,10 +5,12 @@ it through with bounded memory."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +24,7 @@ from weightszip._tensors import (
     _NAME_TO_NP,
     threads_default,
 )
-from weightszip.errors import InvalidArgumentError
+from weightszip.errors import InvalidArgumentError, OutputExistsError
 
 Segment = tuple  # (name, dtype name, shape, channel axis, layout, flags)
 
@@ -262,11 +264,15 @@ def compress_file(
     chunk_bytes: int = _core.DEFAULT_CHUNK_BYTES,
     threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
+    overwrite: bool = True,
 ) -> dict:
-    """Compress any file to a .wz container (written atomically); returns its index."""
+    """Compress any file to a .wz container (written atomically); returns its index. With
+    `overwrite=False` an existing `dst` is left as it is and `OutputExistsError` raised, even if it
+    was created while the container was being written."""
     _, segs = file_segments(src)
     return _core.encode_file(
-        os.fspath(src), os.fspath(dst), segs, chunk_bytes, threads_default(threads), _core.DEFAULT_LANES_LOG2, progress
+        os.fspath(src), os.fspath(dst), segs, chunk_bytes, threads_default(threads), _core.DEFAULT_LANES_LOG2, progress,
+        overwrite=overwrite,
     )
 
 
@@ -276,17 +282,19 @@ def decompress_file(
     *,
     threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
+    overwrite: bool = True,
 ) -> dict:
     """Restore the original file from a .wz made by `compress_file`, byte for byte. A container of
-    named tensors (from `save_file`) is written out as a .safetensors file."""
+    named tensors (from `save_file`) is written out as a .safetensors file. `overwrite` as for
+    `compress_file`."""
     index = _core.file_index(os.fspath(src))
     if index["kind"] == 1:
-        return _core.decode_file(os.fspath(src), os.fspath(dst), threads_default(threads), progress)
-    _write_safetensors(src, dst, index, threads_default(threads))
+        return _core.decode_file(os.fspath(src), os.fspath(dst), threads_default(threads), progress, overwrite=overwrite)
+    _write_safetensors(src, dst, index, threads_default(threads), overwrite=overwrite)
     return index
 
 
-def _write_safetensors(src, dst, index: dict, threads: int) -> None:
+def _write_safetensors(src, dst, index: dict, threads: int, overwrite: bool = True) -> None:
     header, offset = {}, 0
     for e in index["entries"]:
         # (the container allows any names; a safetensors header is a JSON object of unique names,
@@ -302,6 +310,7 @@ def _write_safetensors(src, dst, index: dict, threads: int) -> None:
         offset += e["raw_bytes"]
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
+    _remove_stale_temporaries(dst)
     tmp, fd = _create_temporary(dst)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -312,31 +321,109 @@ def _write_safetensors(src, dst, index: dict, threads: int) -> None:
                 out.write(memoryview(buf))  # (not buf.tobytes(): a second copy of the tensor)
                 del buf
             out.flush()
+            if overwrite:
+                _keep_mode(out.fileno(), dst)
             os.fsync(out.fileno())  # (as the Rust writer: the data is on disk before the rename)
-        os.replace(tmp, dst)
+        _publish(tmp, dst, overwrite)
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)
 
 
+def _keep_mode(fd: int, dst) -> None:
+    """Give the temporary file the permission mode of the regular file it is to replace (as gzip
+    does with -f; read, write and execute bits), as the Rust writer does."""
+    try:
+        st = os.stat(dst)
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode) and hasattr(os, "fchmod"):
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)
+
+
+def _publish(tmp: str, dst, overwrite: bool) -> None:
+    """Put the finished `tmp` in place as `dst`, as the Rust writer does: renamed over it, or with
+    `overwrite=False` hard-linked to the name, which fails if the name is taken (even by a file
+    created while the output was written: no check-then-rename). Where the file system has no hard
+    links, a check then a rename."""
+    if overwrite:
+        os.replace(tmp, dst)
+        return
+    try:
+        os.link(tmp, dst)
+    except FileExistsError:
+        raise OutputExistsError(f"{os.fspath(dst)}: already exists; not overwritten") from None
+    except OSError:
+        if os.path.lexists(dst):
+            raise OutputExistsError(f"{os.fspath(dst)}: already exists; not overwritten") from None
+        os.rename(tmp, dst)
+        return
+    os.remove(tmp)
+
+
 # Bytes of the output's name kept in its temporary file's name (the name stays within 255 bytes).
 _TEMPORARY_NAME_PREFIX_MAX = 160
+_temporary_counter = itertools.count()
+
+
+def _temporary_prefix(dst) -> str:
+    """`.NAME.`: the part of the temporary names of `dst` before the PID (the Rust writer's too)."""
+    name = os.path.basename(os.fspath(dst))
+    name = name.encode("utf-8", "surrogateescape")[:_TEMPORARY_NAME_PREFIX_MAX].decode("utf-8", "ignore")
+    return f".{name}."
 
 
 def _create_temporary(dst) -> tuple[str, int]:
-    """A new, empty file beside `dst`, `.NAME.PID.RANDOM.wz-partial`, created exclusively (never a
-    file that exists: a user's, or another writer's of the same output), as the Rust core's writer
-    does; returns its path and an open descriptor. Its mode is the usual 0o666 less the umask."""
+    """A new, empty file beside `dst`, `.NAME.PID.N.RANDOM.wz-partial` (N a per-process counter),
+    created exclusively (never a file that exists: a user's, or another writer's of the same
+    output), as the Rust core's writer does; returns its path and an open descriptor. Its mode is
+    the usual 0o666 less the umask."""
     dst = os.fspath(dst)
-    folder, name = os.path.split(dst)
-    name = name.encode("utf-8", "surrogateescape")[:_TEMPORARY_NAME_PREFIX_MAX].decode("utf-8", "ignore")
+    folder = os.path.dirname(dst)
+    prefix = _temporary_prefix(dst)
     for _ in range(100):
-        tmp = os.path.join(folder, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.wz-partial")
+        tmp = os.path.join(folder, f"{prefix}{os.getpid()}.{next(_temporary_counter)}.{secrets.token_hex(4)}.wz-partial")
         try:
             return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary name beside {dst}")
+
+
+def _temporary_pid(name: str, prefix: str) -> int | None:
+    """The PID in `name` if it is exactly a temporary name of the output whose names start with
+    `prefix` (`PREFIX PID.N.XXXXXXXX.wz-partial`, X lowercase hex); else None."""
+    if not (name.startswith(prefix) and name.endswith(".wz-partial")):
+        return None
+    parts = name[len(prefix): -len(".wz-partial")].split(".")
+    if (len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts[:2]) or len(parts[2]) != 8
+            or not all(c in "0123456789abcdef" for c in parts[2])):
+        return None
+    pid = int(parts[0])
+    return pid if pid < 2**32 else None
+
+
+def _remove_stale_temporaries(dst) -> None:
+    """Remove the temporary files of `dst` left by writers that were killed (SIGKILL, a power cut):
+    those whose PID is not a running process, as the Rust writer does. Linux only (through /proc;
+    elsewhere, or without /proc, nothing is removed); never this process's, nor any file whose name
+    is not exactly a temporary name of `dst`."""
+    if not os.path.exists("/proc/self"):
+        return
+    prefix, me = _temporary_prefix(dst), os.getpid()
+    try:
+        entries = list(os.scandir(os.path.dirname(os.fspath(dst)) or "."))
+    except OSError:
+        return
+    for e in entries:
+        pid = _temporary_pid(e.name, prefix)
+        if pid is None or pid == me or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            if e.is_file(follow_symlinks=False):
+                os.remove(e.path)
+        except OSError:
+            pass
 
 
 def file_info(path: str | os.PathLike) -> dict:

@@ -156,9 +156,10 @@ class Calibration:
 
     # --------------------------------------------------------------------------- file
 
-    def save(self, path) -> None:
+    def save(self, path, *, overwrite: bool = True) -> None:
         """A weightszip container (checksummed) of named tensors: ``meta`` (UTF-8 JSON as uint8),
-        ``mu``, ``mult``, ``signs``, ``e0`` and ``codebook_2`` .. ``codebook_5``."""
+        ``mu``, ``mult``, ``signs``, ``e0`` and ``codebook_2`` .. ``codebook_5``. With
+        ``overwrite=False`` an existing file is left as it is (``OutputExistsError``)."""
         import weightszip
 
         meta = dict(self.meta)
@@ -184,7 +185,7 @@ class Calibration:
         if self.rope_m is not None:
             tensors["rope_m"] = self.rope_m.numpy()
             tensors["rope_phase"] = self.rope_phase.numpy()
-        weightszip.save_file(tensors, path)
+        weightszip.save_file(tensors, path, overwrite=overwrite)
 
     @classmethod
     def load(cls, path) -> "Calibration":

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from weightszip.cli_args import thread_count
+
 
 def _cmd_calibrate(a) -> int:
     from weightszip.compact.calibrate import BUDGET_CONTEXT, TARGETS, CalibrationError, calibrate, text_windows
@@ -56,7 +58,13 @@ def _cmd_calibrate(a) -> int:
         return fail(e)
     seconds = time.perf_counter() - t0
     out = Path(a.output)
-    cal.save(out)
+    from weightszip.errors import OutputExistsError
+
+    try:
+        # (without --force, a file created at OUTPUT since the check above is not replaced either)
+        cal.save(out, overwrite=a.force)
+    except OutputExistsError as e:
+        return fail(f"{e} (use -f/--force to overwrite it)")
     size = os.path.getsize(out)
     summary = {
         "output": str(out),
@@ -92,7 +100,7 @@ def add_parser(sub) -> None:
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists (never an input)")
     p.add_argument("--queries", type=int, default=256, help="queries sampled per window for the error estimates (default 256)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
     p.add_argument("--no-rope-offsets", dest="rope_offsets", action="store_false",
                    help="no rotary K offsets: the GPU decode kernel skips their per-key term (+40-78%% time), but quality drops on models whose keys carry a "
                    "bias (Qwen2.5: broken at 3 bits); see docs/EVALUATION.md")

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from weightszip.cli_args import thread_count
+
 
 def _model_help() -> str:
     from weightszip.models import MODELS
@@ -185,7 +187,12 @@ def _cmd_kv_dump(a) -> int:
     out = Path(a.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    weightszip.save_file(tensors, out, threads=a.threads or None)
+    try:
+        # (without --force, a file created at OUTPUT since the check above is not replaced either)
+        weightszip.save_file(tensors, out, threads=a.threads or None, overwrite=a.force)
+    except weightszip.OutputExistsError as e:
+        print(f"weightszip: error: {e} (use -f/--force to overwrite it)", file=sys.stderr)
+        return 2
     dt = time.perf_counter() - t0
     raw = kv.nbytes
     stored = out.stat().st_size
@@ -215,7 +222,7 @@ def add_parsers(subparsers) -> None:
     k.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
     k.add_argument("--plot", help="write a PNG of KL and top-1 against position")
     k.add_argument("--save", help="also write the JSON report to this file (and per-position KL, top-1 to .npz beside it)")
-    k.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    k.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's choice; at most 256)")
     k.add_argument("--buckets", type=int, default=8, help="position buckets in the report (default 8)")
     k.add_argument("--chunk", type=int, default=512, help="queries per block in the windowed attention")
     _add_calibration_arg(k)
@@ -254,7 +261,7 @@ def add_parsers(subparsers) -> None:
     d.add_argument("-o", "--output", required=True, help="OUT.wz (an existing one is refused without --force)")
     d.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists (never an input)")
     d.add_argument("--layers", help="comma-separated layer indices (default: all)")
-    d.add_argument("--threads", type=int, default=0)
+    d.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
     d.set_defaults(fn=_cmd_kv_dump)
 
 

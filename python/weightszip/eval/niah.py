@@ -62,6 +62,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from weightszip.cli_args import thread_count
 from weightszip.eval.stats import Z95, mcnemar_exact_p, newcombe_paired, paired_difference, wilson
 
 INSTRUCTION = (
@@ -727,7 +728,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--pilot", type=_positive_int, default=DEFAULT_PILOT, help=f"pilot prompts per variant (default {DEFAULT_PILOT})")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="bf16 pilot accuracy a variant needs (default 0.8)")
     p.add_argument("--max-new", type=_positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
     p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
     p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (per-prompt details included)")

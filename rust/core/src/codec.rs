@@ -294,21 +294,86 @@ fn batch_len(threads: usize) -> usize {
 /// Bytes of the output's name kept in its temporary file's name.
 const TEMPORARY_NAME_PREFIX_MAX: usize = 160;
 
-/// A new, empty file beside `path` named `.NAME.PID.SUFFIX.wz-partial` (SUFFIX: a per-process
-/// counter and a random number), created exclusively: it never opens an existing file (a user's,
-/// or another writer's of the same output), so concurrent writers of one output never share it.
-fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
+/// What a writer does if its output exists when the finished output is published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnExisting {
+    /// Replace it (an atomic rename over it); a regular file's permission mode is kept.
+    #[default]
+    Replace,
+    /// Leave it and fail with `Error::OutputExists`: the output is published with no-replace
+    /// semantics (a hard link to the finished temporary file, which fails if the name is taken,
+    /// even by a file created while the output was being written).
+    Refuse,
+}
+
+/// The part of the temporary names of `path`'s output before the PID: `.NAME.` (NAME cut, at a
+/// character boundary, so that the temporary name stays within the file system's 255 bytes).
+fn temporary_prefix(path: &Path) -> String {
     let mut name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    // (a long name is cut, at a character boundary, so that the temporary name stays within the
-    // file system's 255 bytes)
     let mut cut = name.len().min(TEMPORARY_NAME_PREFIX_MAX);
     while !name.is_char_boundary(cut) {
         cut -= 1;
     }
     name.truncate(cut);
+    format!(".{name}.")
+}
+
+/// The PID in a temporary file name of the output whose names start with `prefix`: the name is
+/// exactly `PREFIX PID.N.XXXXXXXX.wz-partial` (N decimal, X lowercase hex; the Python writer's
+/// names have the same shape). The name of another output that starts with this one's (NAME.1)
+/// has more dot-separated parts, so it never matches.
+fn temporary_pid(file_name: &str, prefix: &str) -> Option<u32> {
+    let middle = file_name.strip_prefix(prefix)?.strip_suffix(".wz-partial")?;
+    let parts: Vec<&str> = middle.split('.').collect();
+    let decimal = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let hex8 = |s: &str| s.len() == 8 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    if parts.len() != 3 || !decimal(parts[0]) || !decimal(parts[1]) || !hex8(parts[2]) {
+        return None;
+    }
+    parts[0].parse().ok()
+}
+
+/// Whether process `pid` is known not to be running: on Linux, through /proc (where /proc is not
+/// mounted, and on other systems, nothing is known, and None is returned).
+fn process_gone(pid: u32) -> Option<bool> {
+    if !Path::new("/proc/self").exists() {
+        return None;
+    }
+    Some(!Path::new(&format!("/proc/{pid}")).exists())
+}
+
+/// Remove the temporary files of `path`'s output left by writers that died without cleaning up
+/// (a SIGKILL, a power cut): those whose PID is not a running process (Linux only; see
+/// `process_gone`). A live writer's file (this process's included) is never touched, nor any file
+/// whose name is not exactly of the temporary shape.
+fn remove_stale_temporaries(path: &Path) {
+    let me = std::process::id();
+    let prefix = temporary_prefix(path);
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| temporary_pid(n, &prefix)) else { continue };
+        if pid == me || process_gone(pid) != Some(true) {
+            continue;
+        }
+        if e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// A new, empty file beside `path` named `.NAME.PID.N.XXXXXXXX.wz-partial` (N: a per-process
+/// counter, X: a random number), created exclusively: it never opens an existing file (a user's,
+/// or another writer's of the same output), so concurrent writers of one output never share it.
+fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let prefix = temporary_prefix(path);
     let pid = std::process::id();
     let mut attempt = 0;
     loop {
@@ -319,7 +384,7 @@ fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
         h.write_u64(n);
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         h.write_u128(now.map_or(0, |d| d.as_nanos()));
-        let tmp = path.with_file_name(format!(".{name}.{pid}.{n}.{:08x}.wz-partial", h.finish() as u32));
+        let tmp = path.with_file_name(format!("{prefix}{pid}.{n}.{:08x}.wz-partial", h.finish() as u32));
         match std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
             Ok(f) => return Ok((tmp, f)),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 100 => attempt += 1,
@@ -328,29 +393,84 @@ fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
     }
 }
 
-/// Write to `path` through a temporary file (see `create_temporary`) renamed into place on
-/// success, so a failed or interrupted run never leaves a partial file under the final name, and
-/// the temporary file is removed on any failure.
-fn write_atomically(path: &Path, f: impl FnOnce(&mut BufWriter<File>) -> Result<()>) -> Result<()> {
-    let (tmp, file) = create_temporary(path)?;
-    let result = (|| {
-        let mut w = BufWriter::with_capacity(1 << 20, file);
-        f(&mut w)?;
-        w.flush()?;
-        w.get_ref().sync_all()?;
-        Ok(())
-    })();
-    match result {
-        // (a rename that fails, e.g. onto a directory, leaves no temporary file behind either)
-        Ok(()) => std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            Error::Io(e)
-        }),
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            Err(e)
+/// Removes the temporary file when dropped, unless disarmed: on an error, and on a panic too.
+struct RemoveOnDrop<'a>(Option<&'a Path>);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.0 {
+            let _ = std::fs::remove_file(p);
         }
     }
+}
+
+fn output_exists(path: &Path) -> Error {
+    Error::OutputExists(path.display().to_string())
+}
+
+/// Publish the finished temporary file `tmp` under `path` (see `OnExisting`). With `Refuse`, a
+/// file system without hard links (some FUSE or network ones, FAT) gets a check for `path`, then a
+/// rename: a file created between the two is replaced, as without the check.
+fn publish(tmp: &Path, path: &Path, on_existing: OnExisting) -> Result<()> {
+    match on_existing {
+        OnExisting::Replace => std::fs::rename(tmp, path)?,
+        OnExisting::Refuse => match std::fs::hard_link(tmp, path) {
+            Ok(()) => {
+                let _ = std::fs::remove_file(tmp);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Err(output_exists(path)),
+            Err(_) => {
+                if std::fs::symlink_metadata(path).is_ok() {
+                    return Err(output_exists(path));
+                }
+                std::fs::rename(tmp, path)?;
+            }
+        },
+    }
+    Ok(())
+}
+
+/// Keep the permission mode of the regular file at `path` that `file` is about to replace (as
+/// gzip does with -f): read, write and execute bits only (Unix; elsewhere nothing).
+fn keep_mode(file: &File, path: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(m) = std::fs::metadata(path) {
+            if m.is_file() {
+                file.set_permissions(std::fs::Permissions::from_mode(m.permissions().mode() & 0o777))?;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (file, path);
+    Ok(())
+}
+
+/// Write to `path` through a temporary file (see `create_temporary`) published under `path` on
+/// success (see `OnExisting`), so a failed or interrupted run never leaves a partial file under
+/// the final name, and the temporary file is removed on any failure or panic. First removes the
+/// temporary files of earlier writers of `path` that were killed (`remove_stale_temporaries`).
+fn write_atomically(
+    path: &Path,
+    on_existing: OnExisting,
+    f: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
+) -> Result<()> {
+    remove_stale_temporaries(path);
+    let (tmp, file) = create_temporary(path)?;
+    let guard = RemoveOnDrop(Some(&tmp));
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    f(&mut w)?;
+    w.flush()?;
+    if on_existing == OnExisting::Replace {
+        keep_mode(w.get_ref(), path)?;
+    }
+    w.get_ref().sync_all()?;
+    drop(w);
+    // (a publish that fails, e.g. onto a directory, leaves no temporary file behind either)
+    publish(&tmp, path, on_existing)?;
+    std::mem::forget(guard);
+    Ok(())
 }
 
 /// Compress a file as a sequence of segments that cover it exactly, in order (tensors get
@@ -360,6 +480,7 @@ pub fn encode_file(
     output: &Path,
     segments: &[TensorMeta],
     opts: &EncodeOptions,
+    on_existing: OnExisting,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Index> {
     opts.check()?;
@@ -374,7 +495,7 @@ pub fn encode_file(
         return Err(Error::InvalidArgument(format!("segments cover {sum} bytes of a {total}-byte file")));
     }
     let mut index = None;
-    write_atomically(output, |w| {
+    write_atomically(output, on_existing, |w| {
         let mut wr = Writer::new(w, KIND_FILE)?;
         let mut done = 0u64;
         progress(0, total);
@@ -414,6 +535,7 @@ pub fn decode_file(
     input: &Path,
     output: Option<&Path>,
     threads: usize,
+    on_existing: OnExisting,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Index> {
     let mut f = File::open(input)?;
@@ -454,7 +576,7 @@ pub fn decode_file(
         Ok(())
     };
     match output {
-        Some(p) => write_atomically(p, |w| run(w))?,
+        Some(p) => write_atomically(p, on_existing, |w| run(w))?,
         None => run(&mut std::io::sink())?,
     }
     Ok(index)
@@ -471,9 +593,14 @@ pub fn expect_kind(index: &Index, kind: u8) -> Result<()> {
 pub use format::KIND_TENSORS;
 
 /// Write tensors to a container file (atomically), one tensor at a time.
-pub fn save_tensors(path: &Path, tensors: &[(TensorMeta, &[u8])], opts: &EncodeOptions) -> Result<Index> {
+pub fn save_tensors(
+    path: &Path,
+    tensors: &[(TensorMeta, &[u8])],
+    opts: &EncodeOptions,
+    on_existing: OnExisting,
+) -> Result<Index> {
     let mut index = None;
-    write_atomically(path, |w| {
+    write_atomically(path, on_existing, |w| {
         let mut wr = Writer::new(w, format::KIND_TENSORS)?;
         for (meta, data) in tensors {
             let (ce, chunks) = encode_tensor_chunks(data, meta, opts)?;
@@ -516,4 +643,38 @@ pub fn decode_file_entry(input: &Path, index: &Index, ei: usize, out: &mut [u8],
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_while_writing_removes_the_temporary_file() {
+        let d = std::env::temp_dir().join(format!("weightszip-core-panic-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let out = d.join("out.wz");
+        let r = std::panic::catch_unwind(|| {
+            write_atomically(&out, OnExisting::Replace, |w| {
+                w.write_all(&[7u8; 3 << 20])?;
+                panic!("a bug in the writer");
+            })
+        });
+        assert!(r.is_err());
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "neither the output nor a temporary file");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn temporary_names_are_recognised_exactly() {
+        let p = temporary_prefix(Path::new("/x/out.wz"));
+        assert_eq!(p, ".out.wz.");
+        assert_eq!(temporary_pid(".out.wz.42.0.0123abcd.wz-partial", &p), Some(42));
+        for n in [".out.wz.42.0123abcd.wz-partial", ".out.wz.1.42.0.0123abcd.wz-partial", ".out.wz.x.0.0123abcd.wz-partial",
+                  ".out.wz.42.0.0123abc.wz-partial", ".out.wz.42..0123abcd.wz-partial", ".out.wz.42.0.0123abcd.wz-partial~",
+                  ".out.wz.99999999999.0.0123abcd.wz-partial"] {
+            assert_eq!(temporary_pid(n, &p), None, "{n}");
+        }
+    }
 }

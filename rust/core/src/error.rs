@@ -33,6 +33,10 @@ pub enum Error {
     /// An output buffer is smaller than the data it must hold.
     #[error("buffer too small: need {need} bytes, have {have}")]
     BufferTooSmall { need: u64, have: u64 },
+    /// The output file exists and the caller asked not to replace it (`codec::OnExisting::Refuse`):
+    /// it is left as it was. Holds the output's path.
+    #[error("{0}: already exists; not overwritten")]
+    OutputExists(String),
     /// Reading or writing a file failed.
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),

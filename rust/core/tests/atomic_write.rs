@@ -5,9 +5,9 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use weightszip_core::codec::{save_tensors, EncodeOptions};
+use weightszip_core::codec::{save_tensors, EncodeOptions, OnExisting};
 use weightszip_core::format::LAYOUT_FILE_BYTES;
-use weightszip_core::{decode_file, encode_file, DType, TensorMeta};
+use weightszip_core::{decode_file, encode_file, DType, Error, TensorMeta};
 
 /// A fresh, empty folder of its own under the system's temporary folder.
 fn scratch(test: &str) -> PathBuf {
@@ -39,8 +39,8 @@ fn a_file_named_like_the_old_fixed_temporary_name_is_left_alone() {
     fs::write(&mine_out, b"mine, not weightszip's").unwrap();
     fs::write(&mine_back, b"also mine").unwrap();
     let opts = EncodeOptions::default();
-    encode_file(&input, &out, &[bytes_meta(data.len() as u64)], &opts, &mut |_, _| {}).unwrap();
-    decode_file(&out, Some(&back), 0, &mut |_, _| {}).unwrap();
+    encode_file(&input, &out, &[bytes_meta(data.len() as u64)], &opts, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
     assert_eq!(fs::read(&back).unwrap(), data);
     assert_eq!(fs::read(&mine_out).unwrap(), b"mine, not weightszip's");
     assert_eq!(fs::read(&mine_back).unwrap(), b"also mine");
@@ -61,14 +61,14 @@ fn concurrent_writers_of_one_output_do_not_collide() {
             let (out, opts) = (&out, &opts);
             s.spawn(move || {
                 for _ in 0..4 {
-                    save_tensors(out, &[(TensorMeta::new(DType::U8, vec![p.len() as u64]), p)], opts).unwrap();
+                    save_tensors(out, &[(TensorMeta::new(DType::U8, vec![p.len() as u64]), p)], opts, OnExisting::Replace).unwrap();
                 }
             });
         }
     });
     // The output is one writer's whole container, and no temporary file is left.
     let back = d.join("back.bin");
-    decode_file(&out, Some(&back), 0, &mut |_, _| {}).unwrap();
+    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
     assert!(payloads.contains(&fs::read(&back).unwrap()));
     assert_eq!(names(&d), ["back.bin", "same.wz"]);
     fs::remove_dir_all(&d).unwrap();
@@ -81,9 +81,125 @@ fn a_long_output_name_still_gets_a_temporary_file() {
     fs::write(&input, b"hello").unwrap();
     // 250 bytes: the output's name fits the file system's 255, the name with a suffix would not
     let out = d.join(format!("{}.wz", "é".repeat(124)));
-    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), &mut |_, _| {}).unwrap();
+    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {}).unwrap();
     let back = d.join("back.bin");
-    decode_file(&out, Some(&back), 0, &mut |_, _| {}).unwrap();
+    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
     assert_eq!(fs::read(&back).unwrap(), b"hello");
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn refuse_never_replaces_a_file_created_while_the_output_was_written() {
+    let d = scratch("refuse");
+    let input = d.join("in.bin");
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 13 % 241) as u8).collect();
+    fs::write(&input, &data).unwrap();
+    let out = d.join("out.wz");
+    let opts = EncodeOptions { chunk_bytes: 1 << 16, threads: 1, ..EncodeOptions::default() };
+    let segs = [bytes_meta(data.len() as u64)];
+    // Another program creates the output after any check a caller made, while it is being written.
+    let mut created = false;
+    let mut race = |_, _| {
+        if !created {
+            fs::write(&out, b"theirs").unwrap();
+            created = true;
+        }
+    };
+    let err = encode_file(&input, &out, &segs, &opts, OnExisting::Refuse, &mut race).unwrap_err();
+    assert!(matches!(&err, Error::OutputExists(p) if p.ends_with("out.wz")), "{err}");
+    assert_eq!(err.to_string(), format!("{}: already exists; not overwritten", out.display()));
+    assert_eq!(fs::read(&out).unwrap(), b"theirs");
+    assert_eq!(names(&d), ["in.bin", "out.wz"], "no temporary file is left");
+    // a dangling symbolic link is a taken name too
+    #[cfg(unix)]
+    {
+        let link = d.join("link.wz");
+        std::os::unix::fs::symlink(d.join("nowhere"), &link).unwrap();
+        let err = encode_file(&input, &link, &segs, &opts, OnExisting::Refuse, &mut |_, _| {}).unwrap_err();
+        assert!(matches!(err, Error::OutputExists(_)));
+        assert!(!d.join("nowhere").exists());
+        fs::remove_file(&link).unwrap();
+    }
+    // a free name is published, by every writer
+    fs::remove_file(&out).unwrap();
+    encode_file(&input, &out, &segs, &opts, OnExisting::Refuse, &mut |_, _| {}).unwrap();
+    let back = d.join("back.bin");
+    decode_file(&out, Some(&back), 0, OnExisting::Refuse, &mut |_, _| {}).unwrap();
+    assert_eq!(fs::read(&back).unwrap(), data);
+    let err = decode_file(&out, Some(&back), 0, OnExisting::Refuse, &mut |_, _| {}).unwrap_err();
+    assert!(matches!(err, Error::OutputExists(_)));
+    let t = d.join("t.wz");
+    save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"abc")], &opts, OnExisting::Refuse).unwrap();
+    let err = save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"xyz")], &opts, OnExisting::Refuse).unwrap_err();
+    assert!(matches!(err, Error::OutputExists(_)));
+    // Replace replaces
+    encode_file(&input, &back, &segs, &opts, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    assert_eq!(fs::read(&back).unwrap(), fs::read(&out).unwrap());
+    assert_eq!(names(&d), ["back.bin", "in.bin", "out.wz", "t.wz"]);
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[cfg(unix)]
+#[test]
+fn replacing_a_file_keeps_its_permission_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = scratch("mode");
+    let input = d.join("in.bin");
+    fs::write(&input, b"hello").unwrap();
+    let out = d.join("out.wz");
+    fs::write(&out, b"old").unwrap();
+    fs::set_permissions(&out, fs::Permissions::from_mode(0o640)).unwrap();
+    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {}).unwrap();
+    assert_eq!(fs::metadata(&out).unwrap().permissions().mode() & 0o7777, 0o640);
+    let back = d.join("back.bin");
+    fs::write(&back, b"old").unwrap();
+    fs::set_permissions(&back, fs::Permissions::from_mode(0o604)).unwrap();
+    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    assert_eq!(fs::read(&back).unwrap(), b"hello");
+    assert_eq!(fs::metadata(&back).unwrap().permissions().mode() & 0o7777, 0o604);
+    fs::remove_dir_all(&d).unwrap();
+}
+
+/// The PID of a process that has exited (and been waited for).
+#[cfg(target_os = "linux")]
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    assert!(!Path::new(&format!("/proc/{pid}")).exists());
+    pid
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn temporary_files_of_killed_writers_of_the_output_are_removed() {
+    let d = scratch("stale");
+    let input = d.join("in.bin");
+    fs::write(&input, b"hello").unwrap();
+    let (dead, me) = (dead_pid(), std::process::id());
+    let stale = [format!(".out.wz.{dead}.0.0123abcd.wz-partial"), format!(".out.wz.{dead}.17.ffffffff.wz-partial")];
+    let kept = [
+        format!(".out.wz.{me}.3.0123abcd.wz-partial"),   // a live writer's (this process)
+        ".out.wz.1.3.0123abcd.wz-partial".to_string(),   // a live writer's (PID 1 always runs)
+        format!(".out.wz.1.{dead}.0.0123abcd.wz-partial"), // output out.wz.1's
+        format!(".out.wz.{dead}.0123abcd.wz-partial"),   // not the temporary shape
+        format!(".out.wz.{dead}.0.0123ABCD.wz-partial"),
+        format!("out.wz.{dead}.0.0123abcd.wz-partial"),
+        format!(".other.wz.{dead}.0.0123abcd.wz-partial"), // another output's
+    ];
+    for n in stale.iter().chain(&kept) {
+        fs::write(d.join(n), b"partial").unwrap();
+    }
+    let out = d.join("out.wz");
+    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Refuse, &mut |_, _| {}).unwrap();
+    let mut want: Vec<String> = kept.to_vec();
+    want.extend(["in.bin".to_string(), "out.wz".to_string()]);
+    want.sort();
+    assert_eq!(names(&d), want);
+    // a folder of that name is left too
+    fs::create_dir(d.join(&stale[0])).unwrap();
+    save_tensors(&out, &[(TensorMeta::new(DType::U8, vec![1]), b"x")], &EncodeOptions::default(), OnExisting::Replace)
+        .unwrap();
+    assert!(d.join(&stale[0]).is_dir());
     fs::remove_dir_all(&d).unwrap();
 }

@@ -16,7 +16,7 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use weightszip_core::codec::{self, EncodeOptions};
+use weightszip_core::codec::{self, EncodeOptions, OnExisting};
 use weightszip_core::format::{Index, TensorMeta};
 use weightszip_core::{DType, Error};
 
@@ -31,6 +31,7 @@ create_exception!(_core, LimitExceededError, WeightszipError, "A declared size e
 create_exception!(_core, InvalidArgumentError, WeightszipError, "The call's arguments are not usable.");
 create_exception!(_core, BufferTooSmallError, InvalidArgumentError, "An output buffer has the wrong size.");
 create_exception!(_core, WeightszipIOError, WeightszipError, "Reading or writing a file failed.");
+create_exception!(_core, OutputExistsError, WeightszipIOError, "The output file exists and was not to be overwritten.");
 
 pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
@@ -45,6 +46,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         Error::LimitExceeded(_) => LimitExceededError::new_err(msg),
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
         Error::BufferTooSmall { .. } => BufferTooSmallError::new_err(msg),
+        Error::OutputExists(_) => OutputExistsError::new_err(msg),
         Error::Io(_) => WeightszipIOError::new_err(msg),
     }
 }
@@ -70,6 +72,15 @@ pub(crate) unsafe fn slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
 
 fn opts(chunk_bytes: u64, threads: usize, lanes_log2: u32) -> EncodeOptions {
     EncodeOptions { chunk_bytes, threads, lanes_log2 }
+}
+
+/// `overwrite=False`: the output is published only if its name is free at that moment.
+fn on_existing(overwrite: bool) -> OnExisting {
+    if overwrite {
+        OnExisting::Replace
+    } else {
+        OnExisting::Refuse
+    }
 }
 
 /// (name, dtype name, shape, channel axis, layout, flags)
@@ -129,6 +140,7 @@ fn compress_buffers<'py>(
 
 /// Save tensors to a container file, written atomically.
 #[pyfunction]
+#[pyo3(signature = (path, tensors, chunk_bytes, threads, lanes_log2, overwrite=true))]
 fn save_buffers(
     py: Python<'_>,
     path: PathBuf,
@@ -136,6 +148,7 @@ fn save_buffers(
     chunk_bytes: u64,
     threads: usize,
     lanes_log2: u32,
+    overwrite: bool,
 ) -> PyResult<PyObject> {
     let metas: Vec<(TensorMeta, usize, usize)> =
         tensors.into_iter().map(|(m, a, l)| Ok((meta_of(m)?, a, l))).collect::<PyResult<_>>()?;
@@ -144,7 +157,7 @@ fn save_buffers(
         .allow_threads(|| {
             let items: Vec<(TensorMeta, &[u8])> =
                 metas.iter().map(|(m, a, l)| (m.clone(), unsafe { slice(*a, *l) })).collect();
-            codec::save_tensors(&path, &items, &o)
+            codec::save_tensors(&path, &items, &o, on_existing(overwrite))
         })
         .map_err(to_py)?;
     index_to_py(py, &index)
@@ -229,7 +242,7 @@ fn progress_fn(cb: Option<PyObject>) -> impl FnMut(u64, u64) {
 
 /// Compress a file as segments (tensor-aware where the caller found tensors), streaming.
 #[pyfunction]
-#[pyo3(signature = (input, output, segments, chunk_bytes, threads, lanes_log2, progress=None))]
+#[pyo3(signature = (input, output, segments, chunk_bytes, threads, lanes_log2, progress=None, overwrite=true))]
 #[allow(clippy::too_many_arguments)]
 fn encode_file(
     py: Python<'_>,
@@ -240,27 +253,29 @@ fn encode_file(
     threads: usize,
     lanes_log2: u32,
     progress: Option<PyObject>,
+    overwrite: bool,
 ) -> PyResult<PyObject> {
     let segs: Vec<TensorMeta> = segments.into_iter().map(meta_of).collect::<PyResult<_>>()?;
     let o = opts(chunk_bytes, threads, lanes_log2);
     let mut p = progress_fn(progress);
-    let index = py.allow_threads(|| codec::encode_file(&input, &output, &segs, &o, &mut p)).map_err(to_py)?;
+    let index = py.allow_threads(|| codec::encode_file(&input, &output, &segs, &o, on_existing(overwrite), &mut p)).map_err(to_py)?;
     index_to_py(py, &index)
 }
 
 /// Decode a container file to `output` (None: verify only), streaming.
 #[pyfunction]
-#[pyo3(signature = (input, output, threads, progress=None))]
+#[pyo3(signature = (input, output, threads, progress=None, overwrite=true))]
 fn decode_file(
     py: Python<'_>,
     input: PathBuf,
     output: Option<PathBuf>,
     threads: usize,
     progress: Option<PyObject>,
+    overwrite: bool,
 ) -> PyResult<PyObject> {
     let mut p = progress_fn(progress);
     let index = py
-        .allow_threads(|| codec::decode_file(&input, output.as_deref(), threads, &mut p))
+        .allow_threads(|| codec::decode_file(&input, output.as_deref(), threads, on_existing(overwrite), &mut p))
         .map_err(to_py)?;
     index_to_py(py, &index)
 }
@@ -288,6 +303,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("BufferTooSmallError", py.get_type::<BufferTooSmallError>())?;
     m.add("WeightszipIOError", py.get_type::<WeightszipIOError>())?;
+    m.add("OutputExistsError", py.get_type::<OutputExistsError>())?;
+    m.add("MAX_THREADS", codec::MAX_THREADS)?;
     m.add_function(wrap_pyfunction!(compress_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(save_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(buffer_index, m)?)?;
