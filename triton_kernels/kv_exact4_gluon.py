@@ -61,7 +61,6 @@ _STS64 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; 
                       "mov.u32 $0, 0; }")
 _LDS64 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; ld.shared.b64 $0, [a]; }")
 _PRMT = gl.constexpr("prmt.b32 $0, $1, $2, $3;")
-_POPC = gl.constexpr("popc.b32 $0, $1;")
 # rows a (at $1) and b (at $1 + $2) of one bf16 channel as a pair, a's value in the low half
 _LDS_ROWS = gl.constexpr("{ .reg .u32 a; .reg .b16 x, y; mov.u32 a, global_smem; add.u32 a, a, $1; "
                          "ld.shared.b16 x, [a]; add.u32 a, a, $2; ld.shared.b16 y, [a]; mov.b32 $0, {x, y}; }")
@@ -151,11 +150,6 @@ def x4_v_channel(ch, head_dim: int):
 @gluon.jit
 def _prmt(a, b, sel):
     return gl.inline_asm_elementwise(_PRMT, "=r,r,r,r", [a, b, sel], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _popc(x):
-    return gl.inline_asm_elementwise(_POPC, "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -249,61 +243,57 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_he
 
 
 @constexpr_function
-def _plain_fix_asm(n, two):
-    """``n`` pairs of bf16 bits ($0.., tied to $n..) with the values of plain rows loaded (rows a and
-    b of a V pair with ``two``: flags $2n+k / $3n+k, row addresses $4n+k / $5n+k, the pair's offset
-    $6n+k; K: one row, flags $2n+k, addresses $3n+k, offsets $4n+k), behind one branch on the last
-    operand (any flag of the thread): plain rows are rare, so a thread pays the test and the
-    branch, not the loads."""
-    if two:
-        body = " ".join(
-            f"setp.ne.s32 q, ${2 * n + k}, 0; setp.ne.s32 r, ${3 * n + k}, 0; mov.b32 {{lo, hi}}, ${k}; "
-            f"add.s64 a, ${4 * n + k}, ${6 * n + k}; @q ld.global.b16 lo, [a]; "
-            f"add.s64 a, ${5 * n + k}, ${6 * n + k}; @r ld.global.b16 hi, [a]; mov.b32 ${k}, {{lo, hi}};"
-            for k in range(n))
-        last = 7 * n
-    else:
-        body = " ".join(f"setp.ne.s32 q, ${2 * n + k}, 0; add.s64 a, ${3 * n + k}, ${4 * n + k}; "
-                        f"@q ld.global.b32 ${k}, [a];" for k in range(n))
-        last = 5 * n
-    return (f"{{ .reg .pred p, q, r; .reg .b16 lo, hi; .reg .u64 a; setp.eq.s32 p, ${last}, 0; @p bra SKIP; "
-            f"{body} SKIP: }}")
+def _plain_fix_asm(n, two, row_bytes):
+    """``n`` pairs of bf16 bits ($0.., tied to $n..) with the values of plain rows loaded, behind one
+    branch on the last operand (any flag of the thread): plain rows are rare, so a thread pays the
+    test and the branch, not the loads or their addresses. Operands of pair k: its row's flag
+    $2n+k, row $3n+k, the head's entry $4n+k (plain-row mask, plain rows before the head), the
+    plain rows' base $5n+k (the page's first plain row plus the lane's part) and the pair's own
+    offset $6n+k; with ``two`` (V: a token pair), the flag of the odd row at $7n+k (the row + 1), the
+    halves loaded separately. A plain row's place: its rank (the entry's count plus the mask bits
+    below the row) times ``row_bytes``."""
+    def addr(k, row):
+        return (f"shl.b32 m, 1, {row}; add.s32 m, m, -1; and.b32 m, m, ${4 * n + k}; popc.b32 m, m; "
+                f"shr.u32 c, ${4 * n + k}, 16; add.s32 m, m, c; mul.wide.u32 a, m, {row_bytes}; "
+                f"add.s64 a, a, ${5 * n + k}; add.s64 a, a, ${6 * n + k}; ")
+    parts = []
+    for k in range(n):
+        if two:
+            parts.append(f"setp.ne.s32 q, ${2 * n + k}, 0; setp.ne.s32 r, ${7 * n + k}, 0; mov.b32 {{lo, hi}}, ${k}; "
+                         + addr(k, f"${3 * n + k}") + f"@q ld.global.b16 lo, [a]; add.s32 w, ${3 * n + k}, 1; "
+                         + addr(k, "w") + f"@r ld.global.b16 hi, [a]; mov.b32 ${k}, {{lo, hi}};")
+        else:
+            parts.append(f"setp.ne.s32 q, ${2 * n + k}, 0; " + addr(k, f"${3 * n + k}") + f"@q ld.global.b32 ${k}, [a];")
+    last = (8 if two else 7) * n
+    return (f"{{ .reg .pred p, q, r; .reg .b16 lo, hi; .reg .u32 m, c, w; .reg .u64 a; setp.eq.s32 p, ${last}, 0; "
+            f"@p bra SKIP; {' '.join(parts)} SKIP: }}")
 
 
 @constexpr_function
 def _plain_fix_constraints(n, two):
-    flags, addrs = (["r"] * (2 * n), ["l"] * (2 * n)) if two else (["r"] * n, ["l"] * n)
-    return ",".join(["=r"] * n + [str(k) for k in range(n)] + flags + addrs + ["l"] * n + ["r"] * n)
+    cons = ["=r"] * n + [str(k) for k in range(n)] + ["r"] * (3 * n) + ["l"] * (2 * n)
+    return ",".join(cons + (["r"] * n if two else []) + ["r"] * n)
 
 
 @gluon.jit
-def _k_plain_fix(v, rowp, base, off, anyp, N: gl.constexpr):
-    """K pairs ``v`` (bf16 bits, int32) replaced by the pair at ``base + off`` where ``rowp``
-    (``base``: the row's plain copy plus the lane's part, ``off``: the pair's constant part);
-    ``anyp``: any of the thread's rows plain."""
-    return gl.inline_asm_elementwise(_plain_fix_asm(N, False), _plain_fix_constraints(N, False),
-                                     [v, rowp.to(gl.int32), base, off.to(gl.int64), anyp], dtype=gl.int32,
-                                     is_pure=True, pack=N)
-
-
-@gluon.jit
-def _v_plain_fix(v, pa, pb, base_a, base_b, off, anyp, N: gl.constexpr):
-    """V token pairs ``v``: the low half from row a's plain copy where ``pa``, the high half from row
-    b's where ``pb`` (as ``_k_plain_fix``)."""
-    return gl.inline_asm_elementwise(_plain_fix_asm(N, True), _plain_fix_constraints(N, True),
-                                     [v, pa.to(gl.int32), pb.to(gl.int32), base_a, base_b, off.to(gl.int64), anyp],
-                                     dtype=gl.int32, is_pure=True, pack=N)
+def _plain_fix(v, flag, row, entry, base, off, flag_b, anyp, TWO: gl.constexpr, ROW_BYTES: gl.constexpr,
+               N: gl.constexpr):
+    """Pairs ``v`` (bf16 bits, int32) with their plain rows' values (``_plain_fix_asm``): K pairs
+    (one row: ``flag``/``row``), or V token pairs (``TWO``: rows ``row`` and ``row + 1``, flags
+    ``flag`` and ``flag_b``)."""
+    args = [v, flag.to(gl.int32), row, entry, base, off.to(gl.int64)]
+    if TWO:
+        args = args + [flag_b.to(gl.int32)]
+    return gl.inline_asm_elementwise(_plain_fix_asm(N, TWO, ROW_BYTES), _plain_fix_constraints(N, TWO),
+                                     args + [anyp], dtype=gl.int32, is_pure=True, pack=N)
 
 
 @gluon.jit
 def _plain_rows(base, side: gl.constexpr, fr, r, t0, t1, head):
     """For page rows ``r`` of the staged page (its first token ``fr``): whether each is plain (and
-    read), the byte offset of its plain row past the slots (relative to the page), from the head's
-    entry in the staged header chunk of K (``side`` 0) or V (1)."""
+    read), and the head's entry in the staged header chunk of K (``side`` 0) or V (1)."""
     ent = _lds(base + 16 * side + 4 * (head % 4))
-    rowp = (((ent >> r) & 1) != 0) & (fr + r >= t0) & (fr + r < t1)
-    rank = ((ent >> 16) & 0xFFFF) + _popc(ent & ((1 << r) - 1) & 0xFFFF)
-    return rowp, rank
+    return (((ent >> r) & 1) != 0) & (fr + r >= t0) & (fr + r < t1), ent
 
 
 @gluon.jit
@@ -357,12 +347,12 @@ def _k_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.cons
         t7 = _prmt(tw, 0, 0x4140 + 0x202 * (i % 2)) << 7  # tops of bytes 2 (i % 2), + 1
         x = _prmt(rw, 0, 0x9180 + 0x2222 * (i % 2)) & -2139127681  # 0x807F807F: raw bytes, signs spread
         val = _pair(k7, t7, x)
-        rowp, rank = _plain_rows(base, 0, fr, r, t0, t1, head)
+        rowp, ent = _plain_rows(base, 0, fr, r, t0, t1, head)
         hdr = (4 * num_kv_heads + 15) // 16 * 16
         prow = (heap_ptr.to(gl.int64) + _page_offset_of(base, 0) + hdr + num_kv_heads * (25 * HEAD_DIM)
-                + rank.to(gl.int64) * (2 * HEAD_DIM) + (16 * M) * t)
+                + (16 * M) * t)
         anyp = gl.expand_dims(gl.max(rowp.to(gl.int32), axis=1), 1)
-        val = _k_plain_fix(val, rowp, prow, 2 * (8 * m + 2 * i), anyp, 32)
+        val = _plain_fix(val, rowp, r, ent, prow, 2 * (8 * m + 2 * i), rowp, anyp, False, 2 * HEAD_DIM, 32)
     half = ((gl.expand_dims(val, 6) >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16,
                                                                                         bitcast=True)
     return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
@@ -408,14 +398,13 @@ def _v_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.cons
         rwb = _words(bw + G[5] + (raw_ + 1) * G[9] + posw, VEC, LV, 7)
         x = _prmt(rwa, rwb, bp * 0x1111 + 0xC480) & -2139127681  # 0x807F807F
         val = _pair(k7, t7, x)
-        pa, rank_a = _plain_rows(base, 1, fr, ra, t0, t1, head)
-        pb, rank_b = _plain_rows(base, 1, fr, ra + 1, t0, t1, head)
+        pa, ent = _plain_rows(base, 1, fr, ra, t0, t1, head)
+        pb, _ = _plain_rows(base, 1, fr, ra + 1, t0, t1, head)
         hdr = (4 * num_kv_heads + 15) // 16 * 16
         prow = (heap_ptr.to(gl.int64) + _page_offset_of(base, 1) + hdr + num_kv_heads * (25 * HEAD_DIM)
                 + 2 * (8 * M * (j % 4) + 4 * (j // 4)))
         anyp = gl.expand_dims(gl.max((pa | pb).to(gl.int32), axis=5), 5)
-        val = _v_plain_fix(val, pa, pb, prow + rank_a.to(gl.int64) * (2 * HEAD_DIM),
-                           prow + rank_b.to(gl.int64) * (2 * HEAD_DIM), 2 * (8 * m + bp), anyp, 32)
+        val = _plain_fix(val, pa, ra, ent, prow, 2 * (8 * m + bp), pb, anyp, True, 2 * HEAD_DIM, 32)
     half = ((gl.expand_dims(val, 7) >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.bfloat16,
                                                                                         bitcast=True)
     return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, 16]), OPA, assert_trivial=True)

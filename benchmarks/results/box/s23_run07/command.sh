@@ -1,0 +1,12 @@
+# session 23 run 7: staging depth and warps of the Gluon exact4 kernel (probe7.py)
+source .boxq/r/setup.sh
+cp -r .boxq/h/python/weightszip/. python/weightszip/ && rm -f python/weightszip/cli_args.py
+mkdir -p $OUT
+timeout 500 python3 .boxq/x/probe7.py > $OUT/probe7.log 2>&1
+echo "rc $?"; sed -n '/Gluon kernel/,$p' $OUT/stages.md
+python3 - <<'PY'
+import json,os
+r=json.load(open(os.environ["OUT"]+"/stages.json"))
+for g in r["grid"]:
+    print(g["batch"], g["context"], {k[6:]: (v["kernel"][6:], round(v["ms"],3)) for k,v in g.items() if k.startswith("gluon_") and isinstance(v,dict)})
+PY

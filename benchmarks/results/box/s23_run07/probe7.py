@@ -1,0 +1,11 @@
+"""Staging depth and warps of the Gluon exact4 kernel: bench_kv_exact's grid at 4 points for
+WARPS:STAGES configs, 3 stages included (KernelConfig's validation, which allows 0/2/4 for the
+compact kernel, bypassed for this probe)."""
+import os, sys
+sys.path.insert(0, "benchmarks")
+import bench_kv_exact as B
+from weightszip.kernels import paged_decode as pd
+pd.KernelConfig.__post_init__ = lambda self: None
+B.main(["--kv", ".boxdata/kv_pages_subset.npz", "--format", "exact4", "--k-set", "qwen_8k:K:8",
+        "--v-set", "qwen_8k:V:8", "--batches", "8,64", "--contexts", "32768,131072", "--rep", "30",
+        "--no-sdpa", "--gluon", "4:2,4:3,8:3,2:4,2:3,4:4", "--out", os.environ["OUT"] + "/stages"])
