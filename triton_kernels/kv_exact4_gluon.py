@@ -2,18 +2,21 @@
 cores' register operands (and the same kernel over bf16 pages, its bit-for-bit reference).
 
 Why: the Triton kernel's exact4 path (``paged_decode._paged_split_kernel`` with ``PAGE_TYPE`` 4) runs
-at 0.36-0.40x of the faster bf16 kernel on the H200 (BENCHMARKS.md, "KV Exact4"): 241 registers, 32
-tokens a step, every decoded tile through shared memory into the operand layout. Here each warp takes
-every NW-th 16-token page of the split, as ``paged_decode_gluon.fp8_split_kernel`` does:
+at 0.36-0.41x of the faster bf16 kernel on the H200 (BENCHMARKS.md, "KV Exact4"): 241 registers, 32
+tokens a step, every decoded tile through shared memory into the operand layout; this one at
+0.90-0.95x ("KV Exact4 attention in Gluon"). Each warp takes every NW-th 16-token page of the split,
+as ``paged_decode_gluon.fp8_split_kernel`` does:
 
 * **Staged pages.** A warp copies its next page's slot of the head (window tops, code rows, raw rows;
   docs/FORMAT.md "KV Exact4 pages") and the 16-byte header chunk holding the head's entry into its own
   shared-memory slot by 16-byte ``cp.async`` (inline PTX: no CTA barrier), ``STAGES - 1`` pages
   ahead. The rows land at strides chosen so the operand loads below are free of bank conflicts (K's
-  raw rows 3 D / 2 bytes apart, V's code rows D / 2 + 16 and raw rows D + 16). Rows outside the split
-  are not read: their code chunks come from a buffer of 0xFF bytes (code 15: exponent 0) and their
-  raw chunks are zero-filled, so they decode to +0.0 (finite: a softmax weight of 0 times them is 0).
-  The page's byte offset goes into the slot beside them (for its plain rows).
+  raw rows 3 D / 2 bytes apart, V's code rows D / 2 + 16 and raw rows D + 16), each lane's chunks
+  all K's or all V's (a chunk's source address is the lane's plus a constant). Rows outside the split
+  are not read: V's code chunks there come from a buffer of 0xFF bytes (code 15: exponent 0) and the
+  other chunks are zero-filled, so V's rows decode to +0.0 (finite: a softmax weight of 0 times them
+  is 0; K's rows there get logits of -inf whatever they hold). The page's byte offset goes into the
+  slot beside them (for its plain rows). The words are read back by ``ld.shared.v4`` (``_words``).
 * **Pairs decoded in registers** (``kv_exact4_ref.pair_decode``'s arithmetic: a funnel shift and a
   mask for the codes, two byte permutes for the window tops and the raw bytes with their sign bits
   spread, a subtraction, a permute that flags code 15, one select). K is the A operand of
@@ -21,8 +24,9 @@ every NW-th 16-token page of the split, as ``paged_decode_gluon.fp8_split_kernel
   its rows (channel order ``paged_decode_gluon._k_nibble_channel``; q goes through the same map); V^T
   is the A operand of ``O^T += V^T P^T``, thread (tl, j) holds token pairs of the channels of raw words
   ``M j .. M j + M - 1`` in half order (``x4_v_channel``; the sum goes back through it).
-* **Plain rows** (a value outside its window: rare) are read as bf16 from after the slots by loads
-  predicated on the row, at the row's rank (its head entry's count plus the mask bits below it).
+* **Plain rows** (a value outside its window: rare) are read as bf16 from after the slots, at the
+  row's rank (its head entry's count plus the mask bits below it), behind one branch per thread
+  (``_plain_fix``): a page without any costs a test and a branch.
 
 ``BF16`` (constexpr): the same kernel over bf16 pages ``[num_blocks, kv_heads, 16, head_dim]``: rows
 staged the same way, pairs loaded as they are. Both modes put the same bf16 values in the same
@@ -32,13 +36,14 @@ GPU tests check it).
 Numerics: q in bf16 times K on mma.sync (fp32 sums), the logits times sm_scale log2(e), base-2
 softmax with a lazy running max (``paged_decode_gluon._lazy_softmax_step``: it moves by more than 8
 only, so most pages skip the sum's rescale), weights rounded to bf16, fp32 sum; the merge is
-``PagedDecodeAttention``'s. Compiled only (Gluon has no interpreter): the CPU tests run the layout
-arithmetic in PyTorch (``x4_operand_model``) and compile the kernel for sm_90.
+``PagedDecodeAttention``'s. Compiled only (Gluon has no interpreter): the CPU tests check the channel
+maps (``x4_k_channel``, ``x4_v_channel``) against the page layout and compile the kernel for sm_90;
+the GPU tests compare it with its bf16 mode (bit for bit) and the fp64 reference
+(``paged_decode_ref``).
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -69,11 +74,6 @@ _LDS_ROWS = gl.constexpr("{ .reg .u32 a; .reg .b16 x, y; mov.u32 a, global_smem;
 # ----------------------------------------------------------------------------------------------------
 # geometry (bytes)
 # ----------------------------------------------------------------------------------------------------
-
-
-def page_header_bytes(num_heads: int) -> int:
-    """HDR of an exact4 page: the heads' entries rounded up to 16 bytes."""
-    return (4 * num_heads + 15) // 16 * 16
 
 
 @constexpr_function

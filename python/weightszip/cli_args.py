@@ -11,14 +11,20 @@ from weightszip import _core
 MAX_COUNT = 2**63 - 1
 
 
-def nonnegative_int(text: str) -> int:
-    """A count (bytes, threads) >= 0 and at most MAX_COUNT."""
+def _count(text: str) -> int:
+    """An integer >= 0 (argparse's usage error otherwise)."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def nonnegative_int(text: str) -> int:
+    """A count (bytes, threads) >= 0 and at most MAX_COUNT."""
+    n = _count(text)
     if n > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {text}")
     return n
@@ -27,10 +33,4 @@ def nonnegative_int(text: str) -> int:
 def thread_count(text: str) -> int:
     """--threads: >= 0 (0: the default); a count above the core's cap (MAX_THREADS, 256) is taken
     as the cap, as the core takes it (a typo's huge count neither fails nor spawns that many)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return min(n, _core.MAX_THREADS)
+    return min(_count(text), _core.MAX_THREADS)
