@@ -156,8 +156,9 @@ def _prmt(a, b, sel):
 def _pair(k7, t7, x):
     """Two values' bf16 bits from their codes at bits 7-10 and 23-26 (``k7``), their window tops at bits
     7-14 and 23-30 (``t7``) and their raw bytes with sign bits spread and masked (``x``): exponent
-    top - code, or 0 for code 15 (``kv_exact4_ref.pair_decode``). No borrow crosses the halves: a
-    page's tops are at least 15 (and in a page no row of which is read, both codes are 15)."""
+    top - code, or 0 for code 15 (``kv_exact4_ref.pair_decode``). No borrow crosses the halves where
+    it matters: a page's tops are at least 15; in a page none of whose rows is read the tops are
+    zero-filled, with K's codes 0 (no borrow) and V's 15 (both halves masked)."""
     z = _prmt(k7 + 0x78807880, 0, 0xBB99)  # 0xFFFF in the halves whose code is 15
     return ((t7 - k7) & ~z) | x
 
