@@ -123,6 +123,28 @@ def _with_rope(cal):
     return c
 
 
+HEAD = 48  # a version-5 chunk's header
+
+
+def _reseal(blob) -> bytes:
+    """A version-5 chunk with both checksums recomputed over its (changed) bytes: what a writer of
+    those header fields would make, to reach the checks behind the checksums."""
+    b = bytearray(blob)
+    struct.pack_into("<Q", b, 32, _xxh3(bytes(b[HEAD:])))
+    struct.pack_into("<Q", b, 40, _xxh3(bytes(b[:40])))
+    return bytes(b)
+
+
+def _xxh3(b: bytes) -> int:
+    a = np.frombuffer(b, dtype=np.uint8)
+    return weightszip._core.xxh3_64(a.ctypes.data, a.nbytes)
+
+
+def _as_version4(blob: bytes) -> bytes:
+    """A version-5 chunk as version 4 wrote it: the 32-byte header without checksums, the same pages."""
+    return blob[:4] + bytes([4]) + blob[5:32] + blob[HEAD:]
+
+
 def test_compact_chunks_record_their_start_position(cal):
     rc = _with_rope(cal)
     codec = CompactChunkCodec(rc, "q4")
@@ -145,8 +167,20 @@ def test_compact_chunks_record_their_start_position(cal):
         codec.encode(kv, start=2**31 - 32)
     bad = bytearray(at0)
     struct.pack_into("<Q", bad, 24, 2**40)  # a hostile start position
-    with pytest.raises(weightszip.CorruptDataError, match="positions"):
+    with pytest.raises(weightszip.ChecksumMismatchError, match="header"):
         codec.decode(bytes(bad))
+    with pytest.raises(weightszip.CorruptDataError, match="positions"):
+        codec.decode(_reseal(bad))  # (a writer's own bad start: the structural check behind the checksum)
+    with pytest.raises(weightszip.CorruptDataError, match="positions"):
+        codec.decode(_as_version4(bytes(bad)))
+    # one bit of the start flipped in a version-4 chunk (no checksum) decodes, at other positions;
+    # in a version-5 chunk it is a checksum error
+    for bit in (0, 12, 30):
+        bad = bytearray(at4096)
+        bad[24 + bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(weightszip.ChecksumMismatchError):
+            codec.decode(bytes(bad))
+        assert codec.decode(_as_version4(bytes(bad))).shape == kv.shape
 
 
 def _repack_pages(codec, blob: bytes, header: bytes, version: int = 1) -> bytes:
@@ -154,7 +188,7 @@ def _repack_pages(codec, blob: bytes, header: bytes, version: int = 1) -> bytes:
     width), after ``header``: the bytes an older writer made."""
     cal, d = codec.cal, codec.cal.head_dim
     kinds, layers, tokens = 2, cal.layers, struct.unpack_from("<I", blob, 16)[0]
-    out, pos = [header], 32
+    out, pos = [header], HEAD
     for ki in range(kinds):
         for layer in range(layers):
             bits = codec._bits(layer, ki)
@@ -169,30 +203,45 @@ def _repack_pages(codec, blob: bytes, header: bytes, version: int = 1) -> bytes:
 
 def test_compact_chunks_read_older_versions(cal):
     """Chunks of versions 1 (24-byte header, no start) and 2 (a start) hold pages of layout version 1
-    (bit planes at every width), version 3 of layout 2 (nibble rows at width 4): all decode as the
-    version-4 chunk of the same KV (version 1 at start 0); q3's allocation has 3- and 4-bit layers,
-    so the layouts differ in its bytes."""
+    (bit planes at every width), version 3 of layout 2 (nibble rows at width 4), version 4 of layout 3
+    (crumb rows at width 3), as version 5 does behind its checksums: all decode as the version-5 chunk
+    of the same KV (version 1 at start 0); q3's allocation has 3- and 4-bit layers, so the layouts
+    differ in its bytes. The older versions carry no checksum and are read without one."""
     codec = CompactChunkCodec(cal, "q3")
     assert any(4 in kinds for kinds in cal.allocation["q3"]) and any(3 in kinds for kinds in cal.allocation["q3"])
     kv = _kv()
-    v4 = codec.encode(kv, start=7)
-    magic, version, fi, kinds, layers, tokens, hidden, start = struct.unpack_from("<4sBB2xIIIIQ", v4)
-    assert version == 4 and start == 7
+    v5 = codec.encode(kv, start=7)
+    magic, version, fi, kinds, layers, tokens, hidden, start, pages_sum, head_sum = struct.unpack_from(
+        "<4sBB2xIIIIQQQ", v5)
+    assert version == 5 and start == 7 and len(v5) == codec.max_encoded_size(kv.shape)
+    assert pages_sum == _xxh3(v5[HEAD:]) and head_sum == _xxh3(v5[:40])
     head = struct.pack("<4sBB2xIIIIQ", magic, 2, fi, kinds, layers, tokens, hidden, start)
-    v2 = _repack_pages(codec, v4, head)
-    v3 = _repack_pages(codec, v4, head[:4] + bytes([3]) + head[5:], version=2)
+    v2 = _repack_pages(codec, v5, head)
+    v3 = _repack_pages(codec, v5, head[:4] + bytes([3]) + head[5:], version=2)
+    v4 = _as_version4(v5)
+    assert v4 == _repack_pages(codec, v5, head[:4] + bytes([4]) + head[5:], version=3)
     v1 = _repack_pages(codec, codec.encode(kv), struct.pack("<4sBB2xIIII", magic, 1, fi, kinds, layers, tokens,
                                                              hidden))
     assert v2[32:] != v4[32:] and v3[32:] != v4[32:] and v2[32:] != v3[32:]
-    for old in (v2, v3):
-        assert torch.equal(codec.decode(old).view(torch.int16), codec.decode(v4).view(torch.int16))
+    for old in (v2, v3, v4):
+        assert torch.equal(codec.decode(old).view(torch.int16), codec.decode(v5).view(torch.int16))
     assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(codec.encode(kv)).view(torch.int16))
-    with pytest.raises(weightszip.TruncatedError):
-        codec.decode(v1[:-1])
-    with pytest.raises(weightszip.UnsupportedVersionError, match="version 5"):
-        codec.decode(v4[:4] + bytes([5]) + v4[5:])
+    for old in (v1, v2, v3, v4, v5):
+        for cut in (1, len(old) - HEAD, len(old) - 20, len(old) - 25):
+            with pytest.raises(weightszip.TruncatedError):
+                codec.decode(old[:-cut])
+    # a page bit flipped in an old chunk decodes (to other valid codes); in version 5 it is caught
+    bad4 = bytearray(v4)
+    bad4[100] ^= 0x10
+    assert not torch.equal(codec.decode(bytes(bad4)).view(torch.int16), codec.decode(v4).view(torch.int16))
+    bad5 = bytearray(v5)
+    bad5[100 + HEAD - 32] ^= 0x10
+    with pytest.raises(weightszip.ChecksumMismatchError, match="pages"):
+        codec.decode(bytes(bad5))
+    with pytest.raises(weightszip.UnsupportedVersionError, match="version 6"):
+        codec.decode(v5[:4] + bytes([6]) + v5[5:])
     with pytest.raises(weightszip.CorruptDataError, match="magic"):
-        codec.decode(b"WZQX" + v4[4:])
+        codec.decode(b"WZQX" + v5[4:])
 
 
 def test_damaged_compact_chunk_headers_are_corrupt_data(cal):
@@ -223,16 +272,47 @@ def test_damaged_compact_chunk_headers_are_corrupt_data(cal):
         CompactChunkCodec(cal, "q4").decode(blob)
 
 
+def test_every_bit_flip_of_a_compact_chunk_is_a_typed_error(cal):
+    """Version 5: every single-bit flip of a whole (small, real) chunk is an error, never values. The
+    magic's flips are CorruptDataError, the version byte's UnsupportedVersionError or (read as a
+    version 1 or 4 header, whose length then disagrees) TruncatedError, the pad bytes' CorruptDataError,
+    every other bit's (header fields, the checksums, every page byte) ChecksumMismatchError."""
+    codec = CompactChunkCodec(_with_rope(cal), "q3")
+    kv = _kv()[:, :, :16]
+    blob = codec.encode(kv, start=100)
+    codec.decode(blob)
+    assert len(blob) < 16_000
+    for bit in range(8 * len(blob)):
+        bad = bytearray(blob)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        byte = bit // 8
+        if byte < 4:
+            want = weightszip.CorruptDataError
+        elif byte == 4:
+            want = (weightszip.UnsupportedVersionError, weightszip.TruncatedError)
+        elif byte in (6, 7):
+            want = weightszip.CorruptDataError
+        else:
+            want = weightszip.ChecksumMismatchError
+        try:
+            codec.decode(bytes(bad))
+        except want:
+            continue
+        raise AssertionError(f"bit {bit} (byte {byte}) flipped: decoded without the error expected")
+
+
 def test_hostile_compact_chunks_give_typed_errors_or_the_coded_values(cal):
-    """Bit flips and truncations anywhere in a chunk: a typed error, or (a flip inside the page
-    bytes, where every bit pattern is a valid code) values the format can hand back: finite and
-    within the calibration's reach. Never a crash, a hang or an unbounded allocation."""
+    """Bit flips and truncations anywhere in a chunk: a typed error (version 5: always), or (a flip
+    inside the page bytes of a version-4 chunk, which has no checksum and where every bit pattern is a
+    valid code) values the format can hand back: finite and within the calibration's reach. Never a
+    crash, a hang or an unbounded allocation."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
     codec = CompactChunkCodec(_with_rope(cal), "q3")
     kv = _kv()[:, :, :32]
     blob = codec.encode(kv, start=100)
+    v4 = _as_version4(blob)
     errors = (weightszip.WeightszipError,)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -240,14 +320,22 @@ def test_hostile_compact_chunks_give_typed_errors_or_the_coded_values(cal):
     def check(bit, cut):
         bad = bytearray(blob)
         bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(errors):
+            codec.decode(bytes(bad))
+        if cut < len(blob):
+            with pytest.raises(weightszip.TruncatedError):
+                codec.decode(blob[:cut])
+        bit %= len(v4) * 8
+        bad = bytearray(v4)
+        bad[bit // 8] ^= 1 << (bit % 8)
         try:
             out = codec.decode(bytes(bad))
         except errors:
             pass
         else:
             assert out.shape == kv.shape and bool(torch.isfinite(out.float()).all())
-        if cut < len(blob):
+        if cut < len(v4):
             with pytest.raises(errors):
-                codec.decode(blob[:cut])
+                codec.decode(v4[:cut])
 
     check()

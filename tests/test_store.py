@@ -45,6 +45,12 @@ def chunk_files(d: Path) -> list[Path]:
     return sorted(p for p in d.glob("??/*") if p.is_file())
 
 
+def temporaries(d: Path) -> list[Path]:
+    """Temporary files in a store folder: `.NAME.PID.N.RANDOM.wz-partial` (and an earlier
+    version's `NAME.tmp`)."""
+    return sorted([*d.glob("??/.*.wz-partial"), *d.glob("??/*.tmp")])
+
+
 def test_bytes_round_trip_tags_and_misses(tmp_path):
     s = ChunkStore(tmp_path, ram_bytes=1 << 20, durable=False)
     s.put("a", b"hello")
@@ -246,6 +252,63 @@ def test_eight_threads_100k_mixed_ops_lose_nothing(tmp_path):
     assert len(chunk_files(tmp_path)) == sum(v is not None for last in lasts for v in last.values())
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_threads_putting_one_key_at_once_never_share_a_temporary_file(tmp_path, durable):
+    """Write-through: every put writes its own file through its own temporary (a unique name,
+    created exclusively), so two threads putting the same key never rename each other's
+    half-written file into place: every read is intact, the last put wins, nothing is left over."""
+    s = ChunkStore(tmp_path, ram_bytes=0, write_through=True, durable=durable)
+    n = 60 if durable else 300
+    errors = []
+
+    def writer(t):
+        try:
+            for v in range(n):
+                s.put("same", value(7, t * n + v))
+                got = s.get("same")
+                assert got is not None and check(got)[0] == 7
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    last = check(s.get("same"))
+    st = s.stats()
+    assert st["corrupt_evicted"] == 0 and st["flush_errors"] == 0
+    assert len(chunk_files(tmp_path)) == 1 and not temporaries(tmp_path)
+    s.close()
+    with ChunkStore(tmp_path, ram_bytes=0) as s:
+        assert check(s.get("same")) == last
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self"), reason="writer liveness is known through /proc")
+def test_open_removes_temporaries_of_gone_writers_and_leaves_live_ones(tmp_path):
+    """A temporary left by a writer that died (its PID no longer runs) is removed at open; one whose
+    PID runs (a writer sharing the folder despite the lock) is left alone; neither is indexed nor
+    counted as damage."""
+    with ChunkStore(tmp_path, ram_bytes=0, write_through=True) as s:
+        s.put("k", value(1))
+        name = Path(s.file_of("k")).name
+        sub = Path(s.file_of("k")).parent
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = sub / f".{name}.{gone.pid}.0.0123abcd.wz-partial"
+    live = sub / f".{name}.{os.getppid()}.3.89abcdef.wz-partial"
+    legacy = sub / (name[: -len(".wzc")] + ".tmp")
+    for t in (dead, live, legacy):
+        t.write_bytes(b"half a chunk")
+    with ChunkStore(tmp_path, ram_bytes=0) as s:
+        assert not dead.exists() and not legacy.exists()
+        assert live.exists()
+        st = s.stats()
+        assert st["disk_chunks"] == 1 and st["corrupt_evicted"] == 0
+        assert s.get("k") == value(1)
+
+
 WRITER = textwrap.dedent(
     """
     import sys, numpy as np
@@ -287,7 +350,7 @@ def test_sigkill_mid_puts_leaves_only_whole_verified_chunks(tmp_path, write_thro
         elif write_through:
             assert i > done, f"k{i} was acknowledged ({done}) before the kill, but is missing"
     assert present >= (done + 1 if write_through else 1)
-    assert not list(tmp_path.glob("??/*.tmp")), "leftover temporaries are removed at open"
+    assert not temporaries(tmp_path), "leftover temporaries are removed at open"
     assert s.stats()["corrupt_evicted"] == 0
 
 
@@ -317,7 +380,7 @@ def test_full_disk_is_an_error_and_keeps_stored_chunks(tiny_fs, write_through):
     assert f"k{len(stored)}" not in s
     for i in stored:
         assert s.get(f"k{i}") == value(i) * 4
-    assert not list((tiny_fs / "store").glob("??/*.tmp")), "the failed write left no temporary"
+    assert not temporaries(tiny_fs / "store"), "the failed write left no temporary"
     # Room again after deletes; the store keeps working.
     for i in stored[:10]:
         s.delete(f"k{i}")

@@ -7,14 +7,16 @@ store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
     >>> store.put_tensor("chunk-key", kv_chunk, codec=codec)                   # ~0.28 of bf16
     >>> store.get_tensor("chunk-key")                                          # what q4 hands back
 
-Bytes: a 32-byte header (magic ``WZQC``, version 4, format index, two zero bytes, then u32 kinds,
-layers, tokens, hidden, u64 start: the position of the chunk's first token, little-endian; version 1
-had no start and a 24-byte header, read as start 0; the page layout of each version is ``PAGE_VERSIONS``:
-versions 1 and 2 bit planes at every width, 3 width-4 codes as nibble rows, 4 also width-3 codes as
-crumb rows) and, for K then V, each layer,
-each kv head, each 16 tokens, one page of ``weightszip.compact.codec.page_bytes(bits, head_dim)``
-bytes (docs/FORMAT.md, "Compact KV pages"), bits from the calibration's allocation for that layer
-and kind. Every token of the chunk is coded:
+Bytes: a 48-byte header (magic ``WZQC``, version 5, format index, two zero bytes, then u32 kinds,
+layers, tokens, hidden, u64 start: the position of the chunk's first token, u64 XXH3-64 of the pages
+(every byte after the header), u64 XXH3-64 of header bytes 0-39; little-endian) and, for K then V,
+each layer, each kv head, each 16 tokens, one page of ``weightszip.compact.codec.page_bytes(bits,
+head_dim)`` bytes (docs/FORMAT.md, "Compact KV pages" and "Compact KV chunks"), bits from the
+calibration's allocation for that layer and kind. Older versions still read, without checksums:
+version 1 had no start and a 24-byte header (read as start 0), versions 2-4 a 32-byte header (bytes
+0-31 above); the page layout of each version is ``PAGE_VERSIONS`` (versions 1 and 2 bit planes at
+every width, 3 width-4 codes as nibble rows, 4 and 5 also width-3 codes as crumb rows). Every token
+of the chunk is coded:
 the sink and recent-window tokens that the paged cache keeps in bf16 are the caller's to keep out of
 offloaded chunks. Keys are coded at their positions (``encode(x, start=...)``): with a calibration
 that carries rotary offsets (``Calibration.has_rope_offsets``) the position decides which offset is
@@ -24,7 +26,10 @@ consistency: decoding uses the start the chunk records.
 ``decode`` reads the header as data, not as the caller's arguments: a header that this codec cannot
 read (nonzero bytes 6-7, a format other than the codec's, a shape that does not fit the calibration,
 tokens not whole pages) is CorruptDataError, as damage is; a chunk of another format or model given
-to this codec looks the same, and the message names both.
+to this codec looks the same, and the message names both. In a version-5 chunk the header's checksum
+is checked before any of its other fields is believed, and the pages' checksum before any page is
+decoded (ChecksumMismatchError), after the length the header implies (TruncatedError): a flipped bit
+anywhere in a chunk is a typed error, never wrong values.
 """
 
 from __future__ import annotations
@@ -35,17 +40,36 @@ from typing import Any
 import numpy as np
 import torch
 
+from weightszip import _core
 from weightszip.compact import codec as cc
 from weightszip.compact.calibrate import TARGETS
-from weightszip.errors import CorruptDataError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
+from weightszip.errors import (
+    ChecksumMismatchError,
+    CorruptDataError,
+    InvalidArgumentError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
 
 MAGIC = b"WZQC"
-VERSION = 4
+VERSION = 5
 # the page layout version (``codec.PAGE_VERSION``) each chunk version holds
-PAGE_VERSIONS = {1: 1, 2: 1, 3: 2, 4: 3}
-_HEAD = struct.Struct("<4sBB2xIIIIQ")  # 32 bytes
+PAGE_VERSIONS = {1: 1, 2: 1, 3: 2, 4: 3, 5: 3}
+_HEAD = struct.Struct("<4sBB2xIIIIQQQ")  # 48 bytes: ... start, pages' XXH3-64, header's XXH3-64
+_HEAD_V2 = struct.Struct("<4sBB2xIIIIQ")  # 32 bytes (versions 2-4), no checksums
 _HEAD_V1 = struct.Struct("<4sBB2xIIII")  # 24 bytes, start 0
+_HEAD_SUMMED = 40  # version 5: the header checksum covers bytes 0-39
 _FORMATS = tuple(TARGETS)
+
+
+def _xxh3(data: Any) -> int:
+    """XXH3-64 (seed 0) of a bytes-like object, as the container's checksums (docs/FORMAT.md)."""
+    a = np.frombuffer(data, dtype=np.uint8)
+    return _core.xxh3_64(a.ctypes.data, a.nbytes)
+
+
+def _head_struct(version: int) -> struct.Struct:
+    return _HEAD_V1 if version == 1 else _HEAD_V2 if version < 5 else _HEAD
 
 
 def _as_bf16_torch(x: Any) -> torch.Tensor:
@@ -110,7 +134,7 @@ class CompactChunkCodec:
         if start + tokens > cc.POSITION_MAX:
             raise InvalidArgumentError(f"positions {start}..{start + tokens} exceed 2**31")
         positions = torch.arange(start, start + tokens)
-        out = [_HEAD.pack(MAGIC, VERSION, _FORMATS.index(self.fmt), kinds, layers, tokens, hidden, start)]
+        out = []
         for ki, kind in enumerate("kv"):
             for layer in range(layers):
                 bits = self._bits(layer, ki)
@@ -121,7 +145,11 @@ class CompactChunkCodec:
                         sl = slice(p * cc.PAGE_TOKENS, (p + 1) * cc.PAGE_TOKENS)
                         out.append(cc.pack_page(codes[sl, h], sidx[sl, h], bits, PAGE_VERSIONS[VERSION])
                                    .numpy().tobytes())
-        return b"".join(out)
+        body = b"".join(out)
+        head = bytearray(_HEAD.pack(MAGIC, VERSION, _FORMATS.index(self.fmt), kinds, layers, tokens, hidden, start,
+                                    _xxh3(body), 0))
+        struct.pack_into("<Q", head, _HEAD_SUMMED, _xxh3(memoryview(head)[:_HEAD_SUMMED]))
+        return bytes(head) + body
 
     def decode(self, data: bytes) -> torch.Tensor:
         if len(data) < _HEAD_V1.size:
@@ -133,10 +161,15 @@ class CompactChunkCodec:
             raise UnsupportedVersionError(f"compact KV chunk version {version} (this reads 1-{VERSION})")
         if data[6:8] != b"\0\0":
             raise CorruptDataError(f"compact KV chunk header: pad bytes 6-7 are {bytes(data[6:8]).hex()}, not zero")
-        head = _HEAD_V1 if version == 1 else _HEAD
+        head = _head_struct(version)
         if len(data) < head.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
-        start = 0 if version == 1 else _HEAD.unpack_from(data)[-1]
+        view = memoryview(data).cast("B")
+        if version >= 5:
+            # every other header field is believed only once its checksum matches
+            if _xxh3(view[:_HEAD_SUMMED]) != _HEAD.unpack_from(data)[-1]:
+                raise ChecksumMismatchError("compact KV chunk header checksum")
+        start = 0 if version == 1 else _HEAD_V2.unpack_from(data)[-1]
         page_version = PAGE_VERSIONS[version]
         if start + tokens > cc.POSITION_MAX:
             raise CorruptDataError(f"chunk positions {start}..{start + tokens} exceed 2**31")
@@ -148,6 +181,8 @@ class CompactChunkCodec:
         want = self.max_encoded_size((kinds, layers, tokens, hidden)) - _HEAD.size + head.size
         if len(data) != want:
             raise TruncatedError(f"compact chunk has {len(data)} bytes, its header implies {want}")
+        if version >= 5 and _xxh3(view[head.size:]) != _HEAD.unpack_from(data)[-2]:
+            raise ChecksumMismatchError("compact KV chunk pages checksum")
         positions = torch.arange(start, start + tokens)
         heads, d = self.cal.kv_heads, self.cal.head_dim
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)

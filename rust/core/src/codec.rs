@@ -321,8 +321,8 @@ fn temporary_prefix(path: &Path) -> String {
 /// The PID in a temporary file name of the output whose names start with `prefix`: the name is
 /// exactly `PREFIX PID.N.XXXXXXXX.wz-partial` (N decimal, X lowercase hex; the Python writer's
 /// names have the same shape). The name of another output that starts with this one's (NAME.1)
-/// has more dot-separated parts, so it never matches.
-fn temporary_pid(file_name: &str, prefix: &str) -> Option<u32> {
+/// has more dot-separated parts, so it never matches. (Also the chunk store's temporaries'.)
+pub fn temporary_pid(file_name: &str, prefix: &str) -> Option<u32> {
     let middle = file_name.strip_prefix(prefix)?.strip_suffix(".wz-partial")?;
     let parts: Vec<&str> = middle.split('.').collect();
     let decimal = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
@@ -335,7 +335,7 @@ fn temporary_pid(file_name: &str, prefix: &str) -> Option<u32> {
 
 /// Whether process `pid` is known not to be running: on Linux, through /proc (where /proc is not
 /// mounted, and on other systems, nothing is known, and None is returned).
-fn process_gone(pid: u32) -> Option<bool> {
+pub fn process_gone(pid: u32) -> Option<bool> {
     if !Path::new("/proc/self").exists() {
         return None;
     }
@@ -369,7 +369,8 @@ fn remove_stale_temporaries(path: &Path) {
 /// A new, empty file beside `path` named `.NAME.PID.N.XXXXXXXX.wz-partial` (N: a per-process
 /// counter, X: a random number), created exclusively: it never opens an existing file (a user's,
 /// or another writer's of the same output), so concurrent writers of one output never share it.
-fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
+/// (The chunk store writes its chunk files through it too.)
+pub fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);

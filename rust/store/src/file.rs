@@ -15,10 +15,12 @@
 //!     64    K key
 //!   64+K    P payload
 //! ```
-//! Files are written as `NAME.tmp`, fsynced, renamed to `NAME` and the folder fsynced, so that a
-//! reader (or a restart after a crash) sees either the whole file or none of it.
+//! Files are written as a temporary `.NAME.PID.N.XXXXXXXX.wz-partial` beside `NAME` (created
+//! exclusively, so no two writes ever share one: `weightszip_core::codec::create_temporary`, as the
+//! CLI writers do), fsynced, renamed to `NAME` and the folder fsynced, so that a reader (or a
+//! restart after a crash) sees either the whole file or none of it.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io::{ErrorKind, Read, Write};
 use std::path::{Path, PathBuf};
 
@@ -31,7 +33,11 @@ pub const HEADER_LEN: usize = 64;
 /// Keys longer than this are refused: they are names, not data.
 pub const MAX_KEY_LEN: usize = 64 * 1024;
 pub const SUFFIX: &str = "wzc";
-pub const TMP_SUFFIX: &str = "tmp";
+/// The temporary name of earlier versions of this crate (`NAME` with its suffix replaced by
+/// `tmp`, shared by every write of one name): still removed when a store is opened.
+pub const LEGACY_TMP_SUFFIX: &str = "tmp";
+/// Length of a chunk file's name (`rel_path`'s last component).
+const NAME_LEN: usize = 32 + 1 + 16 + 1 + SUFFIX.len();
 
 pub fn key_hash(key: &[u8]) -> u128 {
     xxh3_128(key)
@@ -52,6 +58,14 @@ pub fn parse_name(name: &str) -> Option<(u128, u64)> {
         return None;
     }
     Some((u128::from_str_radix(h, 16).ok()?, u64::from_str_radix(s, 16).ok()?))
+}
+
+/// The PID of the writer of a temporary chunk file (`write_chunk`'s names: `.NAME.PID.N.XXXXXXXX.wz-partial`
+/// with NAME a chunk file's name); None for any other name.
+pub fn temporary_pid(name: &str) -> Option<u32> {
+    let chunk = name.strip_prefix('.')?.get(..NAME_LEN)?;
+    parse_name(chunk)?;
+    weightszip_core::codec::temporary_pid(name, &format!(".{chunk}."))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,30 +159,38 @@ fn fsync_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Write a chunk file atomically: `final.tmp`, write, fsync (when `durable`), rename, fsync the
-/// folder (when `durable`). On any error the temporary file is removed and no file appears.
+/// Write a chunk file atomically: a new temporary file beside it (a unique name, created
+/// exclusively: concurrent writes of one name never share it), write, fsync (when `durable`),
+/// rename, fsync the folder (when `durable`). On any error (or a panic) the temporary file is
+/// removed and no file appears.
 pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8], durable: bool) -> Result<()> {
-    let tmp = final_path.with_extension(TMP_SUFFIX);
-    let res = (|| -> Result<()> {
-        let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
-        f.write_all(&header.encode(key))?;
-        f.write_all(payload)?;
-        if durable {
-            f.sync_all()?;
-        }
-        drop(f);
-        fs::rename(&tmp, final_path)?;
-        if durable {
-            if let Some(dir) = final_path.parent() {
-                fsync_dir(dir)?;
-            }
-        }
-        Ok(())
-    })();
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
+    let (tmp, mut f) = weightszip_core::codec::create_temporary(final_path)?;
+    let mut guard = RemoveOnDrop(Some(&tmp));
+    f.write_all(&header.encode(key))?;
+    f.write_all(payload)?;
+    if durable {
+        f.sync_all()?;
     }
-    res
+    drop(f);
+    fs::rename(&tmp, final_path)?;
+    guard.0 = None;
+    if durable {
+        if let Some(dir) = final_path.parent() {
+            fsync_dir(dir)?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes the temporary file when dropped, unless disarmed: on an error, and on a panic too.
+struct RemoveOnDrop<'a>(Option<&'a Path>);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.0 {
+            let _ = fs::remove_file(p);
+        }
+    }
 }
 
 /// Read the header and key of a chunk file and check them (the header checksum covers both);
@@ -301,6 +323,68 @@ mod tests {
         assert!(name.chars().all(|c| c.is_ascii_hexdigit() || c == '-' || c == '.' || c == 'w' || c == 'z'));
         assert_eq!(parse_name("0123.wzc"), None);
         assert_eq!(parse_name(&format!("{h:032x}-zz.wzc")), None);
+    }
+
+    #[test]
+    fn temporary_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let fin = dir.path().join(rel_path(key_hash(b"k"), 3));
+        fs::create_dir_all(fin.parent().unwrap()).unwrap();
+        let (a, _fa) = weightszip_core::codec::create_temporary(&fin).unwrap();
+        let (b, _fb) = weightszip_core::codec::create_temporary(&fin).unwrap();
+        assert_ne!(a, b);
+        for t in [&a, &b] {
+            let name = t.file_name().unwrap().to_str().unwrap();
+            assert_eq!(temporary_pid(name), Some(std::process::id()), "{name}");
+            assert_eq!(parse_name(name), None);
+        }
+        let chunk = fin.file_name().unwrap().to_str().unwrap();
+        assert_eq!(temporary_pid(&format!(".{chunk}.42.0.0123abcd.wz-partial")), Some(42));
+        for n in [
+            format!("{chunk}.42.0.0123abcd.wz-partial"),
+            format!(".{chunk}.42.0123abcd.wz-partial"),
+            format!(".{chunk}.x.0.0123abcd.wz-partial"),
+            format!(".{chunk}.42.0.0123abcd.wz-partial~"),
+            ".0123.wzc.42.0.0123abcd.wz-partial".to_string(),
+            chunk.to_string(),
+            format!("{chunk}.tmp"),
+        ] {
+            assert_eq!(temporary_pid(&n), None, "{n}");
+        }
+    }
+
+    /// Writers of one file name at once (a store folder shared despite its lock, or any caller of
+    /// `write_chunk`): each has its own temporary, so every file that appears is some writer's
+    /// whole file. (With one shared `NAME.tmp`, one writer truncated and renamed the other's
+    /// half-written file.)
+    #[test]
+    fn concurrent_writes_of_one_name_publish_whole_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = b"same key".as_slice();
+        let fin = dir.path().join(rel_path(key_hash(key), 1));
+        fs::create_dir_all(fin.parent().unwrap()).unwrap();
+        std::thread::scope(|sc| {
+            for t in 0..4u8 {
+                let fin = &fin;
+                sc.spawn(move || {
+                    for i in 0..100u32 {
+                        let payload = vec![t ^ i as u8; 64 * 1024 + 7 * i as usize];
+                        let h = Header {
+                            tag: 0,
+                            key_len: key.len() as u32,
+                            payload_len: payload.len() as u64,
+                            seq: 1,
+                            key_hash: key_hash(key),
+                            payload_xxh3: xxh3_64(&payload),
+                        };
+                        write_chunk(fin, &h, key, &payload, false).unwrap();
+                        read_chunk(fin, u64::MAX).unwrap().expect("a whole file");
+                    }
+                });
+            }
+        });
+        let left: Vec<_> = fs::read_dir(fin.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left.len(), 1, "no temporary left: {left:?}");
     }
 
     #[test]

@@ -811,6 +811,7 @@ impl ChunkStore {
 
 /// Index the chunk files of a store folder (in parallel over its 256 subfolders).
 fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, u64, u64)>> {
+    let me = std::process::id();
     let per_sub: Vec<Result<Vec<(u128, u64, u64)>>> = (0..256u32)
         .into_par_iter()
         .map(|i| {
@@ -822,8 +823,21 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, 
                 let name = entry.file_name();
                 let Some(name) = name.to_str() else { continue };
                 let path = entry.path();
-                if name.ends_with(&format!(".{}", file::TMP_SUFFIX)) {
-                    // A write that never reached its rename: the writer died.
+                if let Some(pid) = file::temporary_pid(name) {
+                    // A write that never reached its rename. This open holds the folder's lock, so
+                    // its writer is gone (or is this process, whose earlier stores of this folder are
+                    // closed): removed, unless its PID is another running process (a writer that
+                    // shares the folder despite the lock; or a reused PID: a later open removes it).
+                    // Never indexed, never counted as damage.
+                    let stale = pid == me || weightszip_core::codec::process_gone(pid) != Some(false);
+                    if stale && entry.file_type().is_ok_and(|t| t.is_file()) {
+                        let _ = fs::remove_file(&path);
+                    }
+                    continue;
+                }
+                if name.ends_with(&format!(".{}", file::LEGACY_TMP_SUFFIX)) {
+                    // An earlier version's temporary (`NAME.tmp`), written under the lock: its
+                    // writer died.
                     let _ = fs::remove_file(&path);
                     continue;
                 }

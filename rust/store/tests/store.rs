@@ -166,7 +166,7 @@ fn open_removes_temporaries_damaged_and_superseded_files() {
     drop(s);
     // A writer that died before its rename, a garbage file under a chunk name, and the older
     // version of key 1 back beside the newer one (a crash between rename and unlink).
-    let tmp = p1.with_extension("tmp");
+    let tmp = p1.with_extension("tmp"); // (an earlier version's temporary name)
     fs::write(&tmp, b"partial").unwrap();
     fs::write(&p2, b"not a chunk file at all, longer than sixty-four bytes ............").unwrap();
     fs::write(&older, &older_bytes).unwrap();
@@ -184,6 +184,37 @@ fn open_removes_temporaries_damaged_and_superseded_files() {
     s.flush_all().unwrap();
     let (_, seq5) = file::parse_name(s.file_of(&key(5)).unwrap().file_name().unwrap().to_str().unwrap()).unwrap();
     assert!(seq5 > seq1);
+}
+
+/// Temporaries `.NAME.PID.N.RANDOM.wz-partial` at open (which holds the folder's lock): those of a
+/// writer that exited and of this process (whose stores of the folder are closed) are removed; one
+/// of a running process (a writer sharing the folder despite the lock) is left alone; none is
+/// indexed or counted as damage.
+#[cfg(target_os = "linux")]
+#[test]
+fn open_removes_temporaries_of_writers_that_are_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap();
+    s.put(&key(1), value(1, 0), 0).unwrap();
+    let p1 = s.file_of(&key(1)).unwrap();
+    drop(s);
+    let name1 = p1.file_name().unwrap().to_str().unwrap().to_string();
+    let mut exited = std::process::Command::new("true").spawn().unwrap();
+    let exited_pid = exited.id();
+    exited.wait().unwrap();
+    let partial = |pid: u32| p1.with_file_name(format!(".{name1}.{pid}.0.0123abcd.wz-partial"));
+    let (gone, own) = (partial(exited_pid), partial(std::process::id()));
+    let live = partial(std::os::unix::process::parent_id());
+    for t in [&gone, &own, &live] {
+        fs::write(t, b"half a chunk").unwrap();
+        assert!(file::temporary_pid(t.file_name().unwrap().to_str().unwrap()).is_some());
+    }
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    assert!(!gone.exists() && !own.exists());
+    assert!(live.exists(), "a running writer's temporary is left alone");
+    let st = s.stats();
+    assert_eq!((st.disk_chunks, st.corrupt_evicted), (1, 0));
+    assert_eq!(check_value(&s.get(&key(1)).unwrap().unwrap().data), (1, 0));
 }
 
 #[test]
@@ -315,6 +346,40 @@ fn batched_put_and_get_keep_order() {
             None => assert_eq!(id, 64),
         }
     }
+}
+
+/// Threads putting the same key at once, write-through (every put writes a file): each write has
+/// its own temporary, so none renames another's half-written file into place. Every read returns
+/// intact bytes of some version, the last put wins, and no temporary is left.
+#[test]
+fn concurrent_puts_of_one_key_never_share_a_temporary() {
+    const THREADS: u64 = 4;
+    const PUTS: u64 = 200;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap());
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                for i in 0..PUTS {
+                    s.put(&key(7), value(7, t * PUTS + i), 0).unwrap();
+                    let c = s.get(&key(7)).unwrap().expect("a version of key 7");
+                    assert_eq!(check_value(&c.data).0, 7);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let st = s.stats();
+    assert_eq!((st.corrupt_evicted, st.flush_errors), (0, 0));
+    let got = check_value(&s.get(&key(7)).unwrap().unwrap().data);
+    let files = chunk_files(dir.path());
+    assert_eq!(files.len(), 1, "one file, no temporaries: {files:?}");
+    drop(s);
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    assert_eq!(check_value(&s.get(&key(7)).unwrap().unwrap().data), got);
 }
 
 /// Eight threads of mixed put / get / delete / evict on shared keys: every read returns the
