@@ -22,6 +22,14 @@ def _count(text: str) -> int:
     return n
 
 
+def positive_int(text: str) -> int:
+    """A count >= 1 (GPUs, sessions)."""
+    n = _count(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def nonnegative_int(text: str) -> int:
     """A count (bytes, threads) >= 0 and at most MAX_COUNT."""
     n = _count(text)

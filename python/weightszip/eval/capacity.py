@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from weightszip.cli_args import positive_int
 from weightszip.errors import InvalidArgumentError, WeightszipError
 
 GB = 10**9
@@ -770,16 +771,6 @@ def plot(r: Report, path: str) -> None:
 # CLI
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
 def _tokens(text: str) -> int:
     """131072, 128k (= 131072), 1M (= 1048576)."""
     s = text.strip().lower()
@@ -810,13 +801,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help=f"{' | '.join(MODELS)} | path of a Hugging Face config.json")
     p.add_argument("--gpu", required=True, help=f"one of: {', '.join(GPUS)}")
     p.add_argument("--gpu-memory-gb", type=_number, help="memory per GPU in GB (1e9 bytes); default: the named GPU's figure")
-    p.add_argument("--gpus", type=_positive_int, default=1, help="GPUs per model replica (tensor parallel; default 1)")
+    p.add_argument("--gpus", type=positive_int, default=1, help="GPUs per model replica (tensor parallel; default 1)")
     p.add_argument("--context", type=_tokens, default=DEFAULT_CONTEXT, help="tokens per session (default 131072; 128k works)")
     p.add_argument("--formats", help=f"comma-separated KV formats (default: {','.join(FORMATS)})")
-    p.add_argument("--sessions", type=_positive_int, default=DEFAULT_SESSIONS, help="concurrent sessions for the fleet table (default 1000)")
+    p.add_argument("--sessions", type=positive_int, default=DEFAULT_SESSIONS, help="concurrent sessions for the fleet table (default 1000)")
     p.add_argument("--params", help="parameter count (8.03B, 70.6e9); overrides the model's or the config's")
     p.add_argument("--weights-gb", type=_number, help="weights in GB, instead of 2 bytes per parameter (e.g. fp8 weights)")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=GPUS_PER_NODE, help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=GPUS_PER_NODE, help="GPUs per node (default 8)")
     p.add_argument("--memory-fraction", type=_number, default=MEMORY_FRACTION, help="share of memory usable (default 0.92)")
     p.add_argument("--activations-gb", type=_number, default=ACTIVATIONS_GB_PER_GPU, help="activations per GPU in GB (default 4)")
     p.add_argument("--price-reserved", type=_number, default=PRICE_RESERVED, help="$ per GPU-hour reserved (default 2.00)")
