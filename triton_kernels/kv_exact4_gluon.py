@@ -49,9 +49,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from .paged_decode_gluon import (_COMMIT, _WARP_SYNC, _axis, _fresh_state, _lds, _lds_vec_asm, _lds_vec_constraints,
+from .paged_decode_gluon import (_COMMIT, _WARP_SYNC, _axis, _fresh_state, _lds, _lds_words,
                                  _lazy_softmax_step, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
-                                 _vec_words, _wait_stage, k_layout, v_layout, words_layout)
+                                 _vec_words, _wait_stage, _work_item, k_layout, v_layout, words_layout)
 
 # the channel-order code the shared helpers take for these operands (``_k_stored_channel``,
 # ``_v_stored_channel``)
@@ -302,12 +302,7 @@ def _words(addr, VEC: gl.constexpr, L: gl.constexpr, DIM: gl.constexpr):
     """The 32-bit words at shared byte offsets ``addr`` (a tensor in ``words_layout(L, m)`` whose last
     dim has size 1), ``VEC`` consecutive words of dim m per ``ld.shared.v*``, relaid out to ``L`` and
     that last dim (``DIM``) dropped: a tensor of ``SliceLayout(DIM, L)``."""
-    if VEC > 1:
-        w = gl.inline_asm_elementwise(_lds_vec_asm(VEC), _lds_vec_constraints(VEC), [addr], dtype=gl.int32,
-                                      is_pure=True, pack=VEC)
-    else:
-        w = _lds(addr)
-    return gl.max(gl.convert_layout(w, L, assert_trivial=True), axis=DIM)
+    return gl.max(gl.convert_layout(_lds_words(addr, VEC), L, assert_trivial=True), axis=DIM)
 
 
 @gluon.jit
@@ -440,11 +435,7 @@ def exact4_split_kernel(
     LK: gl.constexpr = k_layout(NW, M)
     LV: gl.constexpr = v_layout(NW, M)
 
-    item = gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.load(work_seq_ptr + item)
-    t0 = gl.load(work_start_ptr + item)
-    t1 = gl.load(work_end_ptr + item)
+    item, head, seq, t0, t1 = _work_item(work_seq_ptr, work_start_ptr, work_end_ptr)
     # the staging slots at offset 0 (the merge's scratch reuses them after the loop)
     stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 

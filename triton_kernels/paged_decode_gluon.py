@@ -476,13 +476,19 @@ def _staged_plane(base, r, m, p: gl.constexpr, M: gl.constexpr, L: gl.constexpr,
     (derived from ``_wait_stage``'s result), relaid out to ``L``. ``VEC`` (2 or 4): the words are
     loaded VEC at a time (``ld.shared.v2``/``.v4``): the addresses' layout must hold VEC consecutive,
     VEC-word aligned words of a row in consecutive registers (``words_layout``)."""
-    addr = base + p * (64 * M) + r * (4 * M) + 4 * m
+    return gl.convert_layout(_lds_words(base + p * (64 * M) + r * (4 * M) + 4 * m, VEC), L, assert_trivial=True)
+
+
+@gluon.jit
+def _lds_words(addr, VEC: gl.constexpr):
+    """The int32 words at shared byte offsets ``addr``, ``VEC`` (1, 2 or 4) consecutive ones per
+    ``ld.shared`` (``ld.shared.v2``/``.v4``: ``addr``'s layout must hold VEC consecutive, VEC-word
+    aligned words in consecutive registers, ``words_layout``)."""
     if VEC > 1:
-        w = gl.inline_asm_elementwise(_lds_vec_asm(VEC), _lds_vec_constraints(VEC), [addr], dtype=gl.int32,
-                                      is_pure=True, pack=VEC)
+        return gl.inline_asm_elementwise(_lds_vec_asm(VEC), _lds_vec_constraints(VEC), [addr], dtype=gl.int32,
+                                         is_pure=True, pack=VEC)
     else:
-        w = _lds(addr)
-    return gl.convert_layout(w, L, assert_trivial=True)
+        return _lds(addr)
 
 
 @gluon.jit
@@ -862,6 +868,15 @@ def _q_operand(q_ptr, seq, head, stride_qb, stride_qh, dtype: gl.constexpr, GROU
 
 
 @gluon.jit
+def _work_item(work_seq_ptr, work_start_ptr, work_end_ptr):
+    """This program's work item and KV head (grid axes 0 and 1), and the item's sequence and token
+    range [t0, t1) from ``PagedDecodeAttention.plan``'s schedule."""
+    item = gl.program_id(0)
+    return (item, gl.program_id(1), gl.load(work_seq_ptr + item), gl.load(work_start_ptr + item),
+            gl.load(work_end_ptr + item))
+
+
+@gluon.jit
 def _fresh_state(NW: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, MMA: gl.constexpr,
                  HEADS: gl.constexpr):
     """Each warp's softmax state before its first page: running max, mass and the fp32 sum of p v."""
@@ -991,11 +1006,7 @@ def compact_split_kernel(
     PB_K: gl.constexpr = 16 * (BITS_K * HEAD_DIM // 8 + 1)
     PB_V: gl.constexpr = 16 * (BITS_V * HEAD_DIM // 8 + 1)
 
-    item = gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.load(work_seq_ptr + item)
-    t0 = gl.load(work_start_ptr + item)
-    t1 = gl.load(work_end_ptr + item)
+    item, head, seq, t0, t1 = _work_item(work_seq_ptr, work_start_ptr, work_end_ptr)
 
     # Shared memory, addressed by inline PTX alone (``smem_offsets``): the pair tables at TAB_OFF and,
     # with STAGES > 0, each warp's next STAGES - 1 pages copied into its own slots (cp.async, no
@@ -1225,11 +1236,7 @@ def fp8_split_kernel(
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
     PB: gl.constexpr = 16 * HEAD_DIM  # bytes per 16-token page of one head
 
-    item = gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.load(work_seq_ptr + item)
-    t0 = gl.load(work_start_ptr + item)
-    t1 = gl.load(work_end_ptr + item)
+    item, head, seq, t0, t1 = _work_item(work_seq_ptr, work_start_ptr, work_end_ptr)
     # the staging slots at offset 0 (the merge's scratch reuses them after the loop)
     stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
