@@ -51,7 +51,8 @@ from triton.runtime.jit import constexpr_function
 
 from .paged_decode_gluon import (_COMMIT, _WARP_SYNC, _axis, _fresh_state, _lds, _lds_words,
                                  _lazy_softmax_step, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
-                                 _vec_words, _wait_stage, _work_item, k_layout, v_layout, words_layout)
+                                 _vec_words, _wait_stage, _work_item, k_layout, k_nibble_channel, v_layout,
+                                 words_layout)
 
 # the channel-order code the shared helpers take for these operands (``_k_stored_channel``,
 # ``_v_stored_channel``)
@@ -125,12 +126,10 @@ def _chunk_lanes(head_dim, bf16):
 # ----------------------------------------------------------------------------------------------------
 
 
-def x4_k_channel(ch, head_dim: int):
-    """The stored channel of K operand column ``ch`` (32 m + 8 i + 2 t + b of ``k_layout``): channel
-    8 (M t + m) + 2 i + b, so thread t decodes code words M t .. M t + M - 1 (as
-    ``paged_decode_gluon.k_nibble_channel``)."""
-    m = head_dim // 32
-    return 8 * (((ch // 2) % 4) * m + ch // 32) + 2 * ((ch // 8) % 4) + ch % 2
+# The stored channel of K operand column ``ch`` (32 m + 8 i + 2 t + b of ``k_layout``): channel
+# 8 (M t + m) + 2 i + b, so thread t decodes code words M t .. M t + M - 1: the width-4 compact
+# pages' order (exact4 code rows are nibble rows too)
+x4_k_channel = k_nibble_channel
 
 
 def x4_v_channel(ch, head_dim: int):

@@ -1481,11 +1481,12 @@ class PagedDecodeAttention:
         # (no logit bias: the kernel has none; 2 warps at least: with one, no Triton op touches shared
         # memory and ptxas loses the symbol the inline PTX addresses it by)
         fp8_stages = max(cfg.gluon_stages, 2)
-        # (head_dim 64 or 128 and groups up to 8: the shapes its GPU tests run; others compile for
-        # sm_90 but have not run on a GPU)
-        gluon_fp8 = (fp8 and cfg.gluon and not _interpreting() and logit_bias is None and cfg.gluon_warps >= 2
-                     and D in (64, 128) and G <= 8  # (so D x the padded group <= GLUON_MAX_ACC)
-                     and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
+        # (the fp8 and exact4 Gluon kernels: head_dim 64 or 128 and groups up to 8, the shapes their
+        # GPU tests run; others compile for sm_90 but have not run on a GPU)
+        gluon_shape = (cfg.gluon and not _interpreting() and logit_bias is None and cfg.gluon_warps >= 2
+                       and D in (64, 128) and G <= 8  # (so D x the padded group <= GLUON_MAX_ACC)
+                       and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work)
+        gluon_fp8 = (fp8 and gluon_shape
                      and all(t.stride(2) == D and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
                              and t.stride(1) % 16 == 0 for t in (k_pages, v_pages)))
         if gluon_fp8:
@@ -1494,9 +1495,7 @@ class PagedDecodeAttention:
             gluon_fp8 = fp8_smem_bytes(D, cfg.gluon_warps, fp8_stages) <= GLUON_MAX_SMEM
         # KV Exact4 pages on the Gluon kernel (``kv_exact4_gluon``), and bf16 pages on the same kernel
         # (its bit-for-bit reference) when their config asks for it; the same limits as fp8's
-        gluon_x4 = (self.page_type in (PAGE_EXACT4, PAGE_BF16) and cfg.gluon and not _interpreting()
-                    and logit_bias is None and cfg.gluon_warps >= 2 and D in (64, 128) and G <= 8
-                    and pl["paged_tokens"] * Hkv >= cfg.gluon_min_work
+        gluon_x4 = (self.page_type in (PAGE_EXACT4, PAGE_BF16) and gluon_shape
                     and all(t.data_ptr() % 16 == 0 for t in (k_pages, v_pages))
                     and (self.page_type == PAGE_EXACT4
                          or all(t.stride(2) == D and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
