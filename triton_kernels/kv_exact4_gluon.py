@@ -4,19 +4,28 @@ cores' register operands (and the same kernel over bf16 pages, its bit-for-bit r
 Why: the Triton kernel's exact4 path (``paged_decode._paged_split_kernel`` with ``PAGE_TYPE`` 4) runs
 at 0.36-0.41x of the faster bf16 kernel on the H200 (BENCHMARKS.md, "KV Exact4"): 241 registers, 32
 tokens a step, every decoded tile through shared memory into the operand layout; this one at
-0.90-0.95x ("KV Exact4 attention in Gluon"). Each warp takes every NW-th 16-token page of the split,
+0.90-0.95x (session 23), then about 1.0x with its address chain carried and its rows aligned
+(session 24; BENCHMARKS.md "KV Exact4 attention in Gluon"). Each warp takes every NW-th 16-token page of the split,
 as ``paged_decode_gluon.fp8_split_kernel`` does:
 
 * **Staged pages.** A warp copies its next page's slot of the head (window tops, code rows, raw rows;
   docs/FORMAT.md "KV Exact4 pages") and the 16-byte header chunk holding the head's entry into its own
   shared-memory slot by 16-byte ``cp.async`` (inline PTX: no CTA barrier), ``STAGES - 1`` pages
-  ahead. The rows land at strides chosen so the operand loads below are free of bank conflicts (K's
-  raw rows 3 D / 2 bytes apart, V's code rows D / 2 + 16 and raw rows D + 16), each lane's chunks
-  all K's or all V's (a chunk's source address is the lane's plus a constant). Rows outside the split
-  are not read: V's code chunks there come from a buffer of 0xFF bytes (code 15: exponent 0) and the
-  other chunks are zero-filled, so V's rows decode to +0.0 (finite: a softmax weight of 0 times them
-  is 0; K's rows there get logits of -inf whatever they hold). The page's byte offset goes into the
-  slot beside them (for its plain rows). The words are read back by ``ld.shared.v4`` (``_words``).
+  ahead. Each lane's chunks are all K's or all V's (a chunk's source address is the lane's plus a
+  constant). The rows land 32-byte aligned (a global sector's two chunks in one aligned 32 bytes:
+  otherwise the copy fetches the sector twice, ncu: 16 sectors a warp's copy, not 22-32) at strides
+  where the operand loads below are free of bank conflicts (K's raw rows 3 D / 2 bytes apart; V's,
+  head_dim 128, code rows 96 and raw rows 128 with their chunks swizzled, ``_v_swizzle``). Rows
+  outside the split are not read: V's code chunks there come from a buffer of 0xFF bytes (code 15:
+  exponent 0) and the other chunks are zero-filled, so V's rows decode to +0.0 (finite: a softmax
+  weight of 0 times them is 0; K's rows there get logits of -inf whatever they hold). The page's
+  byte offset goes into the slot beside them (for its plain rows). The words are read back by
+  ``ld.shared.v4`` (``_words``).
+* **The address chain rides in the copies.** A page's copies also carry (4-byte ``cp.async``,
+  ``_carry``) the heap offsets of the page STAGES on and the block-table entry of the page 2 STAGES
+  on, so the loop has no global load whose latency a warp waits out (ptxas gives loads and shared
+  loads the same scoreboards: before, a page's first product waited for the offset loads issued in
+  the same iteration, ncu: 19% of the warps' stall samples).
 * **Pairs decoded in registers** (``kv_exact4_ref.pair_decode``'s arithmetic: a funnel shift and a
   mask for the codes, two byte permutes for the window tops and the raw bytes with their sign bits
   spread, a subtraction, a permute that flags code 15, one select). K is the A operand of
@@ -49,7 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from .paged_decode_gluon import (_COMMIT, _WARP_SYNC, _axis, _fresh_state, _lds, _lds_words,
+from .paged_decode_gluon import (_COMMIT, _STS, _WARP_SYNC, _axis, _fresh_state, _lds, _lds_words,
                                  _lazy_softmax_step, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
                                  _vec_words, _wait_stage, _work_item, k_layout, k_nibble_channel, v_layout,
                                  words_layout)
@@ -62,6 +71,13 @@ X4_ORDER = gl.constexpr(16)
 # when $4 is not 0
 _CP_ASYNC_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
                             "add.u32 a, a, $1; @p cp.async.cg.shared.global [a], [$2], 16, $3; mov.u32 $0, 0; }")
+# a 4-byte cp.async of $3 bytes (4, or 0: zero fill) from global $2 to shared byte $1, when $4 is not 0
+_CP4_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
+                       "add.u32 a, a, $1; @p cp.async.ca.shared.global [a], [$2], 4, $3; mov.u32 $0, 0; }")
+# the carried words of a slot (bytes): the K and V page offsets of the page STAGES pages on (exact4),
+# a block number further on (``_issue``)
+_CARRY_OFFSETS = gl.constexpr(48)
+_CARRY_BLOCK = gl.constexpr(64)
 # a 64-bit store to shared byte $1 of global_smem (every lane the same value: the page offset)
 _STS64 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.b64 [a], $2; "
                       "mov.u32 $0, 0; }")
@@ -81,20 +97,25 @@ _LDS_ROWS = gl.constexpr("{ .reg .u32 a; .reg .b16 x, y; mov.u32 a, global_smem;
 def x4_geometry(head_dim, bf16):
     """Offsets in a warp's staging slot: (K tops, K codes, K raw, V tops, V codes, V raw, K code row
     stride, K raw row stride, V code row stride, V raw row stride, slot bytes). The slot starts with
-    the K and the V header chunk (bytes 0 and 16) and the K and V page offsets (32 and 40). bf16 mode:
-    the K rows at "K raw" and the V rows at "V raw", 2 head_dim bytes apart."""
+    the K and the V header chunk (bytes 0 and 16), the K and V page offsets (32 and 40), the address
+    chain's carried words (``_carry``: 48-67), then the rows from byte 96 (32-byte aligned: a global
+    sector's two chunks land in one aligned 32 bytes, else a copy's sectors are fetched twice). bf16
+    mode: the K rows at "K raw" and the V rows at "V raw", 2 head_dim bytes apart."""
     d = head_dim
     if bf16:
-        kr, vr = 64, 64 + 32 * d
-        return (0, 0, kr, 0, 0, vr, 0, 2 * d, 0, 2 * d, (64 + 64 * d + 127) // 128 * 128)
-    kt = 64
+        kr, vr = 96, 96 + 32 * d
+        return (0, 0, kr, 0, 0, vr, 0, 2 * d, 0, 2 * d, (96 + 64 * d + 127) // 128 * 128)
+    kt = 96
     kc = kt + d
     kr = kc + 16 * (d // 2)
     vt = kr + 16 * (3 * d // 2)
     vc = vt + d
-    vr = vc + 16 * (d // 2 + 16)
-    end = vr + 16 * (d + 16)
-    return (kt, kc, kr, vt, vc, vr, d // 2, 3 * d // 2, d // 2 + 16, d + 16, (end + 127) // 128 * 128)
+    # V's rows: at head_dim 128 at 32-byte multiples, their chunks swizzled (``_v_swizzle``); else padded
+    # by 16 bytes
+    vcs, vrs = (d // 2 + 32, d) if d == 128 else (d // 2 + 16, d + 16)
+    vr = vc + 16 * vcs
+    end = vr + 16 * vrs
+    return (kt, kc, kr, vt, vc, vr, d // 2, 3 * d // 2, vcs, vrs, (end + 127) // 128 * 128)
 
 
 def slot_bytes(head_dim: int, bf16: bool = False) -> int:
@@ -110,7 +131,7 @@ def smem_bytes(head_dim: int, num_warps: int, stages: int, bf16: bool = False) -
 @constexpr_function
 def _chunks_per_page(head_dim, bf16):
     """16-byte chunks a warp copies per page and side (K or V): bf16: 16 rows of 2 head_dim bytes;
-    exact4: the header chunk, then the head's slot (25 head_dim bytes)."""
+    exact4: the head's slot (25 head_dim bytes), then the header chunk."""
     return 2 * head_dim if bf16 else 1 + 25 * head_dim // 16
 
 
@@ -163,28 +184,101 @@ def _pair(k7, t7, x):
 
 
 @gluon.jit
-def _page_offsets(bt_row, first, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb, stride_vh,
-                  BF16: gl.constexpr, BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Byte offsets of the K and the V page of token ``first`` (a page's first token): exact4, the
-    heap offsets of its block (16-token blocks); bf16, its place in the pools (byte strides). Block 0's
-    past t1."""
-    blk = gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
-    if BF16:
-        b64 = blk.to(gl.int64)
-        pib = ((first % BLOCK_SIZE) // 16) * (32 * HEAD_DIM)
-        return b64 * stride_kb + head * stride_kh + pib, b64 * stride_vb + head * stride_vh + pib
-    else:
-        return gl.load(k_off_ptr + blk), gl.load(v_off_ptr + blk)
+def _block_of(bt_row, first, t1, BLOCK_SIZE: gl.constexpr):
+    """The block holding token ``first`` (a page's first token); block 0 past t1."""
+    return gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
 
 
 @gluon.jit
-def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_heads, HEAD_DIM: gl.constexpr,
-           BF16: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr):
+def _seed(dst, first, t1, bt_row, k_off_ptr, v_off_ptr, BF16: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+          STAGES: gl.constexpr, NW: gl.constexpr, SL: gl.constexpr):
+    """The carried words of the slot at ``dst`` for the page of token ``first`` ([NW, 1] tensors), as
+    the copies of the page STAGES before it would have carried them (``_carry``): bf16, its block;
+    exact4, its K and V offsets and the block STAGES pages on. Every lane stores the same words."""
+    blk = _block_of(bt_row, first, t1, BLOCK_SIZE)
+    lane = _axis(32, 1, 2, SL)
+    if BF16:
+        gl.inline_asm_elementwise(_STS, "=r,r,r", [dst + _CARRY_BLOCK + 0 * lane, blk + 0 * lane], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        nxt = _block_of(bt_row, first + STAGES * NW * 16, t1, BLOCK_SIZE)
+        gl.inline_asm_elementwise(_STS64, "=r,r,l", [dst + _CARRY_OFFSETS + 0 * lane, gl.load(k_off_ptr + blk) + 0 * lane],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_STS64, "=r,r,l", [dst + _CARRY_OFFSETS + 8 + 0 * lane,
+                                                     gl.load(v_off_ptr + blk) + 0 * lane],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_STS, "=r,r,r", [dst + _CARRY_BLOCK + 0 * lane, nxt + 0 * lane], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _v_swizzle(row, RAW: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The XOR applied to the 16-byte chunk index of V's code (``RAW`` False) or raw row ``row`` in a
+    slot (head_dim 128; else 0): the operand loads of rows 0, 2, 4, 6 (and 1, 3, 5, 7) of a quarter warp
+    then fall in distinct banks at row strides of 32-byte multiples (raw 128 bytes, codes 96), and a
+    global sector's two chunks stay one aligned 32 bytes."""
+    if HEAD_DIM == 128:
+        if RAW:
+            return 2 * ((row // 2) % 4)
+        else:
+            return 2 * ((row // 4) % 2)
+    else:
+        return 0 * row
+
+
+@gluon.jit
+def _carried(dst, first, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16: gl.constexpr,
+             BLOCK_SIZE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """What the slot at shared byte ``dst`` carries for the page (its first token ``first``) about to
+    be issued into it (``_issue``): its K and V byte offsets and, exact4, the block of the page STAGES
+    on (whose offsets the issue carries); bf16, the offsets from its block."""
+    blk = _lds(dst + _CARRY_BLOCK)
+    if BF16:
+        b64 = blk.to(gl.int64)
+        pib = ((first % BLOCK_SIZE) // 16) * (32 * HEAD_DIM)
+        return b64 * stride_kb + head * stride_kh + pib, b64 * stride_vb + head * stride_vh + pib, blk
+    else:
+        ko = gl.inline_asm_elementwise(_LDS64, "=l,r", [dst + _CARRY_OFFSETS], dtype=gl.int64, is_pure=True, pack=1)
+        vo = gl.inline_asm_elementwise(_LDS64, "=l,r", [dst + _CARRY_OFFSETS + 8], dtype=gl.int64, is_pure=True,
+                                       pack=1)
+        return ko, vo, blk
+
+
+@gluon.jit
+def _carry(dst, blk, fblk, t1, bt_row, k_off_ptr, v_off_ptr, BF16: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+           IL: gl.constexpr):
+    """4-byte cp.asyncs into the slot at ``dst`` (a [NW, 1] tensor of ``SliceLayout(2, IL)``) of the
+    address chain: exact4, lanes 0-3 the K and V offsets of block ``blk`` (two words each); lane 4
+    (bf16: lane 0) the block of token ``fblk`` (block 0 past t1: the copy's zero fill)."""
+    SL: gl.constexpr = gl.SliceLayout(2, IL)
+    lane = _axis(32, 1, 2, SL)
+    bsrc = bt_row + fblk // BLOCK_SIZE
+    bsize = gl.where(fblk < t1, 4, 0)
+    if BF16:
+        gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [dst + _CARRY_BLOCK + 0 * lane, bsrc + 0 * lane,
+                                                          bsize + 0 * lane, (lane == 0).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        b64 = blk.to(gl.int64) * 8
+        osrc = gl.where(lane < 2, k_off_ptr.to(gl.pointer_type(gl.int32)) + (b64 // 4 + lane),
+                        v_off_ptr.to(gl.pointer_type(gl.int32)) + (b64 // 4 + lane - 2))
+        src = gl.where(lane < 4, osrc, bsrc.to(gl.pointer_type(gl.int32)) + 0 * lane)
+        gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [dst + gl.where(lane < 4, _CARRY_OFFSETS + 4 * lane,
+                                                                         _CARRY_BLOCK),
+                                                          src, gl.where(lane < 4, 4, bsize), (lane < 5).to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
+           v_off_ptr, HEAD_DIM: gl.constexpr, BF16: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr,
+           IL: gl.constexpr):
     """cp.async of one page of K and of V (``kpo``/``vpo``: byte offsets, ``first``: the page's first
-    token, [NW, 1, 1] in ``IL``) into the warp's slot at shared byte ``dst``, as one commit group;
-    then the page offsets into the slot. Register i of a lane copies chunk 32 (i % (NCH / 2)) + lane
-    of K (i < NCH / 2) or of V: a register's side is a constant and its source address the lane's
-    plus a constant, so a chunk costs a few instructions."""
+    token, [NW, 1, 1] in ``IL``) into the warp's slot at shared byte ``dst``, with the address chain's
+    next words (``_carry``: the offsets of block ``blk``, the block of token ``fblk``), as one commit
+    group; then the page offsets into the slot. Register i of a lane copies chunk 32 (i % (NCH / 2))
+    + lane of K (i < NCH / 2) or of V: a register's side is a constant and its source address the
+    lane's plus a constant, so a chunk costs a few instructions."""
     G: gl.constexpr = x4_geometry(HEAD_DIM, BF16)
     NC: gl.constexpr = _chunks_per_page(HEAD_DIM, BF16)
     NCH: gl.constexpr = _chunk_lanes(HEAD_DIM, BF16)
@@ -207,7 +301,10 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_he
         dst_rel = gl.where(is_v, G[5], G[2]) + 16 * kc
         size = (rv >> row) & 16
     else:
-        kq = kc - 1  # chunk of the head's slot: tops D / 16, codes D / 2, raw D
+        # chunk kq of the head's slot (tops D / 16, codes D / 2, raw D; rows start at multiples of 8
+        # chunks, so a quarter warp's stores fill whole bank rows), then the header chunk (kq = NQ)
+        kq = kc
+        is_hdr = kq == 25 * D // 16
         is_code = (kq >= D // 16) & (kq < 9 * D // 16)
         is_row = kq >= D // 16
         kcd = kq - D // 16
@@ -215,14 +312,14 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_he
         crow = kcd // (D // 32)
         rrow = kr // (D // 16)
         row = gl.where(is_row, gl.where(is_code, crow, rrow), 16)
-        dst_rel = gl.where(kc == 0, 16 * is_v.to(gl.int32),
+        dst_rel = gl.where(is_hdr, 16 * is_v.to(gl.int32),
                            gl.where(is_row, gl.where(is_code, gl.where(is_v, G[4], G[1]) + crow * gl.where(is_v, G[8], G[6])
-                                                     + 16 * (kcd % (D // 32)),
+                                                     + 16 * ((kcd % (D // 32)) ^ gl.where(is_v, _v_swizzle(crow, False, D), 0)),
                                                      gl.where(is_v, G[5], G[2]) + rrow * gl.where(is_v, G[9], G[7])
-                                                     + 16 * (kr % (D // 16))),
+                                                     + 16 * ((kr % (D // 16)) ^ gl.where(is_v, _v_swizzle(rrow, True, D), 0))),
                                     gl.where(is_v, G[3], G[0]) + 16 * kq))
         hdr = (4 * num_kv_heads + 15) // 16 * 16
-        src = gl.where(kc == 0, base + 16 * (head // 4), base + (hdr + head * (25 * D) - 16) + 16 * kc)
+        src = gl.where(is_hdr, base + 16 * (head // 4), base + (hdr + head * (25 * D)) + 16 * kq)
         size = (rv >> row) & 16
         # V's code chunks of rows not read: code 15 from the 0xFF buffer (K's rows not read are zeros:
         # their logits are masked, whatever their values)
@@ -232,10 +329,12 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_he
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC_ON, "=r,r,l,r,r", [dst + dst_rel, src, size, on], dtype=gl.int32,
                               is_pure=False, pack=1)
+    SL: gl.constexpr = gl.SliceLayout(2, IL)
+    _carry(gl.max(dst, axis=2), gl.max(blk, axis=2), gl.max(fblk, axis=2), t1, bt_row, k_off_ptr, v_off_ptr, BF16,
+           BLOCK_SIZE, IL)
     _per_thread(_COMMIT, NW)
     if not BF16:
         # the page offsets at bytes 32 (K) and 40 (V): even lanes store K's, odd lanes V's
-        SL: gl.constexpr = gl.SliceLayout(2, IL)
         side = _axis(32, 1, 2, SL) % 2
         gl.inline_asm_elementwise(_STS64, "=r,r,l", [gl.max(dst, axis=2) + 32 + 8 * side,
                                                      gl.where(side == 1, gl.max(vpo, axis=2), gl.max(kpo, axis=2))],
@@ -382,15 +481,16 @@ def _v_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.cons
         raw_ = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW)
         jw = _axis(8, 4, 8, LW)
         mw = _axis(M, 1, 8, LW)
-        ca = _words(bw + G[4] + raw_ * G[8] + 4 * (M * (jw % 4) + mw), VEC, LV, 7)
-        cb = _words(bw + G[4] + (raw_ + 1) * G[8] + 4 * (M * (jw % 4) + mw), VEC, LV, 7)
+        cpos = 4 * (M * (jw % 4) + mw)  # the code word's byte in its row, then its chunk swizzled
+        ca = _words(bw + G[4] + raw_ * G[8] + (cpos ^ (16 * _v_swizzle(raw_, False, HEAD_DIM))), VEC, LV, 7)
+        cb = _words(bw + G[4] + (raw_ + 1) * G[8] + (cpos ^ (16 * _v_swizzle(raw_ + 1, False, HEAD_DIM))), VEC, LV, 7)
         bc = 2 * i0 + (j // 4)  # the byte of a code word holding the channel's nibble (nibble i1)
         k7 = _rotr(_prmt(ca, cb, bc * 0x11 + (bc + 4) * 0x1100), 4 * i1 - 7) & 0x07800780
         posw = 4 * M * jw + 4 * mw
         tw = _words(bw + G[3] + posw, VEC, LV, 7)
         t7 = _prmt(tw, 0, bp * 0x101 + 0x4040) << 7
-        rwa = _words(bw + G[5] + raw_ * G[9] + posw, VEC, LV, 7)
-        rwb = _words(bw + G[5] + (raw_ + 1) * G[9] + posw, VEC, LV, 7)
+        rwa = _words(bw + G[5] + raw_ * G[9] + (posw ^ (16 * _v_swizzle(raw_, True, HEAD_DIM))), VEC, LV, 7)
+        rwb = _words(bw + G[5] + (raw_ + 1) * G[9] + (posw ^ (16 * _v_swizzle(raw_ + 1, True, HEAD_DIM))), VEC, LV, 7)
         x = _prmt(rwa, rwb, bp * 0x1111 + 0xC480) & -2139127681  # 0x807F807F
         val = _pair(k7, t7, x)
         pa, ent = _plain_rows(base, 1, fr, ra, t0, t1, head)
@@ -448,22 +548,30 @@ def exact4_split_kernel(
     wk = _axis(NW, 0, 6, gl.SliceLayout(6, LK))
     wv = _axis(NW, 0, 7, gl.SliceLayout(7, LV))
     wi = _axis(NW, 0, 3, IL)
+    # the address chain rides in the copies (``_carry``), so no load in the loop waits for memory: each
+    # slot starts with what the page issued into it needs, seeded here for the first STAGES pages
+    NB: gl.constexpr = 1 if BF16 else 2
+    SL: gl.constexpr = gl.SliceLayout(2, IL)
+    wl = _axis(NW, 0, 2, SL)
+    for s0 in gl.static_range(STAGES):
+        _seed((wl * STAGES + s0) * SLOT, _tile_first(lo, s0, NW, 2, SL), t1, bt_row, k_off_ptr, v_off_ptr,
+              BF16, BLOCK_SIZE, STAGES, NW, SL)
+    _per_thread(_WARP_SYNC, NW)
     for s0 in gl.static_range(STAGES - 1):
         f = _tile_first(lo, s0, NW, 3, IL)
-        ko, vo = _page_offsets(bt_row, f, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb,
-                               stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
-        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, (wi * STAGES + s0) * SLOT, ones_ptr, head, num_kv_heads, HEAD_DIM,
-               BF16, NW, IL)
-    sfirst = _tile_first(lo, STAGES - 1, NW, 3, IL)
-    sok, sov = _page_offsets(bt_row, sfirst, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb,
-                             stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+        dst = (wi * STAGES + s0) * SLOT
+        ko, vo, blk = _carried(dst, f, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, dst, ones_ptr, head, num_kv_heads, blk,
+               _tile_first(lo, s0 + NB * STAGES, NW, 3, IL), bt_row, k_off_ptr, v_off_ptr, HEAD_DIM, BF16,
+               BLOCK_SIZE, NW, IL)
     for j in range(0, n_iter):
-        # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
-        _issue(k_ptr, v_ptr, sok, sov, sfirst, t0, t1, (wi * STAGES + (j + STAGES - 1) % STAGES) * SLOT,
-               ones_ptr, head, num_kv_heads, HEAD_DIM, BF16, NW, IL)
-        sfirst = _tile_first(lo, j + STAGES, NW, 3, IL)
-        sok, sov = _page_offsets(bt_row, sfirst, t1, head, k_off_ptr, v_off_ptr, stride_kb, stride_kh, stride_vb,
-                                 stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+        # page j + STAGES - 1 into the slot page j - 1 used (which carried its offsets); page j landed
+        f = _tile_first(lo, j + STAGES - 1, NW, 3, IL)
+        dst = (wi * STAGES + (j + STAGES - 1) % STAGES) * SLOT
+        ko, vo, blk = _carried(dst, f, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, dst, ones_ptr, head, num_kv_heads, blk,
+               _tile_first(lo, j + STAGES - 1 + NB * STAGES, NW, 3, IL), bt_row, k_off_ptr, v_off_ptr, HEAD_DIM,
+               BF16, BLOCK_SIZE, NW, IL)
         slot = _wait_stage(j % STAGES, STAGES - 1)
         fr = _tile_first(lo, j, NW, 2, ROWS)
         frk = _tile_first(lo, j, NW, 6, gl.SliceLayout(6, LK))
