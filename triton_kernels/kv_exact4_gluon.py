@@ -67,10 +67,11 @@ from .paged_decode_gluon import (_COMMIT, _STS, _WARP_SYNC, _axis, _fresh_state,
 # ``_v_stored_channel``)
 X4_ORDER = gl.constexpr(16)
 
-# a 16-byte cp.async of $3 bytes (16, or 0: zero fill) from global $2 to shared byte $1 of global_smem,
-# when $4 is not 0
+# a 16-byte cp.async of $3 bytes (16, or 0: zero fill) from global $2 to shared byte $1 + $5 of
+# global_smem, when $4 is not 0 ($5, uniform, added to the base first: one add a chunk)
 _CP_ASYNC_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
-                            "add.u32 a, a, $1; @p cp.async.cg.shared.global [a], [$2], 16, $3; mov.u32 $0, 0; }")
+                            "add.u32 a, a, $5; add.u32 a, a, $1; @p cp.async.cg.shared.global [a], [$2], 16, $3; "
+                            "mov.u32 $0, 0; }")
 # a 4-byte cp.async of $3 bytes (4, or 0: zero fill) from global $2 to shared byte $1, when $4 is not 0
 _CP4_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
                        "add.u32 a, a, $1; @p cp.async.ca.shared.global [a], [$2], 4, $3; mov.u32 $0, 0; }")
@@ -270,15 +271,17 @@ def _carry(dst, blk, fblk, t1, bt_row, k_off_ptr, v_off_ptr, BF16: gl.constexpr,
 
 
 @gluon.jit
-def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
+def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, wdst, soff, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
            v_off_ptr, HEAD_DIM: gl.constexpr, BF16: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr,
-           IL: gl.constexpr):
+           IL: gl.constexpr, FULL: gl.constexpr):
     """cp.async of one page of K and of V (``kpo``/``vpo``: byte offsets, ``first``: the page's first
-    token, [NW, 1, 1] in ``IL``) into the warp's slot at shared byte ``dst``, with the address chain's
+    token, [NW, 1, 1] in ``IL``) into the warp's slot at shared byte ``wdst + soff`` (the warp's first
+    slot, the slot's offset: a scalar, so a chunk's place is a loop invariant plus it), with the address chain's
     next words (``_carry``: the offsets of block ``blk``, the block of token ``fblk``), as one commit
     group; then the page offsets into the slot. Register i of a lane copies chunk 32 (i % (NCH / 2))
     + lane of K (i < NCH / 2) or of V: a register's side is a constant and its source address the
-    lane's plus a constant, so a chunk costs a few instructions."""
+    lane's plus a constant, so a chunk costs a few instructions. ``FULL``: every warp's page lies inside
+    the split (all but a split's first and last steps): no row is left out, every chunk copied whole."""
     G: gl.constexpr = x4_geometry(HEAD_DIM, BF16)
     NC: gl.constexpr = _chunks_per_page(HEAD_DIM, BF16)
     NCH: gl.constexpr = _chunk_lanes(HEAD_DIM, BF16)
@@ -294,6 +297,8 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_he
     hi = gl.minimum(gl.maximum(t1 - first, 0), 16)
     rv = ((1 << hi) - (1 << lo)) << 4
     rv = rv | gl.where(rv != 0, 1 << 20, 0)
+    if FULL:
+        rv = 0 * rv + 0x1FFFF0
     base = gl.where(is_v, v_ptr + vpo, k_ptr + kpo)
     if BF16:
         row = kc // (D // 8)  # 2 D-byte rows
@@ -320,14 +325,18 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, dst, ones_ptr, head, num_kv_he
                                     gl.where(is_v, G[3], G[0]) + 16 * kq))
         hdr = (4 * num_kv_heads + 15) // 16 * 16
         src = gl.where(is_hdr, base + 16 * (head // 4), base + (hdr + head * (25 * D)) + 16 * kq)
-        size = (rv >> row) & 16
-        # V's code chunks of rows not read: code 15 from the 0xFF buffer (K's rows not read are zeros:
-        # their logits are masked, whatever their values)
-        vc = is_v & is_code & (size == 0)
-        src = gl.where(vc, ones_ptr, src)
-        size = gl.where(vc, 16, size)
+        if FULL:
+            size = 16 + 0 * kc
+        else:
+            size = (rv >> row) & 16
+            # V's code chunks of rows not read: code 15 from the 0xFF buffer (K's rows not read are
+            # zeros: their logits are masked, whatever their values)
+            vc = is_v & is_code & (size == 0)
+            src = gl.where(vc, ones_ptr, src)
+            size = gl.where(vc, 16, size)
     _per_thread(_WARP_SYNC, NW)
-    gl.inline_asm_elementwise(_CP_ASYNC_ON, "=r,r,l,r,r", [dst + dst_rel, src, size, on], dtype=gl.int32,
+    dst = wdst + soff
+    gl.inline_asm_elementwise(_CP_ASYNC_ON, "=r,r,l,r,r,r", [wdst + dst_rel, src, size, on, soff + 0 * on], dtype=gl.int32,
                               is_pure=False, pack=1)
     SL: gl.constexpr = gl.SliceLayout(2, IL)
     _carry(gl.max(dst, axis=2), gl.max(blk, axis=2), gl.max(fblk, axis=2), t1, bt_row, k_off_ptr, v_off_ptr, BF16,
@@ -559,19 +568,25 @@ def exact4_split_kernel(
     _per_thread(_WARP_SYNC, NW)
     for s0 in gl.static_range(STAGES - 1):
         f = _tile_first(lo, s0, NW, 3, IL)
-        dst = (wi * STAGES + s0) * SLOT
-        ko, vo, blk = _carried(dst, f, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
-        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, dst, ones_ptr, head, num_kv_heads, blk,
+        ko, vo, blk = _carried(wi * (STAGES * SLOT) + s0 * SLOT, f, head, stride_kb, stride_kh, stride_vb, stride_vh,
+                               BF16, BLOCK_SIZE, HEAD_DIM)
+        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wi * (STAGES * SLOT), s0 * SLOT, ones_ptr, head, num_kv_heads, blk,
                _tile_first(lo, s0 + NB * STAGES, NW, 3, IL), bt_row, k_off_ptr, v_off_ptr, HEAD_DIM, BF16,
-               BLOCK_SIZE, NW, IL)
+               BLOCK_SIZE, NW, IL, False)
     for j in range(0, n_iter):
         # page j + STAGES - 1 into the slot page j - 1 used (which carried its offsets); page j landed
         f = _tile_first(lo, j + STAGES - 1, NW, 3, IL)
-        dst = (wi * STAGES + (j + STAGES - 1) % STAGES) * SLOT
-        ko, vo, blk = _carried(dst, f, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
-        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, dst, ones_ptr, head, num_kv_heads, blk,
-               _tile_first(lo, j + STAGES - 1 + NB * STAGES, NW, 3, IL), bt_row, k_off_ptr, v_off_ptr, HEAD_DIM,
-               BF16, BLOCK_SIZE, NW, IL)
+        soff = ((j + STAGES - 1) % STAGES) * SLOT
+        wdst = wi * (STAGES * SLOT)
+        ko, vo, blk = _carried(wdst + soff, f, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
+        fblk = _tile_first(lo, j + STAGES - 1 + NB * STAGES, NW, 3, IL)
+        step0 = lo + (j + STAGES - 1) * (NW * 16)  # the step's first token
+        if (step0 >= t0) & (step0 + NW * 16 <= t1):
+            _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wdst, soff, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
+                   v_off_ptr, HEAD_DIM, BF16, BLOCK_SIZE, NW, IL, True)
+        else:
+            _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wdst, soff, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
+                   v_off_ptr, HEAD_DIM, BF16, BLOCK_SIZE, NW, IL, False)
         slot = _wait_stage(j % STAGES, STAGES - 1)
         fr = _tile_first(lo, j, NW, 2, ROWS)
         frk = _tile_first(lo, j, NW, 6, gl.SliceLayout(6, LK))
