@@ -222,8 +222,8 @@ DEFAULT_CONFIGS = {
     # On the GPU since session 23 the Gluon kernel (``kv_exact4_gluon``; 4 warps, pages staged one ahead,
     # no register cap) for head_dim 64 or 128 and groups up to 8: 2.2-2.3x the Triton kernel's speed at
     # batch 8-64 x 32k-128k on the H200 (`box/s23_run04`: 0.88-0.92x the faster bf16 kernel against
-    # 0.40x; 8 warps within 1%, a cap of 168 registers 1-3% slower); the Triton kernel elsewhere, with
-    # the fields above
+    # 0.40x; 8 warps within 1%, a cap of 168 registers 1-3% slower), 1.00-1.06x at 11 of 12 points
+    # since session 24 (`box/s24_run08`); the Triton kernel elsewhere, with the fields above
     PAGE_EXACT4: KernelConfig(block_n=32, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
                               gluon_min_work=0, gluon_warps=4, gluon_stages=2, gluon_maxnreg=0),
 }
