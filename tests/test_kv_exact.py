@@ -1280,3 +1280,27 @@ def test_exact4_restore_refuses_damaged_pages(real):
     s2 = cache.restore_sequence(off, verify=True)
     for layer in range(3):
         assert all(torch.equal(a, b) for a, b in zip(cache.dense(layer, s2), cache.dense(layer, s0)))
+
+
+def test_exact4_gluon_staging_slot_layout():
+    """The staging slot (``x4_geometry``): the header chunks (bytes 0-31), the page offsets (32-47)
+    and the carried address words (48-67) come before the first row; the K and V regions (tops, 16
+    code rows, 16 raw rows) follow each other without overlap inside the slot; at head_dim 128 every
+    row starts 32-byte aligned (a global sector's two chunks then land in one aligned 32 bytes: a
+    copy fetches each sector once)."""
+    from weightszip.kernels import kv_exact4_gluon as xg
+
+    for d in (64, 128):
+        kt, kc, kr, vt, vc, vr, kcs, krs, vcs, vrs, slot = xg.x4_geometry(d, False)
+        assert kt >= 68 and kt % 16 == 0
+        regions = [(kt, d), (kc, 16 * kcs), (kr, 16 * krs), (vt, d), (vc, 16 * vcs), (vr, 16 * vrs)]
+        for (a, n), (b, _) in zip(regions, regions[1:]):
+            assert a + n <= b, (d, a, n, b)
+        assert vr + 16 * vrs <= slot and slot % 128 == 0 and slot == xg.slot_bytes(d)
+        assert kcs >= d // 2 and krs >= d and vcs >= d // 2 and vrs >= d  # a row fits its stride
+        if d == 128:
+            starts = [s + r * stride for s, stride in ((kc, kcs), (kr, krs), (vc, vcs), (vr, vrs)) for r in range(16)]
+            assert all(x % 32 == 0 for x in starts + [kt, vt]), starts
+        # bf16 mode: K and V rows of 2 d bytes, after the same carried words
+        _, _, kr16, _, _, vr16, _, krs16, _, vrs16, slot16 = xg.x4_geometry(d, True)
+        assert kr16 >= 68 and kr16 % 32 == 0 and vr16 == kr16 + 16 * krs16 and vr16 + 16 * vrs16 <= slot16
