@@ -1,4 +1,5 @@
 # session 24 run 5: issue without row masks on full steps (FULL), slot offset uniform: tests, A/B (base: session start, quick: 1a291dc), ncu
+# (.boxq/x/ab.py as run: the copy in ../s24_run04/ab.py)
 source .boxq/r/setup.sh
 mkdir -p $OUT
 timeout 150 python3 -m pytest -q -rf --tb=short -x tests/test_kv_exact.py -p no:cacheprovider \
