@@ -1,4 +1,5 @@
 # session 24 run 11 (run 10 the same without the summaries kept): ncu (warp states, source counters) of the fp8 and the compact (q4) Gluon split
+# (.boxq/x/stalls.py: the script that became benchmarks/ncu_stalls.py; it listed every LDGSTS of the loop)
 # kernels at the Llama-3.1-8B layer, batch 32 x 64k: do they wait on their block-table loads as the
 # exact4 kernel did (run 1)?
 source .boxq/r/setup.sh
