@@ -306,8 +306,9 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, wdst, soff, ones_ptr, head, nu
         dst_rel = gl.where(is_v, G[5], G[2]) + 16 * kc
         size = (rv >> row) & 16
     else:
-        # chunk kq of the head's slot (tops D / 16, codes D / 2, raw D; rows start at multiples of 8
-        # chunks, so a quarter warp's stores fill whole bank rows), then the header chunk (kq = NQ)
+        # chunk kq of the head's slot (tops D / 16 chunks, code rows of D / 32 from chunk D / 16, raw rows
+        # of D / 16 from chunk 9 D / 16: lane pairs copy whole 32-byte sectors), then the header chunk
+        # (kq = NQ)
         kq = kc
         is_hdr = kq == 25 * D // 16
         is_code = (kq >= D // 16) & (kq < 9 * D // 16)
