@@ -58,7 +58,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from .paged_decode_gluon import (_COMMIT, _STS, _WARP_SYNC, _axis, _fresh_state, _lds, _lds_words,
+from .paged_decode_gluon import (_COMMIT, _STS, _WARP_SYNC, _axis, _block_of, _fresh_state, _lds, _lds_words,
                                  _lazy_softmax_step, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
                                  _vec_words, _wait_stage, _work_item, k_layout, k_nibble_channel, v_layout,
                                  words_layout)
@@ -169,6 +169,12 @@ def x4_v_channel(ch, head_dim: int):
 
 
 @gluon.jit
+def _lds64(addr):
+    """int64 at shared byte offset ``addr`` (elementwise)."""
+    return gl.inline_asm_elementwise(_LDS64, "=l,r", [addr], dtype=gl.int64, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _prmt(a, b, sel):
     return gl.inline_asm_elementwise(_PRMT, "=r,r,r,r", [a, b, sel], dtype=gl.int32, is_pure=True, pack=1)
 
@@ -182,12 +188,6 @@ def _pair(k7, t7, x):
     zero-filled, with K's codes 0 (no borrow) and V's 15 (both halves masked)."""
     z = _prmt(k7 + 0x78807880, 0, 0xBB99)  # 0xFFFF in the halves whose code is 15
     return ((t7 - k7) & ~z) | x
-
-
-@gluon.jit
-def _block_of(bt_row, first, t1, BLOCK_SIZE: gl.constexpr):
-    """The block holding token ``first`` (a page's first token); block 0 past t1."""
-    return gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
 
 
 @gluon.jit
@@ -239,10 +239,7 @@ def _carried(dst, first, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16:
         pib = ((first % BLOCK_SIZE) // 16) * (32 * HEAD_DIM)
         return b64 * stride_kb + head * stride_kh + pib, b64 * stride_vb + head * stride_vh + pib, blk
     else:
-        ko = gl.inline_asm_elementwise(_LDS64, "=l,r", [dst + _CARRY_OFFSETS], dtype=gl.int64, is_pure=True, pack=1)
-        vo = gl.inline_asm_elementwise(_LDS64, "=l,r", [dst + _CARRY_OFFSETS + 8], dtype=gl.int64, is_pure=True,
-                                       pack=1)
-        return ko, vo, blk
+        return _lds64(dst + _CARRY_OFFSETS), _lds64(dst + _CARRY_OFFSETS + 8), blk
 
 
 @gluon.jit
@@ -293,12 +290,13 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, wdst, soff, ones_ptr, head, nu
     on = (kc < NC).to(gl.int32)
     # the page's rows read, as bits 4-19 (bit 20: any row, for the header and the tops), so that a
     # chunk's source size is (rv >> its row) & 16
-    lo = gl.minimum(gl.maximum(t0 - first, 0), 16)
-    hi = gl.minimum(gl.maximum(t1 - first, 0), 16)
-    rv = ((1 << hi) - (1 << lo)) << 4
-    rv = rv | gl.where(rv != 0, 1 << 20, 0)
     if FULL:
-        rv = 0 * rv + 0x1FFFF0
+        rv = 0 * first + 0x1FFFF0
+    else:
+        lo = gl.minimum(gl.maximum(t0 - first, 0), 16)
+        hi = gl.minimum(gl.maximum(t1 - first, 0), 16)
+        rv = ((1 << hi) - (1 << lo)) << 4
+        rv = rv | gl.where(rv != 0, 1 << 20, 0)
     base = gl.where(is_v, v_ptr + vpo, k_ptr + kpo)
     if BF16:
         row = kc // (D // 8)  # 2 D-byte rows
@@ -415,7 +413,7 @@ def _words(addr, VEC: gl.constexpr, L: gl.constexpr, DIM: gl.constexpr):
 
 @gluon.jit
 def _page_offset_of(base, side: gl.constexpr):
-    return gl.inline_asm_elementwise(_LDS64, "=l,r", [base + 32 + 8 * side], dtype=gl.int64, is_pure=True, pack=1)
+    return _lds64(base + 32 + 8 * side)
 
 
 @gluon.jit
@@ -567,18 +565,18 @@ def exact4_split_kernel(
         _seed((wl * STAGES + s0) * SLOT, _tile_first(lo, s0, NW, 2, SL), t1, bt_row, k_off_ptr, v_off_ptr,
               BF16, BLOCK_SIZE, STAGES, NW, SL)
     _per_thread(_WARP_SYNC, NW)
+    wdst = wi * (STAGES * SLOT)  # the warp's first slot
     for s0 in gl.static_range(STAGES - 1):
         f = _tile_first(lo, s0, NW, 3, IL)
-        ko, vo, blk = _carried(wi * (STAGES * SLOT) + s0 * SLOT, f, head, stride_kb, stride_kh, stride_vb, stride_vh,
+        ko, vo, blk = _carried(wdst + s0 * SLOT, f, head, stride_kb, stride_kh, stride_vb, stride_vh,
                                BF16, BLOCK_SIZE, HEAD_DIM)
-        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wi * (STAGES * SLOT), s0 * SLOT, ones_ptr, head, num_kv_heads, blk,
+        _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wdst, s0 * SLOT, ones_ptr, head, num_kv_heads, blk,
                _tile_first(lo, s0 + NB * STAGES, NW, 3, IL), bt_row, k_off_ptr, v_off_ptr, HEAD_DIM, BF16,
                BLOCK_SIZE, NW, IL, False)
     for j in range(0, n_iter):
         # page j + STAGES - 1 into the slot page j - 1 used (which carried its offsets); page j landed
         f = _tile_first(lo, j + STAGES - 1, NW, 3, IL)
         soff = ((j + STAGES - 1) % STAGES) * SLOT
-        wdst = wi * (STAGES * SLOT)
         ko, vo, blk = _carried(wdst + soff, f, head, stride_kb, stride_kh, stride_vb, stride_vh, BF16, BLOCK_SIZE, HEAD_DIM)
         fblk = _tile_first(lo, j + STAGES - 1 + NB * STAGES, NW, 3, IL)
         step0 = lo + (j + STAGES - 1) * (NW * 16)  # the step's first token

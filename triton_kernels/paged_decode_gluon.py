@@ -572,9 +572,15 @@ def _tile_first(lo, j, NW: gl.constexpr, rank: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
+def _block_of(bt_row, first, t1, BLOCK_SIZE: gl.constexpr):
+    """The block holding token ``first`` (a page's first token); block 0 past t1."""
+    return gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
+
+
+@gluon.jit
 def _page_offset(bt_row, first, t1, head, stride_b, stride_h, PB: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """Byte offset of the page holding token ``first`` (a page's first token) in the pool; 0 past t1."""
-    blk = gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
+    blk = _block_of(bt_row, first, t1, BLOCK_SIZE)
     return blk.to(gl.int64) * stride_b + head * stride_h + ((first % BLOCK_SIZE) // 16) * PB
 
 
@@ -582,7 +588,7 @@ def _page_offset(bt_row, first, t1, head, stride_b, stride_h, PB: gl.constexpr, 
 def _kv_page_offsets(bt_row, first, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB_K: gl.constexpr,
                      PB_V: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """``_page_offset`` of the K and of the V page holding token ``first`` (one block-id load)."""
-    blk = gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0).to(gl.int64)
+    blk = _block_of(bt_row, first, t1, BLOCK_SIZE).to(gl.int64)
     pib = (first % BLOCK_SIZE) // 16
     return blk * stride_kb + head * stride_kh + pib * PB_K, blk * stride_vb + head * stride_vh + pib * PB_V
 
