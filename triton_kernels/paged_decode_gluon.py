@@ -365,6 +365,10 @@ def _axis_layout(layout, dim, rank):
     return layout
 
 
+# the head's K and V scale grids (256 fp32 each) after the pair tables (staged path)
+_GRID_WORDS = gl.constexpr(512)
+
+
 @constexpr_function
 def _table_words(ek, ev):
     """Shared words of the pair tables: one 64-word row per entry (``_fill_tables``), as many rows as
@@ -372,11 +376,19 @@ def _table_words(ek, ev):
     return max(ek, ev) * 64
 
 
+# a staged compact page's slot (bytes): a 64-byte header (the block number the copies carried at 0,
+# the planes' shifts at 4, K's and V's 16 scale-index bytes at 16 and 32), then K's planes at 64 and
+# V's at 96 + K's bytes, each shifted by its page's byte offset mod 32 (16 or 0) so that a global
+# sector's two chunks land in one aligned 32 bytes
+SLOT_HDR = gl.constexpr(64)
+
+
 @constexpr_function
 def _slot_words(bits_k, bits_v, head_dim):
-    """Shared words of one staged page (K's bit planes, then V's: 16 rows of head_dim bits per plane;
-    the scale bytes after the planes are loaded as before), rounded up to a power of two."""
-    return 1 << ((bits_k + bits_v) * head_dim // 2 - 1).bit_length()
+    """Shared words of one staged page (``SLOT_HDR``'s layout: header, K's bit planes, V's; 16 rows of
+    head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes."""
+    b = 64 + 48 + (bits_k + bits_v) * head_dim * 2
+    return (b + 127) // 128 * 32
 
 
 def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int) -> tuple[int, int, int]:
@@ -385,7 +397,7 @@ def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages
     ours: the kernel's two allocations, made first and live through the loop, reserve [0, end) in
     whichever order Triton places them (the compile test checks that the kernel's shared memory is
     exactly that: no Triton scratch lies in it)."""
-    tab = _table_words(table_entries(bits_k), table_entries(bits_v)) * 4
+    tab = (_table_words(table_entries(bits_k), table_entries(bits_v)) + _GRID_WORDS.value) * 4
     stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim) * 4
     return 0, tab, tab + stg
 
@@ -451,16 +463,81 @@ def _cp_async_group(asm: gl.constexpr, dst, src, arg, NW: gl.constexpr):
 
 
 @gluon.jit
-def _issue_stage(k_pages_ptr, v_pages_ptr, ok, ov, dst, NK: gl.constexpr, NV: gl.constexpr, NCH: gl.constexpr,
-                 NW: gl.constexpr, IL: gl.constexpr):
-    """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``) into
-    shared memory at byte ``dst`` ([NW, 1, 1]: the warp's slot), as one commit group: chunk
-    c = lane + 32 i, K's chunks first. Inline PTX, so Triton adds no CTA barrier: each warp waits for
-    its own pages only."""
+def _carried_offsets(dst, first, head, stride_kb, stride_kh, stride_vb, stride_vh, PB_K: gl.constexpr,
+                     PB_V: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """The K and V byte offsets of the page of token ``first`` from the block its slot at ``dst``
+    carries (header byte 0: seeded, or copied by the copies of the page STAGES before)."""
+    blk = _lds(dst).to(gl.int64)
+    pib = (first % BLOCK_SIZE) // 16
+    return blk * stride_kb + head * stride_kh + pib * PB_K, blk * stride_vb + head * stride_vh + pib * PB_V
+
+
+# a 4-byte cp.async of $3 bytes (4, or 0: zero fill) from global $2 to shared byte $1, when $4 is not 0
+_CP4_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
+                       "add.u32 a, a, $1; @p cp.async.ca.shared.global [a], [$2], 4, $3; mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
+                NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr):
+    """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
+    chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
+    by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
+    ``fblk`` (block 0 past t1: the copy's zero fill) carried to header byte 0, as one commit group;
+    then the shifts into header word 1. No global load waits: the slot's next page takes its block
+    from there (``_carried_offsets``)."""
+    KB: gl.constexpr = 16 * NK
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
+    sk = (ok & 16).to(gl.int32)
+    sv = (ov & 16).to(gl.int32)
     src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
-    on = (c < NK + NV).to(gl.int32) + 0 * ok.to(gl.int32)
-    _cp_async_group(_CP_ASYNC, dst + 16 * c, src, on, NW)
+    on = (c < NK + NV).to(gl.int32) + 0 * sk
+    off = dst + gl.where(c < NK, SLOT_HDR + sk + 16 * c, SLOT_HDR + 32 + KB + sv + 16 * (c - NK))
+    _per_thread(_WARP_SYNC, NW)
+    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
+    SL: gl.constexpr = gl.SliceLayout(2, IL)
+    lane = _axis(32, 1, 2, SL)
+    d2 = gl.max(dst, axis=2)
+    okl = gl.max(ok, axis=2)
+    ovl = gl.max(ov, axis=2)
+    # lanes 0 and 1: the scale indices (16 bytes after each side's planes)
+    ssrc = gl.where(lane == 0, k_pages_ptr + okl + KB, v_pages_ptr + ovl + 16 * NV)
+    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [d2 + 16 + 16 * lane, ssrc, (lane < 2).to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    # lane 2: the block the slot's next page is in
+    fb = gl.max(fblk, axis=2)
+    gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [d2 + 0 * lane, bt_row + fb // BLOCK_SIZE + 0 * lane,
+                                                      gl.where(fb < t1, 4, 0) + 0 * lane, (lane == 2).to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    _per_thread(_COMMIT, NW)
+    _sts(d2 + 4 + 0 * lane, gl.max(sk, axis=2) + (gl.max(sv, axis=2) << 16) + 0 * lane)
+
+
+@gluon.jit
+def _seed_block(dst, first, t1, bt_row, BLOCK_SIZE: gl.constexpr, SL: gl.constexpr):
+    """The block of token ``first`` into header byte 0 of the slot at ``dst`` ([NW, 1] of ``SL``), as
+    the copies STAGES pages before would have carried it (every lane stores it)."""
+    lane = _axis(32, 1, 2, SL)
+    blk = gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
+    _sts(dst + 0 * lane, blk + 0 * lane)
+
+
+@gluon.jit
+def _staged_scales(base, r, grid_off, side: gl.constexpr):
+    """grid[head, k] of rows ``r`` of the staged page whose slot is at shared byte ``base`` (k: the
+    row's scale-index byte in the header, ``side`` 0 K, 1 V; the grid at ``grid_off``, staged)."""
+    w = _lds(base + 16 + 16 * side + (r // 4) * 4)
+    k = (w >> (8 * (r % 4))) & 0xFF
+    return _lds(grid_off + 1024 * side + 4 * k).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _fill_grids(k_grid, v_grid, OFF: gl.constexpr, NW: gl.constexpr):
+    """The head's K and V scale grids (256 fp32 each, rows ``k_grid``, ``v_grid``) at shared byte OFF."""
+    GL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    i = gl.arange(0, 256, layout=GL)
+    _sts(OFF + 4 * i, gl.load(k_grid + i).to(gl.int32, bitcast=True))
+    _sts(OFF + 1024 + 4 * i, gl.load(v_grid + i).to(gl.int32, bitcast=True))
 
 
 @gluon.jit
@@ -704,10 +781,11 @@ def _slot_base(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.co
 @gluon.jit
 def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr, BITS: gl.constexpr,
                     M: gl.constexpr, NW: gl.constexpr, LK: gl.constexpr):
-    """``_k_words`` from the warp's staged page in ``slot``."""
+    """``_k_words`` from the warp's staged page in ``slot`` (its planes at ``SLOT_HDR`` plus their shift)."""
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 7, LW)
+    base = base + SLOT_HDR + (_lds(base + 4) & 0xFFFF)
     m, q4, q3 = _k_word_index(M, LW)
     return _words(None, base, r, m, q4, q3, BITS, M, LK, True)
 
@@ -715,10 +793,12 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
 @gluon.jit
 def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr,
                     K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr):
-    """``_v_words`` from the warp's staged page in ``slot`` (V's planes after K's ``K_BYTES``)."""
+    """``_v_words`` from the warp's staged page in ``slot`` (V's planes 32 bytes after K's ``K_BYTES``,
+    plus their shift)."""
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
-    base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW) + K_BYTES
+    base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW)
+    base = base + SLOT_HDR + 32 + K_BYTES + (_lds(base + 4) >> 16)
     m, q4, q3 = _v_word_index(M, LW)
     return _words(None, base, r, m, q4, q3, BITS, M, LV, True)
 
@@ -994,10 +1074,12 @@ def compact_split_kernel(
     Transposed products, so the GQA group is the narrow side (n = 8 on mma.sync, not m = 16):
     ``S^T = K Q^T`` [16 rows, BLOCK_G heads] and ``O^T += V^T P^T`` [HEAD_DIM, BLOCK_G], K and V^T the
     A operands decoded in registers, Q^T and P^T the B operands. Each warp takes every NW-th page of
-    the split (16 rows per step). The next page's offsets and scales are loaded one step ahead (a few
-    registers); with STAGES > 0 its words are copied ahead into the warp's shared-memory slots, with
-    STAGES = 0 they are loaded at the step (a plane word is held by the 4 or 8 lanes that decode from
-    it, a nibble-row word by 1 lane for K and 2 for V)."""
+    the split (16 rows per step). With STAGES > 0 each warp's next STAGES - 1 pages are copied ahead
+    into its shared-memory slots with their scale indices and, carried in the same copies, the block
+    number of the page STAGES on (``_issue_page``); the head's scale grids are staged once: the loop
+    has no global load a warp waits for. With STAGES = 0 the next page's offsets and scales are
+    loaded one step ahead (a few registers) and its words at the step (a plane word is held by the 4
+    or 8 lanes that decode from it, a nibble-row word by 1 lane for K and 2 for V)."""
     NW: gl.constexpr = gl.num_warps()
     M: gl.constexpr = HEAD_DIM // 32
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
@@ -1014,17 +1096,22 @@ def compact_split_kernel(
 
     item, head, seq, t0, t1 = _work_item(work_seq_ptr, work_start_ptr, work_end_ptr)
 
-    # Shared memory, addressed by inline PTX alone (``smem_offsets``): the pair tables at TAB_OFF and,
+    # Shared memory, addressed by inline PTX alone (``smem_offsets``): the pair tables at TAB_OFF (then,
+    # with STAGES > 0, the head's scale grids) and,
     # with STAGES > 0, each warp's next STAGES - 1 pages copied into its own slots (cp.async, no
     # registers held) at STAGE_OFF. Both allocations are made first and live to the end of the loop,
     # so Triton places no scratch of its own in them (the compile test checks that the kernel's
     # shared memory is exactly theirs).
-    tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [0]))
     SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM)
     if STAGES > 0:
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x
     _fill_tables(k_cb_ptr + head * (1 << BITS_K), v_cb_ptr + head * (1 << BITS_V), BITS_K, BITS_V, NW, TAB_OFF)
+    GRID_OFF: gl.constexpr = TAB_OFF + 4 * _table_words(EK, EV)
+    if STAGES > 0:
+        _fill_grids(k_grid_ptr + head * 256, v_grid_ptr + head * 256, GRID_OFF, NW)
     NK: gl.constexpr = BITS_K * HEAD_DIM // 8
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
     NCH: gl.constexpr = 1 << ((NK + NV + 31) // 32 - 1).bit_length()
@@ -1051,30 +1138,41 @@ def compact_split_kernel(
     if STAGES == 0:
         ok = _page_offset(bt_row, _tile_first(lo, 0, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
         ov = _page_offset(bt_row, _tile_first(lo, 0, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-    kg = _scales(k_pages_ptr, k_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE,
-                 BITS_K * 2 * HEAD_DIM)
-    vg = _scales(v_pages_ptr, v_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE,
-                 BITS_V * 2 * HEAD_DIM)
-    if STAGES > 0:
+    if STAGES == 0:
+        kg = _scales(k_pages_ptr, k_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE,
+                     BITS_K * 2 * HEAD_DIM)
+        vg = _scales(v_pages_ptr, v_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE,
+                     BITS_V * 2 * HEAD_DIM)
+    else:
+        # the block numbers ride in the copies (``_issue_page``: each page's copies carry the block of
+        # the page STAGES on, into its slot's header), so no load in the loop waits for memory; the
+        # first STAGES slots are seeded here
+        SL: gl.constexpr = gl.SliceLayout(2, IL)
+        for s0 in gl.static_range(STAGES):
+            _seed_block(_slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 2, SL), _tile_first(lo, s0, NW, 2, SL), t1,
+                        bt_row, BLOCK_SIZE, SL)
+        _per_thread(_WARP_SYNC, NW)
         for s0 in gl.static_range(STAGES - 1):
-            ok0, ov0 = _kv_page_offsets(bt_row, _tile_first(lo, s0, NW, 3, IL), t1, head, stride_kb, stride_kh,
-                                        stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
-            _issue_stage(k_pages_ptr, v_pages_ptr, ok0, ov0, _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL),
-                         NK, NV, NCH, NW, IL)
-        # the offsets of the page the first step stages
-        sok, sov = _kv_page_offsets(bt_row, _tile_first(lo, STAGES - 1, NW, 3, IL), t1, head, stride_kb, stride_kh,
-                                    stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
+            dst0 = _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL)
+            ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
+                                        stride_vh, PB_K, PB_V, BLOCK_SIZE)
+            _issue_page(k_pages_ptr, v_pages_ptr, ok0, ov0, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL), t1,
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
         if STAGES > 0:
-            # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
-            _issue_stage(k_pages_ptr, v_pages_ptr, sok, sov,
-                         _slot_base((j + STAGES - 1) % STAGES, STAGE_OFF, STAGES, SLOTW, NW, 3, IL), NK, NV, NCH, NW, IL)
-            sok, sov = _kv_page_offsets(bt_row, _tile_first(lo, j + STAGES, NW, 3, IL), t1, head, stride_kb,
-                                        stride_kh, stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
+            # page j + STAGES - 1 into the slot page j - 1 used (which carried its block); page j landed
+            dstj = _slot_base((j + STAGES - 1) % STAGES, STAGE_OFF, STAGES, SLOTW, NW, 3, IL)
+            sok, sov = _carried_offsets(dstj, _tile_first(lo, j + STAGES - 1, NW, 3, IL), head, stride_kb, stride_kh,
+                                        stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
+            _issue_page(k_pages_ptr, v_pages_ptr, sok, sov, dstj, _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), t1,
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL)
             slot = _wait_stage(j % STAGES, STAGES - 1)
             k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK)
+            sbase = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 2, ROWS)
+            kg = _staged_scales(sbase, rr, GRID_OFF, 0)
+            vg = _staged_scales(sbase, rr, GRID_OFF, 1)
         elif not K_AHEAD:
             k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
         if V_EARLY and STAGES == 0:
@@ -1088,10 +1186,11 @@ def compact_split_kernel(
                                BLOCK_SIZE)
             nov = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V,
                                BLOCK_SIZE)
-        nkg = _scales(k_pages_ptr, k_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE,
-                      BITS_K * 2 * HEAD_DIM)
-        nvg = _scales(v_pages_ptr, v_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE,
-                      BITS_V * 2 * HEAD_DIM)
+        if STAGES == 0:
+            nkg = _scales(k_pages_ptr, k_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_kb, stride_kh, PB_K,
+                          BLOCK_SIZE, BITS_K * 2 * HEAD_DIM)
+            nvg = _scales(v_pages_ptr, v_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_vb, stride_vh, PB_V,
+                          BLOCK_SIZE, BITS_V * 2 * HEAD_DIM)
 
         kk = _k_operand(k0, k1, k2, k3, BITS_K, TAB_OFF, HEAD_DIM, NW, LK, OPA)
         s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA))
@@ -1114,9 +1213,9 @@ def compact_split_kernel(
         vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, TAB_OFF + 128, HEAD_DIM, NW, LV, OPA)
         acc = mma_v2(vt, pt, _rescale(acc, alpha, m_new != m_i, HEAD_DIM, BLOCK_G))
         m_i = m_new
-        fr, kg, vg = nfr, nkg, nvg
+        fr = nfr
         if STAGES == 0:
-            ok, ov = nok, nov
+            ok, ov, kg, vg = nok, nov, nkg, nvg
     # every warp's last lookup before the merge below (whose scratch may reuse the tables' memory:
     # Triton's barrier analysis does not see the lookups, which are inline PTX)
     if STAGES > 0:
