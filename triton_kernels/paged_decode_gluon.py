@@ -1261,14 +1261,30 @@ def fp8_smem_bytes(head_dim: int, num_warps: int, stages: int) -> int:
     return num_warps * stages * 32 * _fp8_row(head_dim)
 
 
+# byte of a staged fp8 slot holding the carried block number: K row 0's padding (``_fp8_row``)
+_FP8_CARRY = gl.constexpr(128)
+
+
 @gluon.jit
-def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, CPR: gl.constexpr, NCH: gl.constexpr,
-               NW: gl.constexpr, IL: gl.constexpr):
+def _fp8_carried(dst, first, head, stride_kb, stride_kh, stride_vb, stride_vh, PB: gl.constexpr,
+                 BLOCK_SIZE: gl.constexpr):
+    """The K and V byte offsets of the page of token ``first`` from the block its slot at ``dst``
+    carries (seeded, or copied by the copies of the page STAGES before)."""
+    blk = _lds(dst + _FP8_CARRY).to(gl.int64)
+    pib = (first % BLOCK_SIZE) // 16
+    return blk * stride_kb + head * stride_kh + pib * PB, blk * stride_vb + head * stride_vh + pib * PB
+
+
+@gluon.jit
+def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, fblk, bt_row, CPR: gl.constexpr,
+               NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr):
     """cp.async of one fp8 page of K and of V (16 rows x 16 CPR bytes each, ``ok``/``ov`` their byte
     offsets, ``first`` the page's first token, all [NW, 1, 1] in ``IL``) into the warp's slot at ``dst``
     (K's rows, then V's, each row padded: ``_fp8_row``): chunk c = lane + 32 i; rows outside [t0, t1)
     are zero-filled (positions a cache never wrote, past a sequence's end or the sinks' slots, may hold
-    NaN codes, and a softmax weight of 0 times NaN is NaN)."""
+    NaN codes, and a softmax weight of 0 times NaN is NaN). The same commit group carries the block of
+    token ``fblk`` (block 0 past t1) into the slot (``_FP8_CARRY``), whose next page takes its offsets
+    from it (``_fp8_carried``): no global load in the loop."""
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)  # 0 .. 32 CPR - 1: K's 16 CPR chunks, then V's
     is_v = c >= 16 * CPR
     cc = c % (16 * CPR)
@@ -1277,7 +1293,17 @@ def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, CPR: gl.con
     size = gl.where((first + row >= t0) & (first + row < t1), 16, 0)
     ROW: gl.constexpr = _fp8_row(16 * CPR)
     off = dst + (is_v.to(gl.int32) * 16 + row) * ROW + (cc % CPR) * 16
-    _cp_async_group(_CP_ASYNC_ZFILL, off, src, size, NW)
+    _per_thread(_WARP_SYNC, NW)
+    gl.inline_asm_elementwise(_CP_ASYNC_ZFILL, "=r,r,l,r", [off, src, size], dtype=gl.int32, is_pure=False, pack=1)
+    # lane 0: the block the slot's next page is in, into K row 0's padding (``_FP8_CARRY``)
+    SL: gl.constexpr = gl.SliceLayout(2, IL)
+    lane = _axis(32, 1, 2, SL)
+    fb = gl.max(fblk, axis=2)
+    gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [gl.max(dst, axis=2) + _FP8_CARRY + 0 * lane,
+                                                      bt_row + fb // BLOCK_SIZE + 0 * lane,
+                                                      gl.where(fb < t1, 4, 0) + 0 * lane, (lane == 0).to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    _per_thread(_COMMIT, NW)
 
 
 @gluon.jit
@@ -1355,21 +1381,25 @@ def fp8_split_kernel(
     lo = t0 - t0 % 16
     n_iter = gl.cdiv(t1 - lo, NW * 16)
     rr = _axis(16, 1, 2, ROWS)
+    # the block numbers ride in the copies (``_fp8_issue``), seeded here for the first STAGES slots
+    SL: gl.constexpr = gl.SliceLayout(2, IL)
+    for s0 in gl.static_range(STAGES):
+        _seed_block(_slot_base(s0, 0, STAGES, SLOT // 4, NW, 2, SL) + _FP8_CARRY, _tile_first(lo, s0, NW, 2, SL), t1,
+                    bt_row, BLOCK_SIZE, SL)
+    _per_thread(_WARP_SYNC, NW)
     for s0 in gl.static_range(STAGES - 1):
         f = _tile_first(lo, s0, NW, 3, IL)
-        ok0, ov0 = _kv_page_offsets(bt_row, f, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, PB,
-                                    BLOCK_SIZE)
-        _fp8_issue(k_pages_ptr, v_pages_ptr, ok0, ov0, f, t0, t1, _slot_base(s0, 0, STAGES, SLOT // 4, NW, 3, IL),
-                   CPR, NCH, NW, IL)
-    sfirst = _tile_first(lo, STAGES - 1, NW, 3, IL)
-    sok, sov = _kv_page_offsets(bt_row, sfirst, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, PB, BLOCK_SIZE)
+        dst0 = _slot_base(s0, 0, STAGES, SLOT // 4, NW, 3, IL)
+        ok0, ov0 = _fp8_carried(dst0, f, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, BLOCK_SIZE)
+        _fp8_issue(k_pages_ptr, v_pages_ptr, ok0, ov0, f, t0, t1, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL),
+                   bt_row, CPR, NCH, BLOCK_SIZE, NW, IL)
     for j in range(0, n_iter):
-        # page j + STAGES - 1 into the slot page j - 1 used; the offsets of the next one; page j landed
-        _fp8_issue(k_pages_ptr, v_pages_ptr, sok, sov, sfirst, t0, t1,
-                   _slot_base((j + STAGES - 1) % STAGES, 0, STAGES, SLOT // 4, NW, 3, IL), CPR, NCH, NW, IL)
-        sfirst = _tile_first(lo, j + STAGES, NW, 3, IL)
-        sok, sov = _kv_page_offsets(bt_row, sfirst, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, PB,
-                                    BLOCK_SIZE)
+        # page j + STAGES - 1 into the slot page j - 1 used (which carried its block); page j landed
+        sfirst = _tile_first(lo, j + STAGES - 1, NW, 3, IL)
+        dstj = _slot_base((j + STAGES - 1) % STAGES, 0, STAGES, SLOT // 4, NW, 3, IL)
+        sok, sov = _fp8_carried(dstj, sfirst, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, BLOCK_SIZE)
+        _fp8_issue(k_pages_ptr, v_pages_ptr, sok, sov, sfirst, t0, t1, dstj,
+                   _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), bt_row, CPR, NCH, BLOCK_SIZE, NW, IL)
         slot = _wait_stage(j % STAGES, STAGES - 1)
         fr = _tile_first(lo, j, NW, 2, ROWS)
         kk = _fp8_k_operand(slot, STAGES, HEAD_DIM, NW, OPA)
