@@ -90,6 +90,14 @@ GLUON_MAX_ACC = 1024
 GLUON_MAX_SMEM = 200 * 1024
 
 
+def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: bool) -> int:
+    """Shared memory of the compact Gluon kernel at a config (pair tables, grids, staging slots)."""
+    from .paged_decode_gluon import smem_offsets
+
+    warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
+    return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages)[2]
+
+
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(NEG_BIG - NEG_BIG) stays 1, never NaN
 
@@ -1521,7 +1529,8 @@ class PagedDecodeAttention:
                     and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)
                     # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
                     # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
-                    and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2):
+                    and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2
+                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope) <= GLUON_MAX_SMEM):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
                 gluon_cbs = (k_codebook, v_codebook)

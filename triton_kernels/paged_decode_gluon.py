@@ -1179,6 +1179,8 @@ def compact_split_kernel(
             a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
             b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
         valid = (fr + rr >= t0) & (fr + rr < t1)
+        if STAGES > 0:
+            vg = gl.where(valid, vg, 0.0)  # rows outside the split: the page's byte, not index 0
         # the next page's offsets (for the register path) and scales
         nfr = _tile_first(lo, j + 1, NW, 2, ROWS)
         if STAGES == 0:
@@ -1261,16 +1263,13 @@ def fp8_smem_bytes(head_dim: int, num_warps: int, stages: int) -> int:
     return num_warps * stages * 32 * _fp8_row(head_dim)
 
 
-# byte of a staged fp8 slot holding the carried block number: K row 0's padding (``_fp8_row``)
-_FP8_CARRY = gl.constexpr(128)
-
-
 @gluon.jit
 def _fp8_carried(dst, first, head, stride_kb, stride_kh, stride_vb, stride_vh, PB: gl.constexpr,
                  BLOCK_SIZE: gl.constexpr):
     """The K and V byte offsets of the page of token ``first`` from the block its slot at ``dst``
-    carries (seeded, or copied by the copies of the page STAGES before)."""
-    blk = _lds(dst + _FP8_CARRY).to(gl.int64)
+    carries (seeded, or copied by the copies of the page STAGES before) at byte ``PB // 16``: K row
+    0's padding (``_fp8_row``; PB = 16 head_dim)."""
+    blk = _lds(dst + PB // 16).to(gl.int64)
     pib = (first % BLOCK_SIZE) // 16
     return blk * stride_kb + head * stride_kh + pib * PB, blk * stride_vb + head * stride_vh + pib * PB
 
@@ -1283,7 +1282,7 @@ def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, fblk, bt_ro
     (K's rows, then V's, each row padded: ``_fp8_row``): chunk c = lane + 32 i; rows outside [t0, t1)
     are zero-filled (positions a cache never wrote, past a sequence's end or the sinks' slots, may hold
     NaN codes, and a softmax weight of 0 times NaN is NaN). The same commit group carries the block of
-    token ``fblk`` (block 0 past t1) into the slot (``_FP8_CARRY``), whose next page takes its offsets
+    token ``fblk`` (block 0 past t1) into K row 0's padding, whose next page takes its offsets
     from it (``_fp8_carried``): no global load in the loop."""
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)  # 0 .. 32 CPR - 1: K's 16 CPR chunks, then V's
     is_v = c >= 16 * CPR
@@ -1295,11 +1294,11 @@ def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, fblk, bt_ro
     off = dst + (is_v.to(gl.int32) * 16 + row) * ROW + (cc % CPR) * 16
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC_ZFILL, "=r,r,l,r", [off, src, size], dtype=gl.int32, is_pure=False, pack=1)
-    # lane 0: the block the slot's next page is in, into K row 0's padding (``_FP8_CARRY``)
+    # lane 0: the block the slot's next page is in, into K row 0's padding (byte head_dim: ``_fp8_carried``)
     SL: gl.constexpr = gl.SliceLayout(2, IL)
     lane = _axis(32, 1, 2, SL)
     fb = gl.max(fblk, axis=2)
-    gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [gl.max(dst, axis=2) + _FP8_CARRY + 0 * lane,
+    gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [gl.max(dst, axis=2) + 16 * CPR + 0 * lane,
                                                       bt_row + fb // BLOCK_SIZE + 0 * lane,
                                                       gl.where(fb < t1, 4, 0) + 0 * lane, (lane == 0).to(gl.int32)],
                               dtype=gl.int32, is_pure=False, pack=1)
@@ -1384,7 +1383,7 @@ def fp8_split_kernel(
     # the block numbers ride in the copies (``_fp8_issue``), seeded here for the first STAGES slots
     SL: gl.constexpr = gl.SliceLayout(2, IL)
     for s0 in gl.static_range(STAGES):
-        _seed_block(_slot_base(s0, 0, STAGES, SLOT // 4, NW, 2, SL) + _FP8_CARRY, _tile_first(lo, s0, NW, 2, SL), t1,
+        _seed_block(_slot_base(s0, 0, STAGES, SLOT // 4, NW, 2, SL) + HEAD_DIM, _tile_first(lo, s0, NW, 2, SL), t1,
                     bt_row, BLOCK_SIZE, SL)
     _per_thread(_WARP_SYNC, NW)
     for s0 in gl.static_range(STAGES - 1):
