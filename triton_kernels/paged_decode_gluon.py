@@ -518,7 +518,7 @@ def _seed_block(dst, first, t1, bt_row, BLOCK_SIZE: gl.constexpr, SL: gl.constex
     """The block of token ``first`` into header byte 0 of the slot at ``dst`` ([NW, 1] of ``SL``), as
     the copies STAGES pages before would have carried it (every lane stores it)."""
     lane = _axis(32, 1, 2, SL)
-    blk = gl.load(bt_row + first // BLOCK_SIZE, mask=first < t1, other=0)
+    blk = _block_of(bt_row, first, t1, BLOCK_SIZE)
     _sts(dst + 0 * lane, blk + 0 * lane)
 
 
