@@ -472,3 +472,51 @@ def test_gluon_fp8_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_r
     if want:
         used = cfg if cfg is not None else default
         assert glu.calls[0]["STAGES"] == used.gluon_stages and glu.calls[0]["num_warps"] == used.gluon_warps
+
+
+def _max_bank_ways(offsets) -> int:
+    """The most distinct 32-bit words one bank serves in a warp's shared load at these byte offsets
+    (one per lane): 1 is conflict-free."""
+    words = {}
+    for off in offsets:
+        words.setdefault((off // 4) % 32, set()).add(off // 4)
+    return max(len(w) for w in words.values())
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_fp8_staging_slot_layout(d):
+    """The fp8 kernel's staged page (``fp8_staged_offset``, the arithmetic of ``_fp8_chunk``): the 32
+    rows' bytes land at distinct places inside the slot, K row 0's padding (where the carried block
+    word goes, byte head_dim) holds no data; every global 32-byte sector of a row lands in one aligned
+    32 bytes (a copy fetches each sector once); the K operand's 16-bit loads (lanes t, nl of
+    ``k_layout``) and the V operand's byte loads (lanes j, tl of ``v_layout``, both rows of a pair)
+    are free of bank conflicts, and a pair's odd row lies one row pitch after its even row (the
+    load's immediate)."""
+    from weightszip.kernels.paged_decode_gluon import _fp8_row, fp8_smem_bytes, fp8_staged_offset
+
+    pitch, m = _fp8_row(d), d // 32
+    slot = fp8_smem_bytes(d, 1, 1)
+    offs = [fp8_staged_offset(r, b, d) for r in range(32) for b in range(d)]
+    assert len(set(offs)) == len(offs) and min(offs) >= 0 and max(offs) < slot
+    assert not set(range(d, d + 4)) & set(offs)
+    for r in range(32):
+        for k in range(d // 32):
+            sector = sorted(fp8_staged_offset(r, 32 * k + b, d) for b in range(32))
+            assert sector[0] % 32 == 0 and sector == list(range(sector[0], sector[0] + 32)), (r, k)
+    for nh in range(2):  # K: register (nh, m, i), lane (nl, t): row 8 nh + nl, bytes 32 m + 8 i + 2 t
+        for mm in range(m):
+            for i in range(4):
+                lanes = [fp8_staged_offset(8 * nh + nl, 32 * mm + 8 * i + 2 * t, d) for nl in range(8) for t in range(4)]
+                assert _max_bank_ways(lanes) == 1, (d, nh, mm, i)
+    for mm in range(m):  # V: register (m, i1, i0, th), lane (j, tl): rows 16 + 8 th + 2 tl (+ 1)
+        for i1 in range(2):
+            for i0 in range(2):
+                for th in range(2):
+                    for e in range(2):
+                        lanes = [fp8_staged_offset(16 + 8 * th + 2 * tl + e, 32 * mm + 16 * i1 + 8 * i0 + j, d)
+                                 for j in range(8) for tl in range(4)]
+                        assert _max_bank_ways(lanes) == 1, (d, mm, i1, i0, th, e)
+                    for tl in range(4):
+                        for j in range(8):
+                            ch, row = 32 * mm + 16 * i1 + 8 * i0 + j, 16 + 8 * th + 2 * tl
+                            assert fp8_staged_offset(row + 1, ch, d) == fp8_staged_offset(row, ch, d) + pitch

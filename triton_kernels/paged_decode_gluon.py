@@ -1251,10 +1251,26 @@ _CP_ASYNC_ZFILL = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a
 
 @constexpr_function
 def _fp8_row(head_dim):
-    """Bytes per staged row: head_dim and 16 of padding, so that the rows the lanes read at one
-    column fall 4 banks apart (8 rows: all 32 banks) and a load's address is a lane part plus an
-    immediate."""
-    return head_dim + 16
+    """Bytes per staged row: head_dim and 32 of padding, so that every row starts 32-byte aligned (a
+    global sector's two 16-byte chunks land in one aligned 32 bytes: each 512-byte copy fetches 16
+    sectors, not the 24 of a 16-byte pad). Rows 8 apart in banks alias rows 4 apart, so bit 2 of the
+    row swaps the two 16-byte chunks of each 32 (``_fp8_chunk``): the rows a K or V load reads at one
+    column then fill distinct banks, and a load's address stays a lane part plus an immediate."""
+    return head_dim + 32
+
+
+@gluon.jit
+def _fp8_chunk(row, c):
+    """The byte offset, within its staged row, of 16-byte chunk ``c`` of page row ``row``
+    (``fp8_staged_offset``)."""
+    return 16 * (c ^ ((row >> 2) & 1))
+
+
+def fp8_staged_offset(row, byte, head_dim: int):
+    """Where byte ``byte`` of row ``row`` (0-15 K, 16-31 V) of a staged fp8 page lies in its slot
+    (``_fp8_issue`` writes it there, ``_fp8_k_operand`` / ``_fp8_v_operand`` read it): the kernel's
+    arithmetic (``_fp8_chunk``) on integers or integer tensors."""
+    return row * _fp8_row(head_dim) + 16 * ((byte // 16) ^ ((row >> 2) & 1)) + byte % 16
 
 
 def fp8_smem_bytes(head_dim: int, num_warps: int, stages: int) -> int:
@@ -1291,7 +1307,7 @@ def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, fblk, bt_ro
     src = gl.where(is_v, v_pages_ptr + ov, k_pages_ptr + ok) + 16 * cc
     size = gl.where((first + row >= t0) & (first + row < t1), 16, 0)
     ROW: gl.constexpr = _fp8_row(16 * CPR)
-    off = dst + (is_v.to(gl.int32) * 16 + row) * ROW + (cc % CPR) * 16
+    off = dst + (is_v.to(gl.int32) * 16 + row) * ROW + _fp8_chunk(row, cc % CPR)
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC_ZFILL, "=r,r,l,r", [off, src, size], dtype=gl.int32, is_pure=False, pack=1)
     # lane 0: the block the slot's next page is in, into K row 0's padding (byte head_dim: ``_fp8_carried``)
@@ -1313,8 +1329,9 @@ def _fp8_k_operand(slot, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.co
     M: gl.constexpr = HEAD_DIM // 32
     LK: gl.constexpr = k_layout(NW, M)
     row = 8 * _axis(2, 1, 7, LK) + _axis(8, 2, 7, LK)
-    ch = 32 * _axis(M, 3, 7, LK) + 8 * _axis(4, 4, 7, LK) + 2 * _axis(4, 5, 7, LK)
-    addr = _slot_base(slot, 0, STAGES, 8 * _fp8_row(HEAD_DIM), NW, 7, LK) + row * _fp8_row(HEAD_DIM) + ch
+    i = _axis(4, 4, 7, LK)
+    col = _fp8_chunk(row, 2 * _axis(M, 3, 7, LK) + i // 2) + 8 * (i % 2) + 2 * _axis(4, 5, 7, LK)
+    addr = _slot_base(slot, 0, STAGES, 8 * _fp8_row(HEAD_DIM), NW, 7, LK) + row * _fp8_row(HEAD_DIM) + col
     val = gl.inline_asm_elementwise(_LDS_E4M3X2, "=r,r", [addr], dtype=gl.int32, is_pure=True, pack=1)
     half = ((val >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
     return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
@@ -1328,9 +1345,9 @@ def _fp8_v_operand(slot, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.co
     M: gl.constexpr = HEAD_DIM // 32
     LV: gl.constexpr = v_layout(NW, M)
     ROW: gl.constexpr = _fp8_row(HEAD_DIM)
-    ch = 32 * _axis(M, 1, 8, LV) + 16 * _axis(2, 2, 8, LV) + 8 * _axis(2, 3, 8, LV) + _axis(8, 4, 8, LV)
-    row = 8 * _axis(2, 5, 8, LV) + 2 * _axis(4, 6, 8, LV)  # the pair's even row
-    a = _slot_base(slot, 0, STAGES, 8 * ROW, NW, 8, LV) + (16 + row) * ROW + ch
+    row = 8 * _axis(2, 5, 8, LV) + 2 * _axis(4, 6, 8, LV)  # the pair's even row (the odd one: same chunk order)
+    col = _fp8_chunk(row, 2 * _axis(M, 1, 8, LV) + _axis(2, 2, 8, LV)) + 8 * _axis(2, 3, 8, LV) + _axis(8, 4, 8, LV)
+    a = _slot_base(slot, 0, STAGES, 8 * ROW, NW, 8, LV) + (16 + row) * ROW + col
     val = gl.inline_asm_elementwise(_lds_e4m3_rows_asm(ROW), "=r,r", [a], dtype=gl.int32, is_pure=True, pack=1)
     half = ((val >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
     return gl.convert_layout(gl.reshape(half, [NW, HEAD_DIM, 16]), OPA, assert_trivial=True)
