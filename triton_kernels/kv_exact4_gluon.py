@@ -58,8 +58,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from .paged_decode_gluon import (_COMMIT, _STS, _WARP_SYNC, _axis, _block_of, _fresh_state, _lds, _lds_words,
-                                 _lazy_softmax_step, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
+from .paged_decode_gluon import (_COMMIT, _STS, _WARP_SYNC, _axis, _block_of, _fresh_state, _k_halves, _lds, _lds_words,
+                                 _lazy_softmax_step, _logits, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
                                  _vec_words, _wait_stage, _work_item, k_layout, k_nibble_channel, v_layout,
                                  words_layout)
 
@@ -419,7 +419,8 @@ def _page_offset_of(base, side: gl.constexpr):
 @gluon.jit
 def _k_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.constexpr, BF16: gl.constexpr,
                NW: gl.constexpr, OPA: gl.constexpr):
-    """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout from the warp's staged page at shared byte
+    """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout, as its two halves along the reduction
+    (``_k_halves``), from the warp's staged page at shared byte
     ``base`` ([NW, 1, ..] in the pair layout): thread (t, nl) holds rows 8 nh + nl, channel pairs
     8 (M t + m) + 2 i + (0, 1) (``x4_k_channel``). The pairs are made in ``k_layout`` less its last
     dim (one int32 each), then split into values."""
@@ -457,7 +458,7 @@ def _k_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.cons
         val = _plain_fix(val, rowp, r, ent, prow, 2 * (8 * m + 2 * i), rowp, anyp, False, 2 * HEAD_DIM, 32)
     half = ((gl.expand_dims(val, 6) >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16,
                                                                                         bitcast=True)
-    return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
+    return _k_halves(half, NW, HEAD_DIM, OPA)
 
 
 @gluon.jit
@@ -546,7 +547,8 @@ def exact4_split_kernel(
     # the staging slots at offset 0 (the merge's scratch reuses them after the loop)
     stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, X4_ORDER)
+    q_lo = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, X4_ORDER, 0)
+    q_hi = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, X4_ORDER, 1)
     m_i, _, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
     l_t = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)  # the mass per thread (``_lazy_softmax_step``)
     bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
@@ -589,9 +591,9 @@ def exact4_split_kernel(
         slot = _wait_stage(j % STAGES, STAGES - 1)
         fr = _tile_first(lo, j, NW, 2, ROWS)
         frk = _tile_first(lo, j, NW, 6, gl.SliceLayout(6, LK))
-        kk = _k_operand((wk * STAGES + slot) * SLOT, k_ptr, frk, t0, t1, head, num_kv_heads, HEAD_DIM, BF16, NW,
-                        OPA)
-        s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)) * qk_scale
+        k_lo, k_hi = _k_operand((wk * STAGES + slot) * SLOT, k_ptr, frk, t0, t1, head, num_kv_heads, HEAD_DIM,
+                                BF16, NW, OPA)
+        s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA) * qk_scale
         p, alpha, m_new, l_t = _lazy_softmax_step(s, (fr + rr >= t0) & (fr + rr < t1), m_i, l_t)
         pt = gl.convert_layout(p.to(gl.bfloat16), OPB)
         frv = _tile_first(lo, j, NW, 7, gl.SliceLayout(7, LV))

@@ -836,7 +836,8 @@ def _lookup(y, i, lane4, TAB: gl.constexpr):
 @gluon.jit
 def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
                LK: gl.constexpr, OPA: gl.constexpr):
-    """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout: thread (t, nl) holds the channel pairs
+    """K [NW, 16, HEAD_DIM] bf16 in the A-operand layout, as its two halves along the reduction
+    (``_k_halves``): thread (t, nl) holds the channel pairs
     8 i + 2 t of each word: rotating plane p's word right by 2 t - 2 p and masking puts its bits of
     four pairs at bits 2 p, 2 p + 1 of four bytes (``pair_index``; ``rotated_pair_codes``)."""
     t = _axis(4, 5, 7, LK)
@@ -855,7 +856,7 @@ def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: 
             y |= _rotr(w2, 2 * t - 4) & 0x30303030
     val = _lookup(y, _axis(4, 4, 7, LK), (t + 4 * _axis(8, 2, 7, LK)) * 4, TAB)  # lane t + 4 nl: copy t + 4 nl
     half = ((val >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
-    return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
+    return _k_halves(half, NW, HEAD_DIM, OPA)
 
 
 @gluon.jit
@@ -942,15 +943,41 @@ def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_head
 @gluon.jit
 def _q_operand(q_ptr, seq, head, stride_qb, stride_qh, dtype: gl.constexpr, GROUP: gl.constexpr,
                BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr,
-               K_BITS: gl.constexpr = 0):
+               K_BITS: gl.constexpr = 0, PART: gl.constexpr = -1):
     """Q^T of the KV head's query heads (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
     in ``dtype``, heads past the group 0; with ``K_BITS`` (compact pages) its channels in the K
-    operand's order (``_k_stored_channel``)."""
-    dq = _k_stored_channel(_axis(HEAD_DIM, 1, 3, OPB), HEAD_DIM, K_BITS)
+    operand's order (``_k_stored_channel``). With ``PART`` 0 or 1, only that half of the reduction
+    index k ([NW, HEAD_DIM // 2, BLOCK_G]: ``_k_halves``' halves of K)."""
+    if PART >= 0:
+        dq = _k_stored_channel(PART * (HEAD_DIM // 2) + _axis(HEAD_DIM // 2, 1, 3, OPB), HEAD_DIM, K_BITS)
+    else:
+        dq = _k_stored_channel(_axis(HEAD_DIM, 1, 3, OPB), HEAD_DIM, K_BITS)
     gq = _axis(BLOCK_G, 2, 3, OPB)
     wq = _axis(NW, 0, 3, OPB)
     q_ptrs = q_ptr + seq.to(gl.int64) * stride_qb + (head * GROUP + gq) * stride_qh + dq + 0 * wq
     return gl.load(q_ptrs, mask=(gq < GROUP) & (wq >= 0), other=0.0).to(dtype)
+
+
+@gluon.jit
+def _k_halves(half, NW: gl.constexpr, HEAD_DIM: gl.constexpr, OPA: gl.constexpr):
+    """The K pair tensor ``half`` ([NW, 2, 8, M, 4, 4, 2] in ``k_layout``: reduction index
+    k = 32 m + 8 i + 2 t + b) as two A operands [NW, 16, HEAD_DIM // 2], k below HEAD_DIM // 2 and the
+    rest: a split of each thread's registers (no data moves), so the logits sum over two
+    independent chains of HEAD_DIM / 32 products (``_logits``) instead of one of HEAD_DIM / 16."""
+    M: gl.constexpr = HEAD_DIM // 32
+    # (m, i) as one register index 4 m + i (k = 8 (4 m + i) + 2 t + b), its high bit split off
+    x = gl.permute(gl.reshape(half, [NW, 2, 8, 2, 2 * M, 4, 2]), [0, 1, 2, 4, 5, 6, 3])
+    lo, hi = gl.split(x)
+    return (gl.convert_layout(gl.reshape(lo, [NW, 16, HEAD_DIM // 2]), OPA, assert_trivial=True),
+            gl.convert_layout(gl.reshape(hi, [NW, 16, HEAD_DIM // 2]), OPA, assert_trivial=True))
+
+
+@gluon.jit
+def _logits(k_lo, k_hi, q_lo, q_hi, NW: gl.constexpr, BLOCK_G: gl.constexpr, MMA: gl.constexpr):
+    """S^T = K Q^T [NW, 16, BLOCK_G] (fp32) as the sum of the two halves' products (``_k_halves``),
+    each its own chain of mma.sync."""
+    z = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
+    return mma_v2(k_lo, q_lo, z) + mma_v2(k_hi, q_hi, z)
 
 
 @gluon.jit
@@ -1118,7 +1145,8 @@ def compact_split_kernel(
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
     gl.thread_barrier()
 
-    q = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, BITS_K)
+    q_lo = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, BITS_K, 0)
+    q_hi = _q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.bfloat16, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, BITS_K, 1)
     g_h = _axis(BLOCK_G, 1, 2, HEADS)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + seq * (num_kv_heads * GROUP) + head * GROUP + g_h + 0 * _axis(NW, 0, 2, HEADS),
@@ -1194,8 +1222,8 @@ def compact_split_kernel(
             nvg = _scales(v_pages_ptr, v_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_vb, stride_vh, PB_V,
                           BLOCK_SIZE, BITS_V * 2 * HEAD_DIM)
 
-        kk = _k_operand(k0, k1, k2, k3, BITS_K, TAB_OFF, HEAD_DIM, NW, LK, OPA)
-        s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA))
+        k_lo, k_hi = _k_operand(k0, k1, k2, k3, BITS_K, TAB_OFF, HEAD_DIM, NW, LK, OPA)
+        s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA)
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
         if ROPE_CHUNKS > 0:
             s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
@@ -1323,7 +1351,8 @@ def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, fblk, bt_ro
 
 @gluon.jit
 def _fp8_k_operand(slot, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPA: gl.constexpr):
-    """K [NW, 16, HEAD_DIM] f16 in the A-operand layout from the warp's staged page in ``slot``: the K
+    """K [NW, 16, HEAD_DIM] f16 in the A-operand layout, as its two halves along the reduction
+    (``_k_halves``), from the warp's staged page in ``slot``: the K
     pair tensor of ``k_layout`` (channels 32 m + 8 i + 2 t + b of row 8 nh + nl), one 16-bit load and
     one e4m3x2 conversion per pair."""
     M: gl.constexpr = HEAD_DIM // 32
@@ -1334,7 +1363,7 @@ def _fp8_k_operand(slot, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.co
     addr = _slot_base(slot, 0, STAGES, 8 * _fp8_row(HEAD_DIM), NW, 7, LK) + row * _fp8_row(HEAD_DIM) + col
     val = gl.inline_asm_elementwise(_LDS_E4M3X2, "=r,r", [addr], dtype=gl.int32, is_pure=True, pack=1)
     half = ((val >> (16 * _axis(2, 6, 7, LK))) & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True)
-    return gl.convert_layout(gl.reshape(half, [NW, 16, HEAD_DIM]), OPA, assert_trivial=True)
+    return _k_halves(half, NW, HEAD_DIM, OPA)
 
 
 @gluon.jit
@@ -1388,8 +1417,10 @@ def fp8_split_kernel(
     stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     # q times sm_scale log2(e) in f16 (|q| up to about 3.6e5 before f16 overflows, not 65504)
-    q = (_q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.float32, GROUP, BLOCK_G, HEAD_DIM, NW, OPB)
-         * qk_scale).to(gl.float16)
+    q_lo = (_q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.float32, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, 0, 0)
+            * qk_scale).to(gl.float16)
+    q_hi = (_q_operand(q_ptr, seq, head, stride_qb, stride_qh, gl.float32, GROUP, BLOCK_G, HEAD_DIM, NW, OPB, 0, 1)
+            * qk_scale).to(gl.float16)
     k_scale = gl.load(k_scale_ptr + head)
     v_scale = gl.load(v_scale_ptr + head)
     m_i, l_i, acc = _fresh_state(NW, BLOCK_G, HEAD_DIM, MMA, HEADS)
@@ -1418,8 +1449,8 @@ def fp8_split_kernel(
                    _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), bt_row, CPR, NCH, BLOCK_SIZE, NW, IL)
         slot = _wait_stage(j % STAGES, STAGES - 1)
         fr = _tile_first(lo, j, NW, 2, ROWS)
-        kk = _fp8_k_operand(slot, STAGES, HEAD_DIM, NW, OPA)
-        s = mma_v2(kk, q, gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)) * k_scale
+        k_lo, k_hi = _fp8_k_operand(slot, STAGES, HEAD_DIM, NW, OPA)
+        s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA) * k_scale
         p, alpha, m_new, l_i = _softmax_step(s, (fr + rr >= t0) & (fr + rr < t1), m_i, l_i)
         pt = gl.convert_layout(p.to(gl.float16), OPB)
         vt = _fp8_v_operand(slot, STAGES, HEAD_DIM, NW, OPA)
