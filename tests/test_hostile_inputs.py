@@ -180,6 +180,9 @@ def test_decompress_file_refuses_names_a_safetensors_file_cannot_hold(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="twice"):
         weightszip.decompress_file(src, dst)
     assert not dst.exists()
+    weightszip.verify_file(src)  # a valid container (names need not be unique) ...
+    with pytest.raises(errors.InvalidArgumentError, match="twice"):  # ... that no dict holds whole
+        weightszip.load_file(src)
 
 
 def test_compact_errors_are_weightszip_errors(tmp_path):
@@ -220,9 +223,18 @@ def _safetensors_bytes(header, data: bytes) -> bytes:
         b"\x93NUMPY\x01\x00" + struct.pack("<H", 117)
         + b"{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387905, 4), }".ljust(116) + b"\n"
         + bytes(16),
+        # .npy headers numpy's own parser fails on with other errors than ValueError: an unclosed
+        # tuple (tokenize.TokenError), a descr that is not a dtype string (SyntaxError), bytes keys
+        # beside str ones (TypeError)
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", 118)
+        + b"{'descr': '<f4', 'fortran_order': False, 'shape': (4, ".ljust(117) + b"\n" + bytes(16),
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", 118)
+        + b"{'descr': ',<f4', 'fortran_order': False, 'shape': (4,), }".ljust(117) + b"\n" + bytes(16),
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", 118)
+        + b"{b'descr': '<f4', 'fortran_order': False, 'shape': (4,), }".ljust(117) + b"\n" + bytes(16),
     ],
     ids=["negative-dims", "nested-dims", "list-dtype", "40000-dims", "17-dims", "long-name", "surrogate-name",
-         "deep-json", "npy-wrapping-shape"],
+         "deep-json", "npy-wrapping-shape", "npy-unclosed-tuple", "npy-bad-descr", "npy-bytes-key"],
 )
 def test_compress_file_codes_malformed_tensor_headers_as_bytes(tmp_path, raw):
     """Any file compresses (and comes back byte for byte): a header entry that is not a tensor the

@@ -233,7 +233,8 @@ def _npy_segments(f, size: int) -> list[Segment] | None:
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
         else:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    except (ValueError, OSError):
+    except Exception:  # noqa: BLE001 - numpy parses the header dict with ast (SyntaxError, TypeError,
+        # tokenize.TokenError, ... on hostile bytes): a file that is not a valid .npy is compressed as bytes
         return None
     start = f.tell()
     name = {np.dtype(v): k for k, v in _NAME_TO_NP.items()}.get(np.dtype(dtype).newbyteorder("="))
