@@ -257,7 +257,10 @@ def load_file(path: str | os.PathLike, *, out: str | None = None, threads: int |
     """Load every tensor of a .wz file into a dict (numpy, or torch for tensors saved from torch). A
     container whose entries share a name (the format allows it) cannot be a dict without losing one:
     InvalidArgumentError, before anything is decoded."""
+    from weightszip.files import check_regular_file
+
     p = os.fspath(path)
+    check_regular_file(p)
     index = _core.file_index(p)
     names = [e["name"] for e in index["entries"]]
     if len(set(names)) != len(names):
