@@ -140,6 +140,9 @@ def test_sglang_backend_refuses_targets_and_pages_it_cannot_decode_into(tmp_path
         b.batch_exists([b"a"])
     assert b.batch_set(["c"], [None]) is False and not b.exists("c")
     b.close()
+    with pytest.raises(weightszip.InvalidArgumentError, match="durable"):
+        _backend(tmp_path / "other", durable="no")
+    _backend(tmp_path / "strings", durable="false").close()
 
 
 def test_sglang_ranks_do_not_share_mha_pages(tmp_path):

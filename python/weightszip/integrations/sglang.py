@@ -31,6 +31,16 @@ from weightszip.store import TAG_CONTAINER, ChunkStore
 logger = logging.getLogger(__name__)
 
 
+def _flag(x, name: str) -> bool:
+    """A yes/no option of the extra config: a JSON bool, 0 or 1, or the strings true/false (bool("no")
+    would be True)."""
+    if isinstance(x, bool) or (isinstance(x, int) and x in (0, 1)):
+        return bool(x)
+    if isinstance(x, str) and x.strip().lower() in ("true", "false", "1", "0"):
+        return x.strip().lower() in ("true", "1")
+    raise InvalidArgumentError(f"HiCache extra config: {name} must be true or false, not {x!r}")
+
+
 class WeightszipHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *, store=None):
         extra = dict(storage_config.extra_config or {})
@@ -48,7 +58,7 @@ class WeightszipHiCacheStorage(HiCacheStorage):
             ram_bytes=int(extra.get("ram_bytes", 1 << 30)),
             disk_bytes=int(extra.get("disk_bytes", 0)),
             io_threads=int(extra.get("io_threads", 0)),
-            durable=bool(extra.get("durable", True)),
+            durable=_flag(extra.get("durable", True), "durable"),
             redis_url=extra.get("redis_url"),
             redis_prefix=str(extra.get("redis_prefix", "wz:")),
         )
