@@ -292,10 +292,15 @@ class ChunkStore:
         return dict(self._s.stats())
 
     def close(self) -> None:
-        """Flush to disk and release the folder (its lock) once nothing else holds the store."""
-        if self._inner is not None:
+        """Flush to disk and release the folder (its lock) once nothing else holds the store.
+
+        Calls racing with close either fail (InvalidArgumentError: the store is closed) or finish
+        first: every put that returned is on disk when close returns. A store dropped without
+        close writes its chunks too."""
+        inner = self._inner
+        if inner is not None:
             try:
-                self.flush()
+                inner.close()
             finally:
                 self._inner = None
 
