@@ -618,3 +618,29 @@ def test_puts_racing_with_close_either_fail_or_are_on_disk(tmp_path):
     assert s.stats()["disk_chunks"] == 3000 + sum(map(len, acked))
     s.close()
 
+
+def test_paths_batches_and_flags_of_the_wrong_kind_are_typed_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(weightszip.InvalidArgumentError, match="empty"):
+        ChunkStore("")
+    assert not any(tmp_path.iterdir()), "no store made in the current folder"
+    for name in ("durable", "write_through", "promote"):
+        with pytest.raises(weightszip.InvalidArgumentError, match=name):
+            ChunkStore(None, **{name: "no"})
+    s = ChunkStore(None)
+    s.put("a", b"1")
+    for bad in (5, None, [("k",)], [("k", b"1", b"2")], ["kv"], "ab"):
+        with pytest.raises(weightszip.InvalidArgumentError):
+            s.put_many(bad)
+    for bad in ("abc", b"abc", 5, None):
+        with pytest.raises(weightszip.InvalidArgumentError):
+            s.get_many(bad)
+        with pytest.raises(weightszip.InvalidArgumentError):
+            s.get_many_with_tags(bad)
+        with pytest.raises(weightszip.InvalidArgumentError):
+            s.get_tensors(bad)
+    assert s.get_many(["a", "b"]) == [b"1", None]
+    assert s.get_many(k for k in ("a",)) == [b"1"]
+    s.put_many((k, v) for k, v in [("c", b"3")])
+    assert s.get("c") == b"3"
+    s.close()
