@@ -82,28 +82,27 @@ def _key(key: str | bytes) -> bytes:
     return key
 
 
-def _keys(keys: Any) -> list[bytes]:
-    """A batch's keys: an iterable of keys (one str or bytes is a key, not a batch of its
+def _batch(items: Any, what: str) -> list:
+    """The items of a batch as a list: any iterable but one str or bytes (a key, not a batch of its
     characters)."""
-    if isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise InvalidArgumentError(f"a batch of keys is a list of keys, not one key ({keys!r})")
+    if isinstance(items, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"{what}, not one key ({items!r})")
     try:
-        keys = list(keys)
+        return list(items)
     except TypeError as e:
-        raise InvalidArgumentError(f"a batch of keys is an iterable of keys, not {type(keys).__name__}") from e
-    return [_key(k) for k in keys]
+        raise InvalidArgumentError(f"{what}, not {type(items).__name__}") from e
+
+
+def _keys(keys: Any) -> list[bytes]:
+    """A batch's keys: an iterable of keys."""
+    return [_key(k) for k in _batch(keys, "a batch of keys is an iterable of keys")]
 
 
 def _pairs(items: Any) -> list[tuple[Any, Any]]:
     """A batch's (key, value) items: a mapping or an iterable of pairs."""
     if isinstance(items, Mapping):
         return list(items.items())
-    if isinstance(items, (str, bytes, bytearray, memoryview)):
-        raise InvalidArgumentError(f"a batch is a mapping or (key, value) pairs, not {type(items).__name__}")
-    try:
-        pairs = list(items)
-    except TypeError as e:
-        raise InvalidArgumentError(f"a batch is a mapping or (key, value) pairs, not {type(items).__name__}") from e
+    pairs = _batch(items, "a batch is a mapping or (key, value) pairs")
     for p in pairs:
         if not isinstance(p, (tuple, list)) or len(p) != 2:
             raise InvalidArgumentError(f"a batch's items are (key, value) pairs, not {p!r}")
