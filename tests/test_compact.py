@@ -631,3 +631,17 @@ def test_bit_flipped_calibration_files_give_typed_errors(tmp_path):
         back.validate()  # a flip the container cannot see (none expected: it is checksummed) is still a valid calibration
 
     check()
+
+
+@pytest.mark.parametrize("argv", [["--queries=-1"], ["--queries=0"], ["--tokens=0"], ["--device", "nonsense"]])
+def test_calibrate_bad_arguments_are_usage_errors(argv, fake_lm, tmp_path, capsys):
+    # (--queries -1 was a ValueError traceback, --queries 0 wrote a calibration of nothing)
+    from weightszip.cli import main
+
+    out = tmp_path / "m.wzcal"
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--model", "fake", "--text", str(DATA / "text" / "austen-emma-excerpt.txt"), "-o", str(out),
+              *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --" in err and "Traceback" not in err and not out.exists()
