@@ -60,3 +60,23 @@ def _compile_in_child(code: str, *args, timeout: int = 900) -> str:
 def compile_in_child():
     """``compile_in_child(code, *args)``: a kernel-compiling script run in a child process (its stdout)."""
     return _compile_in_child
+
+
+@pytest.fixture
+def fake_lm(monkeypatch):
+    """``weightszip.models.load_causal_lm`` answering at once with a stand-in model of 2 layers
+    (max_position_embeddings 64) and a tokenizer of one token per character: for the CLI's checks
+    that need a loaded model but fail before any forward. Returns the stand-in."""
+    import types
+
+    torch = pytest.importorskip("torch")
+    from weightszip import models
+
+    def tok(text, add_special_tokens=True, return_tensors="pt"):
+        return types.SimpleNamespace(input_ids=torch.tensor([[ord(c) % 256 for c in text]]))
+
+    cfg = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=1, max_position_embeddings=64)
+    lm = models.LoadedModel(model=types.SimpleNamespace(config=cfg, device=torch.device("cpu")), tokenizer=tok,
+                            name="fake", source="fake", key=None, gguf_file=None, pip_packages=(), load_seconds=0.0)
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: lm)
+    return lm

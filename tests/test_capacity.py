@@ -237,6 +237,26 @@ def test_cli_errors(capsys):
     assert "unknown format 'zz'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--params", "--gpu-memory-gb", "--weights-gb", "--price-on-demand", "--price-reserved",
+                                  "--activations-gb", "--memory-fraction"])
+@pytest.mark.parametrize("value", ["1e400", "-1e400", "1e-400", "1e99999999", "inf", "nan"])
+def test_cli_rejects_numbers_out_of_range(flag, value, capsys):
+    # (1e400 was an OverflowError traceback, 1e99999999 hung parsing): argparse's usage error
+    with pytest.raises(SystemExit) as e:
+        run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h200", f"{flag}={value}")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and "Traceback" not in err
+    assert "out of range" in err or "not a number" in err
+
+
+@pytest.mark.parametrize("kwargs", [dict(gpu_memory_gb=1e300), dict(weights_gb="1e400"), dict(params="1e400"),
+                                    dict(price_reserved=float("inf")), dict(memory_fraction="1e-400")])
+def test_compute_rejects_numbers_out_of_range(kwargs):
+    with pytest.raises(CapacityError, match="out of range|not a number"):
+        compute("llama-3.1-8b", "h200", **kwargs)
+
+
 def test_kv_heads_replicated_past_one_per_gpu():
     r = compute("llama-3.1-70b", "h100-80gb", gpus=16)
     assert r.kv_replication == 2 and r.unit_gpus == 16

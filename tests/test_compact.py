@@ -329,6 +329,27 @@ def test_hostile_calibration_files(tmp_path):
     weightszip.save_file(t, bad)
     with pytest.raises(C.CalibrationError, match="mult"):
         C.Calibration.load(bad)
+    # no layers or heads (every table cut to match), or a head_dim that is not a power of two
+    meta = json.loads(bytes(weightszip.load_file(p)["meta"]).decode())
+    for edit, match in (({"layers": 0}, "layers >= 1"), ({"kv_heads": 0}, "layers >= 1"),
+                        ({"head_dim": 12}, "power of two"), ({"sink_tokens": 1 << 40}, "sink_tokens"),
+                        ({"recent_window": -1}, "recent_window"), ({"recent_window": 1.5}, "recent_window"),
+                        ({"sink_tokens": True}, "sink_tokens"), ({"layers": "3"}, "layers")):
+        t = weightszip.load_file(p)
+        m = dict(meta, **edit)
+        if edit.get("layers") == 0:
+            m["allocation"] = {k: [] for k in meta["allocation"]}
+            for name in ("mu", "mult", "e0", "rope_m") + tuple(f"codebook_{b}" for b in C.BITS_CHOICES):
+                if name in t:
+                    t[name] = t[name][:0]
+        if edit.get("kv_heads") == 0:
+            for name in ("mu", "mult", "e0", "rope_m"):
+                if name in t:
+                    t[name] = t[name][:, :0] if name == "rope_m" else t[name][:, :, :0]
+        t["meta"] = np.frombuffer(json.dumps(m).encode(), dtype=np.uint8).copy()
+        weightszip.save_file(t, bad, overwrite=True)
+        with pytest.raises(C.CalibrationError, match=match):
+            C.Calibration.load(bad)
 
 
 def test_calibration_must_fit_the_model():
@@ -610,3 +631,17 @@ def test_bit_flipped_calibration_files_give_typed_errors(tmp_path):
         back.validate()  # a flip the container cannot see (none expected: it is checksummed) is still a valid calibration
 
     check()
+
+
+@pytest.mark.parametrize("argv", [["--queries=-1"], ["--queries=0"], ["--tokens=0"], ["--device", "nonsense"]])
+def test_calibrate_bad_arguments_are_usage_errors(argv, fake_lm, tmp_path, capsys):
+    # (--queries -1 was a ValueError traceback, --queries 0 wrote a calibration of nothing)
+    from weightszip.cli import main
+
+    out = tmp_path / "m.wzcal"
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--model", "fake", "--text", str(DATA / "text" / "austen-emma-excerpt.txt"), "-o", str(out),
+              *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --" in err and "Traceback" not in err and not out.exists()

@@ -82,6 +82,12 @@ def test_compact_chunks_reject_bad_input(cal):
         codec.decode(b"XXXX" + blob[4:])
     with pytest.raises(weightszip.CorruptDataError, match="q3"):
         CompactChunkCodec(cal, "q4").decode(blob)
+    import torch
+
+    for other in (np.frombuffer(blob, dtype=np.uint8), torch.frombuffer(bytearray(blob), dtype=torch.uint8), None):
+        with pytest.raises(weightszip.InvalidArgumentError, match="bytes"):
+            codec.decode(other)
+    assert torch.equal(codec.decode(memoryview(bytearray(blob))), codec.decode(blob))
 
 
 def test_lmcache_serde_in_a_compact_mode(cal, tmp_path):

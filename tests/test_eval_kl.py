@@ -345,3 +345,51 @@ def test_cli_kv_dump_writes_every_layer(smollm2, tmp_path, capsys):
 
 def test_bits_printed_match_math():
     assert math.isclose(F.FORMATS["kivi-2"].bits_per_value(8192, 64, 3), 3.05078125)
+
+
+# ------------------------------------------------------------------- command-line arguments
+
+_KL = ["eval", "kl", "--model", "fake", "--format", "bf16", "--text", str(TEXT), "--window", "8"]
+_DUMP = ["kv", "dump", "--model", "fake", "--text", str(TEXT)]
+
+
+@pytest.mark.parametrize("argv", [
+    [*_KL, "--buckets=0"], [*_KL, "--buckets=-1"], [*_KL, "--offset=-5"], [*_KL, "--chunk=0"],
+    [*_KL, "--chunk=0", "--chunked"], [*_KL, "--window=0"], [*_KL, "--device", "nonsense"],
+    [*_KL, "--device", "cuda:99"],
+    ["eval", "formats", "--context=0"], ["eval", "formats", "--head-dim=0"], ["eval", "formats", "--kv-heads=0"],
+    ["eval", "formats", "--context=-1"], ["eval", "formats", "--head-dim=-64"], ["eval", "formats", "--kv-heads=-3"],
+    [*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", "a"], [*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", "0,-1"],
+    [*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", ","], [*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", "1,1"],
+    [*_DUMP, "--tokens=0", "-o", "x.wz"],
+])
+def test_cli_bad_arguments_are_usage_errors(argv, fake_lm, tmp_path, monkeypatch, capsys):
+    # (each was a traceback -- ZeroDivisionError, ValueError, IndexError, RuntimeError -- or silently taken)
+    from weightszip.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --" in err and "Traceback" not in err
+    assert not (tmp_path / "x.wz").exists()
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["eval", "kl", "--model", "fake", "--format", "bf16", "--text", str(TEXT), "--window", "100000"], "fewer than"),
+    (["eval", "kl", "--model", "fake", "--format", "bf16", "--text", str(TEXT), "--window", "8", "--offset", "29999"],
+     "fewer than"),
+    ([*_DUMP, "--tokens", "100000", "-o", "x.wz"], "fewer than"),
+    ([*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", "0,99"], "out of range"),
+])
+def test_cli_arguments_the_model_or_text_cannot_meet_are_one_line_errors(argv, match, fake_lm, tmp_path, monkeypatch,
+                                                                        capsys):
+    # (a window or --tokens past the text's end, a layer past the model's: ValueError tracebacks)
+    from weightszip.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error:") and match in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.wz").exists()

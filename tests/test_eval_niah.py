@@ -378,3 +378,22 @@ def test_cli_registration():
 def test_unknown_format_is_refused_before_loading(capsys):
     assert niah.main(["--model", "no-such-model", "--length", "512", "--formats", "bf16,nope"]) == 2
     assert "unknown KV format 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--length", "99999999k"], ["--length", str(niah.MAX_LENGTH + 1)],
+                                  ["--length", "512", "--device", "nonsense"]])
+def test_bad_length_or_device_is_a_usage_error(argv, fake_lm, capsys):
+    # (99999999k built a prompt of 1e11 tokens: 11 GB and counting; a bad device was a RuntimeError)
+    with pytest.raises(SystemExit) as e:
+        niah.main(["--model", "fake", "--formats", "bf16", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --" in err and "Traceback" not in err
+
+
+def test_length_past_the_models_positions_is_refused_before_any_prompt(fake_lm, monkeypatch, capsys):
+    monkeypatch.setattr(niah, "load_corpus", lambda *a, **k: pytest.fail("built a prompt"))
+    assert niah.main(["--model", "fake", "--formats", "bf16", "--length", "65"]) == 2  # the stand-in has 64
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error:") and "max_position_embeddings (64" in err
+    assert len(err.strip().splitlines()) == 1

@@ -150,6 +150,39 @@ def test_missing_input_exits_nonzero(tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("command", ["compress", "info", "verify", "decompress"])
+def test_inputs_that_are_not_regular_files_are_refused(tmp_path, capsys, command):
+    """A FIFO (a read would block until a writer comes) and a directory are refused with one error
+    line and exit 1, before anything is read or written; so is the Python API."""
+    fifo = tmp_path / "pipe.wz"
+    os.mkfifo(fifo)
+    for src in (fifo, tmp_path):
+        extra = ["-o", str(tmp_path / "out.bin")] if command == "decompress" else []
+        assert run_cli(command, src, *extra) == 1
+        assert "not a regular file" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.wz"]
+    for fn in (lambda: weightszip.compress_file(fifo, tmp_path / "x.wz"), lambda: weightszip.file_info(fifo),
+               lambda: weightszip.verify_file(fifo), lambda: weightszip.load_file(fifo)):
+        with pytest.raises(weightszip.InvalidArgumentError, match="not a regular file"):
+            fn()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="no /proc")
+def test_a_file_that_reports_no_size_but_has_data_is_refused(tmp_path, capsys):
+    """/proc files report 0 bytes and then have data: compressing one would give an empty archive
+    (silently losing its contents), so it is refused."""
+    assert os.path.getsize("/proc/self/status") == 0
+    assert run_cli("compress", "/proc/self/status", "-o", tmp_path / "s.wz") == 1
+    assert "reports 0 bytes but has data" in capsys.readouterr().err
+    assert not (tmp_path / "s.wz").exists()
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert run_cli("compress", empty, "-q") == 0  # a truly empty file still compresses
+    weightszip.decompress_file(tmp_path / "empty.wz", tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == b""
+
+
 @pytest.mark.parametrize("args", [("--threads", "-1"), ("--chunk-size", "-5")])
 def test_negative_counts_are_usage_errors(tmp_path, capsys, args):
     """A negative --threads / --chunk-size is argparse's usage error (exit 2), not an OverflowError

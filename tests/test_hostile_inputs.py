@@ -180,6 +180,9 @@ def test_decompress_file_refuses_names_a_safetensors_file_cannot_hold(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="twice"):
         weightszip.decompress_file(src, dst)
     assert not dst.exists()
+    weightszip.verify_file(src)  # a valid container (names need not be unique) ...
+    with pytest.raises(errors.InvalidArgumentError, match="twice"):  # ... that no dict holds whole
+        weightszip.load_file(src)
 
 
 def test_compact_errors_are_weightszip_errors(tmp_path):
@@ -220,9 +223,18 @@ def _safetensors_bytes(header, data: bytes) -> bytes:
         b"\x93NUMPY\x01\x00" + struct.pack("<H", 117)
         + b"{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387905, 4), }".ljust(116) + b"\n"
         + bytes(16),
+        # .npy headers numpy's own parser fails on with other errors than ValueError: an unclosed
+        # tuple (tokenize.TokenError), a descr that is not a dtype string (SyntaxError), bytes keys
+        # beside str ones (TypeError)
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", 118)
+        + b"{'descr': '<f4', 'fortran_order': False, 'shape': (4, ".ljust(117) + b"\n" + bytes(16),
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", 118)
+        + b"{'descr': ',<f4', 'fortran_order': False, 'shape': (4,), }".ljust(117) + b"\n" + bytes(16),
+        b"\x93NUMPY\x01\x00" + struct.pack("<H", 118)
+        + b"{b'descr': '<f4', 'fortran_order': False, 'shape': (4,), }".ljust(117) + b"\n" + bytes(16),
     ],
     ids=["negative-dims", "nested-dims", "list-dtype", "40000-dims", "17-dims", "long-name", "surrogate-name",
-         "deep-json", "npy-wrapping-shape"],
+         "deep-json", "npy-wrapping-shape", "npy-unclosed-tuple", "npy-bad-descr", "npy-bytes-key"],
 )
 def test_compress_file_codes_malformed_tensor_headers_as_bytes(tmp_path, raw):
     """Any file compresses (and comes back byte for byte): a header entry that is not a tensor the
@@ -232,3 +244,39 @@ def test_compress_file_codes_malformed_tensor_headers_as_bytes(tmp_path, raw):
     weightszip.compress_file(src, wz)
     weightszip.decompress_file(wz, back)
     assert back.read_bytes() == raw
+
+
+def _gguf_string(b: bytes) -> bytes:
+    return struct.pack("<Q", len(b)) + b
+
+
+_HOSTILE_GGUF = {
+    "magic only": b"GGUF",
+    "2**63 metadata entries": b"GGUF" + struct.pack("<IQQ", 3, 0, 2**63),
+    "a key of 2**63 bytes": b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**63) + b"xx",
+    "an array of 2**62 values": b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_string(b"general.architecture")
+    + struct.pack("<IIQ", 9, 4, 2**62) + bytes(16),
+    "2**40 tensors of 2**32-1 dimensions": b"GGUF" + struct.pack("<IQQ", 3, 2**40, 1)
+    + _gguf_string(b"general.architecture") + struct.pack("<I", 8) + _gguf_string(b"llama") + _gguf_string(b"t")
+    + struct.pack("<I", 2**32 - 1) + bytes(8),
+}
+
+
+@pytest.mark.parametrize("name", list(_HOSTILE_GGUF))
+def test_hostile_gguf_model_files_are_typed_errors(name, tmp_path, monkeypatch, capsys):
+    # (a struct.error traceback from the GGUF reader in kv dump, calibrate, eval kl and eval niah)
+    pytest.importorskip("transformers")
+    from weightszip.cli import main
+    from weightszip.models import ModelFileError, load_causal_lm
+
+    monkeypatch.setenv("WEIGHTSZIP_CACHE", str(tmp_path / "cache"))
+    p = tmp_path / "m.gguf"
+    p.write_bytes(_HOSTILE_GGUF[name])
+    with pytest.raises(ModelFileError, match="cannot read this GGUF file") as e:
+        load_causal_lm(p, verbose=False)
+    assert isinstance(e.value, errors.CorruptDataError) and "\n" not in str(e.value)
+    text = tmp_path / "t.txt"
+    text.write_text("hello " * 50)
+    assert main(["kv", "dump", "--model", str(p), "--text", str(text), "--tokens", "8", "-o", str(tmp_path / "o.wz")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error:") and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -459,6 +459,10 @@ def test_page_heap_reuse_split_and_full():
     assert h.stats() == before
     with pytest.raises(InvalidArgumentError):
         h.alloc([24])
+    big = PageHeap(1024, device="cpu")  # a batch whose int64 sum wraps to 64 bytes: refused, no state change
+    with pytest.raises(LimitExceededError):
+        big.alloc([1 << 62] * 4 + [64] * 70)
+    assert big.used == 0 and big.top == 0
 
 
 def _run_cache(real, cache, seqs_prompts, steps, g):
@@ -709,6 +713,9 @@ def test_restore_refuses_damaged_sequences(real):
     odd[0, 1, 0] += 8  # not a page size
     refused(dc.replace(off, sizes=odd), InvalidArgumentError)
     refused(dc.replace(off, lengths=off.lengths + 16), InvalidArgumentError)  # more tokens than pages
+    wrap = off.sizes.copy()
+    wrap[:2, :, 0] += 1 << 62  # four sizes near 2**62: their int64 sum wraps back to the data's length
+    refused(dc.replace(off, sizes=wrap), InvalidArgumentError)
     hdr = off.data.clone()
     hdr[4:8] = 0xFF  # layer 0 K page 0: ex[1] far past the page
     refused(dc.replace(off, data=hdr), CorruptDataError)
@@ -1275,11 +1282,29 @@ def test_exact4_restore_refuses_damaged_pages(real):
     tops = off.data.clone()
     tops[R4.header_bytes(H)] = 3  # a window top below 15
     refused(dc.replace(off, data=tops), CorruptDataError, verify=True)
+    wrap = off.sizes.copy()
+    wrap[:2, :, 0] += 1 << 62  # four sizes near 2**62: their int64 sum wraps back to the data's length
+    refused(dc.replace(off, sizes=wrap), InvalidArgumentError)
     s1 = cache.restore_sequence(dc.replace(off, data=tops))  # sizes and headers agree: taken unverified
     cache.free_sequence(s1)
     s2 = cache.restore_sequence(off, verify=True)
     for layer in range(3):
         assert all(torch.equal(a, b) for a, b in zip(cache.dense(layer, s2), cache.dense(layer, s0)))
+
+
+@pytest.mark.parametrize("page_format", ["exact", "exact4"])
+def test_restore_a_sequence_shorter_than_a_page(real, page_format):
+    """A sequence of fewer than 16 tokens has no pages, only its bf16 ring: it offloads and restores
+    (the size checks take an empty page list)."""
+    cache = KVExactCache(layers=3, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 20, max_seqs=2,
+                         max_tokens=64, device=DEVICE, config=CFG, page_format=page_format)
+    s0 = cache.add_sequence()
+    _run_cache(real, cache, [(s0, 5)], steps=1, g=torch.Generator().manual_seed(9))
+    off = cache.offload_sequence(s0, free=False)
+    assert off.sizes.shape[2] == 0 and off.data.numel() == 0
+    s1 = cache.restore_sequence(off, verify=True)
+    for layer in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(cache.dense(layer, s1), cache.dense(layer, s0)))
 
 
 def test_exact4_gluon_staging_slot_layout():

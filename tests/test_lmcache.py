@@ -230,14 +230,18 @@ class SizedHalfCodec(HalfCodec):
 
 
 class _Allocator:
-    """Stands in for LMCache's LocalCPUBackend.allocate (which needs a running engine)."""
+    """Stands in for LMCache's LocalCPUBackend.allocate (which needs a running engine); ``buffer``
+    makes the raw bytes for n bytes."""
+
+    def __init__(self, buffer=lambda n: torch.empty(n, dtype=torch.uint8)):
+        self.buffer = buffer
 
     def allocate(self, shape, dtype, fmt=None):
         from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
         n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         meta = MemoryObjMetadata(shape=torch.Size(shape), dtype=dtype, address=0, phy_size=n, ref_count=1, fmt=fmt)
-        return TensorMemoryObj(torch.empty(n, dtype=torch.uint8), meta, None)
+        return TensorMemoryObj(self.buffer(n), meta, None)
 
 
 def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
@@ -284,6 +288,32 @@ def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
         conn.store.put(conn._key(other), (tmp_path / "two.wz").read_bytes(), tag=TAG_CONTAINER | (int(MemoryFormat.KV_2LTD.value) << 8))
         with pytest.raises(weightszip.CorruptDataError, match="2 tensors"):
             await conn.get(other)
+        # an allocator that hands out a smaller (or strided) buffer than the chunk needs: refused
+        # before the decoder writes a byte
+        class Given:  # a memory object whose tensor is what an allocator handed out
+            def __init__(self, t):
+                self.tensor, self.released = t, False
+
+            def ref_count_down(self):
+                self.released = True
+
+        class Handing:
+            def __init__(self, make):
+                self.make, self.given = make, []
+
+            def allocate(self, shape, dtype, fmt=None):
+                self.given.append(Given(self.make(int(np.prod(shape)), dtype)))
+                return self.given[-1]
+
+        for make in (lambda n, dt: torch.empty(n - 1, dtype=dt), lambda n, dt: torch.empty(2 * n, dtype=dt)[::2]):
+            conn.local_cpu_backend = Handing(make)
+            with pytest.raises(weightszip.InvalidArgumentError, match="no contiguous buffer"):
+                await conn.get(key)
+            assert conn.local_cpu_backend.given[0].released
+        conn.local_cpu_backend = _Allocator(lambda n: torch.empty(n - 2, dtype=torch.uint8))  # LMCache's own object
+        with pytest.raises(weightszip.InvalidArgumentError, match="no contiguous buffer"):
+            await conn.get(key)
+        conn.local_cpu_backend = _Allocator()
         assert conn.remove_sync(key) and not conn.exists_sync(key)
         await conn.close()
 

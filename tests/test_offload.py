@@ -397,10 +397,20 @@ def test_restore_refuses_chunks_that_do_not_tile_the_session(small_session, back
     x = x.to(TRITON_DEVICES[0] if backend == "triton" else "cpu")
     for edit in (lambda t: setattr(t.chunks[1], "start", 100), lambda t: setattr(t.chunks[1], "start", 0),
                  lambda t: setattr(t.chunks[1], "start", -2), lambda t: t.chunks.pop(1),
-                 lambda t: setattr(t.chunks[2], "host", t.chunks[2].host.numpy())):
+                 lambda t: setattr(t.chunks[2], "host", t.chunks[2].host.numpy()),
+                 lambda t: setattr(t.chunks[1], "nbytes", t.chunks[1].nbytes + 1),  # offsets not where they go
+                 lambda t: setattr(t.chunks[0], "n_pages", True)):
         bad = copy.copy(s)
         bad.chunks = [copy.copy(c) for c in s.chunks]
         edit(bad)
         with pytest.raises(CorruptDataError):
             ol.restore(bad, torch.zeros_like(x), backend=backend)
     assert torch.equal(ol.restore(s, torch.zeros_like(x), backend=backend).view(torch.int16), x.view(torch.int16))
+    # intact chunks whose host bytes start at an odd address restore as they are
+    moved = copy.copy(s)
+    moved.chunks = [copy.copy(c) for c in s.chunks]
+    for c in moved.chunks:
+        odd = torch.zeros(c.host.numel() + 1, dtype=torch.uint8)[1:]
+        odd.copy_(c.host)
+        c.host = odd
+    assert torch.equal(ol.restore(moved, torch.zeros_like(x), backend=backend).view(torch.int16), x.view(torch.int16))

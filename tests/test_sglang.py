@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import weightszip  # noqa: E402
 from test_store import real_kv  # noqa: E402
 
 
@@ -111,6 +112,37 @@ def test_sglang_backend_reports_a_damaged_page_as_a_miss(tmp_path):
     assert got[0] is None and torch.equal(got[1], pages[1])
     assert not b.exists("a"), "the damaged page was removed"
     b.close()
+
+
+def test_sglang_backend_refuses_targets_and_pages_it_cannot_decode_into(tmp_path):
+    """Targets the decoder cannot write whole at their address (a strided view, an expanded one,
+    not a tensor) are misses and the memory around them is untouched; a page stored under the
+    container tag whose bytes are not one is a miss too; keys that are not str, and a target list
+    of another length than the keys, are typed errors; a value that is not a tensor is not stored."""
+    b = _backend(tmp_path)
+    pages = _pages(2)
+    assert b.batch_set(["a", "b"], pages)
+    n = pages[0].numel()
+    base = torch.zeros(2 * n, dtype=pages[0].dtype)
+    for target in (base[::2], torch.zeros(1, dtype=pages[0].dtype).expand(n), "not a tensor"):
+        assert b.batch_get(["a"], [target]) == [None]
+    assert not base.view(torch.int16).any(), "nothing written around a strided target"
+    from weightszip.store import TAG_CONTAINER
+
+    b.store.put("junk" + b.suffix, b"not a container at all", tag=TAG_CONTAINER)
+    got = b.batch_get(["junk", "b"], [torch.empty_like(pages[0]), torch.empty_like(pages[1])])
+    assert got[0] is None and torch.equal(got[1], pages[1])
+    with pytest.raises(weightszip.InvalidArgumentError):
+        b.batch_get(["a", "b"], [torch.empty_like(pages[0])])
+    with pytest.raises(weightszip.InvalidArgumentError):
+        b.batch_get([5])
+    with pytest.raises(weightszip.InvalidArgumentError):
+        b.batch_exists([b"a"])
+    assert b.batch_set(["c"], [None]) is False and not b.exists("c")
+    b.close()
+    with pytest.raises(weightszip.InvalidArgumentError, match="durable"):
+        _backend(tmp_path / "other", durable="no")
+    _backend(tmp_path / "strings", durable="false").close()
 
 
 def test_sglang_ranks_do_not_share_mha_pages(tmp_path):

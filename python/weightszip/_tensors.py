@@ -205,7 +205,7 @@ def decompress(data: Any, *, out: str | None = None, threads: int | None = None)
     index = _core.buffer_index(addr, n)
     if len(index["entries"]) != 1:
         raise InvalidArgumentError(
-            f"container holds {len(index['entries'])} entries; use load_file / weightszip.open for archives"
+            f"container holds {len(index['entries'])} entries; use load_file for archives"
         )
     arr, out_addr = empty_like_entry(index["entries"][0], out)
     _core.decode_buffer_entry(addr, n, 0, out_addr, index["entries"][0]["raw_bytes"], threads_default(threads))
@@ -254,9 +254,18 @@ def save_file(
 
 
 def load_file(path: str | os.PathLike, *, out: str | None = None, threads: int | None = None) -> dict:
-    """Load every tensor of a .wz file into a dict (numpy, or torch for tensors saved from torch)."""
+    """Load every tensor of a .wz file into a dict (numpy, or torch for tensors saved from torch). A
+    container whose entries share a name (the format allows it) cannot be a dict without losing one:
+    InvalidArgumentError, before anything is decoded."""
+    from weightszip.files import check_regular_file
+
     p = os.fspath(path)
+    check_regular_file(p)
     index = _core.file_index(p)
+    names = [e["name"] for e in index["entries"]]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise InvalidArgumentError(f"{p}: tensor name {twice!r} twice: a dict of the tensors would lose one of them")
     result = {}
     for i, e in enumerate(index["entries"]):
         arr, addr = empty_like_entry(e, out)

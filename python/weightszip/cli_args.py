@@ -42,3 +42,29 @@ def thread_count(text: str) -> int:
     """--threads: >= 0 (0: the default); a count above the core's cap (MAX_THREADS, 256) is taken
     as the cap, as the core takes it (a typo's huge count neither fails nor spawns that many)."""
     return min(_count(text), _core.MAX_THREADS)
+
+
+def torch_device(text: str) -> str:
+    """--device: a torch device this machine has (cpu, cuda, cuda:1, ...), kept as given; a name torch
+    does not know, or a CUDA device it does not see, is argparse's usage error (it was a RuntimeError
+    traceback once the model had loaded). Without torch it is taken as given (the command then says
+    what to install)."""
+    try:
+        import torch
+    except ImportError:
+        return text
+    try:
+        d = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (d.index or 0) >= n:
+            raise argparse.ArgumentTypeError(f"{text!r}: no such CUDA device here (torch sees {n})")
+    elif d.type != "cpu":
+        try:
+            torch.empty(0, device=d)
+        except Exception as e:  # (mps off a Mac, xpu without one: a RuntimeError, or another type)
+            why = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
+            raise argparse.ArgumentTypeError(f"{text!r}: not usable here ({why})") from None
+    return text

@@ -233,7 +233,8 @@ def _npy_segments(f, size: int) -> list[Segment] | None:
             shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
         else:
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    except (ValueError, OSError):
+    except Exception:  # noqa: BLE001 - numpy parses the header dict with ast (SyntaxError, TypeError,
+        # tokenize.TokenError, ... on hostile bytes): a file that is not a valid .npy is compressed as bytes
         return None
     start = f.tell()
     name = {np.dtype(v): k for k, v in _NAME_TO_NP.items()}.get(np.dtype(dtype).newbyteorder("="))
@@ -245,10 +246,26 @@ def _npy_segments(f, size: int) -> list[Segment] | None:
     return _cover([(0, start, _bytes_segment("__header__", start)), (start, start + n, _tensor_segment("", name, list(shape)))], size)
 
 
+def check_regular_file(path: str | os.PathLike) -> None:
+    """``path``, where it exists, must be a regular file: a FIFO or device has no size and would block
+    or never end a read, a directory is not a file (InvalidArgumentError). A missing or unreadable
+    one is left to the reader, which reports it (WeightszipIOError)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode):
+        raise InvalidArgumentError(f"{os.fspath(path)} is not a regular file")
+
+
 def file_segments(path: str | os.PathLike) -> tuple[str, list[Segment]]:
     """Describe a file as segments: ('safetensors' | 'gguf' | 'npy' | 'bytes', segments)."""
+    check_regular_file(path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
+        if size == 0 and f.read(1):  # /proc and /sys files report 0 bytes and then have data
+            raise InvalidArgumentError(f"{os.fspath(path)} reports 0 bytes but has data (a /proc or /sys file?): "
+                                       "copy it to a regular file first")
         for kind, parse in (("gguf", _gguf_segments), ("npy", _npy_segments), ("safetensors", _safetensors_segments)):
             f.seek(0)
             segs = parse(f, size)
@@ -287,6 +304,7 @@ def decompress_file(
     """Restore the original file from a .wz made by `compress_file`, byte for byte. A container of
     named tensors (from `save_file`) is written out as a .safetensors file. `overwrite` as for
     `compress_file`."""
+    check_regular_file(src)
     index = _core.file_index(os.fspath(src))
     if index["kind"] == 1:
         return _core.decode_file(os.fspath(src), os.fspath(dst), threads_default(threads), progress, overwrite=overwrite)
@@ -428,10 +446,12 @@ def _remove_stale_temporaries(dst) -> None:
 
 def file_info(path: str | os.PathLike) -> dict:
     """The checked index of a .wz file (entries, sizes) without decoding any chunk."""
+    check_regular_file(path)
     return _core.file_index(os.fspath(path))
 
 
 def verify_file(path: str | os.PathLike, *, threads: int | None = None, progress=None) -> dict:
     """Decode every chunk of a .wz file and check every checksum (nothing is written)."""
+    check_regular_file(path)
     return _core.decode_file(os.fspath(path), None, threads_default(threads), progress)
 

@@ -391,6 +391,9 @@ class PageHeap:
         """Offsets (int64) of new regions of ``sizes`` bytes (multiples of 16), all or none."""
         sizes = np.asarray(sizes, dtype=np.int64)
         _check(bool((sizes > 0).all() and (sizes % ref.ALIGN == 0).all()), "sizes must be positive multiples of 16")
+        if sizes.size and int(sizes.max()) > self.capacity:  # (then no sum of a batch below wraps int64)
+            raise LimitExceededError(f"KV Exact heap: a region of {int(sizes.max())} bytes is larger than the heap "
+                                     f"({self.capacity} bytes)")
         out = np.empty(sizes.size, dtype=np.int64)
         # in runs when the batch is large, or when no free region is listed (then every region comes
         # from the top, back to back: what the loop below would do one by one)
@@ -812,6 +815,18 @@ class KVExactCache:
         _check(lengths.shape == (L,) and lengths.dtype.kind in "iu" and bool((lengths >= 0).all())
                and bool((lengths // PAGE <= pages).all()) and int(lengths.max(initial=0)) // PAGE == pages,
                f"lengths must be [{L}] tokens per layer, with pages for every whole 16 of them")
+        # a page where a layer's length says one is, nothing elsewhere, and every size one a page can
+        # have: checked before anything is summed, allocated or copied (sizes near 2**63 would wrap
+        # the sum below back to the data's length)
+        need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
+        if self._exact4:
+            lo, hi = ref4.page_length(self.H, self.D, 0), ref4.page_length(self.H, self.D, PAGE * self.H)
+        else:
+            lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
+        inside = np.where(need, sizes, lo)
+        _check(not np.where(need, 0, sizes).any() and int(inside.min(initial=lo)) >= lo
+               and int(inside.max(initial=lo)) <= hi,
+               "page sizes do not match the sequence's lengths or are not page sizes")
         _check(isinstance(off.data, torch.Tensor) and off.data.dtype == torch.uint8 and off.data.dim() == 1
                and off.data.numel() == int(sizes.sum()),
                f"data must be uint8 [{int(sizes.sum())}] (the pages' bytes), not {getattr(off.data, 'shape', None)}")
@@ -872,16 +887,7 @@ class KVExactCache:
                         _copy_regions(buf[:acc], local[i:j], self.heap.buf, offs_t[i:j], sz[i:j])
 
                     _pipelined(self.device, chunks, copy, scatter, copy_first=True)
-            # while the pages move: a page where a layer's length says one is, nothing elsewhere, and
-            # every size one a page can have (the allocation took positive multiples of 16 already)
-            need = np.arange(pages)[None, None, :] < (lengths // PAGE)[:, None, None]
-            if self._exact4:
-                lo, hi = ref4.page_length(self.H, self.D, 0), ref4.page_length(self.H, self.D, PAGE * self.H)
-            else:
-                lo, hi = ref.page_length(self.H, self.D, 0), ref.page_length(self.H, self.D, PAGE * self.H * self.D)
-            inside = np.where(need, sizes, lo)
-            _check(not np.where(need, 0, sizes).any() and int(inside.min()) >= lo and int(inside.max()) <= hi,
-                   "page sizes do not match the sequence's lengths or are not page sizes")
+            # while the pages move: every page's header
             self._check_restored(offs_t.view(L, 2, pages), sz.view(L, 2, pages), has, off.bases, verify)
         except BaseException:  # damaged pages or sizes, or a failed copy: the regions go back (what
             # the copies still write lands in them before any later kernel on this stream reads them)

@@ -12,11 +12,14 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from weightszip.errors import CorruptDataError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -50,6 +53,12 @@ MODELS: dict[str, ModelSpec] = {
 
 class ModelNotInstalled(RuntimeError):
     pass
+
+
+class ModelFileError(CorruptDataError, ValueError):
+    """A .gguf file that cannot be read as a model (truncated, or a header whose counts and lengths
+    do not fit the file): a one-line error where the GGUF reader raised struct.error, IndexError,
+    OverflowError, MemoryError (a huge declared count) or ValueError."""
 
 
 def _install_hint(spec: ModelSpec) -> str:
@@ -247,10 +256,15 @@ def load_causal_lm(spec: str | os.PathLike, *, verbose: bool = True, cache: bool
         tok = AutoTokenizer.from_pretrained(cached)
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.bfloat16)
     elif gguf_name:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf_name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
-        )
+        try:
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=gguf_name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+            )
+        except (struct.error, ValueError, IndexError, KeyError, OverflowError, MemoryError, EOFError) as e:
+            why = (str(e).splitlines() or [""])[0][:300] or "a declared size too large to read"
+            name = "struct.error" if isinstance(e, struct.error) else type(e).__name__
+            raise ModelFileError(f"{source}: cannot read this GGUF file ({name}: {why})") from e
         if cached is not None:
             _save_dequantized(model, tok, cached)
     else:

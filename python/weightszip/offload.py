@@ -587,23 +587,33 @@ def _check_region(c: Chunk) -> None:
         raise TruncatedError(f"chunk at page {c.start}: {c.host.numel()} bytes, expected {c.region_bytes}")
 
 
+def _words(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 bytes ``b`` as ``dtype`` words: a view, or a copy where the bytes do not start at a
+    multiple of the word size (a host region may sit at any address)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return (b if b.storage_offset() % size == 0 else b.clone()).view(dtype)
+
+
 def _chunk_parts(c: Chunk):
-    """(page bytes, offsets int64, table ids int32) views of a chunk region (on its device)."""
+    """(page bytes, offsets int64, table ids int32) of a chunk region (on its device; views where
+    the region is aligned)."""
     _check_region(c)
     o = c.nbytes
-    offs = c.host[o : o + 8 * (c.n_pages + 1)].view(torch.int64)
+    offs = _words(c.host[o : o + 8 * (c.n_pages + 1)], torch.int64)
     t = o + 8 * (c.n_pages + 1)
-    return c.host[:o], offs, c.host[t : t + 4 * c.n_pages].view(torch.int32)
+    return c.host[:o], offs, _words(c.host[t : t + 4 * c.n_pages], torch.int32)
 
 
 def _check_chunks(session: CompressedSession) -> None:
-    """The chunks tile pages 0 .. n_pages exactly, in order, each a 1-D uint8 host region: checked
+    """The chunks tile pages 0 .. n_pages exactly, in order, each a 1-D uint8 host region whose page
+    bytes end at a multiple of 8 (where the encoders put the offsets): checked
     before anything is decoded, so that a session edited or damaged in memory cannot make restore
     write outside its output or leave pages unwritten (CorruptDataError)."""
     at = 0
     for c in session.chunks:
-        if not (isinstance(c, Chunk) and all(isinstance(x, numbers.Integral) for x in (c.start, c.n_pages, c.nbytes))
-                and c.nbytes >= 0 and c.n_pages >= 1 and c.start == at
+        if not (isinstance(c, Chunk)
+                and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (c.start, c.n_pages, c.nbytes))
+                and c.nbytes >= 0 and c.nbytes % 8 == 0 and c.n_pages >= 1 and c.start == at
                 and isinstance(c.host, torch.Tensor) and c.host.dtype == torch.uint8 and c.host.dim() == 1):
             raise CorruptDataError(f"session chunks must cover pages 0..{session.n_pages} in order; one at page "
                                    f"{getattr(c, 'start', '?')} (of {getattr(c, 'n_pages', '?')} pages) does not follow page {at}")

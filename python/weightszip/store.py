@@ -82,6 +82,33 @@ def _key(key: str | bytes) -> bytes:
     return key
 
 
+def _batch(items: Any, what: str) -> list:
+    """The items of a batch as a list: any iterable but one str or bytes (a key, not a batch of its
+    characters)."""
+    if isinstance(items, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"{what}, not one key ({items!r})")
+    try:
+        return list(items)
+    except TypeError as e:
+        raise InvalidArgumentError(f"{what}, not {type(items).__name__}") from e
+
+
+def _keys(keys: Any) -> list[bytes]:
+    """A batch's keys: an iterable of keys."""
+    return [_key(k) for k in _batch(keys, "a batch of keys is an iterable of keys")]
+
+
+def _pairs(items: Any) -> list[tuple[Any, Any]]:
+    """A batch's (key, value) items: a mapping or an iterable of pairs."""
+    if isinstance(items, Mapping):
+        return list(items.items())
+    pairs = _batch(items, "a batch is a mapping or (key, value) pairs")
+    for p in pairs:
+        if not isinstance(p, (tuple, list)) or len(p) != 2:
+            raise InvalidArgumentError(f"a batch's items are (key, value) pairs, not {p!r}")
+    return [tuple(p) for p in pairs]
+
+
 def _no_repeats(keys: Sequence[bytes]) -> None:
     """A batch's keys are distinct: its items are written in parallel, so of two with one key any
     could be the one kept."""
@@ -138,6 +165,13 @@ class ChunkStore:
 
     def __init__(self, path: str | os.PathLike | None = None, **kwargs: Any):
         cfg = StoreConfig(path=path, **kwargs)
+        if cfg.path is not None and not isinstance(cfg.path, (str, bytes, os.PathLike)):
+            raise InvalidArgumentError(f"path is a str, bytes or os.PathLike, not {type(cfg.path).__name__}")
+        if cfg.path is not None and not os.fspath(cfg.path):
+            raise InvalidArgumentError("path is empty (None keeps the store in RAM only)")
+        for name in ("durable", "write_through", "promote"):
+            if not isinstance(getattr(cfg, name), bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {getattr(cfg, name)!r}")
         for name in ("ram_bytes", "disk_bytes", "io_threads", "max_chunk_bytes", "redis_timeout_ms"):
             v = getattr(cfg, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**63:
@@ -180,9 +214,8 @@ class ChunkStore:
 
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], tag: int = TAG_RAW) -> None:
         """Store many chunks on the I/O pool. Every item is attempted; the first error is raised."""
-        pairs = items.items() if isinstance(items, Mapping) else items
         keep, args = [], []
-        for k, d in pairs:
+        for k, d in _pairs(items):
             addr, n, owner = bytes_buffer(d)
             keep.append(owner)
             args.append((_key(k), addr, n, _tag(tag)))
@@ -195,7 +228,7 @@ class ChunkStore:
         if errors not in ("raise", "miss"):
             raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
         out = []
-        for r in self._s.get_many([_key(k) for k in keys]):
+        for r in self._s.get_many(_keys(keys)):
             if isinstance(r, BaseException):
                 if errors == "raise":
                     raise r
@@ -207,7 +240,7 @@ class ChunkStore:
     def get_many_with_tags(self, keys: Iterable[str | bytes]) -> list:
         """Like `get_many`, one entry per key: (tag, bytes), None (missing) or the exception of a
         damaged chunk (already removed), for callers that decide per chunk."""
-        return self._s.get_many([_key(k) for k in keys])
+        return self._s.get_many(_keys(keys))
 
     # -- tensors ------------------------------------------------------------------------------
     def put_tensor(self, key: str | bytes, x: Any, *, codec: ChunkCodec | None = None, axis: int = -1) -> int:
@@ -219,7 +252,7 @@ class ChunkStore:
         self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, codec: ChunkCodec | None = None, axis: int = -1
     ) -> list[int]:
         """Store many tensors, compressed in parallel on the I/O pool. Returns bytes stored each."""
-        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        pairs = _pairs(items)
         if codec is not None:
             register_codec(codec)
             blobs = [(k, codec.encode(x)) for k, x in pairs]
@@ -251,10 +284,11 @@ class ChunkStore:
         return self._decode(key, self._s.get(_key(key)), out)
 
     def get_tensors(self, keys: Iterable[str | bytes], *, out: str | None = None, errors: str = "raise") -> list:
-        keys = list(keys)
         if errors not in ("raise", "miss"):
             raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
-        res = self._s.get_many([_key(k) for k in keys])
+        if isinstance(keys, Iterable) and not isinstance(keys, (str, bytes, bytearray, memoryview)):
+            keys = list(keys)  # (the keys as given, for messages)
+        res = self._s.get_many(_keys(keys))
         out_list = []
         for k, r in zip(keys, res):
             if isinstance(r, BaseException):
@@ -292,10 +326,15 @@ class ChunkStore:
         return dict(self._s.stats())
 
     def close(self) -> None:
-        """Flush to disk and release the folder (its lock) once nothing else holds the store."""
-        if self._inner is not None:
+        """Flush to disk and release the folder (its lock) once nothing else holds the store.
+
+        Calls racing with close either fail (InvalidArgumentError: the store is closed) or finish
+        first: every put that returned is on disk when close returns. A store dropped without
+        close writes its chunks too."""
+        inner = self._inner
+        if inner is not None:
             try:
-                self.flush()
+                inner.close()
             finally:
                 self._inner = None
 

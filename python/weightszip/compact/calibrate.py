@@ -53,6 +53,9 @@ from weightszip.errors import WeightszipError
 
 SINK_TOKENS = 4
 RECENT_WINDOW = 128
+# the most tokens a calibration file may ask to keep in bf16 (sinks, and the recent window): readers
+# size their bf16 rings from these, so a file cannot make them allocate without bound
+MAX_KEPT_TOKENS = 1 << 16
 BUDGET_CONTEXT = 131072
 TARGETS = {"q4": 4.0, "q3.5": 3.5, "q3": 3.0}
 CALIBRATION_KIND = "weightszip-compact-calibration"
@@ -209,8 +212,14 @@ class Calibration:
                 raise TypeError(f"calibration tensor {name} is {a.dtype}, not {np.dtype(dtype)}")
             return torch.from_numpy(a)
 
+        def count(name):  # a JSON integer (not a float, string or bool that int() would take)
+            x = meta[name]
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise TypeError(f"{name} is {x!r}, not an integer")
+            return x
+
         try:
-            L, H, d = int(meta["layers"]), int(meta["kv_heads"]), int(meta["head_dim"])
+            L, H, d = count("layers"), count("kv_heads"), count("head_dim")
             if not isinstance(meta["allocation"], dict):
                 raise TypeError("allocation is not an object")
             cal = cls(
@@ -225,8 +234,8 @@ class Calibration:
                 allocation={k: [[int(b) for b in lk] for lk in v] for k, v in meta["allocation"].items()},
                 rope_m=table("rope_m", np.int64) if "rope_m" in t else None,
                 rope_phase=table("rope_phase", np.int64) if "rope_phase" in t else None,
-                sink_tokens=int(meta["sink_tokens"]),
-                recent_window=int(meta["recent_window"]),
+                sink_tokens=count("sink_tokens"),
+                recent_window=count("recent_window"),
                 meta=meta,
             )
         except (KeyError, TypeError, ValueError, OverflowError) as e:
@@ -236,6 +245,9 @@ class Calibration:
 
     def validate(self) -> None:
         L, H, d = self.layers, self.kv_heads, self.head_dim
+        if L < 1 or H < 1 or d < 8 or d & (d - 1):
+            raise CalibrationError(f"a calibration needs layers >= 1, kv_heads >= 1 and head_dim a power of two "
+                                   f">= 8, not {L} x {H} x {d}")
         shapes = {"mu": (L, 2, H, d), "mult": (L, 2, H, d), "signs": (d,), "e0": (L, 2, H)}
         for name, shape in shapes.items():
             if tuple(getattr(self, name).shape) != shape:
@@ -253,8 +265,9 @@ class Calibration:
         for fmt, alloc in self.allocation.items():
             if len(alloc) != L or any(len(a) != 2 or any(b not in BITS_CHOICES for b in a) for a in alloc):
                 raise CalibrationError(f"allocation for {fmt} is not [layers][2] widths in {BITS_CHOICES}")
-        if self.sink_tokens < 0 or self.recent_window < 0:
-            raise CalibrationError("negative sink_tokens or recent_window")
+        if not (0 <= self.sink_tokens <= MAX_KEPT_TOKENS and 0 <= self.recent_window <= MAX_KEPT_TOKENS):
+            raise CalibrationError(f"sink_tokens and recent_window must be in [0, {MAX_KEPT_TOKENS}], not "
+                                   f"{self.sink_tokens} and {self.recent_window}")
         try:  # every head's tables are valid (mult range, signs, ascending codebooks, e0)
             for layer in range(L):
                 for kind in KINDS:

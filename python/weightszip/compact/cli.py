@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from weightszip.cli_args import thread_count
+from weightszip.cli_args import positive_int, thread_count, torch_device
 
 
 def _cmd_calibrate(a) -> int:
@@ -94,11 +94,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model", required=True, help="smollm2 | qwen2.5 | a model folder | a .gguf file")
     p.add_argument("--text", action="append", required=True, help="a text file or folder of .txt (repeat: one window each)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per window (default 4096)")
+    p.add_argument("--tokens", type=positive_int, default=4096, help="tokens per window (default 4096)")
     p.add_argument("-o", "--output", required=True,
                    help="the calibration file (M.wzcal); an existing one is refused without --force")
     p.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists (never an input)")
-    p.add_argument("--queries", type=int, default=256, help="queries sampled per window for the error estimates (default 256)")
+    p.add_argument("--queries", type=positive_int, default=256, help="queries sampled per window for the error estimates (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
     p.add_argument("--no-rope-offsets", dest="rope_offsets", action="store_false",
@@ -107,6 +107,6 @@ def add_parser(sub) -> None:
     p.add_argument("--rope-min-ratio", type=float, default=0.25,
                    help="keep a RoPE pair's key offset only where it is at least this fraction of the pair's remaining "
                    "RMS (default 0.25; higher keeps fewer pairs)")
-    p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
+    p.add_argument("--device", type=torch_device, default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(fn=_cmd_calibrate)

@@ -28,6 +28,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 from weightszip.cli_args import positive_int
@@ -50,18 +51,48 @@ class CapacityError(InvalidArgumentError, ValueError):
     """An input the capacity calculator cannot use (unknown model, GPU or format; bad config; no room)."""
 
 
-def _frac(x, what: str) -> Fraction:
-    """A number as an exact fraction; floats go through their shortest decimal form (4.5 -> 9/2)."""
+# Numbers are taken up to 1e30 in magnitude, and 0 or at least 1e-30: far past any real figure,
+# and the floats the report prints stay finite (1e400 was an OverflowError; 1e99999999 hung in parsing).
+NUMBER_EXPONENT_LIMIT = 30
+
+
+def _parse_frac(x) -> Fraction:
+    """`_frac` without the name: ValueError with the reason."""
+    lim = NUMBER_EXPONENT_LIMIT
+    out_of_range = ValueError(f"{x!r} is out of range (at most 1e{lim} in magnitude, and 0 or at least 1e-{lim})")
     try:
         if isinstance(x, Fraction):
             f = x
         elif isinstance(x, float):
             f = Fraction(repr(x))
         else:
-            f = Fraction(str(x).strip())
+            s = str(x).strip()
+            try:
+                d = Decimal(s)
+            except InvalidOperation:
+                f = Fraction(s)  # (a ratio, 3/4)
+            else:
+                if not d.is_finite():
+                    raise ValueError
+                # (the exponent first: Fraction itself computes 10**exponent, for 1e99999999 too)
+                if not d.is_zero() and abs(d.adjusted()) > lim:
+                    f = None
+                else:
+                    f = Fraction(d)
     except (ValueError, ZeroDivisionError):
-        raise CapacityError(f"{what}: {x!r} is not a number") from None
+        raise ValueError(f"{x!r} is not a number") from None
+    if f is None or (f and not Fraction(1, 10**lim) <= abs(f) <= 10**lim):
+        raise out_of_range
     return f
+
+
+def _frac(x, what: str) -> Fraction:
+    """A number as an exact fraction; floats go through their shortest decimal form (4.5 -> 9/2).
+    CapacityError for what is not a finite number within NUMBER_EXPONENT_LIMIT."""
+    try:
+        return _parse_frac(x)
+    except ValueError as e:
+        raise CapacityError(f"{what}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -786,9 +817,18 @@ def _tokens(text: str) -> int:
 
 def _number(text: str) -> Fraction:
     try:
-        return Fraction(text.strip())
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        return _parse_frac(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _params(text: str) -> str:
+    """--params: checked here (argparse's usage error), taken as given by `compute`."""
+    try:
+        parse_count(text)
+    except CapacityError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -805,7 +845,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--context", type=_tokens, default=DEFAULT_CONTEXT, help="tokens per session (default 131072; 128k works)")
     p.add_argument("--formats", help=f"comma-separated KV formats (default: {','.join(FORMATS)})")
     p.add_argument("--sessions", type=positive_int, default=DEFAULT_SESSIONS, help="concurrent sessions for the fleet table (default 1000)")
-    p.add_argument("--params", help="parameter count (8.03B, 70.6e9); overrides the model's or the config's")
+    p.add_argument("--params", type=_params, help="parameter count (8.03B, 70.6e9); overrides the model's or the config's")
     p.add_argument("--weights-gb", type=_number, help="weights in GB, instead of 2 bytes per parameter (e.g. fp8 weights)")
     p.add_argument("--gpus-per-node", type=positive_int, default=GPUS_PER_NODE, help="GPUs per node (default 8)")
     p.add_argument("--memory-fraction", type=_number, default=MEMORY_FRACTION, help="share of memory usable (default 0.92)")

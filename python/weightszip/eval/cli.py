@@ -6,12 +6,13 @@ imported only when a command runs (``pip install 'weightszip[eval]'``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-from weightszip.cli_args import thread_count
+from weightszip.cli_args import nonnegative_int, positive_int, thread_count, torch_device
 
 
 def _model_help() -> str:
@@ -25,6 +26,17 @@ def _split_formats(s: str) -> list[str]:
     if not names:
         raise SystemExit("weightszip: error: --format names no format")
     return names
+
+
+def _layer_indices(text: str) -> list[int]:
+    """--layers 0,5,29: distinct layer indices >= 0 (argparse's usage error otherwise; the model's
+    count is checked once it is loaded)."""
+    layers = [nonnegative_int(x.strip()) for x in text.split(",") if x.strip()]
+    if not layers:
+        raise argparse.ArgumentTypeError(f"names no layer: {text!r}")
+    if len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"a layer given twice: {text!r}")
+    return layers
 
 
 def _load(spec: str, threads: int | None, device: str | None = None):
@@ -41,7 +53,8 @@ def _load(spec: str, threads: int | None, device: str | None = None):
 
 
 def add_device_arg(p) -> None:
-    p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
+    p.add_argument("--device", type=torch_device, default="cpu",
+                   help="torch device for the model's forwards (default cpu; e.g. cuda)")
 
 
 def _use_calibration(path) -> None:
@@ -79,7 +92,11 @@ def _cmd_eval_kl(a) -> int:
     except (ModelNotInstalled, ImportError, ValueError) as e:
         print(f"weightszip: error: {e}", file=sys.stderr)
         return 2
-    ids, files = tokenize_text(lm.tokenizer, Path(a.text), a.window, a.offset)
+    try:
+        ids, files = tokenize_text(lm.tokenizer, Path(a.text), a.window, a.offset)
+    except (ValueError, OSError) as e:  # (a text shorter than --offset + --window, or none there)
+        print(f"weightszip: error: {e}", file=sys.stderr)
+        return 2
     ids = ids.to(lm.model.device)
     layers, kv_heads, head_dim = kl.model_kv_shape(lm.model)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -152,9 +169,6 @@ def _cmd_kv_dump(a) -> int:
     import weightszip
     from weightszip.models import ModelNotInstalled, capture
 
-    if a.tokens < 1:
-        print("weightszip: error: --tokens must be positive", file=sys.stderr)
-        return 2
     from weightszip.cli import refuse_output
 
     why = refuse_output(a.output, [a.text, a.model], a.force)
@@ -168,8 +182,11 @@ def _cmd_kv_dump(a) -> int:
         return 2
     import ml_dtypes
 
-    layers = [int(x) for x in a.layers.split(",")] if a.layers else None
-    kv, meta = capture(a.model, Path(a.text), a.tokens, layers, a.threads, loaded=lm)
+    try:  # (a layer the model does not have, a text shorter than --tokens)
+        kv, meta = capture(a.model, Path(a.text), a.tokens, a.layers, a.threads, loaded=lm)
+    except (ValueError, OSError) as e:
+        print(f"weightszip: error: {e}", file=sys.stderr)
+        return 2
     _, n_layers, n_tokens, width = kv.shape
     bf16 = kv.view(ml_dtypes.bfloat16)  # the bit patterns, typed: the container records bf16
     tensors = {}
@@ -217,14 +234,14 @@ def add_parsers(subparsers) -> None:
     k.add_argument("--model", required=True, help=_model_help())
     k.add_argument("--format", required=True, help="format name(s), comma-separated (weightszip eval formats lists them)")
     k.add_argument("--text", required=True, help="text file, or folder of *.txt (held-out: not used for calibration)")
-    k.add_argument("--window", type=int, required=True, help="tokens in the window (the context the last position sees)")
-    k.add_argument("--offset", type=int, default=0, help="skip this many tokens of the text first (default 0)")
+    k.add_argument("--window", type=positive_int, required=True, help="tokens in the window (the context the last position sees)")
+    k.add_argument("--offset", type=nonnegative_int, default=0, help="skip this many tokens of the text first (default 0)")
     k.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
     k.add_argument("--plot", help="write a PNG of KL and top-1 against position")
     k.add_argument("--save", help="also write the JSON report to this file (and per-position KL, top-1 to .npz beside it)")
     k.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's choice; at most 256)")
-    k.add_argument("--buckets", type=int, default=8, help="position buckets in the report (default 8)")
-    k.add_argument("--chunk", type=int, default=512, help="queries per block in the windowed attention")
+    k.add_argument("--buckets", type=positive_int, default=8, help="position buckets in the report (default 8)")
+    k.add_argument("--chunk", type=positive_int, default=512, help="queries per block in the windowed attention")
     _add_calibration_arg(k)
     add_device_arg(k)
     k.add_argument(
@@ -241,9 +258,9 @@ def add_parsers(subparsers) -> None:
     niah.add_parser(esub)
 
     f = esub.add_parser("formats", help="list the KV formats, their bits per value and whether they run here")
-    f.add_argument("--context", type=int, default=8192, help="context length for bits per value (default 8192)")
-    f.add_argument("--head-dim", type=int, default=64)
-    f.add_argument("--kv-heads", type=int, default=3)
+    f.add_argument("--context", type=positive_int, default=8192, help="context length for bits per value (default 8192)")
+    f.add_argument("--head-dim", type=positive_int, default=64)
+    f.add_argument("--kv-heads", type=positive_int, default=3)
     _add_calibration_arg(f)
     f.set_defaults(fn=_cmd_eval_formats)
 
@@ -257,10 +274,10 @@ def add_parsers(subparsers) -> None:
     )
     d.add_argument("--model", required=True, help=_model_help())
     d.add_argument("--text", required=True, help="text file, or folder of *.txt")
-    d.add_argument("--tokens", type=int, required=True)
+    d.add_argument("--tokens", type=positive_int, required=True)
     d.add_argument("-o", "--output", required=True, help="OUT.wz (an existing one is refused without --force)")
     d.add_argument("-f", "--force", action="store_true", help="overwrite OUTPUT if it exists (never an input)")
-    d.add_argument("--layers", help="comma-separated layer indices (default: all)")
+    d.add_argument("--layers", type=_layer_indices, help="comma-separated layer indices (default: all)")
     d.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
     d.set_defaults(fn=_cmd_kv_dump)
 

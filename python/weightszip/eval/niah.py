@@ -62,7 +62,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from weightszip.cli_args import thread_count
+from weightszip.cli_args import thread_count, torch_device
 from weightszip.eval.stats import Z95, mcnemar_exact_p, newcombe_paired, paired_difference, wilson
 
 INSTRUCTION = (
@@ -579,6 +579,7 @@ def run_niah(lm, formats: list[str], length: int, n: int, *, seed: int = 0, text
     names = ["bf16"] + [f for f in formats if f != "bf16"]
     fmts = {name: get_format(name) for name in names}  # fail early on an unknown or unavailable format
     model, tok = lm.model, lm.tokenizer
+    check_length(model, length)
     decode = _Decoder(tok)
     eos = eos_token_ids(model, tok)
     t0 = time.perf_counter()
@@ -702,10 +703,29 @@ def _positive_int(s: str) -> int:
     return v
 
 
+# The longest --length taken (16M tokens: past any model's context; a model's own
+# max_position_embeddings bounds it further once loaded). 99999999k built a prompt of 1e11 tokens.
+MAX_LENGTH = 1 << 24
+
+
 def _tokens(s: str) -> int:
     t = s.strip().lower()
     mult = 1024 if t.endswith("k") else 1
-    return _positive_int(t[:-1] if mult > 1 else t) * mult
+    n = _positive_int(t[:-1] if mult > 1 else t) * mult
+    if n > MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LENGTH} tokens ({MAX_LENGTH // 1024}k), got {s!r}")
+    return n
+
+
+def check_length(model, length: int) -> None:
+    """ValueError if ``length`` tokens are more than ``MAX_LENGTH`` or the model's
+    ``max_position_embeddings`` (checked before any prompt is built)."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if length > MAX_LENGTH:
+        raise ValueError(f"--length {length} is more than {MAX_LENGTH} tokens")
+    if isinstance(limit, int) and limit > 0 and length > limit:
+        raise ValueError(f"--length {length} is more than the model's max_position_embeddings ({limit} tokens)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -730,7 +750,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new", type=_positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
     p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
     p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
-    p.add_argument("--device", default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
+    p.add_argument("--device", type=torch_device, default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (per-prompt details included)")
     p.add_argument("-o", "--output", help="also write the JSON report to this file (updated after each prompt)")
     p.set_defaults(fn=run_cli)

@@ -152,6 +152,8 @@ class CompactChunkCodec:
         return bytes(head) + body
 
     def decode(self, data: bytes) -> torch.Tensor:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"a compact KV chunk is bytes, not {type(data).__name__}")
         if len(data) < _HEAD_V1.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
         magic, version, fi, kinds, layers, tokens, hidden = _HEAD_V1.unpack_from(data)

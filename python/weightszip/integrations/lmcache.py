@@ -199,7 +199,18 @@ class WeightszipConnector(RemoteConnector):
         obj = self.local_cpu_backend.allocate(torch.Size(e["shape"]), dtype, fmt)
         if obj is None:
             return None  # LMCache's allocator is full: a miss, as its own connectors report it
-        _core.decode_buffer_entry(addr, n, 0, obj.tensor.data_ptr(), e["raw_bytes"], 0)
+        try:
+            t = obj.tensor
+        except (RuntimeError, ValueError):  # LMCache's own view of a buffer too small for the shape
+            t = None
+        if t is None or not t.is_contiguous() or t.numel() * t.element_size() < e["raw_bytes"]:
+            # the decoder writes raw_bytes from the tensor's address: never past a smaller buffer
+            release = getattr(obj, "ref_count_down", None)
+            if release is not None:
+                release()
+            raise InvalidArgumentError(f"chunk {self._key(key)!r}: LMCache's allocator gave no contiguous buffer of "
+                                       f"{e['raw_bytes']} bytes for {e['dtype']} {e['shape']}")
+        _core.decode_buffer_entry(addr, n, 0, t.data_ptr(), e["raw_bytes"], 0)
         del keep
         return obj
 

@@ -25,10 +25,20 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from weightszip import _core
 from weightszip._tensors import as_buffer, bytes_buffer
-from weightszip.errors import WeightszipError
+from weightszip.errors import InvalidArgumentError, WeightszipError
 from weightszip.store import TAG_CONTAINER, ChunkStore
 
 logger = logging.getLogger(__name__)
+
+
+def _flag(x, name: str) -> bool:
+    """A yes/no option of the extra config: a JSON bool, 0 or 1, or the strings true/false (bool("no")
+    would be True)."""
+    if isinstance(x, bool) or (isinstance(x, int) and x in (0, 1)):
+        return bool(x)
+    if isinstance(x, str) and x.strip().lower() in ("true", "false", "1", "0"):
+        return x.strip().lower() in ("true", "1")
+    raise InvalidArgumentError(f"HiCache extra config: {name} must be true or false, not {x!r}")
 
 
 class WeightszipHiCacheStorage(HiCacheStorage):
@@ -48,12 +58,14 @@ class WeightszipHiCacheStorage(HiCacheStorage):
             ram_bytes=int(extra.get("ram_bytes", 1 << 30)),
             disk_bytes=int(extra.get("disk_bytes", 0)),
             io_threads=int(extra.get("io_threads", 0)),
-            durable=bool(extra.get("durable", True)),
+            durable=_flag(extra.get("durable", True), "durable"),
             redis_url=extra.get("redis_url"),
             redis_prefix=str(extra.get("redis_prefix", "wz:")),
         )
 
     def _k(self, key: str) -> str:
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"HiCache keys are str, not {type(key).__name__}")
         return key + self.suffix
 
     def _row(self, n: int) -> int:
@@ -77,6 +89,9 @@ class WeightszipHiCacheStorage(HiCacheStorage):
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations=None, target_sizes=None) -> bool:
         if values is None or len(values) != len(keys):
             return False
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            logger.error("weightszip HiCache: storing %d pages failed: a value is not a tensor", len(keys))
+            return False
         try:
             # (a key twice in one batch names one page by its hash: the last value is stored)
             pages = dict(zip((self._k(k) for k in keys), values))
@@ -87,6 +102,14 @@ class WeightszipHiCacheStorage(HiCacheStorage):
             return False
 
     def _decode_into(self, data: bytes, target: torch.Tensor) -> Optional[torch.Tensor]:
+        if not (isinstance(target, torch.Tensor) and target.device.type == "cpu" and target.is_contiguous()):
+            # the decoder writes the page's bytes from the target's address on: only a contiguous
+            # host tensor is that many bytes there (a strided or expanded view is not; a GPU one is
+            # not host memory)
+            logger.error("weightszip HiCache: a page's target must be a contiguous CPU tensor, not %s",
+                         f"{target.device} strides {target.stride()}" if isinstance(target, torch.Tensor)
+                         else type(target).__name__)
+            return None
         addr, n, keep = bytes_buffer(data)
         entries = _core.buffer_index(addr, n)["entries"]
         if len(entries) != 1:
@@ -107,8 +130,11 @@ class WeightszipHiCacheStorage(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes=None) -> List[torch.Tensor | None]:
         if target_locations is None:
             target_locations = [None] * len(keys)
+        if len(target_locations) != len(keys):
+            raise InvalidArgumentError(f"{len(keys)} keys and {len(target_locations)} target locations")
         out: List[torch.Tensor | None] = []
-        # A damaged page comes back as a miss (it is removed from the store and logged).
+        # A damaged page comes back as a miss (it is removed from the store and logged), as does a
+        # page that is not one container (logged).
         for key, r, target in zip(keys, self.store.get_many_with_tags([self._k(k) for k in keys]), target_locations):
             if r is None or isinstance(r, BaseException):
                 if isinstance(r, BaseException):
@@ -119,12 +145,16 @@ class WeightszipHiCacheStorage(HiCacheStorage):
             if tag != TAG_CONTAINER:
                 out.append(None)
                 continue
-            if target is None or target.numel() == 0:
-                import weightszip
+            try:
+                if target is None or (isinstance(target, torch.Tensor) and target.numel() == 0):
+                    import weightszip
 
-                out.append(weightszip.decompress(data, out="torch").reshape(-1))
-            else:
-                out.append(self._decode_into(data, target))
+                    out.append(weightszip.decompress(data, out="torch").reshape(-1))
+                else:
+                    out.append(self._decode_into(data, target))
+            except WeightszipError as e:
+                logger.warning("weightszip HiCache: page %s is not a readable container: %s", key, e)
+                out.append(None)
         return out
 
     def exists(self, key: str) -> bool:

@@ -185,6 +185,12 @@ impl Store {
         py.allow_threads(|| self.inner.flush_all()).map_err(to_py)
     }
 
+    /// Fail later puts and reads, wait for those in flight, flush: every acknowledged put is on
+    /// disk when this returns.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.inner.close()).map_err(to_py)
+    }
+
     fn file_of(&self, key: &[u8]) -> Option<PathBuf> {
         self.inner.file_of(key)
     }

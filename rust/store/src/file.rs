@@ -36,6 +36,9 @@ pub const SUFFIX: &str = "wzc";
 /// The temporary name of earlier versions of this crate (`NAME` with its suffix replaced by
 /// `tmp`, shared by every write of one name): still removed when a store is opened.
 pub const LEGACY_TMP_SUFFIX: &str = "tmp";
+/// Sequence numbers are below this: a file named with a larger one is damage (a store that believed
+/// it would run out of numbers, or wrap around to numbers older files hold).
+pub const MAX_SEQ: u64 = 1 << 63;
 /// Length of a chunk file's name (`rel_path`'s last component).
 const NAME_LEN: usize = 32 + 1 + 16 + 1 + SUFFIX.len();
 
@@ -247,12 +250,28 @@ fn check_limit(h: &Header, max_payload: u64) -> Result<()> {
 }
 
 /// Open a chunk file for reading, if it is a regular file (a FIFO or a device named like a chunk
-/// would block the open or the read forever): anything else is Corrupt.
+/// would block the open or the read forever; a symbolic link is not followed): anything else is
+/// Corrupt.
 fn open_regular(path: &Path) -> Result<File> {
-    if !fs::metadata(path)?.file_type().is_file() {
+    if !fs::symlink_metadata(path)?.file_type().is_file() {
         return Err(Error::Corrupt(format!("{} is not a regular file", path.display())));
     }
     Ok(File::open(path)?)
+}
+
+/// Remove whatever sits at `path` (a directory entry named like a chunk file in one of a store's
+/// subfolders): a directory with everything in it, anything else (a file, a symbolic link, not
+/// what it points to; a FIFO) as a name. A missing entry is not an error.
+pub fn remove_entry(path: &Path) -> std::io::Result<()> {
+    let r = match fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match r {
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
 }
 
 /// Read a whole chunk file and verify it: sizes against the file's length (before anything is

@@ -4,13 +4,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, TryLockError};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
 use rayon::prelude::*;
 use weightszip_core::{Error, Result};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::file::{self, key_hash, rel_path, Header, MAX_KEY_LEN};
+use crate::file::{self, key_hash, rel_path, Header, MAX_KEY_LEN, MAX_SEQ};
 use crate::remote::RedisTier;
 
 /// Bytes a RAM entry costs beyond its key and payload (maps, LRU node, Arcs): counted in the
@@ -147,6 +147,17 @@ struct State {
 }
 
 impl State {
+    /// A new version's sequence number. Numbers stay below `MAX_SEQ` (open removes files named
+    /// above it), so they never wrap around to ones older files hold.
+    fn take_seq(&mut self) -> Result<u64> {
+        let seq = self.next_seq;
+        if seq >= MAX_SEQ {
+            return Err(Error::LimitExceeded(format!("the store's sequence numbers reached {MAX_SEQ:#x}")));
+        }
+        self.next_seq = seq + 1;
+        Ok(seq)
+    }
+
     fn tick(&mut self) -> u64 {
         self.tick += 1;
         self.tick
@@ -262,6 +273,9 @@ pub struct ChunkStore {
     counters: Counters,
     pool: rayon::ThreadPool,
     remote: Option<RedisTier>,
+    /// Whether `close` ran. Puts (and reads, whose promotions can evict) hold it shared for their
+    /// whole run, so `close` waits for those in flight before it flushes, and later ones fail.
+    closed: RwLock<bool>,
     /// Held for the store's life: one process per folder.
     _lock: Option<File>,
 }
@@ -298,6 +312,9 @@ impl ChunkStore {
         let mut state = State { next_seq: 1, ..State::default() };
         let mut lock = None;
         if let Some(dir) = &cfg.dir {
+            if dir.as_os_str().is_empty() {
+                return Err(Error::InvalidArgument("the store's folder is an empty path".into()));
+            }
             fs::create_dir_all(dir)?;
             let f = File::create(dir.join("LOCK"))?;
             match f.try_lock() {
@@ -311,7 +328,8 @@ impl ChunkStore {
                 Err(TryLockError::Error(e)) => return Err(e.into()),
             }
             lock = Some(f);
-            let found = pool.install(|| scan(dir, cfg.max_chunk_bytes, &counters))?;
+            let (found, max_seq) = pool.install(|| scan(dir, cfg.max_chunk_bytes, &counters))?;
+            state.next_seq = max_seq + 1; // above every file's number, indexed or not
             let mut newest: HashMap<u128, (u64, u64)> = HashMap::new();
             let mut stale = Vec::new();
             for (h, seq, bytes) in found {
@@ -333,7 +351,6 @@ impl ChunkStore {
             order.sort_unstable();
             for (seq, h, bytes) in order {
                 state.insert_disk(h, seq, bytes);
-                state.next_seq = state.next_seq.max(seq + 1);
             }
         }
         let remote = match &cfg.redis_url {
@@ -344,7 +361,15 @@ impl ChunkStore {
             )?),
             None => None,
         };
-        let store = ChunkStore { cfg, state: Mutex::new(state), counters, pool, remote, _lock: lock };
+        let store = ChunkStore {
+            cfg,
+            state: Mutex::new(state),
+            counters,
+            pool,
+            remote,
+            closed: RwLock::new(false),
+            _lock: lock,
+        };
         let mut unlink = Vec::new();
         let mut dropped = 0;
         store.lock().evict_disk(store.cfg.disk_bytes, &mut unlink, &mut dropped);
@@ -361,6 +386,24 @@ impl ChunkStore {
         // A panic while holding the lock leaves maps that are still consistent (every update is
         // a few map operations without I/O), so a poisoned lock is taken over.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Held by an operation for its whole run (see `closed`); an error once the store is closed.
+    fn open_guard(&self) -> Result<RwLockReadGuard<'_, bool>> {
+        let g = self.closed.read().unwrap_or_else(|p| p.into_inner());
+        if *g {
+            return Err(Error::InvalidArgument("the store is closed".into()));
+        }
+        Ok(g)
+    }
+
+    /// Stop taking puts and reads (they fail with InvalidArgument from now on), wait for those in
+    /// flight, and write every chunk that is only in RAM to disk: every put that returned Ok is on
+    /// disk when this returns Ok. Closing twice is fine; the folder is released when the store is
+    /// dropped.
+    pub fn close(&self) -> Result<()> {
+        *self.closed.write().unwrap_or_else(|p| p.into_inner()) = true;
+        self.flush_all()
     }
 
     fn path(&self, h: u128, seq: u64) -> Option<PathBuf> {
@@ -466,6 +509,7 @@ impl ChunkStore {
     /// disk when this returns, and a failed write (a full disk) is this call's error, leaving
     /// every chunk stored before it in place.
     pub fn put(&self, key: &[u8], data: Vec<u8>, tag: u32) -> Result<()> {
+        let _open = self.open_guard()?;
         self.check_put(key, &data)?;
         let h = key_hash(key);
         let xxh = xxh3_64(&data);
@@ -480,11 +524,7 @@ impl ChunkStore {
         // A chunk larger than the RAM budget (a zero budget: every chunk) would be flushed by this
         // call at once: written first too, so that a failed write leaves the older version in place
         if has_disk && (self.cfg.write_through || v.cost() > self.cfg.ram_bytes) {
-            seq = {
-                let mut st = self.lock();
-                st.next_seq += 1;
-                st.next_seq - 1
-            };
+            seq = self.lock().take_seq()?;
             let bytes = self.write_file(h, &v, seq)?;
             let mut st = self.lock();
             if st.current_seq(h).is_some_and(|c| c > seq) {
@@ -500,8 +540,7 @@ impl ChunkStore {
             }
         } else {
             let mut st = self.lock();
-            seq = st.next_seq;
-            st.next_seq += 1;
+            seq = st.take_seq()?;
             st.flushing.remove(&h);
             if let Some(old) = st.remove_disk(h) {
                 unlink.push((h, old.seq));
@@ -530,6 +569,7 @@ impl ChunkStore {
     /// checksum is removed from the store and reported as the error (`ChecksumMismatch`,
     /// `Truncated`, `Corrupt`, ...); a second get then finds nothing.
     pub fn get(&self, key: &[u8]) -> Result<Option<Chunk>> {
+        let _open = self.open_guard()?;
         let h = key_hash(key);
         // A file can vanish between the lookup and the read when a newer put or an eviction
         // replaces it; the next lookup then finds the newer state.
@@ -636,8 +676,9 @@ impl ChunkStore {
                 {
                     let mut st = self.lock();
                     if st.current_seq(h).is_none() && st.deletes == deletes {
-                        let seq = st.next_seq;
-                        st.next_seq += 1;
+                        let Ok(seq) = st.take_seq() else {
+                            return Ok(Some(Chunk { tag: fc.header.tag, data }));
+                        };
                         let has_disk = self.cfg.dir.is_some();
                         st.insert_ram(h, v, seq, has_disk);
                         st.evict_ram(self.cfg.ram_bytes, has_disk, &mut flushes, &mut dropped);
@@ -790,6 +831,9 @@ impl ChunkStore {
     /// Drop `key` from the RAM tier only (it stays on disk if it was there): lets callers and
     /// tests force the next read to come from disk.
     pub fn evict_from_ram(&self, key: &[u8]) -> bool {
+        let Ok(_open) = self.open_guard() else {
+            return false;
+        };
         let h = key_hash(key);
         let mut flushes = Vec::new();
         {
@@ -809,15 +853,51 @@ impl ChunkStore {
     }
 }
 
-/// Index the chunk files of a store folder (in parallel over its 256 subfolders).
-fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, u64, u64)>> {
+impl Drop for ChunkStore {
+    /// A store dropped without `close` (or after a failed one) still writes the chunks only in its
+    /// RAM tier; a failure is reported on stderr, never a panic.
+    fn drop(&mut self) {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.flush_all()));
+        match r {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("weightszip-store: writing chunks of a dropped store: {e}"),
+            Err(_) => eprintln!("weightszip-store: writing chunks of a dropped store panicked"),
+        }
+    }
+}
+
+/// A subfolder `HH` of the store: a directory (or a link to one) is kept; anything else in its
+/// place (a file, a dangling or looping link) is removed and the folder created.
+fn ensure_subfolder(sub: &Path) -> Result<()> {
+    match fs::symlink_metadata(sub) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(m) if m.file_type().is_symlink() && fs::metadata(sub).is_ok_and(|t| t.is_dir()) => return Ok(()),
+        Ok(_) => file::remove_entry(sub)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    match fs::create_dir(sub) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+/// Index the chunk files of a store folder (in parallel over its 256 subfolders). Also returns the
+/// largest sequence number named by a file left there (indexed or not; 0 when none).
+fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<(Vec<(u128, u64, u64)>, u64)> {
     let me = std::process::id();
-    let per_sub: Vec<Result<Vec<(u128, u64, u64)>>> = (0..256u32)
+    // a damaged entry named like a chunk file: removed (a directory with its contents) and counted
+    let damaged = |path: &Path| {
+        let _ = file::remove_entry(path);
+        counters.corrupt_evicted.fetch_add(1, Relaxed);
+    };
+    let per_sub: Vec<Result<(Vec<(u128, u64, u64)>, u64)>> = (0..256u32)
         .into_par_iter()
         .map(|i| {
             let sub = dir.join(format!("{i:02x}"));
-            fs::create_dir_all(&sub)?;
+            ensure_subfolder(&sub)?;
             let mut out = Vec::new();
+            let mut max_seq = 0;
             for entry in fs::read_dir(&sub)? {
                 let entry = entry?;
                 let name = entry.file_name();
@@ -844,23 +924,27 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, 
                 let Some((h, seq)) = file::parse_name(name) else {
                     continue;
                 };
-                if (h >> 120) as u32 != i {
+                if (h >> 120) as u32 != i || seq >= MAX_SEQ {
                     // A chunk file outside the folder its hash names (moved or copied there): `get`
-                    // would never read it, and indexed it could displace the file in its place.
-                    let _ = fs::remove_file(&path);
-                    counters.corrupt_evicted.fetch_add(1, Relaxed);
+                    // would never read it, and indexed it could displace the file in its place. A
+                    // sequence number this store never gives (next_seq would wrap around).
+                    damaged(&path);
+                    continue;
+                }
+                // every number a name holds counts, whatever is found there: a chunk this store
+                // cannot read is left on disk, and a new version of its key must win over it when a
+                // later open indexes both
+                max_seq = max_seq.max(seq);
+                if !entry.file_type().is_ok_and(|t| t.is_file()) {
+                    // a directory, a link (dangling, looping, or to a file elsewhere), a FIFO: not
+                    // a chunk file, and in the way of one
+                    damaged(&path);
                     continue;
                 }
                 match file::read_header(&path, max_payload) {
                     Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => out.push((h, seq, hd.file_len())),
-                    Ok(_) => {
-                        let _ = fs::remove_file(&path);
-                        counters.corrupt_evicted.fetch_add(1, Relaxed);
-                    }
-                    Err(e) if is_damage(&e) => {
-                        let _ = fs::remove_file(&path);
-                        counters.corrupt_evicted.fetch_add(1, Relaxed);
-                    }
+                    Ok(_) => damaged(&path),
+                    Err(e) if is_damage(&e) => damaged(&path),
                     // a chunk this store cannot read (a newer writer's, or above max_chunk_bytes):
                     // left on disk, not indexed
                     Err(e) if is_unreadable(&e) => {}
@@ -868,12 +952,15 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<Vec<(u128, 
                     Err(e) => return Err(e),
                 }
             }
-            Ok(out)
+            Ok((out, max_seq))
         })
         .collect();
     let mut all = Vec::new();
+    let mut max_seq = 0;
     for r in per_sub {
-        all.extend(r?);
+        let (found, m) = r?;
+        all.extend(found);
+        max_seq = max_seq.max(m);
     }
-    Ok(all)
+    Ok((all, max_seq))
 }

@@ -445,3 +445,212 @@ fn eight_threads_of_mixed_operations_lose_nothing() {
     let stored = lasts.iter().flatten().filter(|v| v.is_some()).count();
     assert_eq!(chunk_files(dir.path()).len(), stored, "one file per stored key, no leftovers");
 }
+
+// -- found by a review (session 25): sequence numbers, entries that are not chunk files, puts lost
+// at drop and close -----------------------------------------------------------------------------
+
+fn seq_of(p: &Path) -> u64 {
+    file::parse_name(p.file_name().unwrap().to_str().unwrap()).unwrap().1
+}
+
+/// A chunk of key `k` written as a valid file of sequence number `seq` (what a crafted or a
+/// foreign file could hold).
+fn write_raw(dir: &Path, k: &[u8], payload: &[u8], seq: u64) -> std::path::PathBuf {
+    let h = file::key_hash(k);
+    let p = dir.join(file::rel_path(h, seq));
+    fs::create_dir_all(p.parent().unwrap()).unwrap();
+    let hd = file::Header {
+        tag: 0,
+        key_len: k.len() as u32,
+        payload_len: payload.len() as u64,
+        seq,
+        key_hash: h,
+        payload_xxh3: xxhash_rust::xxh3::xxh3_64(payload),
+    };
+    file::write_chunk(&p, &hd, k, payload, false).unwrap();
+    p
+}
+
+#[test]
+fn files_a_store_cannot_read_still_hold_their_sequence_numbers() {
+    // A chunk above a later open's max_chunk_bytes is left on disk, not indexed. A new version of
+    // its key put then must get a larger number: at the next open that indexes both, the newest
+    // wins (the older one took a lower number and the new file was deleted as stale).
+    let dir = tempfile::tempdir().unwrap();
+    let big = |max| StoreConfig { max_chunk_bytes: max, ..cfg(Some(dir.path()), 1 << 20) };
+    let s = ChunkStore::open(big(1 << 20)).unwrap();
+    s.put(b"X", b"x".to_vec(), 0).unwrap();
+    s.put(b"Y", b"y".to_vec(), 0).unwrap();
+    s.put(b"K", b"OLD".repeat(1000), 0).unwrap();
+    s.delete(b"Y");
+    s.close().unwrap();
+    drop(s);
+    let s = ChunkStore::open(big(1000)).unwrap();
+    assert!(s.get(b"K").unwrap().is_none());
+    s.put(b"K", b"NEW".to_vec(), 0).unwrap();
+    s.close().unwrap();
+    drop(s);
+    let s = ChunkStore::open(big(1 << 20)).unwrap();
+    assert_eq!(&**s.get(b"K").unwrap().unwrap().data, b"NEW");
+    assert_eq!(&**s.get(b"X").unwrap().unwrap().data, b"x");
+    assert_eq!(chunk_files(dir.path()).len(), 2, "the older K is deleted as stale");
+}
+
+#[test]
+fn sequence_numbers_near_the_top_are_damage_and_never_wrap() {
+    // A file named with a number next_seq would wrap past (crafted, or copied from elsewhere): the
+    // next put took 2**64 - 1 and the one after 0 (or overflowed), and was lost at the next open.
+    for bad in [u64::MAX, u64::MAX - 1, file::MAX_SEQ] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 1 << 20) }).unwrap();
+        s.put(&key(1), value(1, 0), 0).unwrap();
+        drop(s);
+        let crafted = write_raw(dir.path(), &key(2), b"crafted", bad);
+        let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+        assert!(!crafted.exists(), "{bad:#x}");
+        assert_eq!(s.stats().corrupt_evicted, 1);
+        assert!(s.get(&key(2)).unwrap().is_none());
+        for v in 0..3 {
+            s.put(&key(2), value(2, v), 0).unwrap();
+            s.put(&key(3 + v), value(3 + v, 0), 0).unwrap();
+        }
+        s.close().unwrap();
+        drop(s);
+        let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+        assert_eq!(check_value(&s.get(&key(2)).unwrap().unwrap().data), (2, 2));
+        for id in [1, 3, 4, 5] {
+            assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data).0, id);
+        }
+        assert!(chunk_files(dir.path()).iter().all(|p| seq_of(p) < 16));
+    }
+    // the largest number allowed is kept, and a put after it is a typed error, not a wrap
+    let dir = tempfile::tempdir().unwrap();
+    let top = write_raw(dir.path(), &key(1), b"top", file::MAX_SEQ - 1);
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    assert!(top.exists());
+    assert_eq!(&**s.get(&key(1)).unwrap().unwrap().data, b"top");
+    assert!(matches!(s.put(&key(1), b"next".to_vec(), 0), Err(Error::LimitExceeded(_))));
+    assert_eq!(&**s.get(&key(1)).unwrap().unwrap().data, b"top");
+}
+
+#[cfg(unix)]
+#[test]
+fn entries_that_are_not_chunk_files_are_removed_at_open() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 1 << 20) }).unwrap();
+    s.put(&key(1), value(1, 0), 0).unwrap();
+    let p1 = s.file_of(&key(1)).unwrap();
+    drop(s);
+    let seq1 = seq_of(&p1);
+    let sub = p1.parent().unwrap();
+    let named = |k: &[u8], seq: u64| dir.path().join(file::rel_path(file::key_hash(k), seq));
+    // a directory where the next version of key 1 goes (with something in it), a symlink loop, a
+    // dangling symlink, a symlink to a valid chunk file kept outside the store
+    let in_the_way = named(&key(1), seq1 + 1);
+    fs::create_dir_all(in_the_way.join("inner")).unwrap();
+    fs::write(in_the_way.join("inner/f"), b"x").unwrap();
+    let looping = named(&key(2), 5);
+    fs::create_dir_all(looping.parent().unwrap()).unwrap();
+    symlink(looping.file_name().unwrap(), &looping).unwrap();
+    let dangling = named(&key(3), 6);
+    fs::create_dir_all(dangling.parent().unwrap()).unwrap();
+    symlink(dir.path().join("nowhere"), &dangling).unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let target = write_raw(outside.path(), &key(4), b"elsewhere", 7);
+    let linked = named(&key(4), 7);
+    fs::create_dir_all(linked.parent().unwrap()).unwrap();
+    symlink(&target, &linked).unwrap();
+    // a regular file and a dangling link where two subfolders go
+    let free: Vec<_> = (0..256u32)
+        .map(|i| dir.path().join(format!("{i:02x}")))
+        .filter(|d| d != sub && fs::read_dir(d).map_or(true, |mut r| r.next().is_none()))
+        .take(2)
+        .collect();
+    for d in &free {
+        let _ = fs::remove_dir(d);
+    }
+    fs::write(&free[0], b"a file").unwrap();
+    symlink(dir.path().join("nowhere"), &free[1]).unwrap();
+
+    let s = ChunkStore::open(StoreConfig { write_through: false, ..cfg(Some(dir.path()), 1 << 20) }).unwrap();
+    for p in [&in_the_way, &looping, &dangling, &linked] {
+        assert!(fs::symlink_metadata(p).is_err(), "{} left", p.display());
+    }
+    assert!(target.exists(), "a link is removed, not what it points to");
+    assert!(free.iter().all(|d| fs::symlink_metadata(d).unwrap().is_dir()));
+    assert_eq!(s.stats().corrupt_evicted, 4);
+    assert_eq!(s.stats().disk_chunks, 1);
+    assert!(s.get(&key(4)).unwrap().is_none());
+    // write-back puts of every key reach disk (the directory blocked key 1's next version)
+    for id in 1..=4 {
+        s.put(&key(id), value(id, 1), 0).unwrap();
+    }
+    s.close().unwrap();
+    assert_eq!(s.stats().flush_errors, 0);
+    drop(s);
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    assert_eq!(s.stats().corrupt_evicted, 0, "nothing left to count again");
+    for id in 1..=4 {
+        assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data), (id, 1));
+    }
+}
+
+#[test]
+fn a_dropped_store_writes_its_write_back_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    for id in 0..10 {
+        s.put(&key(id), value(id, 0), 0).unwrap();
+    }
+    assert!(chunk_files(dir.path()).is_empty(), "write-back: still only in RAM");
+    drop(s);
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+    for id in 0..10 {
+        assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data), (id, 0));
+    }
+}
+
+#[test]
+fn close_fails_later_puts_and_keeps_every_acknowledged_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(ChunkStore::open(cfg(Some(dir.path()), 1 << 30)).unwrap());
+    for id in 0..2000 {
+        s.put(&key(id), value(id, 0), 0).unwrap();
+    }
+    let handles: Vec<_> = (0..4u64)
+        .map(|t| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let mut acked = Vec::new();
+                for i in 0.. {
+                    let id = 10_000 + t * 1_000_000 + i;
+                    match s.put(&key(id), value(id, 0), 0) {
+                        Ok(()) => acked.push(id),
+                        Err(Error::InvalidArgument(m)) => {
+                            assert!(m.contains("closed"), "{m}");
+                            break;
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                acked
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    s.close().unwrap();
+    // every put that returned Ok is on disk now, before the store is dropped
+    let files = chunk_files(dir.path()).len();
+    let acked: Vec<u64> = handles.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    assert_eq!(files, 2000 + acked.len());
+    assert!(matches!(s.put(b"late", b"x".to_vec(), 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.get(&key(0)), Err(Error::InvalidArgument(_))));
+    s.close().unwrap();
+    drop(s);
+    let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 30)).unwrap();
+    assert_eq!(s.stats().disk_chunks as usize, 2000 + acked.len());
+    for id in acked {
+        assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data).0, id);
+    }
+}
