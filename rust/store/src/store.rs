@@ -882,16 +882,19 @@ fn ensure_subfolder(sub: &Path) -> Result<()> {
     }
 }
 
+/// Chunk files found by `scan`: (key hash, sequence number, bytes on disk) each.
+type Found = Vec<(u128, u64, u64)>;
+
 /// Index the chunk files of a store folder (in parallel over its 256 subfolders). Also returns the
 /// largest sequence number named by a file left there (indexed or not; 0 when none).
-fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<(Vec<(u128, u64, u64)>, u64)> {
+fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<(Found, u64)> {
     let me = std::process::id();
     // a damaged entry named like a chunk file: removed (a directory with its contents) and counted
     let damaged = |path: &Path| {
         let _ = file::remove_entry(path);
         counters.corrupt_evicted.fetch_add(1, Relaxed);
     };
-    let per_sub: Vec<Result<(Vec<(u128, u64, u64)>, u64)>> = (0..256u32)
+    let per_sub: Vec<Result<(Found, u64)>> = (0..256u32)
         .into_par_iter()
         .map(|i| {
             let sub = dir.join(format!("{i:02x}"));
