@@ -590,8 +590,7 @@ def _check_region(c: Chunk) -> None:
 def _words(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 bytes ``b`` as ``dtype`` words: a view, or a copy where the bytes do not start at a
     multiple of the word size (a host region may sit at any address)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return (b if b.storage_offset() % size == 0 else b.clone()).view(dtype)
+    return (b if b.storage_offset() % dtype.itemsize == 0 else b.clone()).view(dtype)
 
 
 def _chunk_parts(c: Chunk):

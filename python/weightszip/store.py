@@ -286,9 +286,8 @@ class ChunkStore:
     def get_tensors(self, keys: Iterable[str | bytes], *, out: str | None = None, errors: str = "raise") -> list:
         if errors not in ("raise", "miss"):
             raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
-        if isinstance(keys, Iterable) and not isinstance(keys, (str, bytes, bytearray, memoryview)):
-            keys = list(keys)  # (the keys as given, for messages)
-        res = self._s.get_many(_keys(keys))
+        keys = _batch(keys, "a batch of keys is an iterable of keys")  # (as given, for messages)
+        res = self._s.get_many([_key(k) for k in keys])
         out_list = []
         for k, r in zip(keys, res):
             if isinstance(r, BaseException):

@@ -62,7 +62,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from weightszip.cli_args import thread_count, torch_device
+from weightszip.cli_args import positive_int, thread_count, torch_device
 from weightszip.eval.stats import Z95, mcnemar_exact_p, newcombe_paired, paired_difference, wilson
 
 INSTRUCTION = (
@@ -696,13 +696,6 @@ def render(rep: NiahReport) -> str:
 # ------------------------------------------------------------------------------------ CLI
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return v
-
-
 # The longest --length taken (16M tokens: past any model's context; a model's own
 # max_position_embeddings bounds it further once loaded). 99999999k built a prompt of 1e11 tokens.
 MAX_LENGTH = 1 << 24
@@ -711,7 +704,7 @@ MAX_LENGTH = 1 << 24
 def _tokens(s: str) -> int:
     t = s.strip().lower()
     mult = 1024 if t.endswith("k") else 1
-    n = _positive_int(t[:-1] if mult > 1 else t) * mult
+    n = positive_int(t[:-1] if mult > 1 else t) * mult
     if n > MAX_LENGTH:
         raise argparse.ArgumentTypeError(f"at most {MAX_LENGTH} tokens ({MAX_LENGTH // 1024}k), got {s!r}")
     return n
@@ -740,14 +733,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="smollm2 | qwen2.5 | a model folder | a .gguf file")
     p.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated KV formats (default {DEFAULT_FORMATS}; bf16 always runs)")
     p.add_argument("--length", type=_tokens, required=True, help="prompt length in tokens (2048 or 2k)")
-    p.add_argument("--n", type=_positive_int, default=20, help="prompts (default 20)")
+    p.add_argument("--n", type=positive_int, default=20, help="prompts (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     p.add_argument("--text", help="haystack: a text file or a folder of .txt files (default ../shared/data/text/paul_graham)")
     p.add_argument("--variant", type=parse_variant, help="KEYSxDISTRACTORS, e.g. 2x2: skip the pilot")
     p.add_argument("--variants", default=DEFAULT_LADDER, help=f"the pilot's variants, hardest first (default {DEFAULT_LADDER})")
-    p.add_argument("--pilot", type=_positive_int, default=DEFAULT_PILOT, help=f"pilot prompts per variant (default {DEFAULT_PILOT})")
+    p.add_argument("--pilot", type=positive_int, default=DEFAULT_PILOT, help=f"pilot prompts per variant (default {DEFAULT_PILOT})")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="bf16 pilot accuracy a variant needs (default 0.8)")
-    p.add_argument("--max-new", type=_positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
+    p.add_argument("--max-new", type=positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
     p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
     p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
     p.add_argument("--device", type=torch_device, default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
