@@ -86,11 +86,13 @@ def test_declared_huge_shape_is_refused_before_allocating():
         weightszip.decompress(_reseal(bytearray(blob), bytes(idx)))
 
 
-@pytest.mark.parametrize("dim", [1 << 63, (1 << 50) + 1])
+@pytest.mark.parametrize("dim", [1 << 63, (1 << 50) + 1, 1 << 50, 1 << 49])
 def test_empty_tensor_with_a_huge_dimension_is_refused(dim):
     """An empty tensor ([0, 4]) whose other dimension is past the format's limit (``MAX_DIM``, 2^50;
-    numpy and torch take less than 2^63): LimitExceededError when the index is read, not a ValueError
-    from numpy or a TypeError from torch when the tensor is allocated."""
+    numpy and torch take less than 2^63), or within it but spanning more than 2^50 bytes of float32
+    (numpy and torch size an empty array's strides from its other dimensions: [0, 2^50, 2^50] was
+    their ValueError / RuntimeError): LimitExceededError when the index is read, not an error from
+    numpy or torch when the tensor is allocated."""
     blob = weightszip.compress(np.zeros((0, 4), np.float32))
     idx = _index(blob)
     dims_at = 8 + 2 + 4 + 2  # (as above: the entry's first dimension; the second follows)
