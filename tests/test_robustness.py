@@ -153,3 +153,41 @@ def test_exception_hierarchy():
 def test_missing_file_is_an_io_error(tmp_path):
     with pytest.raises(errors.WeightszipIOError):
         weightszip.load_file(tmp_path / "nope.wz")
+
+
+def test_a_buffer_written_during_decoding_gives_typed_errors_only():
+    """decompress releases the GIL; a caller's array written by another thread meanwhile may decode
+    to anything or fail, but only with a WeightszipError (the chunk decoder checked its channel-group
+    map in the caller's buffer and then read it again: 0.6% of such decodes were a Rust panic)."""
+    import threading
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4096, 256)) * np.exp(rng.standard_normal(256) * 2)).astype(np.float32)
+    blob = weightszip.compress(x, chunk_bytes=1 << 20)
+    buf = np.frombuffer(blob, np.uint8).copy()
+    orig = buf.copy()
+    stop = threading.Event()
+
+    def scribble():
+        r = np.random.default_rng(1)
+        while not stop.is_set():
+            buf[16 : 16 + 4096] = orig[16 : 16 + 4096]
+            buf[r.integers(16, 16 + 4096, 64)] = r.integers(0, 256, 64).astype(np.uint8)
+
+    t = threading.Thread(target=scribble)
+    t.start()
+    other = []
+    try:
+        for _ in range(3000):
+            try:
+                weightszip.decompress(buf)
+            except errors.WeightszipError:
+                pass
+            except BaseException as e:  # a Rust panic is pyo3's PanicException, a BaseException
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                other.append(repr(e)[:200])
+    finally:
+        stop.set()
+        t.join()
+    assert other == []
