@@ -654,3 +654,56 @@ fn close_fails_later_puts_and_keeps_every_acknowledged_one() {
         assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data).0, id);
     }
 }
+
+// -- found by a review (session 26): entries made in a chunk's place while the store is open --------
+
+/// Something made at the name of a key's next chunk file while the store is open: a directory
+/// (empty, or holding links out of the store), a symbolic link to a directory outside, a socket.
+/// The put goes ahead (a directory failed its rename: a write-through put was an error, a write-back
+/// chunk was dropped and counted in flush_errors, and its older version with it); nothing outside
+/// the store is followed or touched, and the next open removes the directory moved aside.
+#[cfg(unix)]
+#[test]
+fn an_entry_made_in_a_chunks_place_while_open_loses_no_put() {
+    use std::os::unix::fs::symlink;
+    for write_through in [true, false] {
+        for kind in ["empty directory", "directory", "link to a directory", "socket"] {
+            let what = format!("{kind}, write_through={write_through}");
+            let dir = tempfile::tempdir().unwrap();
+            let outside = tempfile::tempdir().unwrap();
+            fs::write(outside.path().join("kept"), b"outside").unwrap();
+            let s = ChunkStore::open(StoreConfig { write_through, ..cfg(Some(dir.path()), 1 << 20) }).unwrap();
+            s.put(&key(1), value(1, 0), 0).unwrap();
+            s.flush_all().unwrap();
+            let p = s.file_of(&key(1)).unwrap();
+            let next = dir.path().join(file::rel_path(file::key_hash(&key(1)), seq_of(&p) + 1));
+            let _socket;
+            match kind {
+                "empty directory" => fs::create_dir(&next).unwrap(),
+                "directory" => {
+                    fs::create_dir_all(next.join("inner")).unwrap();
+                    symlink(outside.path().join("kept"), next.join("inner/link")).unwrap();
+                    symlink(outside.path(), next.join("dirlink")).unwrap();
+                }
+                "link to a directory" => symlink(outside.path(), &next).unwrap(),
+                _ => _socket = std::os::unix::net::UnixListener::bind(&next).unwrap(),
+            }
+            s.put(&key(1), value(1, 1), 0).unwrap();
+            s.flush_all().unwrap(); // (write-back: the file is written here)
+            assert_eq!(s.stats().flush_errors, 0, "{what}");
+            assert_eq!(s.file_of(&key(1)), Some(next.clone()), "{what}");
+            assert!(fs::symlink_metadata(&next).unwrap().is_file(), "{what}");
+            assert_eq!(check_value(&s.get(&key(1)).unwrap().unwrap().data), (1, 1), "{what}");
+            s.close().unwrap();
+            drop(s);
+            assert_eq!(fs::read(outside.path().join("kept")).unwrap(), b"outside", "{what}");
+            assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 1, "{what}");
+            let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+            let moved_aside = kind.ends_with("directory") && !kind.starts_with("link");
+            assert_eq!(s.stats().corrupt_evicted, moved_aside as u64, "{what}");
+            assert_eq!(check_value(&s.get(&key(1)).unwrap().unwrap().data), (1, 1), "{what}");
+            assert_eq!(chunk_files(dir.path()), vec![next], "{what}: nothing else left");
+            assert_eq!(fs::read(outside.path().join("kept")).unwrap(), b"outside", "{what}");
+        }
+    }
+}
