@@ -692,3 +692,40 @@ def test_an_entry_made_in_a_chunks_place_while_open_loses_no_put(tmp_path, kind,
     assert s.stats()["corrupt_evicted"] == (kind == "directory")
     assert chunk_files(d) == [nxt] and (outside / "kept").read_bytes() == b"outside"
     s.close()
+
+
+def test_every_call_after_close_is_the_closed_error_in_rust_too(tmp_path):
+    """The wrapper refused every call after close, but the Rust store under it only refused puts and
+    gets: its delete still removed files of the closed store, contains, stats and file_of answered,
+    flush wrote. Every call is InvalidArgumentError ("the store is closed") at both levels now."""
+    s = ChunkStore(tmp_path)
+    s.put("a", b"1")
+    s.put("b", b"2")
+    inner = s._inner
+    s.close()
+    calls = {
+        "put": (b"c", 0, 0, 0),
+        "get": (b"a",),
+        "contains": (b"a",),
+        "delete": (b"a",),
+        "stats": (),
+        "file_of": (b"a",),
+        "evict_from_ram": (b"b",),
+        "flush": (),
+        "put_tensors": ([], 1 << 20, 0),
+    }
+    for name, args in calls.items():
+        with pytest.raises(weightszip.InvalidArgumentError, match="the store is closed"):
+            getattr(inner, name)(*args)
+        wrapped = {"put": ("c", b"x"), "put_tensors": ({},), "flush": (), "stats": ()}.get(name, ("a",))
+        with pytest.raises(weightszip.InvalidArgumentError, match="the store is closed"):
+            getattr(s, name)(*wrapped)
+    for r in [*inner.put_many([(b"c", 0, 0, 0)]), *inner.get_many([b"a"])]:
+        assert isinstance(r, weightszip.InvalidArgumentError) and "the store is closed" in str(r)
+    inner.close()
+    s.close()
+    del inner
+    s = ChunkStore(tmp_path)
+    assert s.get("a") == b"1" and s.get("b") == b"2"
+    assert len(chunk_files(tmp_path)) == 2
+    s.close()

@@ -144,19 +144,21 @@ impl Store {
             threads: 0,
             lanes_log2,
         };
-        let results: Vec<weightszip_core::Result<usize>> = py.allow_threads(|| {
-            self.inner.install(|| {
-                owned
-                    .into_par_iter()
-                    .map(|(k, m, a, l)| {
-                        let blob = codec::compress(&[(m, unsafe { slice(a, l) })], 0, &o)?;
-                        let n = blob.len();
-                        self.inner.put(&k, blob, TAG_CONTAINER)?;
-                        Ok(n)
-                    })
-                    .collect()
+        let results: Vec<weightszip_core::Result<usize>> = py
+            .allow_threads(|| {
+                self.inner.install(|| {
+                    owned
+                        .into_par_iter()
+                        .map(|(k, m, a, l)| {
+                            let blob = codec::compress(&[(m, unsafe { slice(a, l) })], 0, &o)?;
+                            let n = blob.len();
+                            self.inner.put(&k, blob, TAG_CONTAINER)?;
+                            Ok(n)
+                        })
+                        .collect()
+                })
             })
-        });
+            .map_err(to_py)?;
         Ok(results
             .into_iter()
             .map(|r| match r {
@@ -166,37 +168,39 @@ impl Store {
             .collect())
     }
 
-    fn contains(&self, py: Python<'_>, key: &[u8]) -> bool {
+    fn contains(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
         py.allow_threads(|| self.inner.contains(&key))
+            .map_err(to_py)
     }
 
-    fn delete(&self, py: Python<'_>, key: &[u8]) -> bool {
+    fn delete(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
-        py.allow_threads(|| self.inner.delete(&key))
+        py.allow_threads(|| self.inner.delete(&key)).map_err(to_py)
     }
 
-    fn evict_from_ram(&self, py: Python<'_>, key: &[u8]) -> bool {
+    fn evict_from_ram(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
         py.allow_threads(|| self.inner.evict_from_ram(&key))
+            .map_err(to_py)
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         py.allow_threads(|| self.inner.flush_all()).map_err(to_py)
     }
 
-    /// Fail later puts and reads, wait for those in flight, flush: every acknowledged put is on
-    /// disk when this returns.
+    /// Fail every later call (but close), wait for those in flight, flush: every acknowledged put
+    /// is on disk when this returns.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.allow_threads(|| self.inner.close()).map_err(to_py)
     }
 
-    fn file_of(&self, key: &[u8]) -> Option<PathBuf> {
-        self.inner.file_of(key)
+    fn file_of(&self, key: &[u8]) -> PyResult<Option<PathBuf>> {
+        self.inner.file_of(key).map_err(to_py)
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
+        let s = self.inner.stats().map_err(to_py)?;
         let d = PyDict::new(py);
         for (k, v) in [
             ("ram_chunks", s.ram_chunks),
