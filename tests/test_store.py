@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -728,4 +729,39 @@ def test_every_call_after_close_is_the_closed_error_in_rust_too(tmp_path):
     s = ChunkStore(tmp_path)
     assert s.get("a") == b"1" and s.get("b") == b"2"
     assert len(chunk_files(tmp_path)) == 2
+    s.close()
+
+
+def test_a_store_dropped_without_close_flushes_with_the_gil_released(tmp_path):
+    """A store garbage-collected without close writes its RAM tier when Rust drops it; that flush
+    held the GIL throughout, so every other Python thread stalled for it (every call releases the
+    GIL for its I/O). With the switch interval made huge, the main thread gives the GIL up only
+    where it releases it itself: the other thread, waiting for the GIL, runs during the drop now,
+    and only after it before. (Nothing is timed: only which came first.)"""
+    s = ChunkStore(tmp_path, ram_bytes=1 << 30)
+    payload = bytes(range(256)) * 4096
+    for i in range(64):
+        s.put(f"k{i}", payload)  # 64 MiB only in RAM: the drop writes (and fsyncs) them
+    ran: list[float] = []
+    ready = threading.Event()
+
+    def other() -> None:
+        ready.set()
+        time.sleep(0.001)  # (releases the GIL; wants it back while the main thread drops the store)
+        ran.append(time.monotonic())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000)
+    try:
+        t = threading.Thread(target=other)
+        t.start()
+        ready.wait()
+        del s
+        dropped = time.monotonic()
+        t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran[0] < dropped, "the other thread ran only once the dropped store's flush was over"
+    s = ChunkStore(tmp_path)
+    assert s.get_many([f"k{i}" for i in range(64)]) == [payload] * 64
     s.close()

@@ -1,6 +1,7 @@
 //! The chunk store (crate weightszip-store) as the Python class `_core.Store`. Every call releases
 //! the GIL for its whole I/O and coding; batches run on the store's I/O pool.
 
+use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
@@ -17,7 +18,24 @@ pub const TAG_CONTAINER: u32 = 1;
 
 #[pyclass(module = "weightszip._core", frozen)]
 pub struct Store {
-    inner: ChunkStore,
+    /// Dropped by `Drop` below, with the GIL released.
+    inner: ManuallyDrop<ChunkStore>,
+}
+
+impl Drop for Store {
+    /// A store garbage-collected without `close` writes the chunks only in its RAM tier when it is
+    /// dropped (`ChunkStore`'s drop: possibly gigabytes, with fsyncs): with the GIL released, as
+    /// every call's I/O is, so that the process's other Python threads go on meanwhile (they
+    /// stalled for the whole flush). Safe: Python drops a pyclass's value in its tp_dealloc, with
+    /// the GIL held and no reference to the object left, and this class has neither weak
+    /// references nor GC tracking, so no Python code can reach it while the GIL is released (as
+    /// CPython's own files and sockets release it to close in their dealloc). `with_gil` only
+    /// takes the token of the GIL held there.
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and `self.inner` is never used again.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        Python::with_gil(|py| py.allow_threads(move || drop(inner)));
+    }
 }
 
 fn chunk_to_py(py: Python<'_>, c: Option<Chunk>) -> PyObject {
@@ -64,7 +82,9 @@ impl Store {
             redis_timeout_ms,
         };
         let inner = py.allow_threads(|| ChunkStore::open(cfg)).map_err(to_py)?;
-        Ok(Store { inner })
+        Ok(Store {
+            inner: ManuallyDrop::new(inner),
+        })
     }
 
     /// Store the buffer at (addr, len) under `key` with `tag`.
