@@ -765,3 +765,22 @@ def test_a_store_dropped_without_close_flushes_with_the_gil_released(tmp_path):
     s = ChunkStore(tmp_path)
     assert s.get_many([f"k{i}" for i in range(64)]) == [payload] * 64
     s.close()
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_a_subfolder_removed_while_open_is_made_again(tmp_path, write_through):
+    """A key's subfolder removed while the store is open failed the key's later puts (write-back:
+    the chunk was dropped at close, "No such file or directory"). The write makes it again."""
+    import shutil
+
+    s = ChunkStore(tmp_path, write_through=write_through, durable=False)
+    s.put("k", b"v1")
+    s.flush()
+    sub = Path(s.file_of("k")).parent
+    shutil.rmtree(sub)
+    s.put("k", b"v2")
+    s.close()
+    assert sub.is_dir()
+    s = ChunkStore(tmp_path)
+    assert s.get("k") == b"v2"
+    s.close()

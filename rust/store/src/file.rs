@@ -164,11 +164,22 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 }
 
 /// Write a chunk file atomically: a new temporary file beside it (a unique name, created
-/// exclusively: concurrent writes of one name never share it), write, fsync (when `durable`),
-/// rename (`publish`: a directory in the way is moved aside), fsync the folder (when `durable`).
-/// On any error (or a panic) the temporary file is removed and no file appears.
+/// exclusively: concurrent writes of one name never share it; its subfolder made again if it is
+/// gone), write, fsync (when `durable`), rename (`publish`: a directory in the way is moved
+/// aside), fsync the folder (when `durable`). On any error (or a panic) the temporary file is
+/// removed and no file appears.
 pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8], durable: bool) -> Result<()> {
-    let (tmp, mut f) = weightszip_core::codec::create_temporary(final_path)?;
+    let create = weightszip_core::codec::create_temporary;
+    let (tmp, mut f) = match create(final_path) {
+        // its subfolder removed, or something else put in its place, while the store is open: made
+        // again as open makes it (not the store's folder: gone, its create_dir fails, as the write)
+        Err(Error::Io(e)) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
+            let Some(sub) = final_path.parent() else { return Err(e.into()) };
+            ensure_subfolder(sub)?;
+            create(final_path)?
+        }
+        r => r?,
+    };
     let mut guard = RemoveOnDrop(Some(&tmp));
     f.write_all(&header.encode(key))?;
     f.write_all(payload)?;
@@ -249,6 +260,24 @@ impl Drop for RemoveOnDrop<'_> {
         if let Some(p) = self.0 {
             let _ = fs::remove_file(p);
         }
+    }
+}
+
+/// A subfolder `HH` of the store: a directory (or a link to one) is kept; anything else in its
+/// place (a file, a dangling or looping link: never a directory, so nothing is recursed into) is
+/// removed and the folder created. Open makes all 256 so; a write makes its own again when it
+/// finds it gone.
+pub fn ensure_subfolder(sub: &Path) -> Result<()> {
+    match fs::symlink_metadata(sub) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(m) if m.file_type().is_symlink() && fs::metadata(sub).is_ok_and(|t| t.is_dir()) => return Ok(()),
+        Ok(_) => remove_entry(sub)?,
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    match fs::create_dir(sub) {
+        Err(e) if e.kind() != ErrorKind::AlreadyExists => Err(e.into()),
+        _ => Ok(()),
     }
 }
 

@@ -881,22 +881,6 @@ impl Drop for ChunkStore {
     }
 }
 
-/// A subfolder `HH` of the store: a directory (or a link to one) is kept; anything else in its
-/// place (a file, a dangling or looping link) is removed and the folder created.
-fn ensure_subfolder(sub: &Path) -> Result<()> {
-    match fs::symlink_metadata(sub) {
-        Ok(m) if m.is_dir() => return Ok(()),
-        Ok(m) if m.file_type().is_symlink() && fs::metadata(sub).is_ok_and(|t| t.is_dir()) => return Ok(()),
-        Ok(_) => file::remove_entry(sub)?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
-    }
-    match fs::create_dir(sub) {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e.into()),
-        _ => Ok(()),
-    }
-}
-
 /// Chunk files found by `scan`: (key hash, sequence number, bytes on disk) each.
 type Found = Vec<(u128, u64, u64)>;
 
@@ -913,7 +897,7 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<(Found, u64
         .into_par_iter()
         .map(|i| {
             let sub = dir.join(format!("{i:02x}"));
-            ensure_subfolder(&sub)?;
+            file::ensure_subfolder(&sub)?;
             let mut out = Vec::new();
             let mut max_seq = 0;
             for entry in fs::read_dir(&sub)? {

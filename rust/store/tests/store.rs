@@ -749,3 +749,43 @@ fn every_call_after_close_is_the_closed_error() {
         assert_eq!(check_value(&s.get(&key(id)).unwrap().unwrap().data), (id, 0));
     }
 }
+
+/// A key's subfolder removed (with what it held) or replaced by a file or a dangling link while the
+/// store is open: a later put of the key failed ("No such file or directory", "Not a directory":
+/// a write-back chunk was dropped). The write makes the subfolder again, as open does; a store
+/// whose whole folder is gone still fails, not made again.
+#[cfg(unix)]
+#[test]
+fn a_subfolder_removed_while_open_is_made_again() {
+    for write_through in [true, false] {
+        for kind in ["removed", "file", "dangling link"] {
+            let what = format!("{kind}, write_through={write_through}");
+            let dir = tempfile::tempdir().unwrap();
+            let s = ChunkStore::open(StoreConfig { write_through, ..cfg(Some(dir.path()), 1 << 20) }).unwrap();
+            s.put(&key(1), value(1, 0), 0).unwrap();
+            s.flush_all().unwrap();
+            let sub = s.file_of(&key(1)).unwrap().unwrap().parent().unwrap().to_path_buf();
+            fs::remove_dir_all(&sub).unwrap();
+            match kind {
+                "file" => fs::write(&sub, b"a file").unwrap(),
+                "dangling link" => std::os::unix::fs::symlink(dir.path().join("nowhere"), &sub).unwrap(),
+                _ => {}
+            }
+            s.put(&key(1), value(1, 1), 0).unwrap();
+            s.flush_all().unwrap();
+            assert_eq!(s.stats().unwrap().flush_errors, 0, "{what}");
+            assert!(fs::symlink_metadata(&sub).unwrap().is_dir(), "{what}");
+            s.close().unwrap();
+            drop(s);
+            let s = ChunkStore::open(cfg(Some(dir.path()), 1 << 20)).unwrap();
+            assert_eq!(check_value(&s.get(&key(1)).unwrap().unwrap().data), (1, 1), "{what}");
+        }
+    }
+    // the store's folder itself gone: an error, nothing made again
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("store");
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(&dir), 1 << 20) }).unwrap();
+    fs::remove_dir_all(&dir).unwrap();
+    assert!(matches!(s.put(&key(1), value(1, 0), 0), Err(Error::Io(_))));
+    assert!(!dir.exists());
+}
