@@ -609,7 +609,17 @@ impl ChunkStore {
                 other => Ok(other),
             });
             match read {
-                Ok(None) => continue,
+                Ok(None) => {
+                    // Gone: replaced by a newer put or an eviction (the index has moved on), or
+                    // deleted from outside the store (the index still names it): forget it, so that
+                    // `contains` and the disk budget agree with the disk, and look again (the next
+                    // lookup may find it in the remote tier).
+                    let mut st = self.lock();
+                    if st.disk.get(&h).map(|d| d.seq) == Some(disk_seq) {
+                        st.remove_disk(h);
+                    }
+                    continue;
+                }
                 Ok(Some(fc)) => {
                     if fc.key != key {
                         // Two keys with one XXH3-128: never seen, but never returned either.

@@ -119,6 +119,30 @@ fn write_through_puts_are_on_disk_when_put_returns() {
     assert_eq!(chunk_files(dir.path()).len(), 10);
 }
 
+/// A chunk file deleted from outside the store (an operator cleaning the disk) is forgotten at the
+/// next get: a miss, and `contains` and the disk's byte count agree with the disk (they kept
+/// naming and counting it).
+#[test]
+fn a_chunk_file_deleted_from_outside_is_forgotten_by_get() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = ChunkStore::open(StoreConfig { write_through: true, ..cfg(Some(dir.path()), 0) }).unwrap();
+    s.put(&key(1), value(1, 1), 0).unwrap();
+    s.put(&key(2), value(2, 1), 0).unwrap();
+    let before = s.stats().unwrap();
+    assert_eq!(before.disk_chunks, 2);
+    let gone = s.file_of(&key(1)).unwrap().unwrap();
+    let gone_bytes = fs::metadata(&gone).unwrap().len();
+    fs::remove_file(&gone).unwrap();
+    assert!(s.get(&key(1)).unwrap().is_none());
+    assert!(!s.contains(&key(1)).unwrap());
+    let after = s.stats().unwrap();
+    assert_eq!(after.disk_chunks, 1);
+    assert_eq!(after.disk_bytes, before.disk_bytes - gone_bytes);
+    assert_eq!(check_value(&s.get(&key(2)).unwrap().unwrap().data), (2, 1));
+    s.put(&key(1), value(1, 2), 0).unwrap();
+    assert_eq!(check_value(&s.get(&key(1)).unwrap().unwrap().data), (1, 2));
+}
+
 #[test]
 fn a_damaged_file_is_reported_and_evicted_never_returned() {
     let dir = tempfile::tempdir().unwrap();
