@@ -352,6 +352,52 @@ def test_hostile_calibration_files(tmp_path):
             C.Calibration.load(bad)
 
 
+def _with_rope(cal):
+    cal.rope_m = torch.zeros(cal.layers, cal.kv_heads, cal.head_dim, dtype=torch.int64)
+    cal.rope_phase = C.rope_phase_steps(1e4 ** (-torch.arange(0, cal.head_dim, 2, dtype=torch.float64) / cal.head_dim))
+    return cal
+
+
+def _set(name, at, value):
+    def edit(cal):
+        t = cal.codebooks[int(name[9:])] if name.startswith("codebook_") else getattr(cal, name)
+        t[at] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_set("mult", (2, 1, 2, 63), 0), "mult"), (_set("mult", (0, 0, 0, 0), 2**24 + 1), "mult"),
+    (_set("signs", 7, 2), "signs"), (_set("signs", 0, -(2**63)), "signs"),
+    (_set("mu", (1, 0, 1, 5), 2**37 + 1), "mu"), (_set("mu", (1, 0, 1, 5), -(2**63)), "mu"),
+    (_set("e0", (2, 1, 0), 10**6), "e0"), (_set("e0", (0, 0, 2), -200), "e0"),
+    (_set("codebook_3", (1, 1, 7), 2.0), r"\[-1, 1\]"), (_set("codebook_2", (2, 0, 1), float("nan")), "ascending|-1, 1"),
+    (_set("codebook_5", (0, 1, 7), -1.0), "ascending"),
+    (_set("rope_m", (2, 2, 9), 2**31), "rope_m"), (_set("rope_phase", 3, -1), "rope_phase"),
+])
+def test_calibration_validation_rejects_what_the_head_tables_reject(edit, match):
+    # validate() checks every head's tables over whole tensors (it built 8 HeadTables per layer
+    # and head: minutes for a small file declaring 500000 heads); each damage it must refuse is
+    # one HeadTables refuses for that head
+    cal = _with_rope(_small_calibration())
+    cal.validate()
+    edit(cal)
+    with pytest.raises(C.CalibrationError, match=match):
+        cal.validate()
+    with pytest.raises(CompactCodecError):
+        for layer in range(cal.layers):
+            for kind in "kv":
+                for b in C.BITS_CHOICES:
+                    cal.tables(layer, kind, b)
+
+
+def test_calibration_validation_builds_no_per_head_tables(monkeypatch):
+    cal = _with_rope(_small_calibration())
+    built = []
+    monkeypatch.setattr(C, "HeadTables", lambda *a, **k: built.append(1))
+    cal.validate()
+    assert built == []
+
+
 def test_calibration_must_fit_the_model():
     cal = _small_calibration()
     with pytest.raises(C.CalibrationError, match="30 x 3"):

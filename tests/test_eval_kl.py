@@ -356,7 +356,7 @@ _DUMP = ["kv", "dump", "--model", "fake", "--text", str(TEXT)]
 @pytest.mark.parametrize("argv", [
     [*_KL, "--buckets=0"], [*_KL, "--buckets=-1"], [*_KL, "--offset=-5"], [*_KL, "--chunk=0"],
     [*_KL, "--chunk=0", "--chunked"], [*_KL, "--window=0"], [*_KL, "--device", "nonsense"],
-    [*_KL, "--device", "cuda:99"],
+    [*_KL, "--device", "cuda:99"], [*_KL, "--device", "meta"],
     ["eval", "formats", "--context=0"], ["eval", "formats", "--head-dim=0"], ["eval", "formats", "--kv-heads=0"],
     ["eval", "formats", "--context=-1"], ["eval", "formats", "--head-dim=-64"], ["eval", "formats", "--kv-heads=-3"],
     [*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", "a"], [*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", "0,-1"],

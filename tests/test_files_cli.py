@@ -552,3 +552,31 @@ def test_huge_counts_are_usage_errors_or_capped(tmp_path, capsys):
     assert e.value.code == 2 and "must be at most" in capsys.readouterr().err
     # (the library takes a huge count as the cap too)
     assert weightszip.decompress(weightszip.compress(np.arange(4), threads=10**30), threads=10**30).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("change", ["append", "truncate", "rewrite"])
+def test_a_file_changed_while_being_compressed_is_an_error_and_no_output(tmp_path, change):
+    """A file written while compress reads it (a checkpoint still being saved) was archived as the
+    bytes that happened to be there: a prefix when it grew, silently. Now a WeightszipIOError and no
+    output. The change is made from the progress callback, which runs before the first read."""
+    src, dst = tmp_path / "data.bin", tmp_path / "data.wz"
+    src.write_bytes(np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes())
+    os.utime(src, (1_000_000_000, 1_000_000_000))  # an old mtime, so that a rewrite moves it
+    calls = []
+
+    def progress(done, total):
+        if not calls:
+            if change == "append":
+                with open(src, "ab") as f:
+                    f.write(b"more")
+            elif change == "truncate":
+                os.truncate(src, 1000)
+            else:
+                with open(src, "r+b") as f:
+                    f.seek(200_000)
+                    f.write(b"\0" * 16)
+        calls.append(done)
+
+    with pytest.raises(weightszip.WeightszipIOError, match="changed while being compressed"):
+        files.compress_file(src, dst, progress=progress)
+    assert calls and not dst.exists() and list(tmp_path.iterdir()) == [src]

@@ -101,6 +101,47 @@ def test_plan_chunks_edges():
             assert all(x <= max(edge, y * 3 // 2 + 2) for x, y in zip(s, s[1:]))
 
 
+def test_host_arena_hands_out_disjoint_slices_to_threads():
+    # (take() read and wrote `used` without a lock: with frequent thread switches, 8 threads were
+    # handed thousands of overlapping slices, and sessions offloaded into one arena came back damaged)
+    import sys
+    import threading
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    arena = ol.HostArena(8 * 3000 * 16, device="cpu", pin=False)
+    got: list[list[int]] = [[] for _ in range(8)]
+
+    def take(i):
+        for _ in range(3000):
+            got[i].append(arena.take(16).data_ptr())
+
+    try:
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    starts = [p for g in got for p in g]
+    assert len(starts) == len(set(starts)) == 8 * 3000
+    assert arena.take(1) is None  # exactly full
+
+
+@pytest.mark.parametrize("n_pages", [2**20, 2**40])
+def test_restore_refuses_more_pages_than_the_bytes_hold_before_allocating(real_kv, n_pages):
+    # (a region of exactly 12 N + 8 bytes, offsets and ids all 0, passed every check; restore then
+    # allocated N x 16 x C bf16 values for its output before looking at a page: 2^40 pages asked
+    # torch for 6 PB, an untyped RuntimeError; 2^20 pages 6 GB from 12 MB of host bytes)
+    _, _, codec = _session_kv(real_kv)
+    host = torch.zeros(ol._region_bytes(0, 2**20), dtype=torch.uint8)
+    chunk = ol.Chunk(0, n_pages, 0, host, 0)
+    s = ol.CompressedSession(codec, n_pages, torch.bfloat16, [chunk])
+    with pytest.raises(TruncatedError if n_pages > 2**20 else CorruptDataError):
+        ol.restore(s, backend="rust", device="cpu")
+
+
 def test_one_page_and_empty_sessions(real_kv):
     x, tids, codec = _session_kv(real_kv)
     s = ol.offload(x[5:6], codec, tids[5:6], backend="rust")

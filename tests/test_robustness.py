@@ -86,11 +86,13 @@ def test_declared_huge_shape_is_refused_before_allocating():
         weightszip.decompress(_reseal(bytearray(blob), bytes(idx)))
 
 
-@pytest.mark.parametrize("dim", [1 << 63, (1 << 50) + 1])
+@pytest.mark.parametrize("dim", [1 << 63, (1 << 50) + 1, 1 << 50, 1 << 49])
 def test_empty_tensor_with_a_huge_dimension_is_refused(dim):
     """An empty tensor ([0, 4]) whose other dimension is past the format's limit (``MAX_DIM``, 2^50;
-    numpy and torch take less than 2^63): LimitExceededError when the index is read, not a ValueError
-    from numpy or a TypeError from torch when the tensor is allocated."""
+    numpy and torch take less than 2^63), or within it but spanning more than 2^50 bytes of float32
+    (numpy and torch size an empty array's strides from its other dimensions: [0, 2^50, 2^50] was
+    their ValueError / RuntimeError): LimitExceededError when the index is read, not an error from
+    numpy or torch when the tensor is allocated."""
     blob = weightszip.compress(np.zeros((0, 4), np.float32))
     idx = _index(blob)
     dims_at = 8 + 2 + 4 + 2  # (as above: the entry's first dimension; the second follows)
@@ -151,3 +153,41 @@ def test_exception_hierarchy():
 def test_missing_file_is_an_io_error(tmp_path):
     with pytest.raises(errors.WeightszipIOError):
         weightszip.load_file(tmp_path / "nope.wz")
+
+
+def test_a_buffer_written_during_decoding_gives_typed_errors_only():
+    """decompress releases the GIL; a caller's array written by another thread meanwhile may decode
+    to anything or fail, but only with a WeightszipError (the chunk decoder checked its channel-group
+    map in the caller's buffer and then read it again: 0.6% of such decodes were a Rust panic)."""
+    import threading
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4096, 256)) * np.exp(rng.standard_normal(256) * 2)).astype(np.float32)
+    blob = weightszip.compress(x, chunk_bytes=1 << 20)
+    buf = np.frombuffer(blob, np.uint8).copy()
+    orig = buf.copy()
+    stop = threading.Event()
+
+    def scribble():
+        r = np.random.default_rng(1)
+        while not stop.is_set():
+            buf[16 : 16 + 4096] = orig[16 : 16 + 4096]
+            buf[r.integers(16, 16 + 4096, 64)] = r.integers(0, 256, 64).astype(np.uint8)
+
+    t = threading.Thread(target=scribble)
+    t.start()
+    other = []
+    try:
+        for _ in range(3000):
+            try:
+                weightszip.decompress(buf)
+            except errors.WeightszipError:
+                pass
+            except BaseException as e:  # a Rust panic is pyo3's PanicException, a BaseException
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                other.append(repr(e)[:200])
+    finally:
+        stop.set()
+        t.join()
+    assert other == []

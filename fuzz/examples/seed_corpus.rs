@@ -12,6 +12,8 @@
 //! - page_decode/:     KV Exact pages in the layout documented in fuzz_targets/page_decode.rs.
 //! - kvx4_decode/:     KV Exact4 pages (one, or two with the middle offset between them), with and
 //!   without plain rows, in the layout documented in fuzz_targets/kvx4_decode.rs.
+//! - store_chunk/:     `[selector] ++ chunk store file` (fuzz_targets/store_chunk.rs): chunks of
+//!   raw bytes and of a container, short and long keys, an empty payload.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -109,7 +111,15 @@ fn write(dir: &Path, name: &str, data: &[u8]) {
 
 fn main() {
     let root = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "corpus".into()));
-    let dirs = ["container_parse", "chunk_decode", "round_trip", "page_decode", "kvx4_decode"].map(|t| {
+    let dirs = [
+        "container_parse",
+        "chunk_decode",
+        "round_trip",
+        "page_decode",
+        "kvx4_decode",
+        "store_chunk",
+    ]
+    .map(|t| {
         let d = root.join(t);
         fs::create_dir_all(&d).unwrap();
         // Replace the previous seeds (their names may change); leave the fuzzer's files alone.
@@ -365,7 +375,13 @@ fn main() {
     // kvx4_decode: [selector] ++ middle offset (u64 LE) ++ one or two KV Exact4 pages (1 to 4 heads
     // of 32 or 64 channels); `tiny` values 2^-60 (one in `tiny` values) make plain rows
     println!("kvx4_decode:");
-    let kvx4_seeds = [(1usize, 1usize, 0u64, 1usize), (2, 1, 40, 1), (3, 2, 200, 1), (4, 1, 25, 2), (1, 2, 0, 2)];
+    let kvx4_seeds = [
+        (1usize, 1usize, 0u64, 1usize),
+        (2, 1, 40, 1),
+        (3, 2, 200, 1),
+        (4, 1, 25, 2),
+        (1, 2, 0, 2),
+    ];
     for (heads, dims, tiny, pages) in kvx4_seeds {
         let shape = weightszip_core::kvx4::Shape::new(heads, 32 * dims).unwrap();
         let values: Vec<u8> = (0..pages * 16 * shape.channels())
@@ -373,7 +389,11 @@ fn main() {
                 let r = rng.next();
                 let e = 124u16.saturating_sub((r % 64).trailing_zeros() as u16 * 2);
                 let tiny_here = tiny > 0 && (r >> 12).is_multiple_of(tiny);
-                let v = if tiny_here { 0x2180 } else { ((r >> 20) as u16 & 0x807F) | (e << 7) };
+                let v = if tiny_here {
+                    0x2180
+                } else {
+                    ((r >> 20) as u16 & 0x807F) | (e << 7)
+                };
                 v.to_le_bytes()
             })
             .collect();
@@ -382,6 +402,41 @@ fn main() {
         input.extend_from_slice(&offs[1].to_le_bytes());
         input.extend_from_slice(&buf);
         let plain = if tiny > 0 { "-plain" } else { "" };
-        write(&dirs[4], &format!("seed-kvx4-{heads}x{}-{pages}p{plain}", 32 * dims), &input);
+        write(
+            &dirs[4],
+            &format!("seed-kvx4-{heads}x{}-{pages}p{plain}", 32 * dims),
+            &input,
+        );
+    }
+    // store_chunk: [selector] ++ a chunk as the store writes it (header, key, payload); selector 0
+    // (checksums as written, no limit) and 5 (repaired, limit = the payload's length)
+    println!("store_chunk:");
+    let values = vec![0x3fu8; 256];
+    let container = compress(
+        &[(meta(DType::BF16, &[4, 32], "k"), &values[..])],
+        KIND_TENSORS,
+        &EncodeOptions::default(),
+    )
+    .unwrap();
+    let store_seeds: [(&[u8], u32, &[u8]); 4] = [
+        (b"k", 0, b""),
+        (b"session-7/layer-3", 0, b"raw payload bytes"),
+        (b"c", 1, &container),
+        (&[0x5a; 300], 2, &[1, 2, 3]),
+    ];
+    for (i, (key, tag, payload)) in store_seeds.into_iter().enumerate() {
+        let header = weightszip_store::file::Header {
+            tag,
+            key_len: key.len() as u32,
+            payload_len: payload.len() as u64,
+            seq: 1 + i as u64,
+            key_hash: weightszip_store::file::key_hash(key),
+            payload_xxh3: xxhash_rust::xxh3::xxh3_64(payload),
+        };
+        for sel in [0u8, 5] {
+            let mut input = vec![sel];
+            input.extend_from_slice(&weightszip_store::file::encode_chunk(&header, key, payload));
+            write(&dirs[5], &format!("seed-store-{i}-sel{sel}"), &input);
+        }
     }
 }

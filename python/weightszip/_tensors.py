@@ -262,10 +262,11 @@ def load_file(path: str | os.PathLike, *, out: str | None = None, threads: int |
     p = os.fspath(path)
     check_regular_file(p)
     index = _core.file_index(p)
-    names = [e["name"] for e in index["entries"]]
-    if len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
-        raise InvalidArgumentError(f"{p}: tensor name {twice!r} twice: a dict of the tensors would lose one of them")
+    seen: set[str] = set()
+    for e in index["entries"]:  # one pass: up to 2**20 entries
+        if e["name"] in seen:
+            raise InvalidArgumentError(f"{p}: tensor name {e['name']!r} twice: a dict of the tensors would lose one of them")
+        seen.add(e["name"])
     result = {}
     for i, e in enumerate(index["entries"]):
         arr, addr = empty_like_entry(e, out)

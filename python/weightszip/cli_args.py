@@ -47,8 +47,8 @@ def thread_count(text: str) -> int:
 def torch_device(text: str) -> str:
     """--device: a torch device this machine has (cpu, cuda, cuda:1, ...), kept as given; a name torch
     does not know, or a CUDA device it does not see, is argparse's usage error (it was a RuntimeError
-    traceback once the model had loaded). Without torch it is taken as given (the command then says
-    what to install)."""
+    traceback once the model had loaded). `meta` (shapes without data: nothing to measure) is refused
+    too. Without torch it is taken as given (the command then says what to install)."""
     try:
         import torch
     except ImportError:
@@ -57,6 +57,8 @@ def torch_device(text: str) -> str:
         d = torch.device(text)
     except (RuntimeError, ValueError, TypeError):
         raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    if d.type == "meta":
+        raise argparse.ArgumentTypeError(f"{text!r}: holds no data, so nothing can be computed on it (e.g. cpu, cuda)")
     if d.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (d.index or 0) >= n:

@@ -288,7 +288,9 @@ class PageHeap:
     freed, and space freed at the top lowers the top. An allocation takes a free region of its exact
     size, else fresh space at the top, else the smallest larger free region (split, the rest stays
     free). Pages of a layer differ by a few dozen bytes, so exact-size reuse is the common case.
-    ``alloc`` is all or nothing: on LimitExceededError the heap is as before (free space merged)."""
+    ``alloc`` is all or nothing: on LimitExceededError the heap is as before (free space merged).
+    Not thread-safe: its owner (a ``KVExactCache``, itself one model's cache) makes one call at a
+    time."""
 
     def __init__(self, capacity: int, device="cuda", guard: int = 0):
         _check(int(capacity) >= ref.ALIGN, "heap capacity must be at least 16 bytes")

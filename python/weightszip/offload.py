@@ -48,6 +48,7 @@ import contextlib
 import functools
 import numbers
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -151,9 +152,11 @@ class HostArena:
     """One allocation of host memory (pinned when CUDA is present) handed out in 16-byte aligned
     slices, so offloading allocates nothing per chunk; ``reset()`` makes it reusable (sessions
     that point into it are then invalid). ``device`` other than cpu makes a GPU-resident arena
-    (benchmarks use it to time the codec without the bus)."""
+    (benchmarks use it to time the codec without the bus). Threads may share one arena (sessions
+    offloaded concurrently): ``take`` and ``reset`` hold its lock."""
 
     def __init__(self, nbytes: int, device="cpu", pin: bool | None = None, buffer: torch.Tensor | None = None):
+        self._lock = threading.Lock()
         if buffer is not None:  # an existing uint8 buffer (e.g. pinned memory the caller already holds)
             if buffer.dtype != torch.uint8 or buffer.dim() != 1:
                 raise InvalidArgumentError("an arena buffer must be a 1-D uint8 tensor")
@@ -168,14 +171,16 @@ class HostArena:
         self.used = 0
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        start = (self.used + 15) // 16 * 16
-        if start + nbytes > self.buffer.numel():
-            return None
-        self.used = start + nbytes
+        with self._lock:
+            start = (self.used + 15) // 16 * 16
+            if start + nbytes > self.buffer.numel():
+                return None
+            self.used = start + nbytes
         return self.buffer[start : start + nbytes]
 
     def reset(self) -> None:
-        self.used = 0
+        with self._lock:
+            self.used = 0
 
 
 def _region_bytes(nbytes: int, n: int) -> int:
@@ -607,7 +612,9 @@ def _check_chunks(session: CompressedSession) -> None:
     """The chunks tile pages 0 .. n_pages exactly, in order, each a 1-D uint8 host region whose page
     bytes end at a multiple of 8 (where the encoders put the offsets): checked
     before anything is decoded, so that a session edited or damaged in memory cannot make restore
-    write outside its output or leave pages unwritten (CorruptDataError)."""
+    write outside its output or leave pages unwritten (CorruptDataError). Then each region's size
+    (TruncatedError) and its pages against its bytes (CorruptDataError), before anything is
+    allocated."""
     at = 0
     for c in session.chunks:
         if not (isinstance(c, Chunk)
@@ -619,6 +626,15 @@ def _check_chunks(session: CompressedSession) -> None:
         at += c.n_pages
     if at != session.n_pages:
         raise CorruptDataError(f"session chunks cover pages 0..{at}, the session has {session.n_pages}")
+    # Sizes against the bytes there are, before restore allocates its output for n_pages: a page
+    # holds at least its header and 16 raw bytes a channel, so the pages a chunk declares are at
+    # most its page bytes / that (the output then at most about 2x the bytes given).
+    least = _pages.header_len(session.codec.channels) + PAGE_TOKENS * session.codec.channels
+    for c in session.chunks:
+        _check_region(c)
+        if c.n_pages * least > c.nbytes:
+            raise CorruptDataError(f"chunk at page {c.start}: {c.n_pages} pages cannot fit in its {c.nbytes} bytes "
+                                   f"(a page is at least {least})")
 
 
 def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = None, *, depth: int = 3,
@@ -660,8 +676,6 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
         return out_pages_gpu
     slack = _staging_slack(codec.channels)
     size = max(c.region_bytes for c in chunks) + slack
-    for c in chunks:
-        _check_region(c)  # region sizes, before anything is queued
     st = _Streams(dev, "restore")
     with st.on("copy"):  # allocated on the copy stream: its first use
         staging = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(min(depth, len(chunks)))]

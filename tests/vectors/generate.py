@@ -66,6 +66,7 @@ MAX_ENTRIES = 1 << 20
 MAX_NAME_LEN = 4096
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 50
+MAX_DIM = 1 << 50
 MAX_CHUNK_RAW = 64 << 20
 MAX_EXPANSION = 32768
 PROB_BITS, M, RANS_L = 12, 4096, 1 << 16
@@ -451,14 +452,19 @@ def ref_read(buf: bytes) -> tuple[int, list[dict]]:
         if ndim > MAX_NDIM:
             raise Reject("limit", "ndim")
         shape = [r.u("Q", "shape") for _ in range(ndim)]
+        if any(d > MAX_DIM for d in shape):
+            raise Reject("limit", "dimension")
         if (ndim > 0 and axis >= ndim) or (ndim == 0 and axis != 0):
             raise Reject("corrupt", "channel_axis")
         size = DTYPES[dtype][1]
-        n = 1
+        n = span = 1
         for d in shape:
             n *= d
+            span *= max(d, 1)
         if n >= 1 << 64 or n * size >= 1 << 64 or n * size > MAX_TENSOR_BYTES:
             raise Reject("limit", "tensor bytes")
+        if span * size > MAX_TENSOR_BYTES:
+            raise Reject("limit", "non-zero dimensions' span")
         chunk_elems = r.u("Q", "chunk_elems")
         n_chunks = r.u("I", "n_chunks")
         if n == 0:
@@ -1227,6 +1233,10 @@ def make_invalid(v: dict[str, Valid]) -> list[tuple[str, str, str, bytes]]:
     c = C("empty_tensor"); c.entries[0].chunk_elems = 1
     add("empty_tensor_nonzero_chunk_elems", "empty_tensor", "an empty tensor declares chunk_elems = 0",
         build(c))
+
+    c = C("empty_tensor"); c.entries[0].shape = [2**26, 0, 2**26]
+    add("empty_tensor_span_beyond_limit", "empty_tensor", "an entry's non-zero dimensions times its "
+        "dtype's size are at most 2^50 bytes, an empty tensor's too (2^26 x 0 x 2^26 float32: 2^54)", build(c))
 
     c = C(scalar); c.index_extra = bytes(4)
     add("index_trailing_bytes", scalar, "the index ends exactly after the last entry record "

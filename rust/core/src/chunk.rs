@@ -669,7 +669,10 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
     if n_groups == 0 || n_groups > MAX_GROUPS || (n_groups > 1 && (stride == 0 || stride > MAX_GROUP_STRIDE)) {
         return corrupt(format!("{n_groups} channel groups with context stride {stride}"));
     }
-    let groups: &[u8] = if n_groups > 1 { r.take(stride, "channel group map")? } else { &[] };
+    // Copied out of the input (at most MAX_GROUP_STRIDE bytes): the hot loop indexes with it
+    // unchecked, and a caller's buffer (a numpy array, a bytearray) may be written by another
+    // thread while the GIL is released; checks made on the copy stay true.
+    let groups: Vec<u8> = if n_groups > 1 { r.take(stride, "channel group map")?.to_vec() } else { Vec::new() };
     if groups.iter().any(|&g| g as usize >= n_groups) {
         return corrupt("channel group out of range");
     }
@@ -748,7 +751,7 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
 
     let mut syms = vec![0u16; n];
     let ok = decode_symbols(
-        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups, n_groups, shift },
+        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups: &groups, n_groups, shift },
         full,
         stride,
         &mut states,

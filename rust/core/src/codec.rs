@@ -476,6 +476,8 @@ fn write_atomically(
 
 /// Compress a file as a sequence of segments that cover it exactly, in order (tensors get
 /// tensor-aware coding, the rest is coded as bytes). Memory stays bounded by the batch size.
+/// A file written while it is read (longer, shorter or modified at the end than at the start)
+/// is an error, and no output is left: the container would hold a mix, or a prefix, of it.
 pub fn encode_file(
     input: &Path,
     output: &Path,
@@ -486,7 +488,8 @@ pub fn encode_file(
 ) -> Result<Index> {
     opts.check()?;
     let mut f = File::open(input)?;
-    let total = f.metadata()?.len();
+    let before = f.metadata()?;
+    let total = before.len();
     let mut sum = 0u64;
     for s in segments {
         s.check()?;
@@ -510,7 +513,10 @@ pub fn encode_file(
                 while left > 0 && bufs.len() < batch_len(opts.threads) {
                     let n = cb.min(left);
                     let mut b = vec![0u8; n as usize];
-                    f.read_exact(&mut b)?;
+                    f.read_exact(&mut b).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::UnexpectedEof => changed(input, total, f.metadata().map_or(0, |m| m.len())),
+                        _ => e.into(),
+                    })?;
                     left -= n;
                     bufs.push(b);
                 }
@@ -524,10 +530,29 @@ pub fn encode_file(
                 progress(done, total);
             }
         }
+        unchanged_since(&mut f, &before, input)?;
         index = Some(wr.finish()?.1);
         Ok(())
     })?;
     Ok(index.unwrap())
+}
+
+/// The file read through `f` still has the length and modification time it had (`before`), and
+/// ends where its length says: else an I/O error naming it ("changed while being compressed").
+fn unchanged_since(f: &mut File, before: &std::fs::Metadata, path: &Path) -> Result<()> {
+    let now = f.metadata()?;
+    let grew = f.read(&mut [0u8; 1])? != 0;
+    if grew || now.len() != before.len() || now.modified().ok() != before.modified().ok() {
+        return Err(changed(path, before.len(), now.len()));
+    }
+    Ok(())
+}
+
+fn changed(path: &Path, was: u64, now: u64) -> Error {
+    Error::Io(std::io::Error::other(format!(
+        "{}: changed while being compressed ({was} bytes at the start, {now} now); nothing written",
+        path.display()
+    )))
 }
 
 /// Decode a container file, writing the concatenation of its entries to `output` (for a container

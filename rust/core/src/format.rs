@@ -117,6 +117,19 @@ impl TensorMeta {
             return Err(Error::InvalidArgument("channel axis of a 0-d tensor must be 0".into()));
         }
         self.raw_bytes()?;
+        // An empty tensor's other dimensions too: numpy and torch size an array's strides from
+        // them, so [0, 2^50, 2^50] (0 bytes) would fail there with their own errors.
+        let span = self
+            .shape
+            .iter()
+            .try_fold(self.dtype.size() as u64, |a, &d| a.checked_mul(d.max(1)))
+            .filter(|&b| b <= MAX_TENSOR_BYTES);
+        if span.is_none() {
+            return Err(Error::LimitExceeded(format!(
+                "shape {:?}: its non-zero dimensions span more than {MAX_TENSOR_BYTES} bytes",
+                self.shape
+            )));
+        }
         Ok(())
     }
 }

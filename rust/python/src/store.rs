@@ -1,6 +1,7 @@
 //! The chunk store (crate weightszip-store) as the Python class `_core.Store`. Every call releases
 //! the GIL for its whole I/O and coding; batches run on the store's I/O pool.
 
+use std::mem::ManuallyDrop;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
@@ -17,7 +18,24 @@ pub const TAG_CONTAINER: u32 = 1;
 
 #[pyclass(module = "weightszip._core", frozen)]
 pub struct Store {
-    inner: ChunkStore,
+    /// Dropped by `Drop` below, with the GIL released.
+    inner: ManuallyDrop<ChunkStore>,
+}
+
+impl Drop for Store {
+    /// A store garbage-collected without `close` writes the chunks only in its RAM tier when it is
+    /// dropped (`ChunkStore`'s drop: possibly gigabytes, with fsyncs): with the GIL released, as
+    /// every call's I/O is, so that the process's other Python threads go on meanwhile (they
+    /// stalled for the whole flush). Safe: Python drops a pyclass's value in its tp_dealloc, with
+    /// the GIL held and no reference to the object left, and this class has neither weak
+    /// references nor GC tracking, so no Python code can reach it while the GIL is released (as
+    /// CPython's own files and sockets release it to close in their dealloc). `with_gil` only
+    /// takes the token of the GIL held there.
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and `self.inner` is never used again.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        Python::with_gil(|py| py.allow_threads(move || drop(inner)));
+    }
 }
 
 fn chunk_to_py(py: Python<'_>, c: Option<Chunk>) -> PyObject {
@@ -64,7 +82,9 @@ impl Store {
             redis_timeout_ms,
         };
         let inner = py.allow_threads(|| ChunkStore::open(cfg)).map_err(to_py)?;
-        Ok(Store { inner })
+        Ok(Store {
+            inner: ManuallyDrop::new(inner),
+        })
     }
 
     /// Store the buffer at (addr, len) under `key` with `tag`.
@@ -144,19 +164,21 @@ impl Store {
             threads: 0,
             lanes_log2,
         };
-        let results: Vec<weightszip_core::Result<usize>> = py.allow_threads(|| {
-            self.inner.install(|| {
-                owned
-                    .into_par_iter()
-                    .map(|(k, m, a, l)| {
-                        let blob = codec::compress(&[(m, unsafe { slice(a, l) })], 0, &o)?;
-                        let n = blob.len();
-                        self.inner.put(&k, blob, TAG_CONTAINER)?;
-                        Ok(n)
-                    })
-                    .collect()
+        let results: Vec<weightszip_core::Result<usize>> = py
+            .allow_threads(|| {
+                self.inner.install(|| {
+                    owned
+                        .into_par_iter()
+                        .map(|(k, m, a, l)| {
+                            let blob = codec::compress(&[(m, unsafe { slice(a, l) })], 0, &o)?;
+                            let n = blob.len();
+                            self.inner.put(&k, blob, TAG_CONTAINER)?;
+                            Ok(n)
+                        })
+                        .collect()
+                })
             })
-        });
+            .map_err(to_py)?;
         Ok(results
             .into_iter()
             .map(|r| match r {
@@ -166,37 +188,39 @@ impl Store {
             .collect())
     }
 
-    fn contains(&self, py: Python<'_>, key: &[u8]) -> bool {
+    fn contains(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
         py.allow_threads(|| self.inner.contains(&key))
+            .map_err(to_py)
     }
 
-    fn delete(&self, py: Python<'_>, key: &[u8]) -> bool {
+    fn delete(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
-        py.allow_threads(|| self.inner.delete(&key))
+        py.allow_threads(|| self.inner.delete(&key)).map_err(to_py)
     }
 
-    fn evict_from_ram(&self, py: Python<'_>, key: &[u8]) -> bool {
+    fn evict_from_ram(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
         py.allow_threads(|| self.inner.evict_from_ram(&key))
+            .map_err(to_py)
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         py.allow_threads(|| self.inner.flush_all()).map_err(to_py)
     }
 
-    /// Fail later puts and reads, wait for those in flight, flush: every acknowledged put is on
-    /// disk when this returns.
+    /// Fail every later call (but close), wait for those in flight, flush: every acknowledged put
+    /// is on disk when this returns.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         py.allow_threads(|| self.inner.close()).map_err(to_py)
     }
 
-    fn file_of(&self, key: &[u8]) -> Option<PathBuf> {
-        self.inner.file_of(key)
+    fn file_of(&self, key: &[u8]) -> PyResult<Option<PathBuf>> {
+        self.inner.file_of(key).map_err(to_py)
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
+        let s = self.inner.stats().map_err(to_py)?;
         let d = PyDict::new(py);
         for (k, v) in [
             ("ram_chunks", s.ram_chunks),

@@ -18,7 +18,8 @@
 //! Files are written as a temporary `.NAME.PID.N.XXXXXXXX.wz-partial` beside `NAME` (created
 //! exclusively, so no two writes ever share one: `weightszip_core::codec::create_temporary`, as the
 //! CLI writers do), fsynced, renamed to `NAME` and the folder fsynced, so that a reader (or a
-//! restart after a crash) sees either the whole file or none of it.
+//! restart after a crash) sees either the whole file or none of it. A directory in `NAME`'s place
+//! (the one entry a rename cannot replace) is renamed aside first: `publish`.
 
 use std::fs::{self, File};
 use std::io::{ErrorKind, Read, Write};
@@ -163,11 +164,22 @@ fn fsync_dir(dir: &Path) -> Result<()> {
 }
 
 /// Write a chunk file atomically: a new temporary file beside it (a unique name, created
-/// exclusively: concurrent writes of one name never share it), write, fsync (when `durable`),
-/// rename, fsync the folder (when `durable`). On any error (or a panic) the temporary file is
+/// exclusively: concurrent writes of one name never share it; its subfolder made again if it is
+/// gone), write, fsync (when `durable`), rename (`publish`: a directory in the way is moved
+/// aside), fsync the folder (when `durable`). On any error (or a panic) the temporary file is
 /// removed and no file appears.
 pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8], durable: bool) -> Result<()> {
-    let (tmp, mut f) = weightszip_core::codec::create_temporary(final_path)?;
+    let create = weightszip_core::codec::create_temporary;
+    let (tmp, mut f) = match create(final_path) {
+        // its subfolder removed, or something else put in its place, while the store is open: made
+        // again as open makes it (not the store's folder: gone, its create_dir fails, as the write)
+        Err(Error::Io(e)) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
+            let Some(sub) = final_path.parent() else { return Err(e.into()) };
+            ensure_subfolder(sub)?;
+            create(final_path)?
+        }
+        r => r?,
+    };
     let mut guard = RemoveOnDrop(Some(&tmp));
     f.write_all(&header.encode(key))?;
     f.write_all(payload)?;
@@ -175,7 +187,7 @@ pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8
         f.sync_all()?;
     }
     drop(f);
-    fs::rename(&tmp, final_path)?;
+    publish(&tmp, final_path)?;
     guard.0 = None;
     if durable {
         if let Some(dir) = final_path.parent() {
@@ -183,6 +195,61 @@ pub fn write_chunk(final_path: &Path, header: &Header, key: &[u8], payload: &[u8
         }
     }
     Ok(())
+}
+
+/// Directories a write moves out of its file's way before it gives up (more means something keeps
+/// making them there while the write runs).
+const MAX_MOVED_ASIDE: usize = 4;
+
+/// Rename the finished temporary `tmp` to `final_path`. The rename replaces whatever entry has that
+/// name (a file, a FIFO, a symbolic link: the name, never what it points to) but a directory; a
+/// directory there (made while the store is open: open removes those) is moved aside and the rename
+/// tried again, a bounded number of times. Nothing is followed, entered or deleted here.
+fn publish(tmp: &Path, final_path: &Path) -> Result<()> {
+    let mut moved = 0;
+    loop {
+        match fs::rename(tmp, final_path) {
+            Ok(()) => return Ok(()),
+            // (symlink_metadata: a symbolic link to a directory is not a directory here; the
+            // rename replaces it)
+            Err(_) if moved < MAX_MOVED_ASIDE && fs::symlink_metadata(final_path).is_ok_and(|m| m.is_dir()) => {
+                move_aside(final_path)?;
+                moved += 1;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// A random number below 2^63, for `move_aside`'s names (RandomState is seeded from the OS's
+/// random source and differs on each call).
+fn random63() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    h.write_u128(now.map_or(0, |d| d.as_nanos()));
+    h.finish() & (MAX_SEQ - 1)
+}
+
+/// Move the directory at a chunk file's name `path` out of the way, in one rename (not followed,
+/// not entered, whatever it holds): to the same key's name in the same subfolder with a random
+/// sequence number of 2^63 or more. No store gives such numbers; open removes an entry named so as
+/// damage (with what it holds) and counts it. A directory gone meanwhile is fine.
+fn move_aside(path: &Path) -> Result<()> {
+    let Some((h, _)) = path.file_name().and_then(|n| n.to_str()).and_then(parse_name) else {
+        return Err(Error::InvalidArgument(format!("{} is not a chunk file's name", path.display())));
+    };
+    let mut attempt = 0;
+    loop {
+        let aside = path.with_file_name(rel_path(h, MAX_SEQ | random63()).file_name().expect("a name"));
+        match fs::rename(path, &aside) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+            // (a non-empty directory or a file at that name: another one)
+            Err(_) if attempt < 8 => attempt += 1,
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// Removes the temporary file when dropped, unless disarmed: on an error, and on a panic too.
@@ -193,6 +260,24 @@ impl Drop for RemoveOnDrop<'_> {
         if let Some(p) = self.0 {
             let _ = fs::remove_file(p);
         }
+    }
+}
+
+/// A subfolder `HH` of the store: a directory (or a link to one) is kept; anything else in its
+/// place (a file, a dangling or looping link: never a directory, so nothing is recursed into) is
+/// removed and the folder created. Open makes all 256 so; a write makes its own again when it
+/// finds it gone.
+pub fn ensure_subfolder(sub: &Path) -> Result<()> {
+    match fs::symlink_metadata(sub) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(m) if m.file_type().is_symlink() && fs::metadata(sub).is_ok_and(|t| t.is_dir()) => return Ok(()),
+        Ok(_) => remove_entry(sub)?,
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    match fs::create_dir(sub) {
+        Err(e) if e.kind() != ErrorKind::AlreadyExists => Err(e.into()),
+        _ => Ok(()),
     }
 }
 
@@ -404,6 +489,47 @@ mod tests {
         });
         let left: Vec<_> = fs::read_dir(fin.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left.len(), 1, "no temporary left: {left:?}");
+    }
+
+    /// A directory at a chunk file's name (made while a store is open) is moved aside, whole and
+    /// not entered, and the file written; a link there is replaced, never followed. (The rename
+    /// failed with "Is a directory": a write-back chunk was lost.)
+    #[cfg(unix)]
+    #[test]
+    fn a_directory_in_a_files_place_is_moved_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        fs::write(outside.path().join("kept"), b"outside").unwrap();
+        let key = b"k".as_slice();
+        let payload = b"payload".as_slice();
+        let h = Header {
+            tag: 0,
+            key_len: 1,
+            payload_len: payload.len() as u64,
+            seq: 5,
+            key_hash: key_hash(key),
+            payload_xxh3: xxh3_64(payload),
+        };
+        let fin = dir.path().join(rel_path(h.key_hash, 5));
+        let sub = fin.parent().unwrap();
+        fs::create_dir_all(fin.join("inner")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("kept"), fin.join("inner/link")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), fin.join("dirlink")).unwrap();
+        write_chunk(&fin, &h, key, payload, true).unwrap();
+        assert_eq!(read_chunk(&fin, u64::MAX).unwrap().unwrap().payload, payload);
+        let aside: Vec<_> = fs::read_dir(sub).unwrap().map(|e| e.unwrap().path()).filter(|p| p != &fin).collect();
+        assert_eq!(aside.len(), 1, "{aside:?}");
+        let (ah, aseq) = parse_name(aside[0].file_name().unwrap().to_str().unwrap()).unwrap();
+        assert!(ah == h.key_hash && aseq >= MAX_SEQ, "{aside:?}");
+        assert!(aside[0].join("inner/link").is_symlink() && aside[0].join("dirlink").is_symlink());
+        assert_eq!(fs::read(outside.path().join("kept")).unwrap(), b"outside");
+        // a symbolic link to a directory in the file's place: the link is replaced
+        let h6 = Header { seq: 6, ..h };
+        let fin6 = dir.path().join(rel_path(h.key_hash, 6));
+        std::os::unix::fs::symlink(outside.path(), &fin6).unwrap();
+        write_chunk(&fin6, &h6, key, payload, false).unwrap();
+        assert!(fs::symlink_metadata(&fin6).unwrap().is_file());
+        assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 1);
     }
 
     #[test]

@@ -273,8 +273,9 @@ pub struct ChunkStore {
     counters: Counters,
     pool: rayon::ThreadPool,
     remote: Option<RedisTier>,
-    /// Whether `close` ran. Puts (and reads, whose promotions can evict) hold it shared for their
-    /// whole run, so `close` waits for those in flight before it flushes, and later ones fail.
+    /// Whether `close` ran. Every call (but `install`, see there) holds it shared for its whole run,
+    /// so `close` waits for those in flight before it flushes, and later ones fail. None takes it
+    /// twice: a second read lock while `close` waits for the write lock can deadlock.
     closed: RwLock<bool>,
     /// Held for the store's life: one process per folder.
     _lock: Option<File>,
@@ -388,7 +389,9 @@ impl ChunkStore {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Held by an operation for its whole run (see `closed`); an error once the store is closed.
+    /// Held by an operation for its whole run (see `closed`); once the store is closed, the error of
+    /// every call but `close` (and `config`): InvalidArgument, "the store is closed" (what the
+    /// Python wrapper raises too).
     fn open_guard(&self) -> Result<RwLockReadGuard<'_, bool>> {
         let g = self.closed.read().unwrap_or_else(|p| p.into_inner());
         if *g {
@@ -397,13 +400,13 @@ impl ChunkStore {
         Ok(g)
     }
 
-    /// Stop taking puts and reads (they fail with InvalidArgument from now on), wait for those in
-    /// flight, and write every chunk that is only in RAM to disk: every put that returned Ok is on
-    /// disk when this returns Ok. Closing twice is fine; the folder is released when the store is
-    /// dropped.
+    /// Stop taking calls (every method but this one and `config` fails with InvalidArgument, "the
+    /// store is closed", from now on), wait for those in flight, and write every chunk that is only
+    /// in RAM to disk: every put that returned Ok is on disk when this returns Ok. Closing twice is
+    /// fine (a failed flush is tried again); the folder is released when the store is dropped.
     pub fn close(&self) -> Result<()> {
         *self.closed.write().unwrap_or_else(|p| p.into_inner()) = true;
-        self.flush_all()
+        self.flush_dirty()
     }
 
     fn path(&self, h: u128, seq: u64) -> Option<PathBuf> {
@@ -606,7 +609,17 @@ impl ChunkStore {
                 other => Ok(other),
             });
             match read {
-                Ok(None) => continue,
+                Ok(None) => {
+                    // Gone: replaced by a newer put or an eviction (the index has moved on), or
+                    // deleted from outside the store (the index still names it): forget it, so that
+                    // `contains` and the disk budget agree with the disk, and look again (the next
+                    // lookup may find it in the remote tier).
+                    let mut st = self.lock();
+                    if st.disk.get(&h).map(|d| d.seq) == Some(disk_seq) {
+                        st.remove_disk(h);
+                    }
+                    continue;
+                }
                 Ok(Some(fc)) => {
                     if fc.key != key {
                         // Two keys with one XXH3-128: never seen, but never returned either.
@@ -733,17 +746,19 @@ impl ChunkStore {
     }
 
     /// Whether `key` is stored (without reading or verifying it).
-    pub fn contains(&self, key: &[u8]) -> bool {
+    pub fn contains(&self, key: &[u8]) -> Result<bool> {
+        let _open = self.open_guard()?;
         let h = key_hash(key);
         let local = {
             let st = self.lock();
             st.ram.contains_key(&h) || st.flushing.contains_key(&h) || st.disk.contains_key(&h)
         };
-        local || self.remote.as_ref().is_some_and(|r| r.exists(h).unwrap_or(false))
+        Ok(local || self.remote.as_ref().is_some_and(|r| r.exists(h).unwrap_or(false)))
     }
 
     /// Remove `key` from every tier. Returns whether it was stored.
-    pub fn delete(&self, key: &[u8]) -> bool {
+    pub fn delete(&self, key: &[u8]) -> Result<bool> {
+        let _open = self.open_guard()?;
         let h = key_hash(key);
         // the remote copy first: a get between the two would read it again and promote it (the
         // local removal below counts in State::deletes, which stops a promote of a value read
@@ -760,11 +775,17 @@ impl ChunkStore {
             found = a || b || c;
         }
         self.unlink(&unlink);
-        found || remote
+        Ok(found || remote)
     }
 
     /// Write every chunk that is only in RAM to disk (no-op without a disk tier), on the I/O pool.
     pub fn flush_all(&self) -> Result<()> {
+        let _open = self.open_guard()?;
+        self.flush_dirty()
+    }
+
+    /// `flush_all` without the check for `close` (which, and `drop`, call it).
+    fn flush_dirty(&self) -> Result<()> {
         if self.cfg.dir.is_none() {
             return Ok(());
         }
@@ -785,7 +806,8 @@ impl ChunkStore {
         results.into_iter().collect()
     }
 
-    /// `put` of many chunks on the I/O pool; one result per item, in order.
+    /// `put` of many chunks on the I/O pool; one result per item, in order (each the closed error
+    /// once the store is closed).
     pub fn put_many(&self, items: Vec<(Vec<u8>, Vec<u8>, u32)>) -> Vec<Result<()>> {
         self.pool.install(|| items.into_par_iter().map(|(k, d, t)| self.put(&k, d, t)).collect())
     }
@@ -795,15 +817,19 @@ impl ChunkStore {
         self.pool.install(|| keys.par_iter().map(|k| self.get(k)).collect())
     }
 
-    /// Run `f` on the I/O pool (for callers that batch their own work, e.g. compression).
-    pub fn install<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        self.pool.install(f)
+    /// Run `f` on the I/O pool (for callers that batch their own work, e.g. compression); not once
+    /// the store is closed. (The check is not held while `f` runs: the puts `f` makes take it, and
+    /// a read lock taken twice by one call can deadlock with a waiting `close`.)
+    pub fn install<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T> {
+        drop(self.open_guard()?);
+        Ok(self.pool.install(f))
     }
 
-    pub fn stats(&self) -> Stats {
+    pub fn stats(&self) -> Result<Stats> {
+        let _open = self.open_guard()?;
         let st = self.lock();
         let c = &self.counters;
-        Stats {
+        Ok(Stats {
             ram_chunks: st.ram.len() as u64,
             ram_bytes: st.ram_used,
             disk_chunks: st.disk.len() as u64,
@@ -818,28 +844,27 @@ impl ChunkStore {
             dropped: c.dropped.load(Relaxed),
             corrupt_evicted: c.corrupt_evicted.load(Relaxed),
             flush_errors: c.flush_errors.load(Relaxed),
-        }
+        })
     }
 
     /// The path of the file that holds `key` on disk now, if it is there (for tools and tests).
-    pub fn file_of(&self, key: &[u8]) -> Option<PathBuf> {
+    pub fn file_of(&self, key: &[u8]) -> Result<Option<PathBuf>> {
+        let _open = self.open_guard()?;
         let h = key_hash(key);
-        let seq = self.lock().disk.get(&h).map(|e| e.seq)?;
-        self.path(h, seq)
+        let seq = self.lock().disk.get(&h).map(|e| e.seq);
+        Ok(seq.and_then(|seq| self.path(h, seq)))
     }
 
     /// Drop `key` from the RAM tier only (it stays on disk if it was there): lets callers and
-    /// tests force the next read to come from disk.
-    pub fn evict_from_ram(&self, key: &[u8]) -> bool {
-        let Ok(_open) = self.open_guard() else {
-            return false;
-        };
+    /// tests force the next read to come from disk. Returns whether it was in RAM.
+    pub fn evict_from_ram(&self, key: &[u8]) -> Result<bool> {
+        let _open = self.open_guard()?;
         let h = key_hash(key);
         let mut flushes = Vec::new();
         {
             let mut st = self.lock();
             let Some(e) = st.remove_ram(h) else {
-                return false;
+                return Ok(false);
             };
             if e.dirty && self.cfg.dir.is_some() {
                 st.flushing.insert(h, (e.v.clone(), e.seq));
@@ -849,7 +874,7 @@ impl ChunkStore {
             }
         }
         let _ = self.run_flushes(flushes, None);
-        true
+        Ok(true)
     }
 }
 
@@ -857,28 +882,12 @@ impl Drop for ChunkStore {
     /// A store dropped without `close` (or after a failed one) still writes the chunks only in its
     /// RAM tier; a failure is reported on stderr, never a panic.
     fn drop(&mut self) {
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.flush_all()));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.flush_dirty()));
         match r {
             Ok(Ok(())) => {}
             Ok(Err(e)) => eprintln!("weightszip-store: writing chunks of a dropped store: {e}"),
             Err(_) => eprintln!("weightszip-store: writing chunks of a dropped store panicked"),
         }
-    }
-}
-
-/// A subfolder `HH` of the store: a directory (or a link to one) is kept; anything else in its
-/// place (a file, a dangling or looping link) is removed and the folder created.
-fn ensure_subfolder(sub: &Path) -> Result<()> {
-    match fs::symlink_metadata(sub) {
-        Ok(m) if m.is_dir() => return Ok(()),
-        Ok(m) if m.file_type().is_symlink() && fs::metadata(sub).is_ok_and(|t| t.is_dir()) => return Ok(()),
-        Ok(_) => file::remove_entry(sub)?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e.into()),
-    }
-    match fs::create_dir(sub) {
-        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e.into()),
-        _ => Ok(()),
     }
 }
 
@@ -898,7 +907,7 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<(Found, u64
         .into_par_iter()
         .map(|i| {
             let sub = dir.join(format!("{i:02x}"));
-            ensure_subfolder(&sub)?;
+            file::ensure_subfolder(&sub)?;
             let mut out = Vec::new();
             let mut max_seq = 0;
             for entry in fs::read_dir(&sub)? {
