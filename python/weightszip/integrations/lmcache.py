@@ -104,7 +104,9 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
         from weightszip.compact.calibrate import Calibration
         from weightszip.integrations.compact_chunks import CompactChunkCodec
 
-        codec = register_codec(CompactChunkCodec(Calibration.load(str(kwargs["calibration"])), mode), replace=True)
+        # (not replace=True: chunks say which calibration coded them, so several models' codecs
+        # share the format's tag in one process)
+        codec = register_codec(CompactChunkCodec(Calibration.load(str(kwargs["calibration"])), mode))
     elif mode == "codec":
         if "codec" not in kwargs:
             raise InvalidArgumentError("serde mode 'codec' needs \"codec\": \"module:object\"")
