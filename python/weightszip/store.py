@@ -187,7 +187,7 @@ class StoreConfig:
 class ChunkStore:
     """Keys (str or bytes) to chunks, in RAM with LRU eviction into a disk folder.
 
-    Thread-safe; one process per folder (a lock file enforces it). Reads are always verified: a
+    Thread-safe; one open store per folder (a lock file enforces it). Reads are always verified: a
     damaged chunk is removed and its error (`ChecksumMismatchError`, `TruncatedError`, ...)
     raised, never its bytes returned. Write-back by default: chunks reach disk when the RAM tier
     evicts them or on `flush()` / `close()`; `write_through=True` puts them there at once.

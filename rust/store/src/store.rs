@@ -322,7 +322,7 @@ impl ChunkStore {
                 Ok(()) => {}
                 Err(TryLockError::WouldBlock) => {
                     return Err(Error::InvalidArgument(format!(
-                        "store folder {} is open in another process",
+                        "store folder {} is open in another store (of this process or another)",
                         dir.display()
                     )))
                 }
