@@ -414,11 +414,44 @@ def test_a_smaller_max_chunk_bytes_leaves_larger_chunks_in_place(tmp_path):
     s = ChunkStore(tmp_path)
     s.put("k", b"x" * 5000)
     s.close()
-    small = ChunkStore(tmp_path, max_chunk_bytes=1000)  # cannot read it: not indexed, not deleted
-    assert small.get("k") is None and small.stats()["corrupt_evicted"] == 0
+    small = ChunkStore(tmp_path, max_chunk_bytes=1000)  # cannot read it: its error, not deleted
+    with pytest.raises(weightszip.LimitExceededError):
+        small.get("k")
+    assert small.stats()["corrupt_evicted"] == 0
     small.close()
     s = ChunkStore(tmp_path)
     assert s.get("k") == b"x" * 5000
+    s.close()
+
+
+def test_chunks_the_store_cannot_read_are_its_errors_not_silent_misses(tmp_path):
+    """docs/STORE.md said get of a chunk above max_chunk_bytes or of a newer version raises
+    LimitExceededError / UnsupportedVersionError: it was None, `in` False, nothing counted, and a
+    delete of such a key (False: "not stored") left it to come back at a later open (a review)."""
+    s = ChunkStore(tmp_path)
+    for k in ["big", "v2", "gone"]:
+        s.put(k, bytes(2000))
+    s.close()
+    s = ChunkStore(tmp_path)
+    f = s.file_of("v2")
+    s.close()
+    b = bytearray(Path(f).read_bytes())
+    b[4:6] = (2).to_bytes(2, "little")  # a newer writer's format version
+    Path(f).write_bytes(b)
+    s = ChunkStore(tmp_path, max_chunk_bytes=1000)
+    assert "big" in s and "v2" in s and s.stats()["unreadable_chunks"] == 3
+    for _ in range(2):  # every time: never removed
+        with pytest.raises(weightszip.LimitExceededError):
+            s.get("big")
+    with pytest.raises(weightszip.UnsupportedVersionError):
+        s.get("v2")
+    assert s.get_many(["big", "v2"], errors="miss") == [None, None]
+    assert s.delete("gone") and "gone" not in s and s.get("gone") is None
+    st = s.stats()
+    assert st["unreadable_chunks"] == 2 and st["corrupt_evicted"] == 0 and st["disk_bytes"] == 0
+    s.close()
+    s = ChunkStore(tmp_path)  # the larger limit reads them; the deleted key stays deleted
+    assert s.get("big") == bytes(2000) and s.get("gone") is None and os.path.exists(f)
     s.close()
 
 

@@ -342,7 +342,8 @@ class ChunkStore:
     __contains__ = contains
 
     def delete(self, key: str | bytes) -> bool:
-        """Remove `key` from every tier; whether it was there."""
+        """Remove `key` from every tier; whether it was there. WeightszipIOError when Redis cannot
+        delete it (the local copies are deleted; this store reads the key no more from Redis)."""
         return self._s.delete(_key(key))
 
     def evict_from_ram(self, key: str | bytes) -> bool:
