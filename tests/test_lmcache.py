@@ -406,3 +406,32 @@ def test_lmcache_server_starts_with_the_weightszip_serde_through_the_launcher(tm
     assert up and "Initialized FSL2Adapter" in log, log[-3000:]
     up, log = _server("lmcache.v1.multiprocess.server", tmp_path)
     assert not up and "Unknown serde type 'weightszip'" in log, log[-3000:]
+
+
+def test_lmcache_connector_takes_every_store_option_and_refuses_unknown_keys(tmp_path):
+    """Every ChunkStore option under remote_storage_plugin.weightszip. reaches the store (write_through,
+    promote, max_chunk_bytes and redis_timeout_ms were dropped silently), flags parse strictly
+    (durable "false" was bool("false"), True), LMCache's own keys and other plugins' are let be, and
+    an unknown key of ours is an InvalidArgumentError naming it and the accepted ones."""
+    wl = _lmcache()
+    p = "remote_storage_plugin.weightszip."
+
+    def connector(**opts):
+        class Config:
+            extra_config = {p + "module_path": "weightszip.integrations.lmcache", p + "class_name": "WeightszipConnector",
+                            "remote_storage_plugin.other.path": 5, "something_else": True,
+                            **{p + k: v for k, v in opts.items()}}
+
+        return wl.WeightszipConnector(loop=None, local_cpu_backend=_Allocator(), config=Config())
+
+    conn = connector(path=str(tmp_path), durable="false", write_through="true", promote=False, max_chunk_bytes=1 << 20,
+                     redis_timeout_ms="250", io_threads=3, ram_bytes="4096", disk_bytes=0, redis_prefix="m:")
+    c = conn.store.config
+    assert (c.durable, c.write_through, c.promote, c.max_chunk_bytes, c.redis_timeout_ms) == (False, True, False, 1 << 20, 250)
+    assert (c.path, c.io_threads, c.ram_bytes, c.disk_bytes, c.redis_prefix) == (str(tmp_path), 3, 4096, 0, "m:")
+    conn.store.close()
+    with pytest.raises(weightszip.InvalidArgumentError, match=r"'ram_byte'.*accepted: path, ram_bytes"):
+        connector(ram_byte=5)
+    for bad in ({"durable": "no"}, {"promote": 2}, {"ram_bytes": 1.5}, {"redis_url": 6379}):
+        with pytest.raises(weightszip.InvalidArgumentError, match=next(iter(bad))):
+            connector(**bad)

@@ -163,3 +163,21 @@ def test_sglang_ranks_do_not_share_mha_pages(tmp_path):
     assert rank(0).batch_set(["k"], p)
     assert not rank(1).exists("k")
     assert rank(0, mla=True).batch_set(["z"], p) and rank(1, mla=True).exists("z")
+
+
+def test_sglang_extra_config_takes_every_store_option_and_refuses_unknown_keys(tmp_path):
+    """Every ChunkStore option reaches the store (write_through, promote, max_chunk_bytes and
+    redis_timeout_ms were dropped silently), yes/no values parse strictly, SGLang's own keys are let
+    be, and a key that is neither is an InvalidArgumentError naming it and the accepted ones."""
+    b = _backend(tmp_path, write_through="true", promote=False, max_chunk_bytes=1 << 20, redis_timeout_ms="250",
+                 io_threads=3, disk_bytes=1 << 30, redis_prefix="m:", interface_v1=0, prefetch_threshold=256)
+    c = b.store.config
+    assert (c.write_through, c.promote, c.max_chunk_bytes, c.redis_timeout_ms) == (True, False, 1 << 20, 250)
+    assert (c.io_threads, c.disk_bytes, c.redis_prefix, c.durable, c.ram_bytes) == (3, 1 << 30, "m:", False, 0)
+    b.close()
+    with pytest.raises(weightszip.InvalidArgumentError, match=r"'ram_byte'.*accepted: path, ram_bytes"):
+        _backend(tmp_path, ram_byte=5)
+    for bad in ({"promote": "no"}, {"ram_bytes": 1.5}, {"ram_bytes": "8GB"}, {"redis_prefix": 7},
+                {"interface_v1": True}):
+        with pytest.raises(weightszip.InvalidArgumentError, match=next(iter(bad))):
+            _backend(tmp_path, **bad)

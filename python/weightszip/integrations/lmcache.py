@@ -27,6 +27,8 @@ In-process mode (LMCache config YAML)::
       remote_storage_plugin.weightszip.path: /data/kv            # disk tier (omit: RAM only)
       remote_storage_plugin.weightszip.ram_bytes: 8589934592     # RAM tier budget
       remote_storage_plugin.weightszip.redis_url: redis://host:6379/0   # optional remote tier
+
+Every `ChunkStore` option can be given so (another key under the prefix is refused).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from weightszip import _core
 from weightszip._tensors import _torch_maps, bytes_buffer
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
+from weightszip.integrations._options import store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec
 
 SERDE_NAME = "weightszip"
@@ -131,7 +134,11 @@ class WeightszipConnector(RemoteConnector):
     compressed losslessly by the exact codec off the GIL, and verified on every read.
 
     LMCache's DynamicConnectorAdapter builds it as ``cls(loop=, local_cpu_backend=, config=)``;
-    options come from ``extra_config`` keys ``remote_storage_plugin.<name>.<option>``.
+    options come from ``extra_config`` keys ``remote_storage_plugin.weightszip.<option>``, one per
+    `ChunkStore` option (``path``, ``ram_bytes``, ``disk_bytes``, ``io_threads``, ``durable``,
+    ``write_through``, ``promote``, ``max_chunk_bytes``, ``redis_url``, ``redis_prefix``,
+    ``redis_timeout_ms``) beside LMCache's ``module_path`` and ``class_name``; another key under
+    that prefix is an `InvalidArgumentError`.
     """
 
     PLUGIN = "weightszip"
@@ -143,19 +150,10 @@ class WeightszipConnector(RemoteConnector):
         self.local_cpu_backend = local_cpu_backend
         if store is None:
             extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
-
-            def opt(name, default=None):
-                return extra.get(f"remote_storage_plugin.{self.PLUGIN}.{name}", default)
-
-            store = ChunkStore(
-                opt("path"),
-                ram_bytes=int(opt("ram_bytes", 1 << 30)),
-                disk_bytes=int(opt("disk_bytes", 0)),
-                io_threads=int(opt("io_threads", 0)),
-                durable=bool(opt("durable", True)),
-                redis_url=opt("redis_url"),
-                redis_prefix=str(opt("redis_prefix", "wz:")),
-            )
+            prefix = f"remote_storage_plugin.{self.PLUGIN}."
+            mine = {k[len(prefix):]: v for k, v in extra.items() if isinstance(k, str) and k.startswith(prefix)}
+            opts = store_kwargs(mine, f"LMCache extra_config {prefix}*", ignore=("module_path", "class_name"))
+            store = ChunkStore(**opts)
         self.store = store
 
     @staticmethod
