@@ -20,6 +20,7 @@ zero-copy ``interface_v1``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, List, Optional
 
 import torch
@@ -42,12 +43,32 @@ SGLANG_KEYS = (
 )
 
 
+def rank_folder(cfg: HiCacheStorageConfig) -> Optional[str]:
+    """The subfolder of ``path`` that this rank's store opens, or None for ``path`` itself.
+
+    Every rank SGLang runs (tensor, pipeline and attention-context parallel, and each data-parallel
+    attention group) is a process of its own, and a store folder is one process's (its lock): ranks
+    cannot share one, so each opens ``path/<name>``, named by every parallel dimension larger than
+    one (``tp1of2``, ``tp0of4-pp1of2``, ``dp1-tp0of2``). A single-rank server keeps ``path`` itself,
+    so stores written before ranks had folders stay readable. MLA pages, which the ranks share by
+    key, are stored on disk once per rank (a Redis tier holds them once)."""
+    parts = []
+    dp_rank = int(getattr(cfg, "dp_rank", 0) or 0)  # (SGLang versions before dp_rank: always 0)
+    if dp_rank:
+        parts.append(f"dp{dp_rank}")
+    for name, rank, size in (("tp", cfg.tp_rank, cfg.tp_size), ("pp", cfg.pp_rank, cfg.pp_size),
+                             ("cp", getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1))):
+        if int(size) > 1:
+            parts.append(f"{name}{int(rank)}of{int(size)}")
+    return "-".join(parts) or None
+
+
 class WeightszipHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *, store=None):
         extra = dict(storage_config.extra_config or {})
         model = "-".join((storage_config.model_name or "").split("/"))
-        # Same sharing rule as SGLang's file backend: MLA pages are shared by the TP ranks,
-        # MHA pages are per rank.
+        # Same sharing rule as SGLang's file backend: MLA pages are shared by the TP ranks (through
+        # a Redis tier; each rank's disk folder is its own), MHA pages are per rank.
         if storage_config.is_mla_model:
             self.suffix = f"_{model}"
         else:
@@ -56,6 +77,9 @@ class WeightszipHiCacheStorage(HiCacheStorage):
             self.suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
         if store is None:
             opts = store_kwargs(extra, "HiCache extra config", ignore=SGLANG_KEYS)
+            rank = rank_folder(storage_config)
+            if opts.get("path") is not None and rank is not None:
+                opts["path"] = os.path.join(opts["path"], rank)
             if flag(extra.get("interface_v1", False), "interface_v1", "HiCache extra config"):
                 raise InvalidArgumentError("HiCache extra config: the weightszip backend has no zero-copy "
                                            "interface_v1; leave it out")
