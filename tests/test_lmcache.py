@@ -408,6 +408,64 @@ def test_lmcache_server_starts_with_the_weightszip_serde_through_the_launcher(tm
     assert not up and "Unknown serde type 'weightszip'" in log, log[-3000:]
 
 
+_WORKER = r"""
+import asyncio, os, sys, time, torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import ConnectorManager
+go, config, worker, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+class Backend:  # LocalCPUBackend's allocate and the engine metadata it carries
+    metadata = LMCacheMetadata(model_name="m", world_size=world, local_world_size=world, worker_id=worker,
+                               local_worker_id=worker, kv_dtype=torch.bfloat16, kv_shape=(2, 2, 16, 1, 8))
+    def allocate(self, shape, dtype, fmt=None):
+        n = torch.Size(shape).numel() * dtype.itemsize
+        meta = MemoryObjMetadata(shape=torch.Size(shape), dtype=dtype, address=0, phy_size=n, ref_count=1, fmt=fmt)
+        return TensorMemoryObj(torch.empty(n, dtype=torch.uint8), meta, None)
+
+cfg = LMCacheEngineConfig.from_file(config)
+try:
+    conn = ConnectorManager(cfg.remote_url, None, Backend(), cfg).create_connector()
+except Exception as e:
+    print("FAILED", type(e).__name__, e, flush=True)
+    sys.exit(1)
+print("open", conn.store.config.path, flush=True)
+while not os.path.exists(go):
+    time.sleep(0.01)
+kv = torch.arange(2 * 2 * 16 * 8, dtype=torch.float32).reshape(2, 2, 16, 8).to(torch.bfloat16) + worker
+obj = Backend().allocate(kv.shape, kv.dtype, MemoryFormat.KV_2LTD)
+obj.tensor.copy_(kv)
+key = CacheEngineKey(model_name="m", world_size=world, worker_id=worker, chunk_hash=7, dtype=torch.bfloat16)
+async def run():
+    await conn.put(key, obj)
+    back = await conn.get(key)
+    print("round trip", torch.equal(back.tensor.view(torch.int16), kv.view(torch.int16)), flush=True)
+    await conn.close()
+asyncio.run(run())
+"""
+
+
+def test_lmcache_workers_run_as_processes_on_one_path(tmp_path, side_by_side):
+    """Two workers of one engine (vLLM with TP 2 runs one LMCache engine per worker process), built
+    by LMCache's ConnectorManager from the example config: each opens path/worker<id>of2 (a store
+    folder is one process's; the second worker failed, 'open in another process'); one worker keeps
+    the configured path."""
+    _lmcache()
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "examples" / "lmcache_inprocess.yaml").read_text()
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text(text.replace("/data/wz-kv", str(tmp_path / "kv")))
+    runs = side_by_side(_WORKER, [(cfg, w, 2) for w in (0, 1)], site=os.environ.get("WEIGHTSZIP_LMCACHE_SITE"))
+    for w, (rc, out, err) in enumerate(runs):
+        assert rc == 0 and f"open {tmp_path / 'kv' / f'worker{w}of2'}\n" in out and "round trip True" in out, (
+            out, err[-3000:])
+    (rc, out, err), = side_by_side(_WORKER, [(cfg, 0, 1)], site=os.environ.get("WEIGHTSZIP_LMCACHE_SITE"))
+    assert rc == 0 and f"open {tmp_path / 'kv'}\n" in out and "round trip True" in out, (out, err[-3000:])
+
+
 def test_lmcache_connector_takes_every_store_option_and_refuses_unknown_keys(tmp_path):
     """Every ChunkStore option under remote_storage_plugin.weightszip. reaches the store (write_through,
     promote, max_chunk_bytes and redis_timeout_ms were dropped silently), flags parse strictly

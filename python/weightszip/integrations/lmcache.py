@@ -28,13 +28,15 @@ In-process mode (LMCache config YAML)::
       remote_storage_plugin.weightszip.ram_bytes: 8589934592     # RAM tier budget
       remote_storage_plugin.weightszip.redis_url: redis://host:6379/0   # optional remote tier
 
-Every `ChunkStore` option can be given so (another key under the prefix is refused).
+Every `ChunkStore` option can be given so (another key under the prefix is refused); with several
+workers (vLLM with TP > 1), each opens its own subfolder of ``path`` (`worker_folder`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -129,6 +131,21 @@ def register() -> None:
         register_serde_factory(SERDE_NAME, create_serde)
 
 
+def worker_folder(metadata) -> Optional[str]:
+    """The subfolder of ``path`` that this worker's store opens, or None for ``path`` itself.
+
+    With tensor or pipeline parallelism vLLM runs one LMCache engine per worker process, and a store
+    folder is one process's (its lock): workers cannot share one, so each opens
+    ``path/worker<id>of<world size>`` (``worker1of2``), from the engine's `LMCacheMetadata`, which
+    the connector finds on its ``local_cpu_backend`` (as LMCache's own fs connector does; the
+    dynamic adapter passes no metadata). A single worker (world size 1, or no metadata) keeps
+    ``path`` itself, so stores written before workers had folders stay readable."""
+    world = int(getattr(metadata, "world_size", 1) or 1)
+    if world <= 1:
+        return None
+    return f"worker{int(metadata.worker_id)}of{world}"
+
+
 class WeightszipConnector(RemoteConnector):
     """LMCache in-process remote storage on a `ChunkStore` (RAM, disk, Redis tiers), every chunk
     compressed losslessly by the exact codec off the GIL, and verified on every read.
@@ -138,7 +155,8 @@ class WeightszipConnector(RemoteConnector):
     `ChunkStore` option (``path``, ``ram_bytes``, ``disk_bytes``, ``io_threads``, ``durable``,
     ``write_through``, ``promote``, ``max_chunk_bytes``, ``redis_url``, ``redis_prefix``,
     ``redis_timeout_ms``) beside LMCache's ``module_path`` and ``class_name``; another key under
-    that prefix is an `InvalidArgumentError`.
+    that prefix is an `InvalidArgumentError`. Each worker of a multi-worker engine opens its own
+    subfolder of ``path`` (`worker_folder`).
     """
 
     PLUGIN = "weightszip"
@@ -153,6 +171,9 @@ class WeightszipConnector(RemoteConnector):
             prefix = f"remote_storage_plugin.{self.PLUGIN}."
             mine = {k[len(prefix):]: v for k, v in extra.items() if isinstance(k, str) and k.startswith(prefix)}
             opts = store_kwargs(mine, f"LMCache extra_config {prefix}*", ignore=("module_path", "class_name"))
+            worker = worker_folder(getattr(local_cpu_backend, "metadata", None))
+            if opts.get("path") is not None and worker is not None:
+                opts["path"] = os.path.join(opts["path"], worker)
             store = ChunkStore(**opts)
         self.store = store
 
