@@ -355,9 +355,10 @@ def test_lmcache_builds_the_connector_from_the_example_config(tmp_path):
     conn.store.close()
 
 
-def _server(module: str, tmp_path, timeout: float = 90.0) -> tuple[bool, str]:
-    """Start LMCache's MP server (through `module`) on CPU with an fs L2 adapter using our serde;
-    return (came up, log). Stopped with SIGINT once up."""
+def _server(module: str, tmp_path, timeout: float = 90.0, args: list | None = None) -> tuple[bool, str]:
+    """Start LMCache's MP server (through `module`) on CPU with an fs L2 adapter using our serde, or
+    with `args` (the value after ``--port`` replaced by a free port); return (came up, log). Stopped
+    with SIGINT once up."""
     import json
     import signal
     import socket
@@ -373,11 +374,11 @@ def _server(module: str, tmp_path, timeout: float = 90.0) -> tuple[bool, str]:
     adapter = {"type": "fs", "base_path": str(tmp_path / "l2"), "serde": {"type": "weightszip"}}
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        p = subprocess.Popen(
-            [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", "0.25",
-             "--eviction-policy", "LRU", "--l2-adapter", json.dumps(adapter), "--disable-observability"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )
+        if args is None:
+            args = ["--host", "127.0.0.1", "--port", "0", "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
+                    "--l2-adapter", json.dumps(adapter), "--disable-observability"]
+        args = [str(port) if i and args[i - 1] == "--port" else a for i, a in enumerate(args)]
+        p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
         up = False
         try:
             deadline = time.time() + timeout
@@ -493,3 +494,32 @@ def test_lmcache_connector_takes_every_store_option_and_refuses_unknown_keys(tmp
     for bad in ({"durable": "no"}, {"promote": 2}, {"ram_bytes": 1.5}, {"redis_url": 6379}):
         with pytest.raises(weightszip.InvalidArgumentError, match=next(iter(bad))):
             connector(**bad)
+
+
+def test_lmcache_server_starts_with_the_documented_command(tmp_path):
+    """docs/STORE.md's launch command, as written but for its port, L1 size and folder: it was
+    '<LMCache server arguments>' plus the adapter, and the server needs --l1-size-gb and
+    --eviction-policy, and --disable-observability where its opentelemetry exporters are not
+    installed (as with scripts/lmcache_site.sh)."""
+    _lmcache()
+    import json
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "STORE.md").read_text()
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "lmcache_server" in b]
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "weightszip.integrations.lmcache_server"], argv
+    args = argv[3:]
+    for i, a in enumerate(args):
+        if i and args[i - 1] == "--l1-size-gb":
+            args[i] = "0.25"
+        if i and args[i - 1] == "--l2-adapter":
+            adapter = json.loads(a)
+            assert adapter["serde"] == {"type": "weightszip"}
+            adapter["base_path"] = str(tmp_path / "l2")
+            args[i] = json.dumps(adapter)
+    (tmp_path / "l2").mkdir()
+    up, log = _server("weightszip.integrations.lmcache_server", tmp_path, args=args)
+    assert up and "Initialized FSL2Adapter" in log, log[-3000:]

@@ -7,10 +7,13 @@ configuration; in short:
 MP mode (serde on an L2 adapter): start the server through our launcher, which registers the
 serde type ``weightszip`` and then runs LMCache's own server with the same arguments::
 
-    python -m weightszip.integrations.lmcache_server <lmcache server args> \\
+    python -m weightszip.integrations.lmcache_server --host 127.0.0.1 --port 5555 \\
+        --l1-size-gb 8 --eviction-policy LRU --disable-observability \\
         --l2-adapter '{"type": "fs", "base_path": "/data/kv", "serde": {"type": "weightszip"}}'
 
-(or call `register()` in any process before LMCache parses its L2 adapter config).
+(LMCache requires ``--l1-size-gb`` and ``--eviction-policy``; ``--disable-observability`` where its
+opentelemetry exporters are not installed, as with scripts/lmcache_site.sh. Or call `register()` in
+any process before LMCache parses its L2 adapter config.)
 Serde options: ``"mode": "exact"`` (default, bit-exact); ``"q4"``, ``"q3.5"`` or ``"q3"`` with
 ``"calibration": "/path/model.wzcal"`` (the compact formats, lossy); or ``"codec"`` with ``"codec":
 "pkg.module:OBJECT"`` naming a `weightszip.store.ChunkCodec` (compact formats) that also has
