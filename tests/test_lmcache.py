@@ -276,6 +276,9 @@ def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
         back = await conn.get(key)
         assert back.meta.fmt == MemoryFormat.KV_2LTD
         assert torch.equal(back.tensor.view(torch.int16), kv.view(torch.int16))
+        # the store itself reads the chunk as the container it is (its tag, 257, notes the format)
+        assert conn.store.get_with_tag(conn._key(key))[0] == 257
+        assert torch.equal(conn.store.get_tensor(conn._key(key), out="torch").view(torch.int16), kv.view(torch.int16))
         assert await conn.get(other) is None
         # a stored chunk that is not what the connector writes: a typed error, not an IndexError
         # or a ValueError (a memory format LMCache does not have; a container of two tensors)

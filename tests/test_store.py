@@ -118,6 +118,29 @@ def test_codec_hook_stores_and_decodes_compact_chunks():
     assert (back.view(np.uint16) == (kv.view(np.uint16) & 0xFF00)).all()
 
 
+def test_a_container_tag_with_a_writers_note_is_a_container():
+    """Tag 1 | n << 8 (the LMCache connector's: LMCache's memory format n in the upper bits) is a
+    container to get_tensor (it was 'tag 257, which no registered codec decodes'); codec tags with a
+    low byte below 16 would make such tags ambiguous, so register_codec refuses them."""
+    kv = real_kv()
+    s = ChunkStore(None)
+    for note in (1, 4, 0xFFFFFF):
+        s.put("k", weightszip.compress(kv), tag=TAG_CONTAINER | note << 8)
+        for back in (s.get_tensor("k"), s.get_tensors(["k"])[0]):
+            assert (back.view(np.uint16) == kv.view(np.uint16)).all()
+    from weightszip.store import TAG_RAW, tag_kind
+
+    assert tag_kind(257) == TAG_CONTAINER and tag_kind(256) == TAG_RAW and tag_kind(272) == 272
+
+    class Wide(HalfCodec):
+        tag = 257
+
+    with pytest.raises(weightszip.InvalidArgumentError, match="low byte"):
+        register_codec(Wide())
+    Wide.tag = 272  # a codec tag with a low byte of 16 or more
+    assert register_codec(Wide()).tag == 272
+
+
 def test_ram_budget_evicts_into_disk_and_everything_comes_back(tmp_path):
     s = ChunkStore(tmp_path, ram_bytes=20_000, durable=False)
     s.put_many({f"k{i}": value(i) for i in range(100)})

@@ -12,8 +12,9 @@ weightszip-store); every call releases the GIL, and batched calls run on its I/O
 
 Chunks are opaque bytes with a tag saying what they are: `TAG_RAW` (any bytes), `TAG_CONTAINER`
 (a weightszip container, made by `put_tensor`), or the tag of a `ChunkCodec` registered with
-`register_codec` (compact formats plug in there). docs/STORE.md describes the files on disk and
-what survives a crash.
+`register_codec` (compact formats plug in there). A tag whose low byte is below `FIRST_CODEC_TAG`
+is that kind of the store's whatever its upper 24 bits, which are the writer's own note (`tag_kind`).
+docs/STORE.md describes the files on disk and what survives a crash.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ TAG_RAW = 0
 TAG_CONTAINER = _core.STORE_TAG_CONTAINER
 #: Tags below this are the store's own; registered codecs use tags from here on.
 FIRST_CODEC_TAG = 16
+
+
+def tag_kind(tag: int) -> int:
+    """What a chunk of `tag` is: `TAG_RAW`, `TAG_CONTAINER` (or another of the store's kinds) when
+    the tag's low byte is below `FIRST_CODEC_TAG`, its upper 24 bits being the writer's own note
+    (the LMCache connector keeps LMCache's memory format there, so that it allocates the same kind
+    of memory object on get: 257 is a container of format 1); else the tag itself, a codec's. Codec
+    tags therefore have a low byte of 16 or more."""
+    return tag & 0xFF if tag & 0xFF < FIRST_CODEC_TAG else tag
 
 
 class ChunkCodec(Protocol):
@@ -68,6 +78,9 @@ def register_codec(codec: ChunkCodec, *, replace: bool = False) -> ChunkCodec:
     tag = int(codec.tag)
     if not FIRST_CODEC_TAG <= tag < 2**32:
         raise InvalidArgumentError(f"codec tags start at {FIRST_CODEC_TAG}, got {tag}")
+    if tag_kind(tag) != tag:
+        raise InvalidArgumentError(f"codec tag {tag} has a low byte below {FIRST_CODEC_TAG}: such tags are the "
+                                   f"store's kinds of chunk with a writer's note (tag_kind({tag}) is {tag_kind(tag)})")
     held = [] if replace else [c for c in _CODECS.get(tag, []) if c is not codec and not _same_coding(c, codec)]
     if held and not all(callable(getattr(c, "owns", None)) for c in [*held, codec]):
         raise InvalidArgumentError(f"tag {tag} is taken by {held[0]!r} (replace=True to replace it)")
@@ -303,7 +316,7 @@ class ChunkStore:
         if r is None:
             return None
         tag, data = r
-        if tag == TAG_CONTAINER:
+        if tag_kind(tag) == TAG_CONTAINER:
             return decompress(data, out=out)
         if codec is not None:
             if int(codec.tag) != tag:
@@ -395,5 +408,6 @@ __all__ = [
     "TAG_RAW",
     "TAG_CONTAINER",
     "FIRST_CODEC_TAG",
+    "tag_kind",
     "WeightszipError",
 ]

@@ -56,7 +56,7 @@ from weightszip._tensors import _torch_maps, bytes_buffer
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
 from weightszip.integrations._options import store_kwargs
-from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec
+from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec, tag_kind
 
 SERDE_NAME = "weightszip"
 
@@ -194,7 +194,8 @@ class WeightszipConnector(RemoteConnector):
         t = memory_obj.tensor
         if t is None:
             raise InvalidArgumentError("memory object has no tensor")
-        # The memory format rides in the tag's upper bits, so get() allocates the same kind.
+        # The memory format rides in the tag's upper bits, so get() allocates the same kind; the
+        # store reads the chunk as a container all the same (tag_kind: get_tensor decodes it).
         tag = TAG_CONTAINER | (int(memory_obj.meta.fmt.value) << 8)
         self.store.put(self._key(key), weightszip.compress(t.cpu()), tag=tag)
 
@@ -206,7 +207,7 @@ class WeightszipConnector(RemoteConnector):
         if r is None:
             return None
         tag, data = r
-        if tag & 0xFF != TAG_CONTAINER:
+        if tag_kind(tag) != TAG_CONTAINER:
             raise InvalidArgumentError(f"chunk {self._key(key)!r} has tag {tag}, not a weightszip container")
         addr, n, keep = bytes_buffer(data)
         entries = _core.buffer_index(addr, n)["entries"]
