@@ -352,7 +352,10 @@ def test_lmcache_builds_the_connector_from_the_example_config(tmp_path):
     cfg_path = tmp_path / "lmcache.yaml"
     cfg_path.write_text(text.replace("/data/wz-kv", str(tmp_path / "kv")))
     cfg = LMCacheEngineConfig.from_file(str(cfg_path))
-    conn = ConnectorManager(cfg.remote_url, None, _Allocator(), cfg).create_connector()
+    # one way in: remote_storage_plugins (LMCache builds a RemoteBackend per plugin, whose url is
+    # plugin://<name>); a remote_url as well would build a second backend on the same store folder
+    assert cfg.remote_url is None and cfg.remote_storage_plugins == ["weightszip"]
+    conn = ConnectorManager("plugin://weightszip", None, _Allocator(), cfg).create_connector()
     assert isinstance(conn, wl.WeightszipConnector)
     assert Path(conn.store.config.path) == tmp_path / "kv" and conn.store.config.ram_bytes == 8589934592
     conn.store.close()
@@ -431,7 +434,7 @@ class Backend:  # LocalCPUBackend's allocate and the engine metadata it carries
 
 cfg = LMCacheEngineConfig.from_file(config)
 try:
-    conn = ConnectorManager(cfg.remote_url, None, Backend(), cfg).create_connector()
+    conn = ConnectorManager("plugin://weightszip", None, Backend(), cfg).create_connector()
 except Exception as e:
     print("FAILED", type(e).__name__, e, flush=True)
     sys.exit(1)

@@ -22,8 +22,7 @@ cores) and ``"max_workers"`` (chunks coded at once).
 
 In-process mode (LMCache config YAML)::
 
-    remote_url: "plugin://weightszip"
-    remote_storage_plugins: ["weightszip"]
+    remote_storage_plugins: ["weightszip"]    # (not remote_url as well: a second backend, same folder)
     extra_config:
       remote_storage_plugin.weightszip.module_path: weightszip.integrations.lmcache
       remote_storage_plugin.weightszip.class_name: WeightszipConnector
