@@ -433,14 +433,8 @@ class Backend:  # LocalCPUBackend's allocate and the engine metadata it carries
         return TensorMemoryObj(torch.empty(n, dtype=torch.uint8), meta, None)
 
 cfg = LMCacheEngineConfig.from_file(config)
-try:
-    conn = ConnectorManager("plugin://weightszip", None, Backend(), cfg).create_connector()
-except Exception as e:
-    print("FAILED", type(e).__name__, e, flush=True)
-    sys.exit(1)
-print("open", conn.store.config.path, flush=True)
-while not os.path.exists(go):
-    time.sleep(0.01)
+conn = set_up(lambda: ConnectorManager("plugin://weightszip", None, Backend(), cfg).create_connector(),
+              lambda c: c.store.config.path)
 kv = torch.arange(2 * 2 * 16 * 8, dtype=torch.float32).reshape(2, 2, 16, 8).to(torch.bfloat16) + worker
 obj = Backend().allocate(kv.shape, kv.dtype, MemoryFormat.KV_2LTD)
 obj.tensor.copy_(kv)

@@ -174,14 +174,7 @@ cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=tp, pp_rank=0, pp_size=1, attn_
     is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True, model_name="m",
     extra_config={"backend_name": "weightszip", "module_path": "weightszip.integrations.sglang",
                   "class_name": "WeightszipHiCacheStorage", "path": path, "durable": False})
-try:
-    b = StorageBackendFactory.create_backend("dynamic", cfg, None)
-except Exception as e:
-    print("FAILED", type(e).__name__, e, flush=True)
-    sys.exit(1)
-print("open", b.store.config.path, flush=True)
-while not os.path.exists(go):
-    time.sleep(0.01)
+b = set_up(lambda: StorageBackendFactory.create_backend("dynamic", cfg, None), lambda b: b.store.config.path)
 page = torch.arange(3 * 64 * 4, dtype=torch.float32).to(torch.bfloat16) + rank
 ok = b.batch_set([f"own{rank}", "shared"], [page, page])
 print("set", ok, "exists", b.batch_exists([f"own{rank}", "shared"]), flush=True)
