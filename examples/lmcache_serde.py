@@ -8,8 +8,11 @@ In a deployment you do not call the serde yourself: start LMCache's multi-proces
 our launcher (it registers the serde, then runs LMCache's server with the same arguments) and
 name the serde on an L2 adapter:
 
-    python -m weightszip.integrations.lmcache_server <your LMCache server arguments> \\
+    python -m weightszip.integrations.lmcache_server --host 127.0.0.1 --port 5555 \\
+        --l1-size-gb 8 --eviction-policy LRU --disable-observability \\
         --l2-adapter '{"type": "fs", "base_path": "/data/kv", "serde": {"type": "weightszip"}}'
+
+(docs/STORE.md says why each argument is there)
 
 This script does what the server does with one chunk: serialize (compress) into a buffer of the
 size the serde promises, store only the bytes written, load them back and deserialize.

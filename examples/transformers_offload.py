@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=600)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--page-tokens", type=int, default=256)
-    ap.add_argument("--ram-bytes", type=int, default=4 << 20, help="RAM tier budget; the rest goes to disk")
+    ap.add_argument("--ram-bytes", type=int, default=1 << 20,
+                    help="RAM tier budget (default 1 MiB, below what the run stores: it spills); the rest goes to disk")
     a = ap.parse_args(argv)
 
     lm = load_causal_lm(a.model, verbose=False)

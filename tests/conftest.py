@@ -80,3 +80,57 @@ def fake_lm(monkeypatch):
                             name="fake", source="fake", key=None, gguf_file=None, pip_packages=(), load_seconds=0.0)
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: lm)
     return lm
+
+
+_SET_UP = r"""
+import os, sys, time
+def set_up(make, describe):
+    # make() the child's object (its store opened), print one line, wait for GO (see _side_by_side)
+    try:
+        made = make()
+    except Exception as e:
+        print("FAILED", type(e).__name__, e, flush=True)
+        sys.exit(1)
+    print("open", describe(made), flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.01)
+    return made
+"""
+
+
+def _side_by_side(code: str, argvs, *, site: str | None = None, timeout: float = 180) -> list:
+    """Run ``code`` in one child Python per argument list, all at once: each child gets ``GO`` (a
+    path) then its arguments, prints one line once it is set up (its store open, say), and waits
+    for ``GO`` to exist before going on, so that every child is set up while the others are
+    (``code`` may call ``set_up(make, describe)``, defined for it, to do that).
+    ``site`` joins the children's PYTHONPATH (an integration's package folder). Returns
+    (exit status, stdout, stderr) per child."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import weightszip
+
+    paths = [os.path.dirname(os.path.dirname(weightszip.__file__)), site, os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    with tempfile.TemporaryDirectory() as d:
+        go = os.path.join(d, "go")
+        procs = [subprocess.Popen([sys.executable, "-c", _SET_UP + code, go, *map(str, a)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env) for a in argvs]
+        try:
+            first = [p.stdout.readline() for p in procs]  # (empty when a child ended without one)
+            open(go, "w").close()
+            outs = [p.communicate(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return [(p.returncode, f + o, e) for p, f, (o, e) in zip(procs, first, outs)]
+
+
+@pytest.fixture
+def side_by_side():
+    """``side_by_side(code, argvs, site=None)``: ``code`` run in several child processes at once
+    (each set up while the others are); their (exit status, stdout, stderr)."""
+    return _side_by_side

@@ -129,15 +129,15 @@ def _with_rope(cal):
     return c
 
 
-HEAD = 48  # a version-5 chunk's header
+HEAD = 56  # a version-6 chunk's header
 
 
 def _reseal(blob) -> bytes:
-    """A version-5 chunk with both checksums recomputed over its (changed) bytes: what a writer of
+    """A version-6 chunk with both checksums recomputed over its (changed) bytes: what a writer of
     those header fields would make, to reach the checks behind the checksums."""
     b = bytearray(blob)
-    struct.pack_into("<Q", b, 32, _xxh3(bytes(b[HEAD:])))
-    struct.pack_into("<Q", b, 40, _xxh3(bytes(b[:40])))
+    struct.pack_into("<Q", b, 40, _xxh3(bytes(b[HEAD:])))
+    struct.pack_into("<Q", b, 48, _xxh3(bytes(b[:48])))
     return bytes(b)
 
 
@@ -147,8 +147,16 @@ def _xxh3(b: bytes) -> int:
 
 
 def _as_version4(blob: bytes) -> bytes:
-    """A version-5 chunk as version 4 wrote it: the 32-byte header without checksums, the same pages."""
+    """A version-6 chunk as version 4 wrote it: the 32-byte header without checksums, the same pages."""
     return blob[:4] + bytes([4]) + blob[5:32] + blob[HEAD:]
+
+
+def _as_version5(blob: bytes) -> bytes:
+    """A version-6 chunk as version 5 wrote it: the 48-byte header with both checksums (of bytes 0-39)
+    and no calibration id, the same pages."""
+    head = bytearray(blob[:4] + bytes([5]) + blob[5:32] + struct.pack("<QQ", _xxh3(blob[HEAD:]), 0))
+    struct.pack_into("<Q", head, 40, _xxh3(bytes(head[:40])))
+    return bytes(head) + blob[HEAD:]
 
 
 def test_compact_chunks_record_their_start_position(cal):
@@ -216,23 +224,24 @@ def test_compact_chunks_read_older_versions(cal):
     codec = CompactChunkCodec(cal, "q3")
     assert any(4 in kinds for kinds in cal.allocation["q3"]) and any(3 in kinds for kinds in cal.allocation["q3"])
     kv = _kv()
-    v5 = codec.encode(kv, start=7)
-    magic, version, fi, kinds, layers, tokens, hidden, start, pages_sum, head_sum = struct.unpack_from(
-        "<4sBB2xIIIIQQQ", v5)
-    assert version == 5 and start == 7 and len(v5) == codec.max_encoded_size(kv.shape)
-    assert pages_sum == _xxh3(v5[HEAD:]) and head_sum == _xxh3(v5[:40])
+    v6 = codec.encode(kv, start=7)
+    magic, version, fi, kinds, layers, tokens, hidden, start, cal_id, pages_sum, head_sum = struct.unpack_from(
+        "<4sBB2xIIIIQQQQ", v6)
+    assert version == 6 and start == 7 and len(v6) == codec.max_encoded_size(kv.shape)
+    assert cal_id == codec.calibration_id and pages_sum == _xxh3(v6[HEAD:]) and head_sum == _xxh3(v6[:48])
+    v5 = _as_version5(v6)
     head = struct.pack("<4sBB2xIIIIQ", magic, 2, fi, kinds, layers, tokens, hidden, start)
-    v2 = _repack_pages(codec, v5, head)
-    v3 = _repack_pages(codec, v5, head[:4] + bytes([3]) + head[5:], version=2)
-    v4 = _as_version4(v5)
-    assert v4 == _repack_pages(codec, v5, head[:4] + bytes([4]) + head[5:], version=3)
+    v2 = _repack_pages(codec, v6, head)
+    v3 = _repack_pages(codec, v6, head[:4] + bytes([3]) + head[5:], version=2)
+    v4 = _as_version4(v6)
+    assert v4 == _repack_pages(codec, v6, head[:4] + bytes([4]) + head[5:], version=3)
     v1 = _repack_pages(codec, codec.encode(kv), struct.pack("<4sBB2xIIII", magic, 1, fi, kinds, layers, tokens,
                                                              hidden))
     assert v2[32:] != v4[32:] and v3[32:] != v4[32:] and v2[32:] != v3[32:]
-    for old in (v2, v3, v4):
-        assert torch.equal(codec.decode(old).view(torch.int16), codec.decode(v5).view(torch.int16))
+    for old in (v2, v3, v4, v5):
+        assert torch.equal(codec.decode(old).view(torch.int16), codec.decode(v6).view(torch.int16))
     assert torch.equal(codec.decode(v1).view(torch.int16), codec.decode(codec.encode(kv)).view(torch.int16))
-    for old in (v1, v2, v3, v4, v5):
+    for old in (v1, v2, v3, v4, v5, v6):
         for cut in (1, len(old) - HEAD, len(old) - 20, len(old) - 25):
             with pytest.raises(weightszip.TruncatedError):
                 codec.decode(old[:-cut])
@@ -240,14 +249,15 @@ def test_compact_chunks_read_older_versions(cal):
     bad4 = bytearray(v4)
     bad4[100] ^= 0x10
     assert not torch.equal(codec.decode(bytes(bad4)).view(torch.int16), codec.decode(v4).view(torch.int16))
-    bad5 = bytearray(v5)
-    bad5[100 + HEAD - 32] ^= 0x10
-    with pytest.raises(weightszip.ChecksumMismatchError, match="pages"):
-        codec.decode(bytes(bad5))
-    with pytest.raises(weightszip.UnsupportedVersionError, match="version 6"):
-        codec.decode(v5[:4] + bytes([6]) + v5[5:])
+    for new, head in ((v5, 48), (v6, HEAD)):
+        bad = bytearray(new)
+        bad[100 + head - 32] ^= 0x10
+        with pytest.raises(weightszip.ChecksumMismatchError, match="pages"):
+            codec.decode(bytes(bad))
+    with pytest.raises(weightszip.UnsupportedVersionError, match="version 7"):
+        codec.decode(v6[:4] + bytes([7]) + v6[5:])
     with pytest.raises(weightszip.CorruptDataError, match="magic"):
-        codec.decode(b"WZQX" + v5[4:])
+        codec.decode(b"WZQX" + v6[4:])
 
 
 def test_damaged_compact_chunk_headers_are_corrupt_data(cal):
@@ -345,3 +355,70 @@ def test_hostile_compact_chunks_give_typed_errors_or_the_coded_values(cal):
                 codec.decode(v4[:cut])
 
     check()
+
+
+def test_a_chunk_coded_with_another_calibration_is_refused(cal, tmp_path):
+    """A chunk says which calibration coded it (version 6): decoded with another (another model's, or
+    this model's calibrated again after a restart) it is CorruptDataError, not other values. (Version
+    5 had no such field: a reviewer decoded a real SmolLM2 chunk with the wrong calibration and got
+    values with RMS error 22.6 against 0.16, silently.)"""
+    kv = _kv()
+    mine, other = CompactChunkCodec(cal, "q4"), CompactChunkCodec(_with_rope(cal), "q4")
+    assert mine.calibration_id != other.calibration_id
+    assert CompactChunkCodec(cal, "q4").calibration_id == mine.calibration_id  # a function of the tables
+    assert CompactChunkCodec(cal, "q3").calibration_id != mine.calibration_id  # and of the format
+    blob = mine.encode(kv)
+    assert mine.owns(blob) is True and other.owns(blob) is False
+    assert mine.owns(_as_version5(blob)) is None and mine.owns(b"x") is None
+    with pytest.raises(weightszip.CorruptDataError, match="calibration"):
+        other.decode(blob)
+    assert torch.equal(mine.decode(blob).view(torch.int16), _expected(kv, cal, "q4").view(torch.int16))
+    # the path of a saved calibration is taken too (it was "the calibration has no allocation for 'q4'")
+    cal.save(tmp_path / "m.wzcal")
+    assert CompactChunkCodec(tmp_path / "m.wzcal", "q4").calibration_id == mine.calibration_id
+    assert CompactChunkCodec(str(tmp_path / "m.wzcal"), "q4").owns(blob)
+
+
+def test_codecs_of_several_calibrations_share_a_store(cal, tmp_path, monkeypatch):
+    """Two models' q4 codecs in one process (one tag): each chunk decodes with its own; registering a
+    second load of the same calibration is no error (it was: "tag 32 is taken"); after a reopen, in a
+    process that registered nothing, `codec=` decodes; a chunk of version 5 (no calibration id) with
+    two codecs registered names the ambiguity instead of guessing."""
+    from weightszip import store as st
+
+    monkeypatch.setattr(st, "_CODECS", {})
+    kv = _kv()
+    a, b = CompactChunkCodec(cal, "q4"), CompactChunkCodec(_with_rope(cal), "q4")
+    with ChunkStore(tmp_path, ram_bytes=0) as s:
+        s.put_tensor("a", kv, codec=a)
+        s.put_tensor("b", kv, codec=b)
+        s.put_tensor("a2", kv, codec=CompactChunkCodec(cal, "q4"))  # the same calibration, loaded again
+        assert len(st._CODECS[a.tag]) == 2
+        for key, c in (("a", a), ("b", b), ("a2", a)):
+            assert torch.equal(s.get_tensor(key).view(torch.int16), c.decode(c.encode(kv)).view(torch.int16))
+        assert not torch.equal(s.get_tensor("a").view(torch.int16), s.get_tensor("b").view(torch.int16))
+        s.put("v5", _as_version5(a.encode(kv)), tag=a.tag)
+        with pytest.raises(weightszip.InvalidArgumentError, match="does not say"):
+            s.get_tensor("v5")
+        assert s.get_tensor("v5", codec=a).shape == kv.shape
+    monkeypatch.setattr(st, "_CODECS", {})
+    with ChunkStore(tmp_path, ram_bytes=0) as s:
+        with pytest.raises(weightszip.InvalidArgumentError, match="no registered codec"):
+            s.get_tensor("b")
+        assert torch.equal(s.get_tensor("b", codec=b).view(torch.int16), b.decode(b.encode(kv)).view(torch.int16))
+        with pytest.raises(weightszip.CorruptDataError, match="calibration"):
+            s.get_tensor("b", codec=a)
+    # a codec that cannot tell its chunks apart still needs replace=True to take a tag
+    class Plain:
+        tag = 99
+
+        def encode(self, x):
+            return b""
+
+        def decode(self, data):
+            return None
+
+    register_codec(Plain())
+    with pytest.raises(weightszip.InvalidArgumentError, match="taken"):
+        register_codec(Plain())
+    register_codec(Plain(), replace=True)

@@ -172,11 +172,36 @@ def test_sealed_pages_of_a_compact_format_are_coded_at_their_positions():
     cal.rope_m = (torch.randn(cal.layers, cal.kv_heads, cal.head_dim, generator=g) * 2**18).to(torch.int64)
     cal.rope_phase = C.rope_phase_steps(1e4 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64))
     fmt = CompactFormat("q4", cal)
-    layer = WeightszipLayer(0, fmt=fmt, page_tokens=32, recent_tokens=16)
-    k = torch.randn(1, 3, 100, 64, generator=g).to(torch.bfloat16)
+    layer = WeightszipLayer(0, fmt=fmt, page_tokens=32, recent_tokens=16)  # (raised to the format's 128)
+    k = torch.randn(1, 3, 300, 64, generator=g).to(torch.bfloat16)
     layer.update(k, k)
     kk, _ = layer.update(k[..., :1, :], k[..., :1, :])
     second = CompactFormat("q4", cal).roundtrip(k[..., 32:64, :], "k", 0, start=32)
     assert torch.equal(kk[..., 32:64, :], second.to(torch.bfloat16))
     at0 = CompactFormat("q4", cal).roundtrip(k[..., 32:64, :], "k", 0)
     assert not torch.equal(second, at0)
+
+
+def test_a_compact_format_keeps_its_sink_and_recent_tokens_in_bf16():
+    """The compact formats keep their first 4 tokens and their 128 most recent in bf16: the cache did
+    code the sinks (the first page went through the format whole) and kept only its own
+    recent_tokens plain."""
+    from test_compact import _small_calibration
+
+    from weightszip.compact.formats import CompactFormat
+    from weightszip.hf import WeightszipLayer
+
+    fmt = CompactFormat("q4", _small_calibration())
+    assert fmt.sink_tokens == 4 and fmt.recent_window == 128
+    layer = WeightszipLayer(0, fmt=fmt, page_tokens=32, recent_tokens=16)
+    assert layer.recent_tokens == 128
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(1, 3, 300, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 3, 300, 64, generator=g).to(torch.bfloat16)
+    layer.update(k, v)
+    kk, vv = layer.update(k[..., :1, :], v[..., :1, :])
+    assert len(layer._pages) == (300 - 128) // 32
+    for got, x, kind in ((kk, k, "k"), (vv, v, "v")):
+        assert torch.equal(got[..., :4, :], x[..., :4, :])  # sinks exact
+        assert torch.equal(got[..., 4:32, :], fmt.roundtrip(x[..., :32, :], kind, 0, start=0)[..., 4:, :].to(torch.bfloat16))
+        assert torch.equal(got[..., -129:-1, :], x[..., -128:, :])  # the recent window exact

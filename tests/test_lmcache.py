@@ -276,6 +276,9 @@ def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
         back = await conn.get(key)
         assert back.meta.fmt == MemoryFormat.KV_2LTD
         assert torch.equal(back.tensor.view(torch.int16), kv.view(torch.int16))
+        # the store itself reads the chunk as the container it is (its tag, 257, notes the format)
+        assert conn.store.get_with_tag(conn._key(key))[0] == 257
+        assert torch.equal(conn.store.get_tensor(conn._key(key), out="torch").view(torch.int16), kv.view(torch.int16))
         assert await conn.get(other) is None
         # a stored chunk that is not what the connector writes: a typed error, not an IndexError
         # or a ValueError (a memory format LMCache does not have; a container of two tensors)
@@ -349,15 +352,19 @@ def test_lmcache_builds_the_connector_from_the_example_config(tmp_path):
     cfg_path = tmp_path / "lmcache.yaml"
     cfg_path.write_text(text.replace("/data/wz-kv", str(tmp_path / "kv")))
     cfg = LMCacheEngineConfig.from_file(str(cfg_path))
-    conn = ConnectorManager(cfg.remote_url, None, _Allocator(), cfg).create_connector()
+    # one way in: remote_storage_plugins (LMCache builds a RemoteBackend per plugin, whose url is
+    # plugin://<name>); a remote_url as well would build a second backend on the same store folder
+    assert cfg.remote_url is None and cfg.remote_storage_plugins == ["weightszip"]
+    conn = ConnectorManager("plugin://weightszip", None, _Allocator(), cfg).create_connector()
     assert isinstance(conn, wl.WeightszipConnector)
     assert Path(conn.store.config.path) == tmp_path / "kv" and conn.store.config.ram_bytes == 8589934592
     conn.store.close()
 
 
-def _server(module: str, tmp_path, timeout: float = 90.0) -> tuple[bool, str]:
-    """Start LMCache's MP server (through `module`) on CPU with an fs L2 adapter using our serde;
-    return (came up, log). Stopped with SIGINT once up."""
+def _server(module: str, tmp_path, timeout: float = 90.0, args: list | None = None) -> tuple[bool, str]:
+    """Start LMCache's MP server (through `module`) on CPU with an fs L2 adapter using our serde, or
+    with `args` (the value after ``--port`` replaced by a free port); return (came up, log). Stopped
+    with SIGINT once up."""
     import json
     import signal
     import socket
@@ -373,11 +380,11 @@ def _server(module: str, tmp_path, timeout: float = 90.0) -> tuple[bool, str]:
     adapter = {"type": "fs", "base_path": str(tmp_path / "l2"), "serde": {"type": "weightszip"}}
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        p = subprocess.Popen(
-            [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), "--l1-size-gb", "0.25",
-             "--eviction-policy", "LRU", "--l2-adapter", json.dumps(adapter), "--disable-observability"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )
+        if args is None:
+            args = ["--host", "127.0.0.1", "--port", "0", "--l1-size-gb", "0.25", "--eviction-policy", "LRU",
+                    "--l2-adapter", json.dumps(adapter), "--disable-observability"]
+        args = [str(port) if i and args[i - 1] == "--port" else a for i, a in enumerate(args)]
+        p = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
         up = False
         try:
             deadline = time.time() + timeout
@@ -406,3 +413,113 @@ def test_lmcache_server_starts_with_the_weightszip_serde_through_the_launcher(tm
     assert up and "Initialized FSL2Adapter" in log, log[-3000:]
     up, log = _server("lmcache.v1.multiprocess.server", tmp_path)
     assert not up and "Unknown serde type 'weightszip'" in log, log[-3000:]
+
+
+_WORKER = r"""
+import asyncio, os, sys, time, torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import ConnectorManager
+go, config, worker, world = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+class Backend:  # LocalCPUBackend's allocate and the engine metadata it carries
+    metadata = LMCacheMetadata(model_name="m", world_size=world, local_world_size=world, worker_id=worker,
+                               local_worker_id=worker, kv_dtype=torch.bfloat16, kv_shape=(2, 2, 16, 1, 8))
+    def allocate(self, shape, dtype, fmt=None):
+        n = torch.Size(shape).numel() * dtype.itemsize
+        meta = MemoryObjMetadata(shape=torch.Size(shape), dtype=dtype, address=0, phy_size=n, ref_count=1, fmt=fmt)
+        return TensorMemoryObj(torch.empty(n, dtype=torch.uint8), meta, None)
+
+cfg = LMCacheEngineConfig.from_file(config)
+conn = set_up(lambda: ConnectorManager("plugin://weightszip", None, Backend(), cfg).create_connector(),
+              lambda c: c.store.config.path)
+kv = torch.arange(2 * 2 * 16 * 8, dtype=torch.float32).reshape(2, 2, 16, 8).to(torch.bfloat16) + worker
+obj = Backend().allocate(kv.shape, kv.dtype, MemoryFormat.KV_2LTD)
+obj.tensor.copy_(kv)
+key = CacheEngineKey(model_name="m", world_size=world, worker_id=worker, chunk_hash=7, dtype=torch.bfloat16)
+async def run():
+    await conn.put(key, obj)
+    back = await conn.get(key)
+    print("round trip", torch.equal(back.tensor.view(torch.int16), kv.view(torch.int16)), flush=True)
+    await conn.close()
+asyncio.run(run())
+"""
+
+
+def test_lmcache_workers_run_as_processes_on_one_path(tmp_path, side_by_side):
+    """Two workers of one engine (vLLM with TP 2 runs one LMCache engine per worker process), built
+    by LMCache's ConnectorManager from the example config: each opens path/worker<id>of2 (a store
+    folder is one process's; the second worker failed, 'open in another process'); one worker keeps
+    the configured path."""
+    _lmcache()
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "examples" / "lmcache_inprocess.yaml").read_text()
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text(text.replace("/data/wz-kv", str(tmp_path / "kv")))
+    runs = side_by_side(_WORKER, [(cfg, w, 2) for w in (0, 1)], site=os.environ.get("WEIGHTSZIP_LMCACHE_SITE"))
+    for w, (rc, out, err) in enumerate(runs):
+        assert rc == 0 and f"open {tmp_path / 'kv' / f'worker{w}of2'}\n" in out and "round trip True" in out, (
+            out, err[-3000:])
+    (rc, out, err), = side_by_side(_WORKER, [(cfg, 0, 1)], site=os.environ.get("WEIGHTSZIP_LMCACHE_SITE"))
+    assert rc == 0 and f"open {tmp_path / 'kv'}\n" in out and "round trip True" in out, (out, err[-3000:])
+
+
+def test_lmcache_connector_takes_every_store_option_and_refuses_unknown_keys(tmp_path):
+    """Every ChunkStore option under remote_storage_plugin.weightszip. reaches the store (write_through,
+    promote, max_chunk_bytes and redis_timeout_ms were dropped silently), flags parse strictly
+    (durable "false" was bool("false"), True), LMCache's own keys and other plugins' are let be, and
+    an unknown key of ours is an InvalidArgumentError naming it and the accepted ones."""
+    wl = _lmcache()
+    p = "remote_storage_plugin.weightszip."
+
+    def connector(**opts):
+        class Config:
+            extra_config = {p + "module_path": "weightszip.integrations.lmcache", p + "class_name": "WeightszipConnector",
+                            "remote_storage_plugin.other.path": 5, "something_else": True,
+                            **{p + k: v for k, v in opts.items()}}
+
+        return wl.WeightszipConnector(loop=None, local_cpu_backend=_Allocator(), config=Config())
+
+    conn = connector(path=str(tmp_path), durable="false", write_through="true", promote=False, max_chunk_bytes=1 << 20,
+                     redis_timeout_ms="250", io_threads=3, ram_bytes="4096", disk_bytes=0, redis_prefix="m:")
+    c = conn.store.config
+    assert (c.durable, c.write_through, c.promote, c.max_chunk_bytes, c.redis_timeout_ms) == (False, True, False, 1 << 20, 250)
+    assert (c.path, c.io_threads, c.ram_bytes, c.disk_bytes, c.redis_prefix) == (str(tmp_path), 3, 4096, 0, "m:")
+    conn.store.close()
+    with pytest.raises(weightszip.InvalidArgumentError, match=r"'ram_byte'.*accepted: path, ram_bytes"):
+        connector(ram_byte=5)
+    for bad in ({"durable": "no"}, {"promote": 2}, {"ram_bytes": 1.5}, {"redis_url": 6379}):
+        with pytest.raises(weightszip.InvalidArgumentError, match=next(iter(bad))):
+            connector(**bad)
+
+
+def test_lmcache_server_starts_with_the_documented_command(tmp_path):
+    """docs/STORE.md's launch command, as written but for its port, L1 size and folder: it was
+    '<LMCache server arguments>' plus the adapter, and the server needs --l1-size-gb and
+    --eviction-policy, and --disable-observability where its opentelemetry exporters are not
+    installed (as with scripts/lmcache_site.sh)."""
+    _lmcache()
+    import json
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "STORE.md").read_text()
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "lmcache_server" in b]
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[:3] == ["python", "-m", "weightszip.integrations.lmcache_server"], argv
+    args = argv[3:]
+    for i, a in enumerate(args):
+        if i and args[i - 1] == "--l1-size-gb":
+            args[i] = "0.25"
+        if i and args[i - 1] == "--l2-adapter":
+            adapter = json.loads(a)
+            assert adapter["serde"] == {"type": "weightszip"}
+            adapter["base_path"] = str(tmp_path / "l2")
+            args[i] = json.dumps(adapter)
+    (tmp_path / "l2").mkdir()
+    up, log = _server("weightszip.integrations.lmcache_server", tmp_path, args=args)
+    assert up and "Initialized FSL2Adapter" in log, log[-3000:]

@@ -163,3 +163,73 @@ def test_sglang_ranks_do_not_share_mha_pages(tmp_path):
     assert rank(0).batch_set(["k"], p)
     assert not rank(1).exists("k")
     assert rank(0, mla=True).batch_set(["z"], p) and rank(1, mla=True).exists("z")
+
+
+_RANK = r"""
+import os, sys, time, torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+go, path, rank, tp, mla = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=tp, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+    is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True, model_name="m",
+    extra_config={"backend_name": "weightszip", "module_path": "weightszip.integrations.sglang",
+                  "class_name": "WeightszipHiCacheStorage", "path": path, "durable": False})
+b = set_up(lambda: StorageBackendFactory.create_backend("dynamic", cfg, None), lambda b: b.store.config.path)
+page = torch.arange(3 * 64 * 4, dtype=torch.float32).to(torch.bfloat16) + rank
+ok = b.batch_set([f"own{rank}", "shared"], [page, page])
+print("set", ok, "exists", b.batch_exists([f"own{rank}", "shared"]), flush=True)
+b.close()
+"""
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_sglang_tp_ranks_run_as_processes_on_one_path(tmp_path, side_by_side, mla):
+    """Rank 0 and rank 1 of TP 2, two processes given the same path (as SGLang runs them): each opens
+    its own subfolder, path/tp<rank>of2 (a store folder is one process's; the second rank failed,
+    'open in another process'), and writes its pages there; a single-rank server keeps the path."""
+    _sglang()
+    site = os.environ.get("WEIGHTSZIP_SGLANG_SITE")
+    runs = side_by_side(_RANK, [(tmp_path, r, 2, int(mla)) for r in (0, 1)], site=site)
+    for r, (rc, out, err) in enumerate(runs):
+        assert rc == 0 and f"open {tmp_path / f'tp{r}of2'}\n" in out and "set True exists 2" in out, (out, err[-3000:])
+    b = _backend(tmp_path / "tp1of2")  # (rank 1's folder, opened as a single-rank store)
+    assert b.store.config.path == str(tmp_path / "tp1of2")
+    suffix = "_m" if mla else "_m_1_2"
+    assert b.store.contains("own1" + suffix) and b.store.contains("shared" + suffix)
+    assert not b.store.contains("own0" + suffix) and not b.store.contains("own0_m_0_2")
+    b.close()
+
+
+def test_sglang_rank_folders_name_every_parallel_dimension():
+    Config, _ = _sglang()
+    from weightszip.integrations.sglang import rank_folder
+
+    def cfg(tp=(0, 1), pp=(0, 1), cp=(0, 1), dp=0):
+        return Config(tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=cp[0],
+                      attn_cp_size=cp[1], is_mla_model=False, enable_storage_metrics=False,
+                      is_page_first_layout=True, model_name="m", dp_rank=dp)
+
+    assert rank_folder(cfg()) is None, "one rank: the configured path itself"
+    assert rank_folder(cfg(tp=(1, 2))) == "tp1of2"
+    assert rank_folder(cfg(tp=(3, 4), pp=(1, 2))) == "tp3of4-pp1of2"
+    assert rank_folder(cfg(pp=(1, 2))) == "pp1of2"
+    assert rank_folder(cfg(tp=(0, 2), cp=(1, 2))) == "tp0of2-cp1of2"
+    assert rank_folder(cfg(tp=(0, 2), dp=1)) == "dp1-tp0of2"
+
+
+def test_sglang_extra_config_takes_every_store_option_and_refuses_unknown_keys(tmp_path):
+    """Every ChunkStore option reaches the store (write_through, promote, max_chunk_bytes and
+    redis_timeout_ms were dropped silently), yes/no values parse strictly, SGLang's own keys are let
+    be, and a key that is neither is an InvalidArgumentError naming it and the accepted ones."""
+    b = _backend(tmp_path, write_through="true", promote=False, max_chunk_bytes=1 << 20, redis_timeout_ms="250",
+                 io_threads=3, disk_bytes=1 << 30, redis_prefix="m:", interface_v1=0, prefetch_threshold=256)
+    c = b.store.config
+    assert (c.write_through, c.promote, c.max_chunk_bytes, c.redis_timeout_ms) == (True, False, 1 << 20, 250)
+    assert (c.io_threads, c.disk_bytes, c.redis_prefix, c.durable, c.ram_bytes) == (3, 1 << 30, "m:", False, 0)
+    b.close()
+    with pytest.raises(weightszip.InvalidArgumentError, match=r"'ram_byte'.*accepted: path, ram_bytes"):
+        _backend(tmp_path, ram_byte=5)
+    for bad in ({"promote": "no"}, {"ram_bytes": 1.5}, {"ram_bytes": "8GB"}, {"redis_prefix": 7},
+                {"interface_v1": True}):
+        with pytest.raises(weightszip.InvalidArgumentError, match=next(iter(bad))):
+            _backend(tmp_path, **bad)

@@ -118,6 +118,29 @@ def test_codec_hook_stores_and_decodes_compact_chunks():
     assert (back.view(np.uint16) == (kv.view(np.uint16) & 0xFF00)).all()
 
 
+def test_a_container_tag_with_a_writers_note_is_a_container():
+    """Tag 1 | n << 8 (the LMCache connector's: LMCache's memory format n in the upper bits) is a
+    container to get_tensor (it was 'tag 257, which no registered codec decodes'); codec tags with a
+    low byte below 16 would make such tags ambiguous, so register_codec refuses them."""
+    kv = real_kv()
+    s = ChunkStore(None)
+    for note in (1, 4, 0xFFFFFF):
+        s.put("k", weightszip.compress(kv), tag=TAG_CONTAINER | note << 8)
+        for back in (s.get_tensor("k"), s.get_tensors(["k"])[0]):
+            assert (back.view(np.uint16) == kv.view(np.uint16)).all()
+    from weightszip.store import TAG_RAW, tag_kind
+
+    assert tag_kind(257) == TAG_CONTAINER and tag_kind(256) == TAG_RAW and tag_kind(272) == 272
+
+    class Wide(HalfCodec):
+        tag = 257
+
+    with pytest.raises(weightszip.InvalidArgumentError, match="low byte"):
+        register_codec(Wide())
+    Wide.tag = 272  # a codec tag with a low byte of 16 or more
+    assert register_codec(Wide()).tag == 272
+
+
 def test_ram_budget_evicts_into_disk_and_everything_comes_back(tmp_path):
     s = ChunkStore(tmp_path, ram_bytes=20_000, durable=False)
     s.put_many({f"k{i}": value(i) for i in range(100)})
@@ -132,9 +155,10 @@ def test_ram_budget_evicts_into_disk_and_everything_comes_back(tmp_path):
     assert check(s2.get("k42")) == (42, 0)
 
 
-def test_one_process_per_folder(tmp_path):
+def test_one_store_per_folder(tmp_path):
+    # (the message said "open in another process" for a second store of this process too)
     s = ChunkStore(tmp_path)
-    with pytest.raises(weightszip.InvalidArgumentError, match="another process"):
+    with pytest.raises(weightszip.InvalidArgumentError, match=r"open in another store \(of this process or another\)"):
         ChunkStore(tmp_path)
     s.close()
     ChunkStore(tmp_path)
@@ -413,11 +437,44 @@ def test_a_smaller_max_chunk_bytes_leaves_larger_chunks_in_place(tmp_path):
     s = ChunkStore(tmp_path)
     s.put("k", b"x" * 5000)
     s.close()
-    small = ChunkStore(tmp_path, max_chunk_bytes=1000)  # cannot read it: not indexed, not deleted
-    assert small.get("k") is None and small.stats()["corrupt_evicted"] == 0
+    small = ChunkStore(tmp_path, max_chunk_bytes=1000)  # cannot read it: its error, not deleted
+    with pytest.raises(weightszip.LimitExceededError):
+        small.get("k")
+    assert small.stats()["corrupt_evicted"] == 0
     small.close()
     s = ChunkStore(tmp_path)
     assert s.get("k") == b"x" * 5000
+    s.close()
+
+
+def test_chunks_the_store_cannot_read_are_its_errors_not_silent_misses(tmp_path):
+    """docs/STORE.md said get of a chunk above max_chunk_bytes or of a newer version raises
+    LimitExceededError / UnsupportedVersionError: it was None, `in` False, nothing counted, and a
+    delete of such a key (False: "not stored") left it to come back at a later open (a review)."""
+    s = ChunkStore(tmp_path)
+    for k in ["big", "v2", "gone"]:
+        s.put(k, bytes(2000))
+    s.close()
+    s = ChunkStore(tmp_path)
+    f = s.file_of("v2")
+    s.close()
+    b = bytearray(Path(f).read_bytes())
+    b[4:6] = (2).to_bytes(2, "little")  # a newer writer's format version
+    Path(f).write_bytes(b)
+    s = ChunkStore(tmp_path, max_chunk_bytes=1000)
+    assert "big" in s and "v2" in s and s.stats()["unreadable_chunks"] == 3
+    for _ in range(2):  # every time: never removed
+        with pytest.raises(weightszip.LimitExceededError):
+            s.get("big")
+    with pytest.raises(weightszip.UnsupportedVersionError):
+        s.get("v2")
+    assert s.get_many(["big", "v2"], errors="miss") == [None, None]
+    assert s.delete("gone") and "gone" not in s and s.get("gone") is None
+    st = s.stats()
+    assert st["unreadable_chunks"] == 2 and st["corrupt_evicted"] == 0 and st["disk_bytes"] == 0
+    s.close()
+    s = ChunkStore(tmp_path)  # the larger limit reads them; the deleted key stays deleted
+    assert s.get("big") == bytes(2000) and s.get("gone") is None and os.path.exists(f)
     s.close()
 
 

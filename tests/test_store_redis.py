@@ -72,6 +72,15 @@ def redis_url():
         p.wait()
 
 
+def _redis(url: str, *args: str) -> bytes:
+    """One command to the server at `url` (RESP), its reply's first line."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    req = f"*{len(args)}\r\n".encode() + b"".join(f"${len(a)}\r\n{a}\r\n".encode() for a in args)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(req)
+        return s.makefile("rb").readline().rstrip()
+
+
 @pytest.fixture
 def prefix():
     return f"test-{uuid.uuid4().hex[:8]}:"
@@ -147,3 +156,50 @@ def test_a_get_racing_a_delete_does_not_bring_the_key_back(redis_url, prefix):
             t.join()
         back += y.get(k) is not None
     assert back == 0, f"{back} of 400 deleted keys came back"
+
+
+def test_a_delete_that_times_out_in_redis_raises_and_the_chunk_does_not_come_back(tmp_path, redis_url, prefix):
+    """A delete while Redis was paused returned True after the timeout, and once Redis answered
+    again `get` returned the deleted chunk from there (a review). Now: the delete raises after
+    removing the local copies, and this store does not read the key from Redis until a delete of it
+    reaches Redis."""
+    s = ChunkStore(tmp_path, redis_url=redis_url, redis_prefix=prefix, redis_timeout_ms=300)
+    s.put("d", b"payload")
+    assert _redis(redis_url, "CLIENT", "PAUSE", "1500", "ALL") == b"+OK"
+    t = time.monotonic()
+    with pytest.raises(weightszip.WeightszipIOError, match="redis"):
+        s.delete("d")
+    assert "d" not in s
+    time.sleep(max(0.0, 1.7 - (time.monotonic() - t)))  # Redis answers again
+    assert s.get("d") is None and "d" not in s
+    s.delete("d")  # a retry reaches Redis
+    assert ChunkStore(None, redis_url=redis_url, redis_prefix=prefix).get("d") is None
+    s.close()
+
+
+def test_a_delete_or_put_refused_by_redis_never_brings_the_old_copy_back(redis_url, prefix):
+    """Redis refusing DEL / SET (an ACL here: deterministic, the remote copy surely kept): the call
+    raises, and the copy Redis kept (the deleted chunk; the older version a failed put did not
+    replace) is never what this store's get returns once the local copies are gone."""
+    s = ChunkStore(None, redis_url=redis_url, redis_prefix=prefix)
+    other = ChunkStore(None, redis_url=redis_url, redis_prefix=prefix)
+    s.put("d", b"deleted")
+    s.put("p", b"v1")
+    try:
+        assert _redis(redis_url, "ACL", "SETUSER", "default", "-del", "-set") == b"+OK"
+        with pytest.raises(weightszip.WeightszipIOError, match="redis"):
+            s.delete("d")
+        with pytest.raises(weightszip.WeightszipIOError, match="redis"):
+            s.put("p", b"v2")
+    finally:
+        assert _redis(redis_url, "ACL", "SETUSER", "default", "+del", "+set") == b"+OK"
+    assert other.get("d") == b"deleted" and other.get("p") == b"v1", "Redis kept both"
+    assert "d" not in s and s.get("d") is None
+    assert s.get("p") == b"v2"  # the local tier keeps the failed put's chunk
+    s.evict_from_ram("p")  # RAM only: dropped
+    assert s.get("p") is None, "the older version came back from Redis"
+    s.put("p", b"v3")  # a put that reaches Redis makes it the key's copy again
+    s.evict_from_ram("p")
+    assert s.get("p") == b"v3"
+    assert s.delete("d")
+    assert ChunkStore(None, redis_url=redis_url, redis_prefix=prefix).get("d") is None

@@ -6,7 +6,10 @@ into pages of `page_tokens` (LMCache's chunk is 256). A sealed page is
 * compressed losslessly (exact mode, the default): generation is token-for-token what a plain
   `DynamicCache` gives, in about 0.65x of the memory for real bf16 KV;
 * or passed through a compact KV format first (`fmt=`, any `weightszip.eval.formats.KVFormat`,
-  e.g. ``get_format("int4-g32")``): the model sees exactly what that format would hand back;
+  e.g. ``get_format("int4-g32")``, or ``CompactFormat("q4", Calibration.load("model.wzcal"))``
+  from `weightszip.compact.formats`): the model sees exactly what that format would hand back,
+  with the tokens the format keeps in bf16 kept so (its first ``sink_tokens``, and at least its
+  ``recent_window`` most recent: ``recent_tokens`` is raised to it);
 * and, given a `ChunkStore` (`store=`), offloaded to it (RAM / disk / Redis tiers) and read back
   (verified) when attention needs it, instead of being kept by the cache.
 
@@ -55,7 +58,9 @@ class WeightszipLayer(DynamicLayer):
         self.store = store
         self.namespace = namespace
         self.page_tokens = page_tokens
-        self.recent_tokens = recent_tokens
+        # a format that keeps its recent window in bf16 (the compact ones: 128 tokens) is read as it
+        # would be in a paged cache only if at least that many recent tokens stay plain here
+        self.recent_tokens = max(recent_tokens, int(getattr(fmt, "recent_window", 0) or 0))
         self.cumulative_length = 0
         # Sealed pages, oldest first: (key for the store, or the compressed K and V bytes).
         self._pages: list[Any] = []
@@ -69,9 +74,17 @@ class WeightszipLayer(DynamicLayer):
         if self.fmt is not None:
             # formats that code keys at their positions (the compact formats' rotary offsets) are
             # told where the page starts: pages are sealed in order from position 0
-            kw = {"start": len(self._pages) * self.page_tokens} if getattr(self.fmt, "position_aware", False) else {}
-            k = self.fmt.roundtrip(k, "k", self.layer_idx, **kw).to(k.dtype)
-            v = self.fmt.roundtrip(v, "v", self.layer_idx, **kw).to(v.dtype)
+            start = len(self._pages) * self.page_tokens
+            kw = {"start": start} if getattr(self.fmt, "position_aware", False) else {}
+            ck = self.fmt.roundtrip(k, "k", self.layer_idx, **kw).to(k.dtype)
+            cv = self.fmt.roundtrip(v, "v", self.layer_idx, **kw).to(v.dtype)
+            # the format's sink tokens (positions below sink_tokens) stay as they were, as the
+            # format's own cache keeps them in bf16
+            keep = min(int(getattr(self.fmt, "sink_tokens", 0) or 0) - start, k.shape[-2])
+            if keep > 0:
+                ck = torch.cat([k[..., :keep, :], ck[..., keep:, :]], dim=-2)
+                cv = torch.cat([v[..., :keep, :], cv[..., keep:, :]], dim=-2)
+            k, v = ck, cv
         k, v = k.detach().cpu().contiguous(), v.detach().cpu().contiguous()
         self.raw_bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
         i = len(self._pages)

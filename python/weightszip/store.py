@@ -12,8 +12,9 @@ weightszip-store); every call releases the GIL, and batched calls run on its I/O
 
 Chunks are opaque bytes with a tag saying what they are: `TAG_RAW` (any bytes), `TAG_CONTAINER`
 (a weightszip container, made by `put_tensor`), or the tag of a `ChunkCodec` registered with
-`register_codec` (compact formats plug in there). docs/STORE.md describes the files on disk and
-what survives a crash.
+`register_codec` (compact formats plug in there). A tag whose low byte is below `FIRST_CODEC_TAG`
+is that kind of the store's whatever its upper 24 bits, which are the writer's own note (`tag_kind`).
+docs/STORE.md describes the files on disk and what survives a crash.
 """
 
 from __future__ import annotations
@@ -26,12 +27,21 @@ from typing import Any, Protocol
 
 from weightszip import _core
 from weightszip._tensors import as_buffer, bytes_buffer, decompress, meta_tuple, LAYOUT_TENSOR
-from weightszip.errors import InvalidArgumentError, WeightszipError
+from weightszip.errors import CorruptDataError, InvalidArgumentError, WeightszipError
 
 TAG_RAW = 0
 TAG_CONTAINER = _core.STORE_TAG_CONTAINER
 #: Tags below this are the store's own; registered codecs use tags from here on.
 FIRST_CODEC_TAG = 16
+
+
+def tag_kind(tag: int) -> int:
+    """What a chunk of `tag` is: `TAG_RAW`, `TAG_CONTAINER` (or another of the store's kinds) when
+    the tag's low byte is below `FIRST_CODEC_TAG`, its upper 24 bits being the writer's own note
+    (the LMCache connector keeps LMCache's memory format there, so that it allocates the same kind
+    of memory object on get: 257 is a container of format 1); else the tag itself, a codec's. Codec
+    tags therefore have a low byte of 16 or more."""
+    return tag & 0xFF if tag & 0xFF < FIRST_CODEC_TAG else tag
 
 
 class ChunkCodec(Protocol):
@@ -48,18 +58,51 @@ class ChunkCodec(Protocol):
     def decode(self, data: bytes) -> Any: ...
 
 
-_CODECS: dict[int, ChunkCodec] = {}
+_CODECS: dict[int, list[ChunkCodec]] = {}
+
+
+def _same_coding(a: ChunkCodec, b: ChunkCodec) -> bool:
+    """Two codecs that make and read the same bytes (two loads of one calibration, say)."""
+    ida, idb = getattr(a, "calibration_id", None), getattr(b, "calibration_id", None)
+    return type(a) is type(b) and ida is not None and ida == idb and getattr(a, "fmt", None) == getattr(b, "fmt", None)
 
 
 def register_codec(codec: ChunkCodec, *, replace: bool = False) -> ChunkCodec:
-    """Make `codec` known by its tag, so that `get_tensor` can decode chunks stored with it."""
+    """Make `codec` known by its tag, so that `get_tensor` (and the LMCache serde) can decode chunks
+    stored with it. Registration lasts for the process: after a store is opened again, register its
+    codecs again (or pass `codec=` to `get_tensor`). Several codecs may share a tag when each can tell
+    its own chunks (an `owns(data)` method: `CompactChunkCodec`, one per calibration of a format, so
+    one process serves several models); a codec that codes as a registered one does (the same
+    calibration loaded again) takes its place. Otherwise a tag holds one codec, and another needs
+    `replace=True`."""
     tag = int(codec.tag)
     if not FIRST_CODEC_TAG <= tag < 2**32:
         raise InvalidArgumentError(f"codec tags start at {FIRST_CODEC_TAG}, got {tag}")
-    if tag in _CODECS and _CODECS[tag] is not codec and not replace:
-        raise InvalidArgumentError(f"tag {tag} is taken by {_CODECS[tag]!r}")
-    _CODECS[tag] = codec
+    if tag_kind(tag) != tag:
+        raise InvalidArgumentError(f"codec tag {tag} has a low byte below {FIRST_CODEC_TAG}: such tags are the "
+                                   f"store's kinds of chunk with a writer's note (tag_kind({tag}) is {tag_kind(tag)})")
+    held = [] if replace else [c for c in _CODECS.get(tag, []) if c is not codec and not _same_coding(c, codec)]
+    if held and not all(callable(getattr(c, "owns", None)) for c in [*held, codec]):
+        raise InvalidArgumentError(f"tag {tag} is taken by {held[0]!r} (replace=True to replace it)")
+    _CODECS[tag] = [*held, codec]
     return codec
+
+
+def codec_for(tag: int, data: Any) -> ChunkCodec | None:
+    """The registered codec that decodes a chunk of ``tag`` (None when none is registered): the one
+    registered, or, where several share the tag, the one whose ``owns(data)`` says so."""
+    held = _CODECS.get(tag, [])
+    if len(held) <= 1:
+        return held[0] if held else None
+    said = [(c, c.owns(data)) for c in held]
+    mine = [c for c, yes in said if yes]
+    if mine:
+        return mine[0]
+    if any(yes is None for _, yes in said):
+        raise InvalidArgumentError(f"{len(held)} codecs share tag {tag} and this chunk (an older version) does not "
+                                   "say which coded it: decode it with the right one (codec=)")
+    raise CorruptDataError(f"none of the {len(held)} codecs registered for tag {tag} coded this chunk "
+                           f"({', '.join(map(repr, held))})")
 
 
 def _tag(tag) -> int:
@@ -157,7 +200,7 @@ class StoreConfig:
 class ChunkStore:
     """Keys (str or bytes) to chunks, in RAM with LRU eviction into a disk folder.
 
-    Thread-safe; one process per folder (a lock file enforces it). Reads are always verified: a
+    Thread-safe; one open store per folder (a lock file enforces it). Reads are always verified: a
     damaged chunk is removed and its error (`ChecksumMismatchError`, `TruncatedError`, ...)
     raised, never its bytes returned. Write-back by default: chunks reach disk when the RAM tier
     evicts them or on `flush()` / `close()`; `write_through=True` puts them there at once.
@@ -269,21 +312,29 @@ class ChunkStore:
         _raise_first(res)
         return list(res)
 
-    def _decode(self, key: Any, r: tuple[int, bytes] | None, out: str | None):
+    def _decode(self, key: Any, r: tuple[int, bytes] | None, out: str | None, codec: ChunkCodec | None = None):
         if r is None:
             return None
         tag, data = r
-        if tag == TAG_CONTAINER:
+        if tag_kind(tag) == TAG_CONTAINER:
             return decompress(data, out=out)
-        if tag in _CODECS:
-            return _CODECS[tag].decode(data)
-        raise InvalidArgumentError(f"chunk {key!r} has tag {tag}, which no registered codec decodes")
+        if codec is not None:
+            if int(codec.tag) != tag:
+                raise InvalidArgumentError(f"chunk {key!r} has tag {tag}, the codec given makes tag {codec.tag}")
+            return codec.decode(data)
+        found = codec_for(tag, data)
+        if found is not None:
+            return found.decode(data)
+        raise InvalidArgumentError(f"chunk {key!r} has tag {tag}, which no registered codec decodes "
+                                   "(codecs are registered per process: register_codec, or codec=)")
 
-    def get_tensor(self, key: str | bytes, *, out: str | None = None):
-        """The tensor stored under `key` (exact: bit-identical; a codec's: its decode), or None."""
-        return self._decode(key, self._s.get(_key(key)), out)
+    def get_tensor(self, key: str | bytes, *, out: str | None = None, codec: ChunkCodec | None = None):
+        """The tensor stored under `key` (exact: bit-identical; a codec's: its decode, with `codec`
+        or the registered one for its tag), or None."""
+        return self._decode(key, self._s.get(_key(key)), out, codec)
 
-    def get_tensors(self, keys: Iterable[str | bytes], *, out: str | None = None, errors: str = "raise") -> list:
+    def get_tensors(self, keys: Iterable[str | bytes], *, out: str | None = None, errors: str = "raise",
+                    codec: ChunkCodec | None = None) -> list:
         if errors not in ("raise", "miss"):
             raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
         keys = _batch(keys, "a batch of keys is an iterable of keys")  # (as given, for messages)
@@ -294,7 +345,7 @@ class ChunkStore:
                 if errors == "raise":
                     raise r
                 r = None
-            out_list.append(self._decode(k, r, out))
+            out_list.append(self._decode(k, r, out, codec))
         return out_list
 
     # -- management ---------------------------------------------------------------------------
@@ -304,7 +355,8 @@ class ChunkStore:
     __contains__ = contains
 
     def delete(self, key: str | bytes) -> bool:
-        """Remove `key` from every tier; whether it was there."""
+        """Remove `key` from every tier; whether it was there. WeightszipIOError when Redis cannot
+        delete it (the local copies are deleted; this store reads the key no more from Redis)."""
         return self._s.delete(_key(key))
 
     def evict_from_ram(self, key: str | bytes) -> bool:
@@ -352,8 +404,10 @@ __all__ = [
     "StoreConfig",
     "ChunkCodec",
     "register_codec",
+    "codec_for",
     "TAG_RAW",
     "TAG_CONTAINER",
     "FIRST_CODEC_TAG",
+    "tag_kind",
     "WeightszipError",
 ]

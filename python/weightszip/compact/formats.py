@@ -47,7 +47,8 @@ class CompactFormat(KVFormat):
         if self.calibration is None:
             raise FormatUnavailable(
                 f"{self.name} needs a calibration: `weightszip calibrate --model M --text A --text B -o M.wzcal`, "
-                f"then --calibration M.wzcal"
+                f"then --calibration M.wzcal (from Python: CompactFormat({self.name!r}, Calibration.load('M.wzcal')), "
+                f"or weightszip.compact.formats.use_calibration('M.wzcal') before get_format)"
             )
 
     def _cal(self) -> Calibration:

@@ -7,15 +7,17 @@ store, the LMCache serde and the SGLang backend: a KV chunk in LMCache's layout
     >>> store.put_tensor("chunk-key", kv_chunk, codec=codec)                   # ~0.28 of bf16
     >>> store.get_tensor("chunk-key")                                          # what q4 hands back
 
-Bytes: a 48-byte header (magic ``WZQC``, version 5, format index, two zero bytes, then u32 kinds,
-layers, tokens, hidden, u64 start: the position of the chunk's first token, u64 XXH3-64 of the pages
-(every byte after the header), u64 XXH3-64 of header bytes 0-39; little-endian) and, for K then V,
+Bytes: a 56-byte header (magic ``WZQC``, version 6, format index, two zero bytes, then u32 kinds,
+layers, tokens, hidden, u64 start: the position of the chunk's first token, u64 calibration id: an
+XXH3-64 of every table the format's codes depend on (``calibration_id``), u64 XXH3-64 of the pages
+(every byte after the header), u64 XXH3-64 of header bytes 0-47; little-endian) and, for K then V,
 each layer, each kv head, each 16 tokens, one page of ``weightszip.compact.codec.page_bytes(bits,
 head_dim)`` bytes (docs/FORMAT.md, "Compact KV pages" and "Compact KV chunks"), bits from the
 calibration's allocation for that layer and kind. Older versions still read, without checksums:
 version 1 had no start and a 24-byte header (read as start 0), versions 2-4 a 32-byte header (bytes
-0-31 above); the page layout of each version is ``PAGE_VERSIONS`` (versions 1 and 2 bit planes at
-every width, 3 width-4 codes as nibble rows, 4 and 5 also width-3 codes as crumb rows). Every token
+0-31 above), version 5 a 48-byte header (bytes 0-31, then the two checksums, of bytes 0-39; no
+calibration id); the page layout of each version is ``PAGE_VERSIONS`` (versions 1 and 2 bit planes at
+every width, 3 width-4 codes as nibble rows, 4-6 also width-3 codes as crumb rows). Every token
 of the chunk is coded:
 the sink and recent-window tokens that the paged cache keeps in bf16 are the caller's to keep out of
 offloaded chunks. Keys are coded at their positions (``encode(x, start=...)``): with a calibration
@@ -26,14 +28,17 @@ consistency: decoding uses the start the chunk records.
 ``decode`` reads the header as data, not as the caller's arguments: a header that this codec cannot
 read (nonzero bytes 6-7, a format other than the codec's, a shape that does not fit the calibration,
 tokens not whole pages) is CorruptDataError, as damage is; a chunk of another format or model given
-to this codec looks the same, and the message names both. In a version-5 chunk the header's checksum
-is checked before any of its other fields is believed, and the pages' checksum before any page is
-decoded (ChecksumMismatchError), after the length the header implies (TruncatedError): a flipped bit
-anywhere in a chunk is a typed error, never wrong values.
+to this codec looks the same, and the message names both. So is a version-6 chunk coded with another
+calibration (another model's, or this model's calibrated again: its codes would decode to other
+values, silently): its calibration id is not this codec's. In a chunk of version 5 or 6 the header's
+checksum is checked before any of its other fields is believed, and the pages' checksum before any
+page is decoded (ChecksumMismatchError), after the length the header implies (TruncatedError): a
+flipped bit anywhere in a chunk is a typed error, never wrong values.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Any
 
@@ -52,13 +57,13 @@ from weightszip.errors import (
 )
 
 MAGIC = b"WZQC"
-VERSION = 5
+VERSION = 6
 # the page layout version (``codec.PAGE_VERSION``) each chunk version holds
-PAGE_VERSIONS = {1: 1, 2: 1, 3: 2, 4: 3, 5: 3}
-_HEAD = struct.Struct("<4sBB2xIIIIQQQ")  # 48 bytes: ... start, pages' XXH3-64, header's XXH3-64
+PAGE_VERSIONS = {1: 1, 2: 1, 3: 2, 4: 3, 5: 3, 6: 3}
+_HEAD = struct.Struct("<4sBB2xIIIIQQQQ")  # 56 bytes: ... start, calibration id, pages' and header's XXH3-64
+_HEAD_V5 = struct.Struct("<4sBB2xIIIIQQQ")  # 48 bytes: ... start, pages' XXH3-64, header's XXH3-64
 _HEAD_V2 = struct.Struct("<4sBB2xIIIIQ")  # 32 bytes (versions 2-4), no checksums
 _HEAD_V1 = struct.Struct("<4sBB2xIIII")  # 24 bytes, start 0
-_HEAD_SUMMED = 40  # version 5: the header checksum covers bytes 0-39
 _FORMATS = tuple(TARGETS)
 
 
@@ -69,7 +74,25 @@ def _xxh3(data: Any) -> int:
 
 
 def _head_struct(version: int) -> struct.Struct:
-    return _HEAD_V1 if version == 1 else _HEAD_V2 if version < 5 else _HEAD
+    return _HEAD_V1 if version == 1 else _HEAD_V2 if version < 5 else _HEAD_V5 if version == 5 else _HEAD
+
+
+def calibration_id(calibration, fmt: str) -> int:
+    """XXH3-64 of everything a format's codes depend on in ``calibration``: its shape, the format's
+    allocation of widths, and the tables ``Calibration.tables`` hands the coder (mu, mult, signs,
+    e0, the allocated widths' codebooks, the rotary offsets and phases). Not its metadata or its
+    kept-token counts, which do not change a code."""
+    cal = calibration
+    parts = [struct.pack("<III", cal.layers, cal.kv_heads, cal.head_dim), fmt.encode(),
+             np.asarray(cal.allocation[fmt], dtype=np.uint8).tobytes()]
+    for t in (cal.mu, cal.mult, cal.signs, cal.e0):
+        parts.append(t.detach().cpu().contiguous().to(torch.int64).numpy().tobytes())
+    for b in sorted({b for widths in cal.allocation[fmt] for b in widths}):
+        parts += [struct.pack("<B", b), cal.codebooks[b].detach().cpu().contiguous().to(torch.float32).numpy().tobytes()]
+    if cal.rope_m is not None:
+        parts += [b"rope", cal.rope_m.detach().cpu().contiguous().numpy().tobytes(),
+                  cal.rope_phase.detach().cpu().contiguous().numpy().tobytes()]
+    return _xxh3(b"".join(parts))
 
 
 def _as_bf16_torch(x: Any) -> torch.Tensor:
@@ -85,6 +108,11 @@ class CompactChunkCodec:
     """q4 / q3.5 / q3 pages for whole KV chunks, with one model's calibration."""
 
     def __init__(self, calibration, fmt: str = "q4", tag: int = 32 + 0):
+        """``calibration``: a ``Calibration``, or the path of a .wzcal file (loaded)."""
+        if isinstance(calibration, (str, os.PathLike)):
+            from weightszip.compact.calibrate import Calibration
+
+            calibration = Calibration.load(calibration)
         if fmt not in _FORMATS:
             raise InvalidArgumentError(f"compact format must be one of {', '.join(_FORMATS)}, not {fmt!r}")
         allocation = getattr(calibration, "allocation", {})
@@ -94,6 +122,25 @@ class CompactChunkCodec:
         self.cal = calibration
         self.fmt = fmt
         self.tag = tag + _FORMATS.index(fmt)
+        self.calibration_id = calibration_id(calibration, fmt)
+
+    def owns(self, data: Any) -> bool | None:
+        """Whether a chunk was coded with this codec's format and calibration (its header says so,
+        for version 6), False if it was not, None if its header cannot tell (older versions, or not
+        a readable chunk): what lets chunks of several calibrations share a store and a tag."""
+        try:
+            head = bytes(memoryview(data)[: _HEAD.size])
+        except TypeError:
+            return None
+        if len(head) < _HEAD.size or head[:4] != MAGIC or head[4] != VERSION:
+            return None
+        fields = _HEAD.unpack(head)
+        if _xxh3(head[:_HEAD.size - 8]) != fields[-1]:
+            return None
+        return fields[2] < len(_FORMATS) and _FORMATS[fields[2]] == self.fmt and fields[-3] == self.calibration_id
+
+    def __repr__(self) -> str:
+        return f"CompactChunkCodec({self.fmt}, calibration {self.calibration_id:016x}, tag {self.tag})"
 
     def _bits(self, layer: int, ki: int) -> int:
         return self.cal.allocation[self.fmt][layer][ki]
@@ -147,8 +194,8 @@ class CompactChunkCodec:
                                    .numpy().tobytes())
         body = b"".join(out)
         head = bytearray(_HEAD.pack(MAGIC, VERSION, _FORMATS.index(self.fmt), kinds, layers, tokens, hidden, start,
-                                    _xxh3(body), 0))
-        struct.pack_into("<Q", head, _HEAD_SUMMED, _xxh3(memoryview(head)[:_HEAD_SUMMED]))
+                                    self.calibration_id, _xxh3(body), 0))
+        struct.pack_into("<Q", head, _HEAD.size - 8, _xxh3(memoryview(head)[: _HEAD.size - 8]))
         return bytes(head) + body
 
     def decode(self, data: bytes) -> torch.Tensor:
@@ -167,9 +214,10 @@ class CompactChunkCodec:
         if len(data) < head.size:
             raise TruncatedError(f"compact chunk of {len(data)} bytes")
         view = memoryview(data).cast("B")
+        fields = head.unpack_from(data)
         if version >= 5:
             # every other header field is believed only once its checksum matches
-            if _xxh3(view[:_HEAD_SUMMED]) != _HEAD.unpack_from(data)[-1]:
+            if _xxh3(view[: head.size - 8]) != fields[-1]:
                 raise ChecksumMismatchError("compact KV chunk header checksum")
         start = 0 if version == 1 else _HEAD_V2.unpack_from(data)[-1]
         page_version = PAGE_VERSIONS[version]
@@ -179,11 +227,15 @@ class CompactChunkCodec:
             raise CorruptDataError(f"compact KV chunk of format index {fi} (formats 0-{len(_FORMATS) - 1})")
         if _FORMATS[fi] != self.fmt:
             raise CorruptDataError(f"chunk is {_FORMATS[fi]}, this codec decodes {self.fmt}")
+        if version >= 6 and fields[-3] != self.calibration_id:
+            raise CorruptDataError(f"chunk was coded with calibration {fields[-3]:016x}, this codec's is "
+                                   f"{self.calibration_id:016x} (another model's, or a calibration made again): "
+                                   "its codes would decode to other values")
         pages = self._check(kinds, layers, tokens, hidden, CorruptDataError)
         want = self.max_encoded_size((kinds, layers, tokens, hidden)) - _HEAD.size + head.size
         if len(data) != want:
             raise TruncatedError(f"compact chunk has {len(data)} bytes, its header implies {want}")
-        if version >= 5 and _xxh3(view[head.size:]) != _HEAD.unpack_from(data)[-2]:
+        if version >= 5 and _xxh3(view[head.size:]) != fields[-2]:
             raise ChecksumMismatchError("compact KV chunk pages checksum")
         positions = torch.arange(start, start + tokens)
         heads, d = self.cal.kv_heads, self.cal.head_dim

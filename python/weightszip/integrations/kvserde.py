@@ -106,11 +106,13 @@ def deserialize_into(src, dst, *, threads: int | None = None) -> None:
         raise TruncatedError(f"KV chunk declares {n} bytes, {s.numel() - HEADER_LEN} are there")
     body = s[HEADER_LEN : HEADER_LEN + n]
     if mode == MODE_CODEC:
-        from weightszip.store import _CODECS
+        from weightszip.store import codec_for
 
-        if tag not in _CODECS:
+        data = body.numpy().tobytes()
+        codec = codec_for(tag, data)
+        if codec is None:
             raise InvalidArgumentError(f"KV chunk made by codec tag {tag}, which is not registered")
-        out = _CODECS[tag].decode(body.numpy().tobytes())
+        out = codec.decode(data)
         if not isinstance(out, torch.Tensor):
             # numpy (bf16 / fp8 as ml_dtypes types, which torch cannot take): move the bits.
             a = np.ascontiguousarray(out)

@@ -7,10 +7,13 @@ configuration; in short:
 MP mode (serde on an L2 adapter): start the server through our launcher, which registers the
 serde type ``weightszip`` and then runs LMCache's own server with the same arguments::
 
-    python -m weightszip.integrations.lmcache_server <lmcache server args> \\
+    python -m weightszip.integrations.lmcache_server --host 127.0.0.1 --port 5555 \\
+        --l1-size-gb 8 --eviction-policy LRU --disable-observability \\
         --l2-adapter '{"type": "fs", "base_path": "/data/kv", "serde": {"type": "weightszip"}}'
 
-(or call `register()` in any process before LMCache parses its L2 adapter config).
+(LMCache requires ``--l1-size-gb`` and ``--eviction-policy``; ``--disable-observability`` where its
+opentelemetry exporters are not installed, as with scripts/lmcache_site.sh. Or call `register()` in
+any process before LMCache parses its L2 adapter config.)
 Serde options: ``"mode": "exact"`` (default, bit-exact); ``"q4"``, ``"q3.5"`` or ``"q3"`` with
 ``"calibration": "/path/model.wzcal"`` (the compact formats, lossy); or ``"codec"`` with ``"codec":
 "pkg.module:OBJECT"`` naming a `weightszip.store.ChunkCodec` (compact formats) that also has
@@ -19,20 +22,23 @@ cores) and ``"max_workers"`` (chunks coded at once).
 
 In-process mode (LMCache config YAML)::
 
-    remote_url: "plugin://weightszip"
-    remote_storage_plugins: ["weightszip"]
+    remote_storage_plugins: ["weightszip"]    # (not remote_url as well: a second backend, same folder)
     extra_config:
       remote_storage_plugin.weightszip.module_path: weightszip.integrations.lmcache
       remote_storage_plugin.weightszip.class_name: WeightszipConnector
       remote_storage_plugin.weightszip.path: /data/kv            # disk tier (omit: RAM only)
       remote_storage_plugin.weightszip.ram_bytes: 8589934592     # RAM tier budget
       remote_storage_plugin.weightszip.redis_url: redis://host:6379/0   # optional remote tier
+
+Every `ChunkStore` option can be given so (another key under the prefix is refused); with several
+workers (vLLM with TP > 1), each opens its own subfolder of ``path`` (`worker_folder`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -48,7 +54,8 @@ from weightszip import _core
 from weightszip._tensors import _torch_maps, bytes_buffer
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
-from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec
+from weightszip.integrations._options import store_kwargs
+from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec, tag_kind
 
 SERDE_NAME = "weightszip"
 
@@ -104,7 +111,9 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
         from weightszip.compact.calibrate import Calibration
         from weightszip.integrations.compact_chunks import CompactChunkCodec
 
-        codec = register_codec(CompactChunkCodec(Calibration.load(str(kwargs["calibration"])), mode), replace=True)
+        # (not replace=True: chunks say which calibration coded them, so several models' codecs
+        # share the format's tag in one process)
+        codec = register_codec(CompactChunkCodec(Calibration.load(str(kwargs["calibration"])), mode))
     elif mode == "codec":
         if "codec" not in kwargs:
             raise InvalidArgumentError("serde mode 'codec' needs \"codec\": \"module:object\"")
@@ -124,12 +133,32 @@ def register() -> None:
         register_serde_factory(SERDE_NAME, create_serde)
 
 
+def worker_folder(metadata) -> Optional[str]:
+    """The subfolder of ``path`` that this worker's store opens, or None for ``path`` itself.
+
+    With tensor or pipeline parallelism vLLM runs one LMCache engine per worker process, and a store
+    folder is one process's (its lock): workers cannot share one, so each opens
+    ``path/worker<id>of<world size>`` (``worker1of2``), from the engine's `LMCacheMetadata`, which
+    the connector finds on its ``local_cpu_backend`` (as LMCache's own fs connector does; the
+    dynamic adapter passes no metadata). A single worker (world size 1, or no metadata) keeps
+    ``path`` itself, so stores written before workers had folders stay readable."""
+    world = int(getattr(metadata, "world_size", 1) or 1)
+    if world <= 1:
+        return None
+    return f"worker{int(metadata.worker_id)}of{world}"
+
+
 class WeightszipConnector(RemoteConnector):
     """LMCache in-process remote storage on a `ChunkStore` (RAM, disk, Redis tiers), every chunk
     compressed losslessly by the exact codec off the GIL, and verified on every read.
 
     LMCache's DynamicConnectorAdapter builds it as ``cls(loop=, local_cpu_backend=, config=)``;
-    options come from ``extra_config`` keys ``remote_storage_plugin.<name>.<option>``.
+    options come from ``extra_config`` keys ``remote_storage_plugin.weightszip.<option>``, one per
+    `ChunkStore` option (``path``, ``ram_bytes``, ``disk_bytes``, ``io_threads``, ``durable``,
+    ``write_through``, ``promote``, ``max_chunk_bytes``, ``redis_url``, ``redis_prefix``,
+    ``redis_timeout_ms``) beside LMCache's ``module_path`` and ``class_name``; another key under
+    that prefix is an `InvalidArgumentError`. Each worker of a multi-worker engine opens its own
+    subfolder of ``path`` (`worker_folder`).
     """
 
     PLUGIN = "weightszip"
@@ -141,19 +170,13 @@ class WeightszipConnector(RemoteConnector):
         self.local_cpu_backend = local_cpu_backend
         if store is None:
             extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
-
-            def opt(name, default=None):
-                return extra.get(f"remote_storage_plugin.{self.PLUGIN}.{name}", default)
-
-            store = ChunkStore(
-                opt("path"),
-                ram_bytes=int(opt("ram_bytes", 1 << 30)),
-                disk_bytes=int(opt("disk_bytes", 0)),
-                io_threads=int(opt("io_threads", 0)),
-                durable=bool(opt("durable", True)),
-                redis_url=opt("redis_url"),
-                redis_prefix=str(opt("redis_prefix", "wz:")),
-            )
+            prefix = f"remote_storage_plugin.{self.PLUGIN}."
+            mine = {k[len(prefix):]: v for k, v in extra.items() if isinstance(k, str) and k.startswith(prefix)}
+            opts = store_kwargs(mine, f"LMCache extra_config {prefix}*", ignore=("module_path", "class_name"))
+            worker = worker_folder(getattr(local_cpu_backend, "metadata", None))
+            if opts.get("path") is not None and worker is not None:
+                opts["path"] = os.path.join(opts["path"], worker)
+            store = ChunkStore(**opts)
         self.store = store
 
     @staticmethod
@@ -170,7 +193,8 @@ class WeightszipConnector(RemoteConnector):
         t = memory_obj.tensor
         if t is None:
             raise InvalidArgumentError("memory object has no tensor")
-        # The memory format rides in the tag's upper bits, so get() allocates the same kind.
+        # The memory format rides in the tag's upper bits, so get() allocates the same kind; the
+        # store reads the chunk as a container all the same (tag_kind: get_tensor decodes it).
         tag = TAG_CONTAINER | (int(memory_obj.meta.fmt.value) << 8)
         self.store.put(self._key(key), weightszip.compress(t.cpu()), tag=tag)
 
@@ -182,7 +206,7 @@ class WeightszipConnector(RemoteConnector):
         if r is None:
             return None
         tag, data = r
-        if tag & 0xFF != TAG_CONTAINER:
+        if tag_kind(tag) != TAG_CONTAINER:
             raise InvalidArgumentError(f"chunk {self._key(key)!r} has tag {tag}, not a weightszip container")
         addr, n, keep = bytes_buffer(data)
         entries = _core.buffer_index(addr, n)["entries"]

@@ -3,7 +3,12 @@
     python -m weightszip.integrations.lmcache_server [LMCache server arguments]
 
 takes exactly the arguments of ``python -m lmcache.v1.multiprocess.server``; an L2 adapter can
-then say ``"serde": {"type": "weightszip"}``."""
+then say ``"serde": {"type": "weightszip"}``. docs/STORE.md gives a whole command that starts it::
+
+    python -m weightszip.integrations.lmcache_server --host 127.0.0.1 --port 5555 \\
+        --l1-size-gb 8 --eviction-policy LRU --disable-observability \\
+        --l2-adapter '{"type": "fs", "base_path": "/data/kv", "serde": {"type": "weightszip"}}'
+"""
 
 import runpy
 

@@ -9,15 +9,18 @@ Load it with SGLang's dynamic backend (``pip install sglang``)::
             "module_path": "weightszip.integrations.sglang", "class_name": "WeightszipHiCacheStorage",
             "path": "/data/hicache", "ram_bytes": 8589934592}'
 
-Options in the extra config: ``path`` (disk tier; omit for RAM only), ``ram_bytes``,
-``disk_bytes``, ``io_threads``, ``durable``, ``redis_url``, ``redis_prefix``. The backend uses
-SGLang's generic page path (``batch_get`` / ``batch_set`` of flat host pages), not the zero-copy
-``interface_v1``.
+Options in the extra config: every `weightszip.store.ChunkStore` option under its own name
+(``path``: disk tier, omit for RAM only; ``ram_bytes``, ``disk_bytes``, ``io_threads``, ``durable``,
+``write_through``, ``promote``, ``max_chunk_bytes``, ``redis_url``, ``redis_prefix``,
+``redis_timeout_ms``), beside SGLang's own keys; any other key is an `InvalidArgumentError`. The
+backend uses SGLang's generic page path (``batch_get`` / ``batch_set`` of flat host pages), not the
+zero-copy ``interface_v1``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, List, Optional
 
 import torch
@@ -26,42 +29,62 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from weightszip import _core
 from weightszip._tensors import as_buffer, bytes_buffer
 from weightszip.errors import InvalidArgumentError, WeightszipError
+from weightszip.integrations._options import flag, store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore
 
 logger = logging.getLogger(__name__)
 
+#: Keys of the extra config that are SGLang's (its dynamic loader's, and those its cache controller
+#: reads or pops), not store options.
+SGLANG_KEYS = (
+    "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "file_storage_path",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+)
 
-def _flag(x, name: str) -> bool:
-    """A yes/no option of the extra config: a JSON bool, 0 or 1, or the strings true/false (bool("no")
-    would be True)."""
-    if isinstance(x, bool) or (isinstance(x, int) and x in (0, 1)):
-        return bool(x)
-    if isinstance(x, str) and x.strip().lower() in ("true", "false", "1", "0"):
-        return x.strip().lower() in ("true", "1")
-    raise InvalidArgumentError(f"HiCache extra config: {name} must be true or false, not {x!r}")
+
+def rank_folder(cfg: HiCacheStorageConfig) -> Optional[str]:
+    """The subfolder of ``path`` that this rank's store opens, or None for ``path`` itself.
+
+    Every rank SGLang runs (tensor, pipeline and attention-context parallel, and each data-parallel
+    attention group) is a process of its own, and a store folder is one process's (its lock): ranks
+    cannot share one, so each opens ``path/<name>``, named by every parallel dimension larger than
+    one (``tp1of2``, ``tp0of4-pp1of2``, ``dp1-tp0of2``). A single-rank server keeps ``path`` itself,
+    so stores written before ranks had folders stay readable. MLA pages, which the ranks share by
+    key, are stored on disk once per rank (a Redis tier holds them once)."""
+    parts = []
+    dp_rank = int(getattr(cfg, "dp_rank", 0) or 0)  # (SGLang versions before dp_rank: always 0)
+    if dp_rank:
+        parts.append(f"dp{dp_rank}")
+    for name, rank, size in (("tp", cfg.tp_rank, cfg.tp_size), ("pp", cfg.pp_rank, cfg.pp_size),
+                             ("cp", getattr(cfg, "attn_cp_rank", 0), getattr(cfg, "attn_cp_size", 1))):
+        if int(size) > 1:
+            parts.append(f"{name}{int(rank)}of{int(size)}")
+    return "-".join(parts) or None
 
 
 class WeightszipHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *, store=None):
         extra = dict(storage_config.extra_config or {})
         model = "-".join((storage_config.model_name or "").split("/"))
-        # Same sharing rule as SGLang's file backend: MLA pages are shared by the TP ranks,
-        # MHA pages are per rank.
+        # Same sharing rule as SGLang's file backend: MLA pages are shared by the TP ranks (through
+        # a Redis tier; each rank's disk folder is its own), MHA pages are per rank.
         if storage_config.is_mla_model:
             self.suffix = f"_{model}"
         else:
             self.suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
         if storage_config.pp_size > 1:
             self.suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
-        self.store = store or ChunkStore(
-            extra.get("path"),
-            ram_bytes=int(extra.get("ram_bytes", 1 << 30)),
-            disk_bytes=int(extra.get("disk_bytes", 0)),
-            io_threads=int(extra.get("io_threads", 0)),
-            durable=_flag(extra.get("durable", True), "durable"),
-            redis_url=extra.get("redis_url"),
-            redis_prefix=str(extra.get("redis_prefix", "wz:")),
-        )
+        if store is None:
+            opts = store_kwargs(extra, "HiCache extra config", ignore=SGLANG_KEYS)
+            rank = rank_folder(storage_config)
+            if opts.get("path") is not None and rank is not None:
+                opts["path"] = os.path.join(opts["path"], rank)
+            if flag(extra.get("interface_v1", False), "interface_v1", "HiCache extra config"):
+                raise InvalidArgumentError("HiCache extra config: the weightszip backend has no zero-copy "
+                                           "interface_v1; leave it out")
+            store = ChunkStore(**opts)
+        self.store = store
 
     def _k(self, key: str) -> str:
         if not isinstance(key, str):

@@ -237,6 +237,7 @@ impl Store {
             ("dropped", s.dropped),
             ("corrupt_evicted", s.corrupt_evicted),
             ("flush_errors", s.flush_errors),
+            ("unreadable_chunks", s.unreadable_chunks),
         ] {
             d.set_item(k, v)?;
         }

@@ -92,6 +92,10 @@ pub struct Stats {
     pub corrupt_evicted: u64,
     /// Failed writes of evicted chunks (the chunk was dropped); a put's own failure is its error.
     pub flush_errors: u64,
+    /// Chunk files found at open that this store cannot read (above its `max_chunk_bytes`, or of a
+    /// newer format version): left in place, outside the disk budget; `get` of their key is their
+    /// error, `put` and `delete` replace or remove them.
+    pub unreadable_chunks: u64,
 }
 
 #[derive(Clone)]
@@ -144,6 +148,17 @@ struct State {
     /// Deletes so far: a remote chunk read while a delete ran is not promoted (it would bring the
     /// deleted key back)
     deletes: u64,
+    /// Chunk files found at open that this store cannot read (a newer writer's, or above its
+    /// `max_chunk_bytes`), by key hash: their sequence number. Indexed, so that `get` reports them
+    /// (their error, not a silent miss), `contains` counts them, and `put` / `delete` remove them
+    /// (left on disk, a deleted key would come back at an open that reads them). Outside the disk
+    /// budget and its LRU: this store never evicts what it cannot read.
+    unreadable: HashMap<u128, u64>,
+    /// Keys whose last put or delete failed in the remote tier, by key hash: the sequence number of
+    /// that put (for a delete, the next number). Redis may still hold an older version or the
+    /// deleted one, so this store does not read the key there (a miss) until a later put of it (a
+    /// number at least that one) or a delete reaches Redis. Only failures add entries.
+    remote_stale: HashMap<u128, u64>,
 }
 
 impl State {
@@ -277,7 +292,7 @@ pub struct ChunkStore {
     /// so `close` waits for those in flight before it flushes, and later ones fail. None takes it
     /// twice: a second read lock while `close` waits for the write lock can deadlock.
     closed: RwLock<bool>,
-    /// Held for the store's life: one process per folder.
+    /// Held for the store's life: one open store per folder.
     _lock: Option<File>,
 }
 
@@ -322,7 +337,7 @@ impl ChunkStore {
                 Ok(()) => {}
                 Err(TryLockError::WouldBlock) => {
                     return Err(Error::InvalidArgument(format!(
-                        "store folder {} is open in another process",
+                        "store folder {} is open in another store (of this process or another)",
                         dir.display()
                     )))
                 }
@@ -331,7 +346,11 @@ impl ChunkStore {
             lock = Some(f);
             let (found, max_seq) = pool.install(|| scan(dir, cfg.max_chunk_bytes, &counters))?;
             state.next_seq = max_seq + 1; // above every file's number, indexed or not
-            let mut newest: HashMap<u128, (u64, u64)> = HashMap::new();
+            // Older versions of a key are removed whatever they hold, readable here or not: the
+            // newest replaced them (an open that reads them all removes them too), and one left
+            // behind a newest this store deletes would come back at such an open. A newest version
+            // this store cannot read hides the older ones it could (they are not the key's value).
+            let mut newest: HashMap<u128, (u64, Option<u64>)> = HashMap::new();
             let mut stale = Vec::new();
             for (h, seq, bytes) in found {
                 match newest.get(&h) {
@@ -348,7 +367,15 @@ impl ChunkStore {
             for (h, seq) in stale {
                 let _ = fs::remove_file(dir.join(rel_path(h, seq)));
             }
-            let mut order: Vec<(u64, u128, u64)> = newest.into_iter().map(|(h, (s, b))| (s, h, b)).collect();
+            let mut order: Vec<(u64, u128, u64)> = Vec::with_capacity(newest.len());
+            for (h, (seq, bytes)) in newest {
+                match bytes {
+                    Some(b) => order.push((seq, h, b)),
+                    None => {
+                        state.unreadable.insert(h, seq);
+                    }
+                }
+            }
             order.sort_unstable();
             for (seq, h, bytes) in order {
                 state.insert_disk(h, seq, bytes);
@@ -537,6 +564,9 @@ impl ChunkStore {
                 if let Some(old) = st.insert_disk(h, seq, bytes) {
                     unlink.push((h, old.seq));
                 }
+                if let Some(old) = st.unreadable.remove(&h) {
+                    unlink.push((h, old));
+                }
                 st.insert_ram(h, v, seq, false);
                 st.evict_ram(self.cfg.ram_bytes, true, &mut flushes, &mut dropped);
                 st.evict_disk(self.cfg.disk_bytes, &mut unlink, &mut dropped);
@@ -547,6 +577,9 @@ impl ChunkStore {
             st.flushing.remove(&h);
             if let Some(old) = st.remove_disk(h) {
                 unlink.push((h, old.seq));
+            }
+            if let Some(old) = st.unreadable.remove(&h) {
+                unlink.push((h, old));
             }
             st.insert_ram(h, v, seq, has_disk);
             st.evict_ram(self.cfg.ram_bytes, has_disk, &mut flushes, &mut dropped);
@@ -563,7 +596,22 @@ impl ChunkStore {
                 key_hash: h,
                 payload_xxh3: v.xxh,
             };
-            remote.put(h, &file::encode_chunk(&header, &v.key, &v.data))?;
+            let r = remote.put(h, &file::encode_chunk(&header, &v.key, &v.data));
+            let mut st = self.lock();
+            match r {
+                // Redis may keep an older version: read there after this version left the local
+                // tiers (an eviction), it would replace it (see State::remote_stale)
+                Err(e) => {
+                    let mark = st.remote_stale.entry(h).or_insert(seq);
+                    *mark = (*mark).max(seq);
+                    return Err(e);
+                }
+                Ok(()) => {
+                    if st.remote_stale.get(&h).is_some_and(|&s| s <= seq) {
+                        st.remote_stale.remove(&h);
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -590,9 +638,14 @@ impl ChunkStore {
                     drop(st);
                     return self.check_mem(h, key, v, seq);
                 }
-                match st.disk.get(&h) {
-                    Some(e) => disk_seq = e.seq,
-                    None => {
+                match (st.disk.get(&h), st.unreadable.get(&h)) {
+                    (Some(e), _) => disk_seq = e.seq,
+                    (None, Some(&seq)) => {
+                        drop(st);
+                        self.check_unreadable(h, seq)?;
+                        continue;
+                    }
+                    (None, None) => {
                         drop(st);
                         return self.get_remote(h, key);
                     }
@@ -656,7 +709,15 @@ impl ChunkStore {
             self.counters.misses.fetch_add(1, Relaxed);
             return Ok(None);
         };
-        let deletes = self.lock().deletes; // (before the read: see State::deletes)
+        let (deletes, stale) = {
+            let st = self.lock();
+            (st.deletes, st.remote_stale.contains_key(&h)) // (before the read: see State::deletes)
+        };
+        if stale {
+            // Redis may hold an older version or a deleted one (State::remote_stale): a miss
+            self.counters.misses.fetch_add(1, Relaxed);
+            return Ok(None);
+        }
         let Some(buf) = remote.get(h)? else {
             self.counters.misses.fetch_add(1, Relaxed);
             return Ok(None);
@@ -704,6 +765,34 @@ impl ChunkStore {
         Ok(Some(Chunk { tag: fc.header.tag, data }))
     }
 
+    /// `get` of a key whose newest file this store cannot read (State::unreadable): that file's
+    /// error (LimitExceeded, UnsupportedVersion, Unsupported), from its header read again; never a
+    /// miss, never removed. Ok: look again, the index moved on (a put or delete came first, or the
+    /// file is gone: forgotten, as a disk file deleted from outside; or it was replaced from
+    /// outside by one this store reads: indexed in the disk tier, whose read verifies it).
+    fn check_unreadable(&self, h: u128, seq: u64) -> Result<()> {
+        let path = self.path(h, seq).expect("unreadable entries exist only with a folder");
+        let read = file::read_header(&path, self.cfg.max_chunk_bytes);
+        let mut st = self.lock();
+        if st.unreadable.get(&h) != Some(&seq) {
+            return Ok(());
+        }
+        match read {
+            Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                st.unreadable.remove(&h);
+                Ok(())
+            }
+            Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => {
+                st.unreadable.remove(&h);
+                st.insert_disk(h, seq, hd.file_len());
+                Ok(())
+            }
+            Ok((hd, _)) => Err(Error::Corrupt(format!("chunk file of sequence {seq} holds sequence {}", hd.seq))),
+            // damage appeared meanwhile is reported, not removed: the next open removes it
+            Err(e) => Err(e),
+        }
+    }
+
     fn check_mem(&self, h: u128, key: &[u8], v: Value, seq: u64) -> Result<Option<Chunk>> {
         if &*v.key != key {
             self.counters.misses.fetch_add(1, Relaxed);
@@ -749,21 +838,33 @@ impl ChunkStore {
     pub fn contains(&self, key: &[u8]) -> Result<bool> {
         let _open = self.open_guard()?;
         let h = key_hash(key);
-        let local = {
+        let (local, stale) = {
             let st = self.lock();
-            st.ram.contains_key(&h) || st.flushing.contains_key(&h) || st.disk.contains_key(&h)
+            let local = st.ram.contains_key(&h)
+                || st.flushing.contains_key(&h)
+                || st.disk.contains_key(&h)
+                || st.unreadable.contains_key(&h);
+            (local, st.remote_stale.contains_key(&h))
         };
-        Ok(local || self.remote.as_ref().is_some_and(|r| r.exists(h).unwrap_or(false)))
+        // (not the remote copy of a key whose last put or delete failed there: `get` does not
+        // read it, State::remote_stale)
+        Ok(local || (!stale && self.remote.as_ref().is_some_and(|r| r.exists(h).unwrap_or(false))))
     }
 
-    /// Remove `key` from every tier. Returns whether it was stored.
+    /// Remove `key` from every tier. Returns whether it was stored. A failure of the remote tier
+    /// is this call's error (never a success while Redis may keep the chunk): the local copies are
+    /// removed all the same, and this store reads the key no more from Redis until a later put or
+    /// delete of it reaches Redis (State::remote_stale), so the deleted chunk does not come back
+    /// here; another store sharing the Redis still reads it there until a delete succeeds.
     pub fn delete(&self, key: &[u8]) -> Result<bool> {
         let _open = self.open_guard()?;
         let h = key_hash(key);
+        // puts numbered from here on started after this delete: a failure of theirs stays marked
+        let started = self.lock().next_seq;
         // the remote copy first: a get between the two would read it again and promote it (the
         // local removal below counts in State::deletes, which stops a promote of a value read
         // before it)
-        let remote = self.remote.as_ref().is_some_and(|r| r.delete(h).unwrap_or(false));
+        let remote = self.remote.as_ref().map(|r| r.delete(h));
         let mut unlink = Vec::new();
         let found;
         {
@@ -772,10 +873,30 @@ impl ChunkStore {
             let a = st.remove_ram(h).is_some();
             let b = st.flushing.remove(&h).is_some();
             let c = st.remove_disk(h).map(|e| unlink.push((h, e.seq))).is_some();
-            found = a || b || c;
+            let d = st.unreadable.remove(&h).map(|seq| unlink.push((h, seq))).is_some();
+            found = a || b || c || d;
+            match &remote {
+                Some(Err(_)) => {
+                    let next = st.next_seq;
+                    let mark = st.remote_stale.entry(h).or_insert(next);
+                    *mark = (*mark).max(next);
+                }
+                Some(Ok(_)) if st.remote_stale.get(&h).is_some_and(|&s| s < started) => {
+                    st.remote_stale.remove(&h);
+                }
+                _ => {}
+            }
         }
         self.unlink(&unlink);
-        Ok(found || remote)
+        match remote {
+            Some(Err(Error::Io(e))) => Err(Error::Io(std::io::Error::new(
+                e.kind(),
+                format!("{e} (deleting from the remote tier; the local copies are deleted, Redis may still hold it)"),
+            ))),
+            Some(Err(e)) => Err(e),
+            Some(Ok(r)) => Ok(found || r),
+            None => Ok(found),
+        }
     }
 
     /// Write every chunk that is only in RAM to disk (no-op without a disk tier), on the I/O pool.
@@ -844,14 +965,19 @@ impl ChunkStore {
             dropped: c.dropped.load(Relaxed),
             corrupt_evicted: c.corrupt_evicted.load(Relaxed),
             flush_errors: c.flush_errors.load(Relaxed),
+            unreadable_chunks: st.unreadable.len() as u64,
         })
     }
 
-    /// The path of the file that holds `key` on disk now, if it is there (for tools and tests).
+    /// The path of the file that holds `key` on disk now, if it is there (for tools and tests); a
+    /// file this store cannot read too (State::unreadable).
     pub fn file_of(&self, key: &[u8]) -> Result<Option<PathBuf>> {
         let _open = self.open_guard()?;
         let h = key_hash(key);
-        let seq = self.lock().disk.get(&h).map(|e| e.seq);
+        let seq = {
+            let st = self.lock();
+            st.disk.get(&h).map(|e| e.seq).or_else(|| st.unreadable.get(&h).copied())
+        };
         Ok(seq.and_then(|seq| self.path(h, seq)))
     }
 
@@ -891,8 +1017,9 @@ impl Drop for ChunkStore {
     }
 }
 
-/// Chunk files found by `scan`: (key hash, sequence number, bytes on disk) each.
-type Found = Vec<(u128, u64, u64)>;
+/// Chunk files found by `scan`: (key hash, sequence number, bytes on disk) each; bytes None for a
+/// chunk this store cannot read (`is_unreadable`).
+type Found = Vec<(u128, u64, Option<u64>)>;
 
 /// Index the chunk files of a store folder (in parallel over its 256 subfolders). Also returns the
 /// largest sequence number named by a file left there (indexed or not; 0 when none).
@@ -954,12 +1081,12 @@ fn scan(dir: &Path, max_payload: u64, counters: &Counters) -> Result<(Found, u64
                     continue;
                 }
                 match file::read_header(&path, max_payload) {
-                    Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => out.push((h, seq, hd.file_len())),
+                    Ok((hd, _)) if hd.key_hash == h && hd.seq == seq => out.push((h, seq, Some(hd.file_len()))),
                     Ok(_) => damaged(&path),
                     Err(e) if is_damage(&e) => damaged(&path),
                     // a chunk this store cannot read (a newer writer's, or above max_chunk_bytes):
-                    // left on disk, not indexed
-                    Err(e) if is_unreadable(&e) => {}
+                    // left on disk, indexed as such (State::unreadable)
+                    Err(e) if is_unreadable(&e) => out.push((h, seq, None)),
                     Err(Error::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => return Err(e),
                 }

@@ -112,3 +112,38 @@ fn an_unreachable_or_malformed_server_is_a_typed_error() {
     assert!(matches!(ChunkStore::open(cfg(format!("redis://127.0.0.1:{port}/"))), Err(Error::Io(_))));
     assert!(matches!(ChunkStore::open(cfg("http://nope".into())), Err(Error::InvalidArgument(_))));
 }
+
+/// A delete or put that Redis refuses (here by an ACL; a timeout or a server gone alike) is the
+/// call's error, and the copy Redis kept (the deleted chunk, the older version) is never read back
+/// by this store: a delete returned true while Redis kept the chunk, and the next local miss
+/// brought the deleted chunk back (found by a review, with a paused server).
+#[test]
+fn a_delete_or_put_refused_by_redis_is_an_error_and_the_old_copy_never_comes_back() {
+    let Some(srv) = server() else { return };
+    let mut conn = redis::Client::open(srv.url.as_str()).unwrap().get_connection().unwrap();
+    let mut acl =
+        |rule: &str| redis::cmd("ACL").arg("SETUSER").arg("default").arg(rule).query::<()>(&mut conn).unwrap();
+    let s = store(&srv.url, "f:");
+    let other = store(&srv.url, "f:");
+    s.put(b"d", b"deleted".to_vec(), 0).unwrap();
+    acl("-del");
+    assert!(matches!(s.delete(b"d"), Err(Error::Io(_))));
+    acl("+del");
+    assert!(!s.contains(b"d").unwrap());
+    assert_eq!(&**other.get(b"d").unwrap().unwrap().data, b"deleted", "Redis kept it");
+    assert!(s.get(b"d").unwrap().is_none(), "the deleted chunk came back");
+    assert!(s.delete(b"d").unwrap(), "a retried delete reaches Redis");
+    assert!(store(&srv.url, "f:").get(b"d").unwrap().is_none());
+
+    s.put(b"p", b"v1".to_vec(), 0).unwrap();
+    acl("-set");
+    assert!(matches!(s.put(b"p", b"v2".to_vec(), 0), Err(Error::Io(_))));
+    acl("+set");
+    assert_eq!(&**s.get(b"p").unwrap().unwrap().data, b"v2", "the local tiers keep it");
+    s.evict_from_ram(b"p").unwrap(); // RAM only: dropped
+    assert!(s.get(b"p").unwrap().is_none(), "the older version came back from Redis");
+    // A put that reaches Redis makes it the key's copy again.
+    s.put(b"p", b"v3".to_vec(), 0).unwrap();
+    s.evict_from_ram(b"p").unwrap();
+    assert_eq!(&**s.get(b"p").unwrap().unwrap().data, b"v3");
+}
