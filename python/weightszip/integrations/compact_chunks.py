@@ -125,18 +125,24 @@ class CompactChunkCodec:
         self.calibration_id = calibration_id(calibration, fmt)
 
     def owns(self, data: Any) -> bool | None:
-        """Whether a chunk was coded with this codec's format and calibration (its header says so,
-        for version 6), False if it was not, None if its header cannot tell (older versions, or not
-        a readable chunk): what lets chunks of several calibrations share a store and a tag."""
+        """Whether this codec is the one to decode a chunk: what lets chunks of several calibrations
+        share a store and a tag. False when its (version-6, intact) header names another format or
+        calibration; None when its header cannot tell (versions 1-5 record no calibration); True
+        when it names this codec's, and also for bytes that are no intact chunk at all (damaged,
+        cut, not a chunk), which every codec refuses alike: ``decode`` then says why."""
         try:
             head = bytes(memoryview(data)[: _HEAD.size])
         except TypeError:
+            return True
+        if len(head) < 5 or head[:4] != MAGIC or head[4] not in PAGE_VERSIONS:
+            return True
+        if head[4] < 6:
             return None
-        if len(head) < _HEAD.size or head[:4] != MAGIC or head[4] != VERSION:
-            return None
+        if len(head) < _HEAD.size:
+            return True
         fields = _HEAD.unpack(head)
-        if _xxh3(head[:_HEAD.size - 8]) != fields[-1]:
-            return None
+        if _xxh3(head[: _HEAD.size - 8]) != fields[-1]:
+            return True
         return fields[2] < len(_FORMATS) and _FORMATS[fields[2]] == self.fmt and fields[-3] == self.calibration_id
 
     def __repr__(self) -> str:
