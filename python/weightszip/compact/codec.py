@@ -101,6 +101,33 @@ def _check_pow2(head_dim: int) -> None:
         raise CompactCodecError(f"head_dim must be a power of two >= 8, not {head_dim}")
 
 
+def check_table_values(codebooks, mu, mult, signs, e0s, rope_m=None, rope_phase=None) -> None:
+    """The value rules of a head's tables (CompactCodecError), over tensors of any leading shape, so
+    that one head (``HeadTables``) and a whole calibration's tables at once (``Calibration.validate``)
+    are checked by the same code: codebooks (along their last axis) strictly ascending within [-1,
+    1], mult in [1, 2**24], signs +-1, |mu| <= 2**37, each e0 a scale grid within float32's normal
+    range, |rope_m| < 2**31 and rope_phase in [0, 2**48) where given. Shapes and dtypes are the
+    caller's to check."""
+    if not all(bool(torch.all(cb[..., 1:] > cb[..., :-1])) for cb in codebooks):
+        raise CompactCodecError("codebook entries must be strictly ascending")
+    if not all(bool(torch.all(cb.abs() <= 1)) for cb in codebooks):  # (NaN and infinities fail too)
+        raise CompactCodecError("codebook entries must lie in [-1, 1]")
+    if not bool(torch.all((mult >= 1) & (mult <= MULT_MAX))):
+        raise CompactCodecError("mult must lie in [1, 2**24]")
+    if not bool(torch.all(signs.abs() == 1)):
+        raise CompactCodecError("signs must be +-1")
+    # (compared both ways: abs() of the most negative int64 is itself, negative)
+    if not bool(torch.all((mu >= -(2**37)) & (mu <= 2**37))):
+        raise CompactCodecError("|mu| must be at most 2**37")
+    for e0 in e0s:
+        grid_table(int(e0))
+    if rope_m is not None:
+        if not bool(torch.all((rope_m > -ROPE_M_MAX) & (rope_m < ROPE_M_MAX))):
+            raise CompactCodecError("|rope_m| must be below 2**31")
+        if not bool(torch.all((rope_phase >= 0) & (rope_phase < 2**PHASE_BITS))):
+            raise CompactCodecError("rope_phase must lie in [0, 2**48)")
+
+
 def grid_table(e0: int) -> torch.Tensor:
     """The 256 scale steps of a head: float32 ``ldexp(FRAC[i % 16], e0 + i // 16)``, ascending."""
     i = np.arange(GRID_SIZE)
@@ -154,22 +181,10 @@ class HeadTables:
             raise CompactCodecError(f"bits must be one of {BITS_CHOICES}, not {self.bits}")
         if self.codebook.shape != (2**self.bits,) or self.codebook.dtype != torch.float32:
             raise CompactCodecError(f"codebook must be float32 [{2**self.bits}]")
-        if not bool(torch.all(self.codebook[1:] > self.codebook[:-1])):
-            raise CompactCodecError("codebook entries must be strictly ascending")
-        if not bool(torch.all(self.codebook.abs() <= 1)):  # (NaN and infinities fail too)
-            raise CompactCodecError("codebook entries must lie in [-1, 1]")
         for name in ("mu", "mult", "signs"):
             t = getattr(self, name)
             if t.shape != (d,) or t.dtype != torch.int64:
                 raise CompactCodecError(f"{name} must be int64 [{d}]")
-        if not bool(torch.all((self.mult >= 1) & (self.mult <= MULT_MAX))):
-            raise CompactCodecError("mult must lie in [1, 2**24]")
-        if not bool(torch.all(self.signs.abs() == 1)):
-            raise CompactCodecError("signs must be +-1")
-        # (compared both ways: abs() of the most negative int64 is itself, negative)
-        if not bool(torch.all((self.mu >= -(2**37)) & (self.mu <= 2**37))):
-            raise CompactCodecError("|mu| must be at most 2**37")
-        grid_table(self.e0)  # validates e0
         if (self.rope_m is None) != (self.rope_phase is None):
             raise CompactCodecError("rope_m and rope_phase come together")
         if self.rope_m is not None:
@@ -177,10 +192,7 @@ class HeadTables:
                 raise CompactCodecError(f"rope_m must be int64 [{d}]")
             if self.rope_phase.shape != (d // 2,) or self.rope_phase.dtype != torch.int64:
                 raise CompactCodecError(f"rope_phase must be int64 [{d // 2}]")
-            if not bool(torch.all((self.rope_m > -ROPE_M_MAX) & (self.rope_m < ROPE_M_MAX))):
-                raise CompactCodecError("|rope_m| must be below 2**31")
-            if not bool(torch.all((self.rope_phase >= 0) & (self.rope_phase < 2**PHASE_BITS))):
-                raise CompactCodecError("rope_phase must lie in [0, 2**48)")
+        check_table_values([self.codebook], self.mu, self.mult, self.signs, [self.e0], self.rope_m, self.rope_phase)
 
     @property
     def has_rope_offset(self) -> bool:

@@ -209,6 +209,18 @@ impl State {
         Some(e)
     }
 
+    /// Forget the unreadable file of `h` (State::unreadable), if any, queueing it for `unlink`;
+    /// whether there was one.
+    fn take_unreadable(&mut self, h: u128, unlink: &mut Vec<(u128, u64)>) -> bool {
+        self.unreadable.remove(&h).map(|seq| unlink.push((h, seq))).is_some()
+    }
+
+    /// A put or delete of `h` numbered `seq` failed in the remote tier (State::remote_stale).
+    fn mark_remote_stale(&mut self, h: u128, seq: u64) {
+        let mark = self.remote_stale.entry(h).or_insert(seq);
+        *mark = (*mark).max(seq);
+    }
+
     fn insert_disk(&mut self, h: u128, seq: u64, bytes: u64) -> Option<DiskEntry> {
         let old = self.remove_disk(h);
         let tick = self.tick();
@@ -564,9 +576,7 @@ impl ChunkStore {
                 if let Some(old) = st.insert_disk(h, seq, bytes) {
                     unlink.push((h, old.seq));
                 }
-                if let Some(old) = st.unreadable.remove(&h) {
-                    unlink.push((h, old));
-                }
+                st.take_unreadable(h, &mut unlink);
                 st.insert_ram(h, v, seq, false);
                 st.evict_ram(self.cfg.ram_bytes, true, &mut flushes, &mut dropped);
                 st.evict_disk(self.cfg.disk_bytes, &mut unlink, &mut dropped);
@@ -578,9 +588,7 @@ impl ChunkStore {
             if let Some(old) = st.remove_disk(h) {
                 unlink.push((h, old.seq));
             }
-            if let Some(old) = st.unreadable.remove(&h) {
-                unlink.push((h, old));
-            }
+            st.take_unreadable(h, &mut unlink);
             st.insert_ram(h, v, seq, has_disk);
             st.evict_ram(self.cfg.ram_bytes, has_disk, &mut flushes, &mut dropped);
         }
@@ -602,8 +610,7 @@ impl ChunkStore {
                 // Redis may keep an older version: read there after this version left the local
                 // tiers (an eviction), it would replace it (see State::remote_stale)
                 Err(e) => {
-                    let mark = st.remote_stale.entry(h).or_insert(seq);
-                    *mark = (*mark).max(seq);
+                    st.mark_remote_stale(h, seq);
                     return Err(e);
                 }
                 Ok(()) => {
@@ -873,13 +880,12 @@ impl ChunkStore {
             let a = st.remove_ram(h).is_some();
             let b = st.flushing.remove(&h).is_some();
             let c = st.remove_disk(h).map(|e| unlink.push((h, e.seq))).is_some();
-            let d = st.unreadable.remove(&h).map(|seq| unlink.push((h, seq))).is_some();
+            let d = st.take_unreadable(h, &mut unlink);
             found = a || b || c || d;
             match &remote {
                 Some(Err(_)) => {
                     let next = st.next_seq;
-                    let mark = st.remote_stale.entry(h).or_insert(next);
-                    *mark = (*mark).max(next);
+                    st.mark_remote_stale(h, next);
                 }
                 Some(Ok(_)) if st.remote_stale.get(&h).is_some_and(|&s| s < started) => {
                     st.remote_stale.remove(&h);
