@@ -382,12 +382,13 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
 
 
 @pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-small-step", "wide-group",
-                                  "rope-group-16", "config-off"])
+                                  "rope-group-16", "config-off", "smem-fits", "smem-over"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
     group <= GLUON_MAX_ACC) and the step is large enough (``gluon_min_work``; with the rotary term
-    ``gluon_rope_min_work``), on a GPU; the Triton kernel otherwise. (Both kernels replaced by
+    ``gluon_rope_min_work``) and the config's shared memory fits ``GLUON_MAX_SMEM``, on a GPU; the
+    Triton kernel otherwise. (Both kernels replaced by
     recorders; the GPU is simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
@@ -402,8 +403,12 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     cfg = KernelConfig(gluon=what != "config-off", gluon_rope=what in ("rope-on", "rope-small-step", "rope-group-16"),
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0)
+    if what.startswith("smem"):  # the config's shared memory against the cap: exactly at it, one byte over
+        need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, False)
+        assert need > 0
+        monkeypatch.setattr(pd, "GLUON_MAX_SMEM", need - (what == "smem-over"))
     run(c, False, config=cfg)
-    want_gluon = what in ("gluon", "rope-on")
+    want_gluon = what in ("gluon", "rope-on", "smem-fits")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
