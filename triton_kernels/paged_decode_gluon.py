@@ -40,6 +40,15 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   is bound by instruction issue and its integer/logic (ALU) pipe, not by memory latency: q4 about
   490 SASS instructions per 16-token page and warp, about 200 on the ALU pipe (with bit planes at
   width 4: 750 and 390; BENCHMARKS.md).
+* **No global load in the loop** (staged path): a page's copies also bring, in the same commit
+  group, the block-table entry of the page STAGES steps on into its slot's header (``_seed_block``
+  seeds the first steps, ``_carried_offsets`` reads it back), the page's grid-scale indices, and
+  the head's grids are staged in shared memory once (``_fill_grids``); the planes sit at their
+  page offset mod 32, so a copy touches 16 sectors. On the H200 1-17% over loading the addresses in
+  the loop, the output unchanged (BENCHMARKS.md, session 27).
+* **Two product chains for the logits** (``_k_halves``, ``_logits``): the 8 dependent ``mma.sync``
+  of a page's ``K Q^T`` as two chains over the two halves of head_dim, summed at the end (a
+  different fp32 rounding of the sum, within the stated tolerance; 1-2% for KV Exact4, none here).
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
@@ -50,7 +59,8 @@ merge kernel are ``PagedDecodeAttention``'s.
 
 ``fp8_split_kernel``: the same pattern for fp8 e4m3 pages (the baseline the compact formats are
 measured against, whose Triton kernel reaches only half of bf16's bandwidth efficiency): pages staged
-by zero-filling cp.async into padded rows, e4m3 pairs converted to f16 pairs in registers (Hopper has
+by zero-filling cp.async into padded rows (32-byte aligned, chunks swizzled by ``_fp8_chunk``; the
+block numbers carried in K row 0's padding), e4m3 pairs converted to f16 pairs in registers (Hopper has
 no e4m3 -> bf16 conversion), f16 products. About 470 instructions per 16-token page and warp (the
 compact kernel: 750 for half the bytes). The fp8 default on the GPU (``KernelConfig.gluon``; on the
 H200 0.59-0.90 of read bandwidth against the Triton kernel's 0.44-0.54, BENCHMARKS.md) for head_dim
