@@ -77,6 +77,29 @@ def _backend(tmp_path: Path, **extra):
     return backend
 
 
+@pytest.mark.skipif(__import__("shutil").which("redis-server") is None, reason="needs redis-server to stop one")
+def test_a_redis_tier_that_cannot_answer_is_a_logged_miss(tmp_path, caplog):
+    """HiCache asks batch_exists for the longest stored prefix: a page only Redis could answer for,
+    with Redis gone, counts as absent (the pages are computed again) and says why in the log; the
+    store's own contains raises for it."""
+    from test_store_redis import _start_private
+
+    p, url = _start_private()
+    try:
+        b = _backend(tmp_path, redis_url=url, redis_timeout_ms=500)
+        pages = _pages(2)
+        assert b.batch_set(["a", "b"], pages)
+    finally:
+        p.kill()
+        p.wait()
+    with caplog.at_level("WARNING", logger="weightszip.integrations.sglang"):
+        assert b.batch_exists(["a", "elsewhere", "b"]) == 1
+        assert b.exists("a") and not b.exists("elsewhere")
+    assert sum("counted as absent" in r.getMessage() for r in caplog.records) == 2
+    with pytest.raises(weightszip.WeightszipIOError):
+        b.store.contains("elsewhere")
+
+
 def test_sglang_dynamic_backend_round_trips_pages(tmp_path):
     b = _backend(tmp_path)
     from weightszip.integrations.sglang import WeightszipHiCacheStorage

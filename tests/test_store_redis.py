@@ -124,6 +124,13 @@ def test_a_server_that_goes_away_is_an_io_error_not_a_hang(tmp_path):
         s.put("after", b"y")
     # The local tiers still hold both (a put's remote failure comes after the local write).
     assert s.get("before") == b"x" and s.get("after") == b"y"
+    # A local copy answers `contains` without Redis; a key Redis must answer for is an error, as
+    # for `get`, not a "no" (it was a silent False)
+    assert "before" in s
+    with pytest.raises(weightszip.WeightszipIOError, match="redis"):
+        s.contains("elsewhere")
+    with pytest.raises(weightszip.WeightszipIOError, match="redis"):
+        s.get("elsewhere")
     with pytest.raises(weightszip.WeightszipIOError):
         ChunkStore(None, redis_url=url, redis_timeout_ms=500)
 

@@ -350,6 +350,8 @@ class ChunkStore:
 
     # -- management ---------------------------------------------------------------------------
     def contains(self, key: str | bytes) -> bool:
+        """Whether `key` is stored (not read nor verified). A local copy answers without asking
+        Redis; WeightszipIOError when Redis is asked and cannot answer (down, a timeout), as `get`."""
         return self._s.contains(_key(key))
 
     __contains__ = contains

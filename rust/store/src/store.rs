@@ -841,7 +841,9 @@ impl ChunkStore {
         let _ = self.run_flushes(flushes, None);
     }
 
-    /// Whether `key` is stored (without reading or verifying it).
+    /// Whether `key` is stored (without reading or verifying it). A local copy answers without
+    /// asking the remote tier; a remote tier that cannot answer (down, a timeout) is this call's
+    /// error, as for `get`, not a "no".
     pub fn contains(&self, key: &[u8]) -> Result<bool> {
         let _open = self.open_guard()?;
         let h = key_hash(key);
@@ -855,7 +857,13 @@ impl ChunkStore {
         };
         // (not the remote copy of a key whose last put or delete failed there: `get` does not
         // read it, State::remote_stale)
-        Ok(local || (!stale && self.remote.as_ref().is_some_and(|r| r.exists(h).unwrap_or(false))))
+        if local || stale {
+            return Ok(local);
+        }
+        match &self.remote {
+            Some(r) => r.exists(h),
+            None => Ok(false),
+        }
     }
 
     /// Remove `key` from every tier. Returns whether it was stored. A failure of the remote tier
