@@ -45,8 +45,7 @@ fn floats(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         for c in 0..cols {
             let noise = (r.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
             // Positive, within a factor of 3 per channel: few distinct sign/exponent symbols.
-            let v = (1.0 + (c % 3) as f32)
-                * (1.0 + 0.4 * (t as f32 * 0.05 * (c + 1) as f32).sin() + 0.1 * noise);
+            let v = (1.0 + (c % 3) as f32) * (1.0 + 0.4 * (t as f32 * 0.05 * (c + 1) as f32).sin() + 0.1 * noise);
             let bits = v.to_bits();
             match dtype {
                 DType::BF16 => out.extend_from_slice(&((bits >> 16) as u16).to_le_bytes()),
@@ -58,9 +57,7 @@ fn floats(dtype: DType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
                     let man = ((bits >> 13) & 0x3ff) as u16;
                     out.extend_from_slice(&((sign << 15) | (exp << 10) | man).to_le_bytes());
                 }
-                DType::F8E4M3 | DType::F8E5M2 => {
-                    out.push((bits >> 24) as u8 ^ (r.next() & 3) as u8)
-                }
+                DType::F8E4M3 | DType::F8E5M2 => out.push((bits >> 24) as u8 ^ (r.next() & 3) as u8),
                 _ => unreachable!(),
             }
         }
@@ -75,9 +72,7 @@ fn bytes(n: usize, seed: u64, alphabet: u64) -> Vec<u8> {
 }
 
 fn counters_i32(n: usize) -> Vec<u8> {
-    (0..n as i32)
-        .flat_map(|i| (i * 3 - 40).to_le_bytes())
-        .collect()
+    (0..n as i32).flat_map(|i| (i * 3 - 40).to_le_bytes()).collect()
 }
 
 /// Rows (of `len / rows` bytes) repeating with period `period`: row-dedup (MODE_ROWS) chunks.
@@ -111,80 +106,49 @@ fn write(dir: &Path, name: &str, data: &[u8]) {
 
 fn main() {
     let root = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "corpus".into()));
-    let dirs = [
-        "container_parse",
-        "chunk_decode",
-        "round_trip",
-        "page_decode",
-        "kvx4_decode",
-        "store_chunk",
-    ]
-    .map(|t| {
-        let d = root.join(t);
-        fs::create_dir_all(&d).unwrap();
-        // Replace the previous seeds (their names may change); leave the fuzzer's files alone.
-        for f in fs::read_dir(&d).unwrap() {
-            let f = f.unwrap();
-            if f.file_name().to_string_lossy().starts_with("seed-") {
-                fs::remove_file(f.path()).unwrap();
+    let dirs =
+        ["container_parse", "chunk_decode", "round_trip", "page_decode", "kvx4_decode", "store_chunk"].map(|t| {
+            let d = root.join(t);
+            fs::create_dir_all(&d).unwrap();
+            // Replace the previous seeds (their names may change); leave the fuzzer's files alone.
+            for f in fs::read_dir(&d).unwrap() {
+                let f = f.unwrap();
+                if f.file_name().to_string_lossy().starts_with("seed-") {
+                    fs::remove_file(f.path()).unwrap();
+                }
             }
-        }
-        d
-    });
+            d
+        });
 
     let mut kv = meta(DType::BF16, &[48, 16], "layer0.k");
     kv.layout = LAYOUT_KV;
     let containers: Vec<Seed> = vec![
-        (
-            "bf16-48x16-c512",
-            vec![(kv, floats(DType::BF16, 48, 16, 1))],
-            512,
-            0,
-            KIND_TENSORS,
-        ),
+        ("bf16-48x16-c512", vec![(kv, floats(DType::BF16, 48, 16, 1))], 512, 0, KIND_TENSORS),
         (
             "f32-16x24-c512-l1",
-            vec![(
-                meta(DType::F32, &[16, 24], "w"),
-                floats(DType::F32, 16, 24, 2),
-            )],
+            vec![(meta(DType::F32, &[16, 24], "w"), floats(DType::F32, 16, 24, 2))],
             512,
             1,
             KIND_TENSORS,
         ),
         (
             "f16-48x16-c512",
-            vec![(
-                meta(DType::F16, &[48, 16], "h"),
-                floats(DType::F16, 48, 16, 3),
-            )],
+            vec![(meta(DType::F16, &[48, 16], "h"), floats(DType::F16, 48, 16, 3))],
             512,
             0,
             KIND_TENSORS,
         ),
         (
             "f8-2x16x32-c256",
-            vec![(
-                meta(DType::F8E4M3, &[2, 16, 32], "q"),
-                floats(DType::F8E4M3, 32, 32, 4),
-            )],
+            vec![(meta(DType::F8E4M3, &[2, 16, 32], "q"), floats(DType::F8E4M3, 32, 32, 4))],
             256,
             0,
             KIND_TENSORS,
         ),
-        (
-            "u8-file-c200",
-            vec![(meta(DType::U8, &[700], ""), bytes(700, 5, 3))],
-            200,
-            0,
-            KIND_FILE,
-        ),
+        ("u8-file-c200", vec![(meta(DType::U8, &[700], ""), bytes(700, 5, 3))], 200, 0, KIND_FILE),
         (
             "bf16-rows-32x16-c512",
-            vec![(
-                meta(DType::BF16, &[32, 16], "v0"),
-                repeat_rows(floats(DType::BF16, 32, 16, 8), 32, 3),
-            )],
+            vec![(meta(DType::BF16, &[32, 16], "v0"), repeat_rows(floats(DType::BF16, 32, 16, 8), 32, 3))],
             512,
             0,
             KIND_TENSORS,
@@ -194,10 +158,7 @@ fn main() {
             vec![
                 (meta(DType::I32, &[16, 24], "ids"), counters_i32(384)),
                 (meta(DType::U8, &[90], "rand"), bytes(90, 6, 256)),
-                (
-                    meta(DType::BF16, &[6, 10], "v"),
-                    floats(DType::BF16, 6, 10, 7),
-                ),
+                (meta(DType::BF16, &[6, 10], "v"), floats(DType::BF16, 6, 10, 7)),
             ],
             384,
             0,
@@ -207,10 +168,7 @@ fn main() {
             "empty-and-scalar",
             vec![
                 (meta(DType::BF16, &[0, 5], "empty"), vec![]),
-                (
-                    meta(DType::F64, &[], "scalar"),
-                    2.5f64.to_le_bytes().to_vec(),
-                ),
+                (meta(DType::F64, &[], "scalar"), 2.5f64.to_le_bytes().to_vec()),
                 (meta(DType::Bool, &[3], "mask"), vec![1, 0, 1]),
             ],
             16,
@@ -222,13 +180,8 @@ fn main() {
     println!("container_parse / chunk_decode:");
     let mut n_chunk_seeds = 0;
     for (name, tensors, chunk_bytes, lanes_log2, kind) in &containers {
-        let opts = EncodeOptions {
-            chunk_bytes: *chunk_bytes,
-            threads: 1,
-            lanes_log2: *lanes_log2,
-        };
-        let refs: Vec<(TensorMeta, &[u8])> =
-            tensors.iter().map(|(m, d)| (m.clone(), &d[..])).collect();
+        let opts = EncodeOptions { chunk_bytes: *chunk_bytes, threads: 1, lanes_log2: *lanes_log2 };
+        let refs: Vec<(TensorMeta, &[u8])> = tensors.iter().map(|(m, d)| (m.clone(), &d[..])).collect();
         let c = compress(&refs, *kind, &opts).unwrap();
         let parsed = Container::parse(&c).unwrap();
         for (ei, (_, d)) in tensors.iter().enumerate() {
@@ -268,36 +221,11 @@ fn main() {
     let pool: Vec<u8> = (0u8..64).map(|i| i.wrapping_mul(37) ^ 0x5a).collect();
     let rt: Vec<(&str, Vec<u8>)> = vec![
         // 1 tensor, lanes 2^0, chunk 32 bytes, bf16 [16, 8] axis 1, smooth elements.
-        (
-            "bf16-16x8-smooth-c32",
-            vec![0x00, 31, 0, 1, 2 | 1 << 2 | 3 << 4, 16, 8, 0, 4],
-        ),
+        ("bf16-16x8-smooth-c32", vec![0x00, 31, 0, 1, 2 | 1 << 2 | 3 << 4, 16, 8, 0, 4]),
         // lanes 2^3, chunk 7 bytes (not a multiple of the element size), f32 [5, 9] axis 0, 2-bit bytes.
-        (
-            "f32-5x9-small-c7-l3",
-            vec![3 << 2, 6, 0, 3, 2 | 1 << 4, 5, 9, 0, 0],
-        ),
+        ("f32-5x9-small-c7-l3", vec![3 << 2, 6, 0, 3, 2 | 1 << 4, 5, 9, 0, 0]),
         // 2 tensors, 2 threads: f16 [3, 4, 6] PRNG and u8 [100] raw pool, chunk 50 bytes.
-        (
-            "f16-u8-threads-c50",
-            vec![
-                0x01 | 0x40,
-                49,
-                0,
-                2,
-                3 | 2 << 2 | 2 << 4,
-                3,
-                4,
-                6,
-                3,
-                0,
-                1,
-                100,
-                0,
-                0,
-                0,
-            ],
-        ),
+        ("f16-u8-threads-c50", vec![0x01 | 0x40, 49, 0, 2, 3 | 2 << 2 | 2 << 4, 3, 4, 6, 3, 0, 1, 100, 0, 0, 0]),
         // 3 tensors, kind file, lanes 2^10: fp8 e5m2 [64], i64 scalar, bool [0, 4] (empty), chunk 1 byte.
         (
             "fp8-i64-bool-c1-l10",
@@ -326,25 +254,9 @@ fn main() {
             ],
         ),
         // i16 [40, 3] axis 0 with the big default-ish chunk (65536 bytes): one chunk.
-        (
-            "i16-40x3-c65536",
-            vec![0x00, 0xff, 0xff, 8, 2 | 3 << 4, 40, 3, 0, 5],
-        ),
+        ("i16-40x3-c65536", vec![0x00, 0xff, 0xff, 8, 2 | 3 << 4, 40, 3, 0, 5]),
         // bf16 [24, 16] axis 1, smooth, rows repeating with period 2 (t5 bits 4-5), chunk 256 bytes.
-        (
-            "bf16-24x16-rows2-c256",
-            vec![
-                0x00,
-                0xff,
-                0x00,
-                1,
-                2 | 1 << 2 | 3 << 4,
-                24,
-                16,
-                0,
-                3 | 2 << 4,
-            ],
-        ),
+        ("bf16-24x16-rows2-c256", vec![0x00, 0xff, 0x00, 1, 2 | 1 << 2 | 3 << 4, 24, 16, 0, 3 | 2 << 4]),
     ];
     println!("round_trip:");
     for (name, mut params) in rt {
@@ -375,13 +287,7 @@ fn main() {
     // kvx4_decode: [selector] ++ middle offset (u64 LE) ++ one or two KV Exact4 pages (1 to 4 heads
     // of 32 or 64 channels); `tiny` values 2^-60 (one in `tiny` values) make plain rows
     println!("kvx4_decode:");
-    let kvx4_seeds = [
-        (1usize, 1usize, 0u64, 1usize),
-        (2, 1, 40, 1),
-        (3, 2, 200, 1),
-        (4, 1, 25, 2),
-        (1, 2, 0, 2),
-    ];
+    let kvx4_seeds = [(1usize, 1usize, 0u64, 1usize), (2, 1, 40, 1), (3, 2, 200, 1), (4, 1, 25, 2), (1, 2, 0, 2)];
     for (heads, dims, tiny, pages) in kvx4_seeds {
         let shape = weightszip_core::kvx4::Shape::new(heads, 32 * dims).unwrap();
         let values: Vec<u8> = (0..pages * 16 * shape.channels())
@@ -389,11 +295,7 @@ fn main() {
                 let r = rng.next();
                 let e = 124u16.saturating_sub((r % 64).trailing_zeros() as u16 * 2);
                 let tiny_here = tiny > 0 && (r >> 12).is_multiple_of(tiny);
-                let v = if tiny_here {
-                    0x2180
-                } else {
-                    ((r >> 20) as u16 & 0x807F) | (e << 7)
-                };
+                let v = if tiny_here { 0x2180 } else { ((r >> 20) as u16 & 0x807F) | (e << 7) };
                 v.to_le_bytes()
             })
             .collect();
@@ -402,22 +304,14 @@ fn main() {
         input.extend_from_slice(&offs[1].to_le_bytes());
         input.extend_from_slice(&buf);
         let plain = if tiny > 0 { "-plain" } else { "" };
-        write(
-            &dirs[4],
-            &format!("seed-kvx4-{heads}x{}-{pages}p{plain}", 32 * dims),
-            &input,
-        );
+        write(&dirs[4], &format!("seed-kvx4-{heads}x{}-{pages}p{plain}", 32 * dims), &input);
     }
     // store_chunk: [selector] ++ a chunk as the store writes it (header, key, payload); selector 0
     // (checksums as written, no limit) and 5 (repaired, limit = the payload's length)
     println!("store_chunk:");
     let values = vec![0x3fu8; 256];
-    let container = compress(
-        &[(meta(DType::BF16, &[4, 32], "k"), &values[..])],
-        KIND_TENSORS,
-        &EncodeOptions::default(),
-    )
-    .unwrap();
+    let container =
+        compress(&[(meta(DType::BF16, &[4, 32], "k"), &values[..])], KIND_TENSORS, &EncodeOptions::default()).unwrap();
     let store_seeds: [(&[u8], u32, &[u8]); 4] = [
         (b"k", 0, b""),
         (b"session-7/layer-3", 0, b"raw payload bytes"),

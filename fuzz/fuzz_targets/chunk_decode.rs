@@ -22,14 +22,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut again = vec![0x5au8; n];
     decode_chunk(payload, &mut again).expect("a payload that decoded once must decode again");
-    assert!(
-        out == again,
-        "decode_chunk left output bytes unwritten or is not deterministic"
-    );
+    assert!(out == again, "decode_chunk left output bytes unwritten or is not deterministic");
     if payload[0] == MODE_STORED {
-        assert!(
-            out[..] == payload[1..],
-            "stored chunk decoded to something else than its body"
-        );
+        assert!(out[..] == payload[1..], "stored chunk decoded to something else than its body");
     }
 });

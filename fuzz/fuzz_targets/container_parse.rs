@@ -20,9 +20,7 @@
 use libfuzzer_sys::fuzz_target;
 use weightszip_core::chunk::decode_chunk;
 use weightszip_core::codec::Container;
-use weightszip_core::format::{
-    index_checksum, parse_trailer, preamble, Index, END_MAGIC, PREAMBLE_LEN, TRAILER_LEN,
-};
+use weightszip_core::format::{index_checksum, parse_trailer, preamble, Index, END_MAGIC, PREAMBLE_LEN, TRAILER_LEN};
 
 /// Entries with more raw bytes than this are not decoded.
 const MAX_ENTRY_RAW: u64 = 64 << 20;
@@ -100,10 +98,7 @@ fn repaired(data: &[u8]) {
     );
     let Ok(c) = parsed else { return };
     assert_eq!(c.index, direct.unwrap());
-    assert!(
-        c.index.to_bytes() == ib,
-        "index does not re-serialise to the bytes it was parsed from"
-    );
+    assert!(c.index.to_bytes() == ib, "index does not re-serialise to the bytes it was parsed from");
 
     // Decode each chunk on its own, bypassing the checksums; remember the results.
     let mut index = c.index.clone();
@@ -146,31 +141,18 @@ fn repaired(data: &[u8]) {
         let r = c2.decode_entry(ei, &mut out, 1);
         match d {
             Ok(want) => {
-                r.unwrap_or_else(|e| {
-                    panic!("entry {ei}: every chunk decodes, decode_entry says {e}")
-                });
-                assert!(
-                    out == *want,
-                    "entry {ei}: decode_entry differs from its chunks"
-                );
+                r.unwrap_or_else(|e| panic!("entry {ei}: every chunk decodes, decode_entry says {e}"));
+                assert!(out == *want, "entry {ei}: decode_entry differs from its chunks");
             }
             Err(()) => {
                 all_ok = false;
-                assert!(
-                    r.is_err(),
-                    "entry {ei}: a chunk fails to decode but decode_entry succeeds"
-                );
+                assert!(r.is_err(), "entry {ei}: a chunk fails to decode but decode_entry succeeds");
             }
         }
     }
     if decoded.iter().all(|d| d.is_some()) {
         let v = c2.verify(1);
-        assert_eq!(
-            v.is_ok(),
-            all_ok,
-            "verify disagrees with the chunk decoder: {:?}",
-            v.err()
-        );
+        assert_eq!(v.is_ok(), all_ok, "verify disagrees with the chunk decoder: {:?}", v.err());
     }
 }
 

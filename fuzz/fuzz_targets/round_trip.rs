@@ -30,8 +30,7 @@ use libfuzzer_sys::fuzz_target;
 use weightszip_core::codec::{chunk_elems_for, compress, Container, EncodeOptions};
 use weightszip_core::dtype::ALL_DTYPES;
 use weightszip_core::format::{
-    parse_trailer, TensorMeta, FLAG_TORCH, KIND_FILE, KIND_TENSORS, LAYOUT_KV, LAYOUT_TENSOR,
-    TRAILER_LEN,
+    parse_trailer, TensorMeta, FLAG_TORCH, KIND_FILE, KIND_TENSORS, LAYOUT_KV, LAYOUT_TENSOR, TRAILER_LEN,
 };
 
 const MAX_RAW: u64 = 64 << 10;
@@ -76,15 +75,7 @@ fn gen_data(mode: u8, size: usize, nbytes: usize, pool: &[u8], salt: usize) -> V
         _ => {
             // One base element; each element flips bits of its lowest byte only.
             let base: Vec<u8> = (0..size).map(at).collect();
-            (0..nbytes)
-                .map(|j| {
-                    if j % size == 0 {
-                        base[0] ^ at(size + j / size)
-                    } else {
-                        base[j % size]
-                    }
-                })
-                .collect()
+            (0..nbytes).map(|j| if j % size == 0 { base[0] ^ at(size + j / size) } else { base[j % size] }).collect()
         }
     }
 }
@@ -99,20 +90,10 @@ fuzz_target!(|data: &[u8]| {
     let n_tensors = ((g & 3) as usize).clamp(0, 2) + 1;
     let lanes_log2 = ((g >> 2) & 15) as u32 % 11;
     let two_threads = g & 0x40 != 0;
-    let kind = if g & 0x80 != 0 {
-        KIND_FILE
-    } else {
-        KIND_TENSORS
-    };
+    let kind = if g & 0x80 != 0 { KIND_FILE } else { KIND_TENSORS };
     let chunk_bytes = u16::from_le_bytes([b.u8(), b.u8()]) as u64 + 1;
-    let opts = EncodeOptions {
-        chunk_bytes,
-        threads: if two_threads { 2 } else { 1 },
-        lanes_log2,
-    };
-    let headers: Vec<[u8; 6]> = (0..n_tensors)
-        .map(|_| [b.u8(), b.u8(), b.u8(), b.u8(), b.u8(), b.u8()])
-        .collect();
+    let opts = EncodeOptions { chunk_bytes, threads: if two_threads { 2 } else { 1 }, lanes_log2 };
+    let headers: Vec<[u8; 6]> = (0..n_tensors).map(|_| [b.u8(), b.u8(), b.u8(), b.u8(), b.u8(), b.u8()]).collect();
     let pool = data.get(b.i.min(data.len())..).unwrap_or(&[]);
 
     let mut tensors: Vec<(TensorMeta, Vec<u8>)> = Vec::new();
@@ -121,16 +102,8 @@ fuzz_target!(|data: &[u8]| {
         let ndim = (h[1] & 3) as usize;
         let mut shape: Vec<u64> = h[2..2 + ndim].iter().map(|&d| d as u64).collect();
         let mut meta = TensorMeta::new(dtype, shape.clone());
-        meta.channel_axis = if ndim == 0 {
-            0
-        } else {
-            ((h[1] >> 2) & 3) % ndim as u8
-        };
-        meta.layout = if h[1] & 0x40 != 0 {
-            LAYOUT_KV
-        } else {
-            LAYOUT_TENSOR
-        };
+        meta.channel_axis = if ndim == 0 { 0 } else { ((h[1] >> 2) & 3) % ndim as u8 };
+        meta.layout = if h[1] & 0x40 != 0 { LAYOUT_KV } else { LAYOUT_TENSOR };
         meta.flags = if h[1] & 0x80 != 0 { FLAG_TORCH } else { 0 };
         let name_len = (h[5] & 15) as usize;
         meta.name = String::from_utf8_lossy(&pool[..name_len.min(pool.len())]).into_owned();
@@ -138,13 +111,7 @@ fuzz_target!(|data: &[u8]| {
         loop {
             meta.shape = shape.clone();
             let raw = raw_of(&meta);
-            let chunks = if raw == 0 {
-                0
-            } else {
-                meta.n_elems()
-                    .unwrap()
-                    .div_ceil(chunk_elems_for(&meta, &opts))
-            };
+            let chunks = if raw == 0 { 0 } else { meta.n_elems().unwrap().div_ceil(chunk_elems_for(&meta, &opts)) };
             if raw <= MAX_RAW && chunks * alphabet * alphabet <= MAX_MODEL_WORK {
                 break;
             }
@@ -164,37 +131,23 @@ fuzz_target!(|data: &[u8]| {
     }
 
     let refs: Vec<(TensorMeta, &[u8])> = tensors.iter().map(|(m, d)| (m.clone(), &d[..])).collect();
-    let c = compress(&refs, kind, &opts)
-        .unwrap_or_else(|e| panic!("compress refused valid input: {e}"));
+    let c = compress(&refs, kind, &opts).unwrap_or_else(|e| panic!("compress refused valid input: {e}"));
     if two_threads {
         let one = EncodeOptions { threads: 1, ..opts };
-        assert!(
-            compress(&refs, kind, &one).unwrap() == c,
-            "output depends on the thread count"
-        );
+        assert!(compress(&refs, kind, &one).unwrap() == c, "output depends on the thread count");
     }
 
-    let parsed =
-        Container::parse(&c).unwrap_or_else(|e| panic!("own container does not parse: {e}"));
+    let parsed = Container::parse(&c).unwrap_or_else(|e| panic!("own container does not parse: {e}"));
     assert_eq!(parsed.index.kind, kind);
     assert_eq!(parsed.index.entries.len(), tensors.len());
     let total = c.len() as u64;
     let (io, il, _) = parse_trailer(&c[(total - TRAILER_LEN) as usize..], total).unwrap();
-    assert!(
-        parsed.index.to_bytes() == c[io as usize..(io + il) as usize],
-        "index does not re-serialise to its bytes"
-    );
-    parsed
-        .verify(opts.threads)
-        .unwrap_or_else(|e| panic!("verify failed on own container: {e}"));
+    assert!(parsed.index.to_bytes() == c[io as usize..(io + il) as usize], "index does not re-serialise to its bytes");
+    parsed.verify(opts.threads).unwrap_or_else(|e| panic!("verify failed on own container: {e}"));
     for (ei, (meta, bytes)) in tensors.iter().enumerate() {
         assert_eq!(&parsed.index.entries[ei].meta, meta);
-        let back = parsed
-            .decode_entry_vec(ei, opts.threads)
-            .unwrap_or_else(|e| panic!("entry {ei} does not decode: {e}"));
-        assert!(
-            back == *bytes,
-            "entry {ei}: decoded bytes differ from the input"
-        );
+        let back =
+            parsed.decode_entry_vec(ei, opts.threads).unwrap_or_else(|e| panic!("entry {ei} does not decode: {e}"));
+        assert!(back == *bytes, "entry {ei}: decoded bytes differ from the input");
     }
 });

@@ -20,9 +20,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use std::mem::discriminant;
-use weightszip_store::file::{
-    encode_chunk, key_hash, parse_chunk, read_chunk, HEADER_LEN, MAX_KEY_LEN,
-};
+use weightszip_store::file::{encode_chunk, key_hash, parse_chunk, read_chunk, HEADER_LEN, MAX_KEY_LEN};
 use xxhash_rust::xxh3::xxh3_64;
 
 fn u32at(b: &[u8], o: usize) -> u32 {
@@ -60,11 +58,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let mut buf = rest.to_vec();
     let repaired = sel & 1 == 1 && repair(&mut buf);
-    let declared = if buf.len() >= HEADER_LEN {
-        u64at(&buf, 16)
-    } else {
-        0
-    };
+    let declared = if buf.len() >= HEADER_LEN { u64at(&buf, 16) } else { 0 };
     let limit = match (sel >> 1) & 3 {
         0 => u64::MAX,
         1 => 0,
@@ -74,20 +68,12 @@ fuzz_target!(|data: &[u8]| {
 
     let parsed = parse_chunk(&buf, limit);
     if let Ok(c) = &parsed {
-        assert_eq!(
-            encode_chunk(&c.header, &c.key, &c.payload),
-            buf,
-            "an accepted chunk is not canonical"
-        );
+        assert_eq!(encode_chunk(&c.header, &c.key, &c.payload), buf, "an accepted chunk is not canonical");
         assert_eq!(c.header.file_len(), buf.len() as u64);
-        assert!(
-            c.payload.len() as u64 <= limit,
-            "a payload over the limit was read"
-        );
+        assert!(c.payload.len() as u64 <= limit, "a payload over the limit was read");
     }
 
-    let path =
-        std::env::temp_dir().join(format!("weightszip-fuzz-store-{}.wzc", std::process::id()));
+    let path = std::env::temp_dir().join(format!("weightszip-fuzz-store-{}.wzc", std::process::id()));
     std::fs::write(&path, &buf).expect("scratch file");
     let read = read_chunk(&path, limit);
     let _ = std::fs::remove_file(&path);
@@ -95,11 +81,7 @@ fuzz_target!(|data: &[u8]| {
         (Ok(a), Ok(Some(b))) => {
             assert!(a.header == b.header && a.key == b.key && a.payload == b.payload)
         }
-        (Err(a), Err(b)) => assert_eq!(
-            discriminant(a),
-            discriminant(b),
-            "parse_chunk: {a}; read_chunk: {b}"
-        ),
+        (Err(a), Err(b)) => assert_eq!(discriminant(a), discriminant(b), "parse_chunk: {a}; read_chunk: {b}"),
         (a, b) => panic!("parse_chunk and read_chunk disagree: {a:?} / {b:?}"),
     }
 

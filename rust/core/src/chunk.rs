@@ -115,7 +115,7 @@ fn table_bytes(freqs: &[u16]) -> usize {
 
 /// Up to 8 evenly spread windows covering about 1/8 of `n` units (all of them when small).
 fn sample_windows(n: usize) -> Vec<(usize, usize)> {
-    const FULL_BELOW: usize = 1 <<17;
+    const FULL_BELOW: usize = 1 << 17;
     if n < FULL_BELOW {
         return vec![(0, n)];
     }
@@ -355,12 +355,7 @@ fn stored(data: &[u8]) -> Vec<u8> {
 /// stride, channel groups, symbols).
 type Finalist = (f64, u32, u32, usize, Vec<u8>, Vec<u16>);
 
-fn encode_impl<const UB: usize>(
-    data: &[u8],
-    split: Split,
-    strides: &[usize],
-    lanes_log2: u32,
-) -> Vec<u8> {
+fn encode_impl<const UB: usize>(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32) -> Vec<u8> {
     assert_eq!(data.len() % UB, 0);
     assert!(split.sym_bits >= 1 && split.sym_bits <= MAX_SYM_BITS);
     assert!(lanes_log2 <= MAX_LANES_LOG2);
@@ -496,8 +491,7 @@ fn encode_impl<const UB: usize>(
         out.push(c);
     }
     for f in &best.freqs {
-        let present: Vec<(usize, u16)> =
-            f.iter().enumerate().filter(|(_, &q)| q > 0).map(|(s, &q)| (s, q)).collect();
+        let present: Vec<(usize, u16)> = f.iter().enumerate().filter(|(_, &q)| q > 0).map(|(s, &q)| (s, q)).collect();
         put_u16(&mut out, present.len() as u16);
         for (s, q) in present {
             put_u16(&mut out, s as u16);
@@ -711,10 +705,8 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
             return corrupt("frequency table larger than the alphabet");
         }
         let raw = r.take(4 * nsym, "frequency table")?;
-        let pairs: Vec<(u16, u16)> = raw
-            .chunks_exact(4)
-            .map(|c| (u16::from_le_bytes([c[0], c[1]]), u16::from_le_bytes([c[2], c[3]])))
-            .collect();
+        let pairs: Vec<(u16, u16)> =
+            raw.chunks_exact(4).map(|c| (u16::from_le_bytes([c[0], c[1]]), u16::from_le_bytes([c[2], c[3]]))).collect();
         rans::validate_pairs(&pairs, alphabet)?;
         let t = if pairs.is_empty() { DecTable::empty(alphabet) } else { DecTable::new(&pairs, alphabet) };
         slot_sym.extend_from_slice(&t.slot_sym);
@@ -751,7 +743,15 @@ fn decode_impl<const UB: usize>(full: &[u8], mut r: Reader, out: &mut [u8]) -> R
 
     let mut syms = vec![0u16; n];
     let ok = decode_symbols(
-        &DecodeTables { slot_sym: &slot_sym, sym_fs: &sym_fs, alphabet, ctx_of: &ctx_of, groups: &groups, n_groups, shift },
+        &DecodeTables {
+            slot_sym: &slot_sym,
+            sym_fs: &sym_fs,
+            alphabet,
+            ctx_of: &ctx_of,
+            groups: &groups,
+            n_groups,
+            shift,
+        },
         full,
         stride,
         &mut states,
@@ -826,7 +826,11 @@ fn decode_symbols(
     let max_pos = stream.len() - 2;
     let g = t.n_groups;
     let shift = t.shift;
-    assert!(shift < 16 && t.ctx_of.len() == (t.alphabet >> shift) * g && t.sym_fs.len() * PROB_SCALE as usize == t.slot_sym.len() * t.alphabet);
+    assert!(
+        shift < 16
+            && t.ctx_of.len() == (t.alphabet >> shift) * g
+            && t.sym_fs.len() * PROB_SCALE as usize == t.slot_sym.len() * t.alphabet
+    );
     assert!(pos.len() == lanes && lanes.is_power_of_two() && stream.len() >= 2);
     let mut bad = false;
     let mut step = |i: usize, ctx: usize, syms: &mut [u16]| unsafe {

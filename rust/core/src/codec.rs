@@ -12,8 +12,8 @@ use crate::chunk::{self, DEFAULT_LANES_LOG2, MAX_LANES_LOG2};
 use crate::dtype::DType;
 use crate::error::{corrupt, Error, Result};
 use crate::format::{
-    self, check_preamble, index_checksum, parse_trailer, EncodedChunk, Entry, Index, TensorMeta,
-    Writer, KIND_FILE, MAX_CHUNK_RAW, PREAMBLE_LEN, TRAILER_LEN,
+    self, check_preamble, index_checksum, parse_trailer, EncodedChunk, Entry, Index, TensorMeta, Writer, KIND_FILE,
+    MAX_CHUNK_RAW, PREAMBLE_LEN, TRAILER_LEN,
 };
 
 #[derive(Debug, Clone, Copy)]
@@ -37,10 +37,7 @@ impl Default for EncodeOptions {
 impl EncodeOptions {
     fn check(&self) -> Result<()> {
         if self.chunk_bytes == 0 || self.chunk_bytes > MAX_CHUNK_RAW {
-            return Err(Error::InvalidArgument(format!(
-                "chunk size {} outside 1..={MAX_CHUNK_RAW}",
-                self.chunk_bytes
-            )));
+            return Err(Error::InvalidArgument(format!("chunk size {} outside 1..={MAX_CHUNK_RAW}", self.chunk_bytes)));
         }
         if self.lanes_log2 > MAX_LANES_LOG2 {
             return Err(Error::InvalidArgument(format!("2^{} lanes", self.lanes_log2)));
@@ -125,11 +122,7 @@ pub fn encode_chunk_bytes(raw: &[u8], meta: &TensorMeta, lanes_log2: u32) -> Enc
 }
 
 /// Encode a whole in-memory tensor into chunks, in parallel.
-pub fn encode_tensor_chunks(
-    data: &[u8],
-    meta: &TensorMeta,
-    opts: &EncodeOptions,
-) -> Result<(u64, Vec<EncodedChunk>)> {
+pub fn encode_tensor_chunks(data: &[u8], meta: &TensorMeta, opts: &EncodeOptions) -> Result<(u64, Vec<EncodedChunk>)> {
     opts.check()?;
     meta.check()?;
     let expect = meta.raw_bytes()?;
@@ -204,11 +197,7 @@ impl<'a> Container<'a> {
 
     /// Decode entry `ei` into `out` (exactly its raw size), chunks in parallel.
     pub fn decode_entry(&self, ei: usize, out: &mut [u8], threads: usize) -> Result<()> {
-        let e = self
-            .index
-            .entries
-            .get(ei)
-            .ok_or_else(|| Error::InvalidArgument(format!("no entry {ei}")))?;
+        let e = self.index.entries.get(ei).ok_or_else(|| Error::InvalidArgument(format!("no entry {ei}")))?;
         let need = e.meta.raw_bytes()?;
         if out.len() as u64 != need {
             return Err(Error::BufferTooSmall { need, have: out.len() as u64 });
@@ -697,9 +686,15 @@ mod tests {
         let p = temporary_prefix(Path::new("/x/out.wz"));
         assert_eq!(p, ".out.wz.");
         assert_eq!(temporary_pid(".out.wz.42.0.0123abcd.wz-partial", &p), Some(42));
-        for n in [".out.wz.42.0123abcd.wz-partial", ".out.wz.1.42.0.0123abcd.wz-partial", ".out.wz.x.0.0123abcd.wz-partial",
-                  ".out.wz.42.0.0123abc.wz-partial", ".out.wz.42..0123abcd.wz-partial", ".out.wz.42.0.0123abcd.wz-partial~",
-                  ".out.wz.99999999999.0.0123abcd.wz-partial"] {
+        for n in [
+            ".out.wz.42.0123abcd.wz-partial",
+            ".out.wz.1.42.0.0123abcd.wz-partial",
+            ".out.wz.x.0.0123abcd.wz-partial",
+            ".out.wz.42.0.0123abc.wz-partial",
+            ".out.wz.42..0123abcd.wz-partial",
+            ".out.wz.42.0.0123abcd.wz-partial~",
+            ".out.wz.99999999999.0.0123abcd.wz-partial",
+        ] {
             assert_eq!(temporary_pid(n, &p), None, "{n}");
         }
     }

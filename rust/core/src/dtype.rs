@@ -44,10 +44,7 @@ pub const ALL_DTYPES: [DType; 15] = [
 
 impl DType {
     pub fn from_code(code: u8) -> Result<DType> {
-        ALL_DTYPES
-            .get(code as usize)
-            .copied()
-            .ok_or_else(|| Error::Unsupported(format!("dtype code {code}")))
+        ALL_DTYPES.get(code as usize).copied().ok_or_else(|| Error::Unsupported(format!("dtype code {code}")))
     }
 
     pub fn code(self) -> u8 {

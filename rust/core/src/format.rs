@@ -75,9 +75,10 @@ impl TensorMeta {
     }
 
     pub fn n_elems(&self) -> Result<u64> {
-        self.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).ok_or_else(|| {
-            Error::LimitExceeded("element count overflows 64 bits".into())
-        })
+        self.shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::LimitExceeded("element count overflows 64 bits".into()))
     }
 
     pub fn raw_bytes(&self) -> Result<u64> {

@@ -87,7 +87,11 @@ pub fn encode_page(shape: Shape, bases: &[u8], values: &[u8], out: &mut Vec<u8>)
         return Err(Error::InvalidArgument(format!("{} window tops for {c} channels", bases.len())));
     }
     if values.len() != shape.raw_page_bytes() {
-        return Err(Error::InvalidArgument(format!("a page is {} bytes of bf16, got {}", shape.raw_page_bytes(), values.len())));
+        return Err(Error::InvalidArgument(format!(
+            "a page is {} bytes of bf16, got {}",
+            shape.raw_page_bytes(),
+            values.len()
+        )));
     }
     let (h, d) = (shape.heads, shape.head_dim);
     let start = out.len();
@@ -158,11 +162,20 @@ const HEADER_RULES: [Rule; 7] = [
     |shape, page, index| {
         let fixed = shape.fixed_bytes();
         if page.len() < fixed {
-            return Err(Error::Truncated(format!("KV Exact page {index}: {} bytes, a page has at least {fixed}", page.len())));
+            return Err(Error::Truncated(format!(
+                "KV Exact page {index}: {} bytes, a page has at least {fixed}",
+                page.len()
+            )));
         }
         Ok(())
     },
-    |_, page, index| if page.len().is_multiple_of(ALIGN) { Ok(()) } else { Err(corrupt(index, "length is not a multiple of 16")) },
+    |_, page, index| {
+        if page.len().is_multiple_of(ALIGN) {
+            Ok(())
+        } else {
+            Err(corrupt(index, "length is not a multiple of 16"))
+        }
+    },
     |shape, page, index| {
         if page[4 * (shape.heads + 1)..shape.header_bytes()].iter().any(|&b| b != 0) {
             return Err(corrupt(index, "nonzero header padding"));
@@ -274,7 +287,13 @@ fn decode_body(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], index: u
 /// references): `offsets` hold n + 1 entries and `out` n pages of `page_bytes`; the offsets run from
 /// 0 to the buffer's end (else Truncated) without decreasing (else Corrupt), so every page lies
 /// inside the buffer. Returns n.
-pub(crate) fn check_spans(what: &str, buf_len: usize, offsets: &[u64], out_len: usize, page_bytes: usize) -> Result<usize> {
+pub(crate) fn check_spans(
+    what: &str,
+    buf_len: usize,
+    offsets: &[u64],
+    out_len: usize,
+    page_bytes: usize,
+) -> Result<usize> {
     if offsets.is_empty() {
         return Err(Error::InvalidArgument("offsets must hold n + 1 entries".into()));
     }

@@ -260,7 +260,10 @@ fn check_counts(shape: Shape, page: &[u8], index: usize) -> Result<usize> {
 fn check_length(shape: Shape, page: &[u8], plain: usize, index: usize) -> Result<()> {
     let want = shape.page_length(plain);
     if page.len() < want {
-        return Err(truncated(index, &format!("{} bytes, shorter than its {want} with {plain} plain rows", page.len())));
+        return Err(truncated(
+            index,
+            &format!("{} bytes, shorter than its {want} with {plain} plain rows", page.len()),
+        ));
     }
     if page.len() > want {
         return Err(corrupt(index, &format!("{} bytes, longer than its {want} with {plain} plain rows", page.len())));

@@ -89,7 +89,10 @@ fn canonical(lengths: &[u8], max_len: u8, channel: usize) -> Result<Vec<u16>> {
     // Kraft sum in units of 2^-max_len.
     let kraft: u64 = (1..=max_len as usize).map(|l| (count[l] as u64) << (max_len as usize - l)).sum();
     if kraft != 1u64 << max_len {
-        return corrupt(format!("codebook channel {channel}: the code is not complete (Kraft sum {kraft}/{})", 1u64 << max_len));
+        return corrupt(format!(
+            "codebook channel {channel}: the code is not complete (Kraft sum {kraft}/{})",
+            1u64 << max_len
+        ));
     }
     // First code of each length: canonical order, codes of length l follow those of l - 1.
     let mut next_fixed = [0u32; 16];
@@ -182,7 +185,9 @@ impl PageCodebook {
     /// moved to the escape until no code is longer than `max_len`.
     pub fn calibrate(dtype: u8, channels: usize, samples: &[u8], max_len: u8) -> Result<Self> {
         if channels == 0 || !channels.is_multiple_of(STREAM_CHANNELS) || channels > MAX_CHANNELS {
-            return Err(Error::InvalidArgument(format!("channels {channels}: must be a positive multiple of 32, at most {MAX_CHANNELS}")));
+            return Err(Error::InvalidArgument(format!(
+                "channels {channels}: must be a positive multiple of 32, at most {MAX_CHANNELS}"
+            )));
         }
         if !(2..=MAX_CODE_LEN).contains(&max_len) {
             return Err(Error::InvalidArgument(format!("max_len {max_len} not in 2..={MAX_CODE_LEN}")));
@@ -191,7 +196,10 @@ impl PageCodebook {
             return Err(Error::InvalidArgument(format!("page profile dtype code {dtype}: only bf16 (1) and fp16 (2)")));
         }
         if !samples.len().is_multiple_of(2 * channels) {
-            return Err(Error::InvalidArgument(format!("{} sample bytes are not whole rows of {channels} 16-bit values", samples.len())));
+            return Err(Error::InvalidArgument(format!(
+                "{} sample bytes are not whole rows of {channels} 16-bit values",
+                samples.len()
+            )));
         }
         let mut hist = vec![0u64; channels * 256];
         for row in samples.chunks_exact(2 * channels) {
@@ -235,7 +243,8 @@ fn limited_lengths(hist: &[u64], max_len: u8) -> [u8; NSYM] {
             return out;
         }
         // Drop the rarest seen symbol (ties: the larger symbol) into the escape.
-        let (i, _) = live.iter().enumerate().min_by_key(|&(_, &s)| (hist[s], std::cmp::Reverse(s))).expect("escape alone fits");
+        let (i, _) =
+            live.iter().enumerate().min_by_key(|&(_, &s)| (hist[s], std::cmp::Reverse(s))).expect("escape alone fits");
         esc_count += hist[live[i]];
         live.remove(i);
     }
@@ -325,7 +334,9 @@ pub fn encode_page(cb: &PageCodebook, values: &[u8], out: &mut Vec<u8>) -> Resul
                 } else {
                     let le = cb.lengths[c * NSYM + ESC];
                     if le == 0 {
-                        return Err(Error::InvalidArgument(format!("channel {c}: symbol {sym} has no code and the codebook has no escape")));
+                        return Err(Error::InvalidArgument(format!(
+                            "channel {c}: symbol {sym} has no code and the codebook has no escape"
+                        )));
                     }
                     w.put(cb.code(c, ESC) as u32, le as u32);
                     w.put(sym as u32, 8);
@@ -360,7 +371,8 @@ pub fn page_len(cb: &PageCodebook, page: &[u8]) -> Result<usize> {
     if page.len() < hl {
         return Err(Error::Truncated(format!("page of {} bytes, its header is {hl}", page.len())));
     }
-    let words: usize = (0..cb.channels / STREAM_CHANNELS).map(|s| u16::from_le_bytes([page[2 * s], page[2 * s + 1]]) as usize).sum();
+    let words: usize =
+        (0..cb.channels / STREAM_CHANNELS).map(|s| u16::from_le_bytes([page[2 * s], page[2 * s + 1]]) as usize).sum();
     Ok(hl + PAGE_TOKENS * cb.channels + 4 * words)
 }
 
@@ -455,7 +467,9 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
                     sym = peek(bitpos, 8) as usize;
                     bitpos += 8;
                     if lens[sym] != 0 {
-                        return corrupt(format!("stream {s}: escaped symbol {sym} of channel {c} has a code of its own"));
+                        return corrupt(format!(
+                            "stream {s}: escaped symbol {sym} of channel {c} has a code of its own"
+                        ));
                     }
                 }
                 if bitpos > total_bits {
@@ -516,7 +530,10 @@ pub fn decode_pages(cb: &PageCodebook, buf: &[u8], offsets: &[u64], out: &mut [u
         let region = &buf[a as usize..b as usize];
         let len = page_len(cb, region)?;
         if len > region.len() {
-            return Err(Error::Truncated(format!("page {i} of {len} bytes does not fit its {} byte slot", region.len())));
+            return Err(Error::Truncated(format!(
+                "page {i} of {len} bytes does not fit its {} byte slot",
+                region.len()
+            )));
         }
         decode_page_with(cb, lut.as_deref(), &region[..len], &mut out[i * pr..(i + 1) * pr])?;
         if region[len..].iter().any(|&b| b != 0) {

@@ -143,10 +143,7 @@ impl DecTable {
     /// An empty context: decoding a symbol in it is an error. Its single slot entry points at a
     /// symbol with frequency 0, which the decoder treats as corruption.
     pub fn empty(alphabet: usize) -> DecTable {
-        DecTable {
-            slot_sym: vec![0u16; PROB_SCALE as usize],
-            sym_fs: vec![0u32; alphabet],
-        }
+        DecTable { slot_sym: vec![0u16; PROB_SCALE as usize], sym_fs: vec![0u32; alphabet] }
     }
 }
 

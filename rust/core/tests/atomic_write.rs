@@ -22,7 +22,8 @@ fn bytes_meta(n: u64) -> TensorMeta {
 }
 
 fn names(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut v: Vec<String> =
+        fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     v.sort();
     v
 }
@@ -61,7 +62,13 @@ fn concurrent_writers_of_one_output_do_not_collide() {
             let (out, opts) = (&out, &opts);
             s.spawn(move || {
                 for _ in 0..4 {
-                    save_tensors(out, &[(TensorMeta::new(DType::U8, vec![p.len() as u64]), p)], opts, OnExisting::Replace).unwrap();
+                    save_tensors(
+                        out,
+                        &[(TensorMeta::new(DType::U8, vec![p.len() as u64]), p)],
+                        opts,
+                        OnExisting::Replace,
+                    )
+                    .unwrap();
                 }
             });
         }
@@ -81,7 +88,8 @@ fn a_long_output_name_still_gets_a_temporary_file() {
     fs::write(&input, b"hello").unwrap();
     // 250 bytes: the output's name fits the file system's 255, the name with a suffix would not
     let out = d.join(format!("{}.wz", "é".repeat(124)));
-    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {}).unwrap();
+    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {})
+        .unwrap();
     let back = d.join("back.bin");
     decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
     assert_eq!(fs::read(&back).unwrap(), b"hello");
@@ -130,7 +138,8 @@ fn refuse_never_replaces_a_file_created_while_the_output_was_written() {
     assert!(matches!(err, Error::OutputExists(_)));
     let t = d.join("t.wz");
     save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"abc")], &opts, OnExisting::Refuse).unwrap();
-    let err = save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"xyz")], &opts, OnExisting::Refuse).unwrap_err();
+    let err =
+        save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"xyz")], &opts, OnExisting::Refuse).unwrap_err();
     assert!(matches!(err, Error::OutputExists(_)));
     // Replace replaces
     encode_file(&input, &back, &segs, &opts, OnExisting::Replace, &mut |_, _| {}).unwrap();
@@ -149,7 +158,8 @@ fn replacing_a_file_keeps_its_permission_mode() {
     let out = d.join("out.wz");
     fs::write(&out, b"old").unwrap();
     fs::set_permissions(&out, fs::Permissions::from_mode(0o640)).unwrap();
-    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {}).unwrap();
+    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {})
+        .unwrap();
     assert_eq!(fs::metadata(&out).unwrap().permissions().mode() & 0o7777, 0o640);
     let back = d.join("back.bin");
     fs::write(&back, b"old").unwrap();
@@ -179,10 +189,10 @@ fn temporary_files_of_killed_writers_of_the_output_are_removed() {
     let (dead, me) = (dead_pid(), std::process::id());
     let stale = [format!(".out.wz.{dead}.0.0123abcd.wz-partial"), format!(".out.wz.{dead}.17.ffffffff.wz-partial")];
     let kept = [
-        format!(".out.wz.{me}.3.0123abcd.wz-partial"),   // a live writer's (this process)
-        ".out.wz.1.3.0123abcd.wz-partial".to_string(),   // a live writer's (PID 1 always runs)
+        format!(".out.wz.{me}.3.0123abcd.wz-partial"), // a live writer's (this process)
+        ".out.wz.1.3.0123abcd.wz-partial".to_string(), // a live writer's (PID 1 always runs)
         format!(".out.wz.1.{dead}.0.0123abcd.wz-partial"), // output out.wz.1's
-        format!(".out.wz.{dead}.0123abcd.wz-partial"),   // not the temporary shape
+        format!(".out.wz.{dead}.0123abcd.wz-partial"), // not the temporary shape
         format!(".out.wz.{dead}.0.0123ABCD.wz-partial"),
         format!("out.wz.{dead}.0.0123abcd.wz-partial"),
         format!(".other.wz.{dead}.0.0123abcd.wz-partial"), // another output's

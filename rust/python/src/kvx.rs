@@ -27,7 +27,8 @@ fn kvx_encode<'py>(
     len: usize,
 ) -> PyResult<(Bound<'py, PyBytes>, Vec<u64>)> {
     let shape = Shape::new(heads, head_dim).map_err(to_py)?;
-    let (buf, offs) = py.allow_threads(|| kvx::encode_pages(shape, bases, unsafe { slice(addr, len) })).map_err(to_py)?;
+    let (buf, offs) =
+        py.allow_threads(|| kvx::encode_pages(shape, bases, unsafe { slice(addr, len) })).map_err(to_py)?;
     Ok((PyBytes::new(py, &buf), offs))
 }
 

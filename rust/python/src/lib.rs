@@ -23,7 +23,12 @@ use weightszip_core::{DType, Error};
 create_exception!(_core, WeightszipError, PyException, "Base class of every weightszip error.");
 create_exception!(_core, BadMagicError, WeightszipError, "The input is not a weightszip container.");
 create_exception!(_core, UnsupportedVersionError, WeightszipError, "The container's format version is not supported.");
-create_exception!(_core, UnsupportedFeatureError, UnsupportedVersionError, "The container uses a feature this version does not know.");
+create_exception!(
+    _core,
+    UnsupportedFeatureError,
+    UnsupportedVersionError,
+    "The container uses a feature this version does not know."
+);
 create_exception!(_core, CorruptDataError, WeightszipError, "The container is corrupt or truncated.");
 create_exception!(_core, TruncatedError, CorruptDataError, "The container ends before a structure it declares.");
 create_exception!(_core, ChecksumMismatchError, CorruptDataError, "A checksum did not match.");
@@ -166,9 +171,8 @@ fn save_buffers(
 /// Parse and check the index of an in-memory container.
 #[pyfunction]
 fn buffer_index(py: Python<'_>, addr: usize, len: usize) -> PyResult<PyObject> {
-    let index = py
-        .allow_threads(|| codec::Container::parse(unsafe { slice(addr, len) }).map(|c| c.index))
-        .map_err(to_py)?;
+    let index =
+        py.allow_threads(|| codec::Container::parse(unsafe { slice(addr, len) }).map(|c| c.index)).map_err(to_py)?;
     index_to_py(py, &index)
 }
 
@@ -193,8 +197,7 @@ fn decode_buffer_entry(
 /// Decode every chunk of an in-memory container and check every checksum.
 #[pyfunction]
 fn verify_buffer(py: Python<'_>, addr: usize, len: usize, threads: usize) -> PyResult<()> {
-    py.allow_threads(|| codec::Container::parse(unsafe { slice(addr, len) })?.verify(threads))
-        .map_err(to_py)
+    py.allow_threads(|| codec::Container::parse(unsafe { slice(addr, len) })?.verify(threads)).map_err(to_py)
 }
 
 /// Read and check the index of a container file.
@@ -258,7 +261,9 @@ fn encode_file(
     let segs: Vec<TensorMeta> = segments.into_iter().map(meta_of).collect::<PyResult<_>>()?;
     let o = opts(chunk_bytes, threads, lanes_log2);
     let mut p = progress_fn(progress);
-    let index = py.allow_threads(|| codec::encode_file(&input, &output, &segs, &o, on_existing(overwrite), &mut p)).map_err(to_py)?;
+    let index = py
+        .allow_threads(|| codec::encode_file(&input, &output, &segs, &o, on_existing(overwrite), &mut p))
+        .map_err(to_py)?;
     index_to_py(py, &index)
 }
 

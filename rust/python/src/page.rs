@@ -58,8 +58,10 @@ fn page_decode(
     out_len: usize,
 ) -> PyResult<()> {
     let cb = PageCodebook::parse(codebook).map_err(to_py)?;
-    py.allow_threads(|| page::decode_pages(&cb, unsafe { slice(addr, len) }, &offsets, unsafe { slice_mut(out_addr, out_len) }))
-        .map_err(to_py)
+    py.allow_threads(|| {
+        page::decode_pages(&cb, unsafe { slice(addr, len) }, &offsets, unsafe { slice_mut(out_addr, out_len) })
+    })
+    .map_err(to_py)
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -41,11 +41,7 @@ impl Drop for Store {
 fn chunk_to_py(py: Python<'_>, c: Option<Chunk>) -> PyObject {
     match c {
         None => py.None(),
-        Some(c) => (c.tag, PyBytes::new(py, &c.data))
-            .into_pyobject(py)
-            .expect("tuple")
-            .into_any()
-            .unbind(),
+        Some(c) => (c.tag, PyBytes::new(py, &c.data)).into_pyobject(py).expect("tuple").into_any().unbind(),
     }
 }
 
@@ -82,19 +78,13 @@ impl Store {
             redis_timeout_ms,
         };
         let inner = py.allow_threads(|| ChunkStore::open(cfg)).map_err(to_py)?;
-        Ok(Store {
-            inner: ManuallyDrop::new(inner),
-        })
+        Ok(Store { inner: ManuallyDrop::new(inner) })
     }
 
     /// Store the buffer at (addr, len) under `key` with `tag`.
     fn put(&self, py: Python<'_>, key: &[u8], addr: usize, len: usize, tag: u32) -> PyResult<()> {
         let key = key.to_vec();
-        py.allow_threads(|| {
-            self.inner
-                .put(&key, unsafe { slice(addr, len) }.to_vec(), tag)
-        })
-        .map_err(to_py)
+        py.allow_threads(|| self.inner.put(&key, unsafe { slice(addr, len) }.to_vec(), tag)).map_err(to_py)
     }
 
     /// (tag, bytes) or None.
@@ -105,29 +95,15 @@ impl Store {
     }
 
     /// Items (key, addr, len, tag); returns one None or exception object per item.
-    fn put_many(
-        &self,
-        py: Python<'_>,
-        items: Vec<(Bound<'_, PyBytes>, usize, usize, u32)>,
-    ) -> Vec<PyObject> {
-        let owned: Vec<(Vec<u8>, usize, usize, u32)> = items
-            .iter()
-            .map(|(k, a, l, t)| (k.as_bytes().to_vec(), *a, *l, *t))
-            .collect();
+    fn put_many(&self, py: Python<'_>, items: Vec<(Bound<'_, PyBytes>, usize, usize, u32)>) -> Vec<PyObject> {
+        let owned: Vec<(Vec<u8>, usize, usize, u32)> =
+            items.iter().map(|(k, a, l, t)| (k.as_bytes().to_vec(), *a, *l, *t)).collect();
         let results = py.allow_threads(|| {
-            let items: Vec<(Vec<u8>, Vec<u8>, u32)> = owned
-                .into_iter()
-                .map(|(k, a, l, t)| (k, unsafe { slice(a, l) }.to_vec(), t))
-                .collect();
+            let items: Vec<(Vec<u8>, Vec<u8>, u32)> =
+                owned.into_iter().map(|(k, a, l, t)| (k, unsafe { slice(a, l) }.to_vec(), t)).collect();
             self.inner.put_many(items)
         });
-        results
-            .into_iter()
-            .map(|r| {
-                r.err()
-                    .map_or_else(|| py.None(), |e| to_py(e).into_value(py).into_any())
-            })
-            .collect()
+        results.into_iter().map(|r| r.err().map_or_else(|| py.None(), |e| to_py(e).into_value(py).into_any())).collect()
     }
 
     /// One (tag, bytes), None or exception object per key.
@@ -159,11 +135,7 @@ impl Store {
             .collect::<PyResult<_>>()?;
         // threads 0: the codec's chunks run on the pool this closure is installed on (the store's
         // I/O pool), beside the other tensors of the batch.
-        let o = EncodeOptions {
-            chunk_bytes,
-            threads: 0,
-            lanes_log2,
-        };
+        let o = EncodeOptions { chunk_bytes, threads: 0, lanes_log2 };
         let results: Vec<weightszip_core::Result<usize>> = py
             .allow_threads(|| {
                 self.inner.install(|| {
@@ -190,8 +162,7 @@ impl Store {
 
     fn contains(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
-        py.allow_threads(|| self.inner.contains(&key))
-            .map_err(to_py)
+        py.allow_threads(|| self.inner.contains(&key)).map_err(to_py)
     }
 
     fn delete(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
@@ -201,8 +172,7 @@ impl Store {
 
     fn evict_from_ram(&self, py: Python<'_>, key: &[u8]) -> PyResult<bool> {
         let key = key.to_vec();
-        py.allow_threads(|| self.inner.evict_from_ram(&key))
-            .map_err(to_py)
+        py.allow_threads(|| self.inner.evict_from_ram(&key)).map_err(to_py)
     }
 
     fn flush(&self, py: Python<'_>) -> PyResult<()> {

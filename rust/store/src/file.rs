@@ -317,7 +317,10 @@ fn check_length(h: &Header, len: u64, what: &str) -> Result<()> {
     match declared {
         Some(d) if d == len => Ok(()),
         Some(d) if d < len => Err(Error::Corrupt(format!("{what} has {len} bytes, its header declares {d}"))),
-        _ => Err(Error::Truncated(format!("{what} has {len} bytes, its header declares {} payload bytes", h.payload_len))),
+        _ => Err(Error::Truncated(format!(
+            "{what} has {len} bytes, its header declares {} payload bytes",
+            h.payload_len
+        ))),
     }
 }
 

@@ -358,10 +358,10 @@ impl ChunkStore {
             lock = Some(f);
             let (found, max_seq) = pool.install(|| scan(dir, cfg.max_chunk_bytes, &counters))?;
             state.next_seq = max_seq + 1; // above every file's number, indexed or not
-            // Older versions of a key are removed whatever they hold, readable here or not: the
-            // newest replaced them (an open that reads them all removes them too), and one left
-            // behind a newest this store deletes would come back at such an open. A newest version
-            // this store cannot read hides the older ones it could (they are not the key's value).
+                                          // Older versions of a key are removed whatever they hold, readable here or not: the
+                                          // newest replaced them (an open that reads them all removes them too), and one left
+                                          // behind a newest this store deletes would come back at such an open. A newest version
+                                          // this store cannot read hides the older ones it could (they are not the key's value).
             let mut newest: HashMap<u128, (u64, Option<u64>)> = HashMap::new();
             let mut stale = Vec::new();
             for (h, seq, bytes) in found {
