@@ -325,6 +325,51 @@ def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
         conn.store.get("x")
 
 
+@pytest.mark.skipif(__import__("shutil").which("redis-server") is None, reason="needs redis-server to stop one")
+def test_lmcache_lookup_with_redis_gone_keeps_the_local_prefix(tmp_path, caplog):
+    """LMCache's batched lookup gathers exists() over every key and answers 0 for the whole batch if
+    one raises: with the Redis tier gone, a key only Redis could answer for is a logged miss of that
+    key, and the locally held prefix still counts (it was 0: the local hits were lost)."""
+    wl = _lmcache()
+    import asyncio
+
+    from lmcache.utils import CacheEngineKey
+    from test_store_redis import _start_private
+
+    keys = [CacheEngineKey(model_name="smollm2", world_size=1, worker_id=0, chunk_hash=h, dtype=torch.bfloat16)
+            for h in (1, 2, 3)]
+    kv = real_kv_torch()
+    obj = _memory_obj(kv.shape, torch.bfloat16)
+    obj.tensor.copy_(kv)
+    p, url = _start_private()
+    try:
+
+        class Config:
+            extra_config = {
+                "remote_storage_plugin.weightszip.path": str(tmp_path),
+                "remote_storage_plugin.weightszip.redis_url": url,
+                "remote_storage_plugin.weightszip.redis_timeout_ms": 500,
+            }
+
+        conn = wl.WeightszipConnector(loop=None, local_cpu_backend=_Allocator(), config=Config())
+
+        async def put():
+            await conn.put(keys[0], obj)
+            await conn.put(keys[1], obj)
+
+        asyncio.run(put())
+    finally:
+        p.kill()
+        p.wait()
+    with caplog.at_level("WARNING", logger="weightszip.integrations.lmcache"):
+        assert conn.support_batched_async_contains()
+        assert asyncio.run(conn.batched_async_contains("lookup", keys)) == 2
+        assert conn.exists_sync(keys[0]) and not conn.exists_sync(keys[2])
+    assert sum("counted as absent" in r.getMessage() for r in caplog.records) == 2
+    with pytest.raises(weightszip.WeightszipIOError):
+        conn.store.contains(conn._key(keys[2]))
+
+
 def test_lmcache_example_runs():
     _lmcache()
     pytest.importorskip("gguf")
