@@ -67,7 +67,7 @@ def main(argv=None) -> int:
                  first_diff_transformers=next((i for i, (x, y) in enumerate(zip(toks, hf_toks)) if x != y), None),
                  ratio_vs_bf16=stats.get("ratio_vs_bf16"), seconds=round(time.time() - t, 3))
         failed |= not (r["tokens_equal_reference"] and r["logits_equal_reference"])
-        res[f"{path.name}:{n_prompt}:{fmt}"] = r
+        res[f"{path}:{n_prompt}:{fmt}"] = r
         tqdm.write(f"{path.name} prompt {n_prompt} {fmt}: {r}", file=sys.stdout)
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

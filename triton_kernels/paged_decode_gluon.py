@@ -44,8 +44,8 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   group, the block-table entry of the page STAGES steps on into its slot's header (``_seed_block``
   seeds the first steps, ``_carried_offsets`` reads it back), the page's grid-scale indices, and
   the head's grids are staged in shared memory once (``_fill_grids``); the planes sit at their
-  page offset mod 32, so a copy touches 16 sectors. On the H200 1-17% over loading the addresses in
-  the loop, the output unchanged (BENCHMARKS.md, session 27).
+  page offset mod 32, so a copy touches 16 sectors. On the H200 0-15% over loading the addresses in
+  the loop, the output unchanged (1-17% with the two chains below; BENCHMARKS.md, session 27).
 * **Two product chains for the logits** (``_k_halves``, ``_logits``): the 8 dependent ``mma.sync``
   of a page's ``K Q^T`` as two chains over the two halves of head_dim, summed at the end (a
   different fp32 rounding of the sum, within the stated tolerance; 1-2% for KV Exact4, none here).
