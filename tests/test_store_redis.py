@@ -129,6 +129,9 @@ def test_a_server_that_goes_away_is_an_io_error_not_a_hang(tmp_path):
     assert "before" in s
     with pytest.raises(weightszip.WeightszipIOError, match="redis"):
         s.contains("elsewhere")
+    assert s.contains("elsewhere", errors="miss") is False and s.contains("before", errors="miss")
+    with pytest.raises(weightszip.InvalidArgumentError, match="errors"):
+        s.contains("before", errors="ignore")
     with pytest.raises(weightszip.WeightszipIOError, match="redis"):
         s.get("elsewhere")
     with pytest.raises(weightszip.WeightszipIOError):

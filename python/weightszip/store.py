@@ -19,6 +19,7 @@ docs/STORE.md describes the files on disk and what survives a crash.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,7 +28,9 @@ from typing import Any, Protocol
 
 from weightszip import _core
 from weightszip._tensors import as_buffer, bytes_buffer, decompress, meta_tuple, LAYOUT_TENSOR
-from weightszip.errors import CorruptDataError, InvalidArgumentError, WeightszipError
+from weightszip.errors import CorruptDataError, InvalidArgumentError, WeightszipError, WeightszipIOError
+
+logger = logging.getLogger(__name__)
 
 TAG_RAW = 0
 TAG_CONTAINER = _core.STORE_TAG_CONTAINER
@@ -152,6 +155,11 @@ def _pairs(items: Any) -> list[tuple[Any, Any]]:
     return [tuple(p) for p in pairs]
 
 
+def _check_errors(errors: str) -> None:
+    if errors not in ("raise", "miss"):
+        raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
+
+
 def _no_repeats(keys: Sequence[bytes]) -> None:
     """A batch's keys are distinct: its items are written in parallel, so of two with one key any
     could be the one kept."""
@@ -268,8 +276,7 @@ class ChunkStore:
     def get_many(self, keys: Iterable[str | bytes], *, errors: str = "raise") -> list[bytes | None]:
         """Read many chunks on the I/O pool; None for a missing key. A damaged chunk is removed
         either way; `errors='raise'` raises its error, `errors='miss'` reports it as None."""
-        if errors not in ("raise", "miss"):
-            raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
+        _check_errors(errors)
         out = []
         for r in self._s.get_many(_keys(keys)):
             if isinstance(r, BaseException):
@@ -349,10 +356,19 @@ class ChunkStore:
         return out_list
 
     # -- management ---------------------------------------------------------------------------
-    def contains(self, key: str | bytes) -> bool:
+    def contains(self, key: str | bytes, *, errors: str = "raise") -> bool:
         """Whether `key` is stored (not read nor verified). A local copy answers without asking
-        Redis; WeightszipIOError when Redis is asked and cannot answer (down, a timeout), as `get`."""
-        return self._s.contains(_key(key))
+        Redis; when Redis is asked and cannot answer (down, a timeout), `errors='raise'` raises
+        WeightszipIOError, as `get`; `errors='miss'` logs it and answers False (what a serving
+        engine's lookup wants: the key is computed again)."""
+        _check_errors(errors)
+        try:
+            return self._s.contains(_key(key))
+        except WeightszipIOError as e:
+            if errors == "raise":
+                raise
+            logger.warning("weightszip store: %r counted as absent: %s", key, e)
+            return False
 
     __contains__ = contains
 

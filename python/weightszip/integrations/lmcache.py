@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 import os
 from typing import Optional
 
@@ -53,12 +52,10 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 import weightszip
 from weightszip import _core
 from weightszip._tensors import _torch_maps, bytes_buffer
-from weightszip.errors import CorruptDataError, InvalidArgumentError, WeightszipIOError
+from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
 from weightszip.integrations._options import store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec, tag_kind
-
-logger = logging.getLogger(__name__)
 
 SERDE_NAME = "weightszip"
 
@@ -190,14 +187,10 @@ class WeightszipConnector(RemoteConnector):
         return await asyncio.to_thread(self.exists_sync, key)
 
     def exists_sync(self, key) -> bool:
-        # A Redis tier that cannot answer for a key is a miss of that key, logged: LMCache's
+        # A Redis tier that cannot answer for a key is a logged miss of that key: LMCache's
         # batched lookups gather exists() over every key and count the whole batch as absent if
         # one raises, which would lose the locally held prefix
-        try:
-            return self.store.contains(self._key(key))
-        except WeightszipIOError as e:
-            logger.warning("weightszip LMCache connector: %s counted as absent: %s", self._key(key), e)
-            return False
+        return self.store.contains(self._key(key), errors="miss")
 
     def _put(self, key, memory_obj: MemoryObj) -> None:
         t = memory_obj.tensor

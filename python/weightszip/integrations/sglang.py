@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from weightszip import _core
 from weightszip._tensors import as_buffer, bytes_buffer
-from weightszip.errors import InvalidArgumentError, WeightszipError, WeightszipIOError
+from weightszip.errors import InvalidArgumentError, WeightszipError
 from weightszip.integrations._options import flag, store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore
 
@@ -180,20 +180,13 @@ class WeightszipHiCacheStorage(HiCacheStorage):
                 out.append(None)
         return out
 
-    def _contains(self, key: str) -> bool:
-        # a Redis tier that cannot answer is a miss here (the pages are computed again), logged
-        try:
-            return self.store.contains(self._k(key))
-        except WeightszipIOError as e:
-            logger.warning("weightszip HiCache: page %s counted as absent: %s", key, e)
-            return False
-
+    # (a Redis tier that cannot answer is a logged miss here: the pages are computed again)
     def exists(self, key: str) -> bool:
-        return self._contains(key)
+        return self.store.contains(self._k(key), errors="miss")
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         for i, k in enumerate(keys):
-            if not self._contains(k):
+            if not self.exists(k):
                 return i
         return len(keys)
 
