@@ -58,10 +58,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from .paged_decode_gluon import (_COMMIT, _STS, _WARP_SYNC, _axis, _block_of, _fresh_state, _k_halves, _lds, _lds_words,
-                                 _lazy_softmax_step, _logits, _per_thread, _q_operand, _rescale, _rotr, _store_split, _tile_first,
-                                 _vec_words, _wait_stage, _work_item, k_layout, k_nibble_channel, v_layout,
-                                 words_layout)
+from .paged_decode_gluon import (_COMMIT, _CP4_ON, _STS, _WARP_SYNC, _axis, _block_of, _fresh_state, _k_halves, _lds,
+                                 _lds_words, _lazy_softmax_step, _logits, _per_thread, _q_operand, _rescale, _rotr,
+                                 _store_split, _tile_first, _vec_words, _wait_stage, _work_item, k_layout,
+                                 k_nibble_channel, v_layout, words_layout)
 
 # the channel-order code the shared helpers take for these operands (``_k_stored_channel``,
 # ``_v_stored_channel``)
@@ -72,9 +72,6 @@ X4_ORDER = gl.constexpr(16)
 _CP_ASYNC_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
                             "add.u32 a, a, $5; add.u32 a, a, $1; @p cp.async.cg.shared.global [a], [$2], 16, $3; "
                             "mov.u32 $0, 0; }")
-# a 4-byte cp.async of $3 bytes (4, or 0: zero fill) from global $2 to shared byte $1, when $4 is not 0
-_CP4_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u32 a, global_smem; "
-                       "add.u32 a, a, $1; @p cp.async.ca.shared.global [a], [$2], 4, $3; mov.u32 $0, 0; }")
 # the carried words of a slot (bytes): the K and V page offsets of the page STAGES pages on (exact4),
 # a block number further on (``_issue``)
 _CARRY_OFFSETS = gl.constexpr(48)

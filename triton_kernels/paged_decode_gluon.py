@@ -74,6 +74,8 @@ for widths 2-4 on steps large enough (``KernelConfig.gluon*``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -401,6 +403,7 @@ def _slot_words(bits_k, bits_v, head_dim):
     return (b + 127) // 128 * 32
 
 
+@functools.lru_cache(maxsize=None)  # asked at every launch of PagedDecodeAttention.run
 def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
     the end of both. Only inline PTX reads and writes them (from ``global_smem``), so their order is
@@ -461,15 +464,6 @@ def _per_thread(asm: gl.constexpr, NW: gl.constexpr):
     WL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NW, 1], [1, 0])
     gl.inline_asm_elementwise(asm, "=r,r", [gl.zeros([NW, 32], gl.int32, layout=WL)], dtype=gl.int32, is_pure=False,
                               pack=1)
-
-
-@gluon.jit
-def _cp_async_group(asm: gl.constexpr, dst, src, arg, NW: gl.constexpr):
-    """One commit group of 16-byte cp.async (``asm``: to shared byte ``dst`` from ``src``, ``arg`` its
-    predicate or source size) after a warp barrier (the slot's last readers are this warp's lanes)."""
-    _per_thread(_WARP_SYNC, NW)
-    gl.inline_asm_elementwise(asm, "=r,r,l,r", [dst, src, arg], dtype=gl.int32, is_pure=False, pack=1)
-    _per_thread(_COMMIT, NW)
 
 
 @gluon.jit
@@ -669,15 +663,6 @@ def _page_offset(bt_row, first, t1, head, stride_b, stride_h, PB: gl.constexpr, 
     """Byte offset of the page holding token ``first`` (a page's first token) in the pool; 0 past t1."""
     blk = _block_of(bt_row, first, t1, BLOCK_SIZE)
     return blk.to(gl.int64) * stride_b + head * stride_h + ((first % BLOCK_SIZE) // 16) * PB
-
-
-@gluon.jit
-def _kv_page_offsets(bt_row, first, t1, head, stride_kb, stride_kh, stride_vb, stride_vh, PB_K: gl.constexpr,
-                     PB_V: gl.constexpr, BLOCK_SIZE: gl.constexpr):
-    """``_page_offset`` of the K and of the V page holding token ``first`` (one block-id load)."""
-    blk = _block_of(bt_row, first, t1, BLOCK_SIZE).to(gl.int64)
-    pib = (first % BLOCK_SIZE) // 16
-    return blk * stride_kb + head * stride_kh + pib * PB_K, blk * stride_vb + head * stride_vh + pib * PB_V
 
 
 @gluon.jit

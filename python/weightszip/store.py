@@ -342,8 +342,7 @@ class ChunkStore:
 
     def get_tensors(self, keys: Iterable[str | bytes], *, out: str | None = None, errors: str = "raise",
                     codec: ChunkCodec | None = None) -> list:
-        if errors not in ("raise", "miss"):
-            raise InvalidArgumentError(f"errors must be 'raise' or 'miss', not {errors!r}")
+        _check_errors(errors)
         keys = _batch(keys, "a batch of keys is an iterable of keys")  # (as given, for messages)
         res = self._s.get_many([_key(k) for k in keys])
         out_list = []

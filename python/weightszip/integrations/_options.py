@@ -38,11 +38,13 @@ def integer(x: Any, name: str, where: str) -> int:
     raise InvalidArgumentError(f"{where}: {name} must be a whole number, not {x!r}")
 
 
-def store_kwargs(options: Mapping[str, Any], where: str, *, ignore: Iterable[str] = ()) -> dict[str, Any]:
+def store_kwargs(options: Mapping[str, Any], where: str, *, ignore: Iterable[str] = (),
+                 subfolder: str | None = None) -> dict[str, Any]:
     """Keyword arguments for `ChunkStore` from a config's options: each `STORE_OPTIONS` key given,
     parsed by its kind (flags with `flag`, sizes with `integer`, text as str; None only where the
     default is None), the rest left to `ChunkStore`'s defaults. Keys in `ignore` belong to the
-    framework; any other key is an `InvalidArgumentError` naming it and the accepted ones."""
+    framework; any other key is an `InvalidArgumentError` naming it and the accepted ones.
+    `subfolder` (this worker's or rank's, or None): the store opens ``path/subfolder``."""
     ignore = set(ignore)
     unknown = sorted(str(k) for k in options if k not in STORE_OPTIONS and k not in ignore)
     if unknown:
@@ -63,4 +65,6 @@ def store_kwargs(options: Mapping[str, Any], where: str, *, ignore: Iterable[str
             out[name] = x
         else:
             raise InvalidArgumentError(f"{where}: {name} must be a string, not {x!r}")
+    if out.get("path") is not None and subfolder is not None:
+        out["path"] = os.path.join(out["path"], subfolder)
     return out

@@ -225,7 +225,7 @@ class CompactChunkCodec:
             # every other header field is believed only once its checksum matches
             if _xxh3(view[: head.size - 8]) != fields[-1]:
                 raise ChecksumMismatchError("compact KV chunk header checksum")
-        start = 0 if version == 1 else _HEAD_V2.unpack_from(data)[-1]
+        start = 0 if version == 1 else fields[7]  # (the same place in the headers of versions 2-6)
         page_version = PAGE_VERSIONS[version]
         if start + tokens > cc.POSITION_MAX:
             raise CorruptDataError(f"chunk positions {start}..{start + tokens} exceed 2**31")

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import os
 from typing import Optional
 
 import torch
@@ -108,12 +107,11 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     if mode in ("q4", "q3.5", "q3"):
         if "calibration" not in kwargs:
             raise InvalidArgumentError(f"serde mode {mode!r} needs \"calibration\": the model's .wzcal file")
-        from weightszip.compact.calibrate import Calibration
         from weightszip.integrations.compact_chunks import CompactChunkCodec
 
         # (not replace=True: chunks say which calibration coded them, so several models' codecs
         # share the format's tag in one process)
-        codec = register_codec(CompactChunkCodec(Calibration.load(str(kwargs["calibration"])), mode))
+        codec = register_codec(CompactChunkCodec(str(kwargs["calibration"]), mode))
     elif mode == "codec":
         if "codec" not in kwargs:
             raise InvalidArgumentError("serde mode 'codec' needs \"codec\": \"module:object\"")
@@ -172,10 +170,8 @@ class WeightszipConnector(RemoteConnector):
             extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
             prefix = f"remote_storage_plugin.{self.PLUGIN}."
             mine = {k[len(prefix):]: v for k, v in extra.items() if isinstance(k, str) and k.startswith(prefix)}
-            opts = store_kwargs(mine, f"LMCache extra_config {prefix}*", ignore=("module_path", "class_name"))
-            worker = worker_folder(getattr(local_cpu_backend, "metadata", None))
-            if opts.get("path") is not None and worker is not None:
-                opts["path"] = os.path.join(opts["path"], worker)
+            opts = store_kwargs(mine, f"LMCache extra_config {prefix}*", ignore=("module_path", "class_name"),
+                                subfolder=worker_folder(getattr(local_cpu_backend, "metadata", None)))
             store = ChunkStore(**opts)
         self.store = store
 

@@ -20,7 +20,6 @@ zero-copy ``interface_v1``.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, List, Optional
 
 import torch
@@ -76,10 +75,8 @@ class WeightszipHiCacheStorage(HiCacheStorage):
         if storage_config.pp_size > 1:
             self.suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
         if store is None:
-            opts = store_kwargs(extra, "HiCache extra config", ignore=SGLANG_KEYS)
-            rank = rank_folder(storage_config)
-            if opts.get("path") is not None and rank is not None:
-                opts["path"] = os.path.join(opts["path"], rank)
+            opts = store_kwargs(extra, "HiCache extra config", ignore=SGLANG_KEYS,
+                                subfolder=rank_folder(storage_config))
             if flag(extra.get("interface_v1", False), "interface_v1", "HiCache extra config"):
                 raise InvalidArgumentError("HiCache extra config: the weightszip backend has no zero-copy "
                                            "interface_v1; leave it out")
