@@ -355,12 +355,22 @@ fn remove_stale_temporaries(path: &Path) {
     }
 }
 
+/// A number another process cannot guess: `salt` and the time hashed through a `RandomState`
+/// (seeded from the OS's random source, different on each call). For names, not for secrets.
+pub fn random_u64(salt: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(salt);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    h.write_u128(now.map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
 /// A new, empty file beside `path` named `.NAME.PID.N.XXXXXXXX.wz-partial` (N: a per-process
 /// counter, X: a random number), created exclusively: it never opens an existing file (a user's,
 /// or another writer's of the same output), so concurrent writers of one output never share it.
 /// (The chunk store writes its chunk files through it too.)
 pub fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
-    use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let prefix = temporary_prefix(path);
@@ -368,13 +378,7 @@ pub fn create_temporary(path: &Path) -> Result<(std::path::PathBuf, File)> {
     let mut attempt = 0;
     loop {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        // (RandomState is seeded from the OS's random source; hashing the counter and the time
-        // through it gives a number another process cannot guess)
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(n);
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-        h.write_u128(now.map_or(0, |d| d.as_nanos()));
-        let tmp = path.with_file_name(format!("{prefix}{pid}.{n}.{:08x}.wz-partial", h.finish() as u32));
+        let tmp = path.with_file_name(format!("{prefix}{pid}.{n}.{:08x}.wz-partial", random_u64(n) as u32));
         match std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
             Ok(f) => return Ok((tmp, f)),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 100 => attempt += 1,

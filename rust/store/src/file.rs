@@ -221,16 +221,6 @@ fn publish(tmp: &Path, final_path: &Path) -> Result<()> {
     }
 }
 
-/// A random number below 2^63, for `move_aside`'s names (RandomState is seeded from the OS's
-/// random source and differs on each call).
-fn random63() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-    h.write_u128(now.map_or(0, |d| d.as_nanos()));
-    h.finish() & (MAX_SEQ - 1)
-}
-
 /// Move the directory at a chunk file's name `path` out of the way, in one rename (not followed,
 /// not entered, whatever it holds): to the same key's name in the same subfolder with a random
 /// sequence number of 2^63 or more. No store gives such numbers; open removes an entry named so as
@@ -241,7 +231,9 @@ fn move_aside(path: &Path) -> Result<()> {
     };
     let mut attempt = 0;
     loop {
-        let aside = path.with_file_name(rel_path(h, MAX_SEQ | random63()).file_name().expect("a name"));
+        let aside = path.with_file_name(
+            rel_path(h, MAX_SEQ | (weightszip_core::codec::random_u64(0) & (MAX_SEQ - 1))).file_name().expect("a name"),
+        );
         match fs::rename(path, &aside) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),

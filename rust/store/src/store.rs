@@ -221,6 +221,14 @@ impl State {
         *mark = (*mark).max(seq);
     }
 
+    /// A put or delete of `h` reached the remote tier: a failure of an operation numbered below
+    /// `bound` (which this one replaced there) is no longer a reason to skip Redis for `h`.
+    fn clear_remote_stale_below(&mut self, h: u128, bound: u64) {
+        if self.remote_stale.get(&h).is_some_and(|&s| s < bound) {
+            self.remote_stale.remove(&h);
+        }
+    }
+
     fn insert_disk(&mut self, h: u128, seq: u64, bytes: u64) -> Option<DiskEntry> {
         let old = self.remove_disk(h);
         let tick = self.tick();
@@ -613,11 +621,7 @@ impl ChunkStore {
                     st.mark_remote_stale(h, seq);
                     return Err(e);
                 }
-                Ok(()) => {
-                    if st.remote_stale.get(&h).is_some_and(|&s| s <= seq) {
-                        st.remote_stale.remove(&h);
-                    }
-                }
+                Ok(()) => st.clear_remote_stale_below(h, seq + 1),
             }
         }
         Ok(())
@@ -895,10 +899,8 @@ impl ChunkStore {
                     let next = st.next_seq;
                     st.mark_remote_stale(h, next);
                 }
-                Some(Ok(_)) if st.remote_stale.get(&h).is_some_and(|&s| s < started) => {
-                    st.remote_stale.remove(&h);
-                }
-                _ => {}
+                Some(Ok(_)) => st.clear_remote_stale_below(h, started),
+                None => {}
             }
         }
         self.unlink(&unlink);
