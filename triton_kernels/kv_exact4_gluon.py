@@ -58,9 +58,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.runtime.jit import constexpr_function
 
-from .paged_decode_gluon import (_COMMIT, _CP4_ON, _STS, _WARP_SYNC, _axis, _block_of, _fresh_state, _k_halves, _lds,
-                                 _lds_words, _lazy_softmax_step, _logits, _per_thread, _q_operand, _rescale, _rotr,
-                                 _store_split, _tile_first, _vec_words, _wait_stage, _work_item, k_layout,
+from .paged_decode_gluon import (_COMMIT, _CP4_ON, _STS, _WARP_SYNC, _axis, _block_of, _carry_block, _fresh_state,
+                                 _k_halves, _lds, _lds_words, _lazy_softmax_step, _logits, _per_thread, _q_operand,
+                                 _rescale, _rotr, _store_split, _tile_first, _vec_words, _wait_stage, _work_item, k_layout,
                                  k_nibble_channel, v_layout, words_layout)
 
 # the channel-order code the shared helpers take for these operands (``_k_stored_channel``,
@@ -246,14 +246,12 @@ def _carry(dst, blk, fblk, t1, bt_row, k_off_ptr, v_off_ptr, BF16: gl.constexpr,
     address chain: exact4, lanes 0-3 the K and V offsets of block ``blk`` (two words each); lane 4
     (bf16: lane 0) the block of token ``fblk`` (block 0 past t1: the copy's zero fill)."""
     SL: gl.constexpr = gl.SliceLayout(2, IL)
-    lane = _axis(32, 1, 2, SL)
-    bsrc = bt_row + fblk // BLOCK_SIZE
-    bsize = gl.where(fblk < t1, 4, 0)
     if BF16:
-        gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [dst + _CARRY_BLOCK + 0 * lane, bsrc + 0 * lane,
-                                                          bsize + 0 * lane, (lane == 0).to(gl.int32)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        _carry_block(dst + _CARRY_BLOCK, fblk, t1, bt_row, 0, BLOCK_SIZE, SL)
     else:
+        lane = _axis(32, 1, 2, SL)
+        bsrc = bt_row + fblk // BLOCK_SIZE
+        bsize = gl.where(fblk < t1, 4, 0)
         b64 = blk.to(gl.int64) * 8
         osrc = gl.where(lane < 2, k_off_ptr.to(gl.pointer_type(gl.int32)) + (b64 // 4 + lane),
                         v_off_ptr.to(gl.pointer_type(gl.int32)) + (b64 // 4 + lane - 2))

@@ -399,7 +399,9 @@ SLOT_HDR = gl.constexpr(64)
 def _slot_words(bits_k, bits_v, head_dim):
     """Shared words of one staged page (``SLOT_HDR``'s layout: header, K's bit planes, V's; 16 rows of
     head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes."""
-    b = 64 + 48 + (bits_k + bits_v) * head_dim * 2
+    # the header, K's planes, 32 bytes before V's (the K shift's room and V's 32-byte alignment), V's
+    # planes and 16 bytes of room for V's shift (``_issue_page``)
+    b = SLOT_HDR.value + 32 + 16 + (bits_k + bits_v) * head_dim * 2
     return (b + 127) // 128 * 32
 
 
@@ -482,6 +484,16 @@ _CP4_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $4, 0; mov.u
 
 
 @gluon.jit
+def _carry_block(dst, fblk, t1, bt_row, LANE: gl.constexpr, BLOCK_SIZE: gl.constexpr, SL: gl.constexpr):
+    """A 4-byte cp.async from lane ``LANE`` of each warp (``dst``, ``fblk``: [NW, 1] of ``SL``): the block
+    of token ``fblk`` (block 0 past t1: the copy's zero fill) to shared byte ``dst``."""
+    lane = _axis(32, 1, 2, SL)
+    gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [dst + 0 * lane, bt_row + fblk // BLOCK_SIZE + 0 * lane,
+                                                      gl.where(fblk < t1, 4, 0) + 0 * lane, (lane == LANE).to(gl.int32)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
                 NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
@@ -509,10 +521,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
     gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [d2 + 16 + 16 * lane, ssrc, (lane < 2).to(gl.int32)],
                               dtype=gl.int32, is_pure=False, pack=1)
     # lane 2: the block the slot's next page is in
-    fb = gl.max(fblk, axis=2)
-    gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [d2 + 0 * lane, bt_row + fb // BLOCK_SIZE + 0 * lane,
-                                                      gl.where(fb < t1, 4, 0) + 0 * lane, (lane == 2).to(gl.int32)],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    _carry_block(d2, gl.max(fblk, axis=2), t1, bt_row, 2, BLOCK_SIZE, SL)
     _per_thread(_COMMIT, NW)
     _sts(d2 + 4 + 0 * lane, gl.max(sk, axis=2) + (gl.max(sv, axis=2) << 16) + 0 * lane)
 
@@ -938,15 +947,12 @@ def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_head
 @gluon.jit
 def _q_operand(q_ptr, seq, head, stride_qb, stride_qh, dtype: gl.constexpr, GROUP: gl.constexpr,
                BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr,
-               K_BITS: gl.constexpr = 0, PART: gl.constexpr = -1):
+               K_BITS: gl.constexpr, PART: gl.constexpr):
     """Q^T of the KV head's query heads (every warp the same) as the B operand [NW, HEAD_DIM, BLOCK_G]
     in ``dtype``, heads past the group 0; with ``K_BITS`` (compact pages) its channels in the K
-    operand's order (``_k_stored_channel``). With ``PART`` 0 or 1, only that half of the reduction
-    index k ([NW, HEAD_DIM // 2, BLOCK_G]: ``_k_halves``' halves of K)."""
-    if PART >= 0:
-        dq = _k_stored_channel(PART * (HEAD_DIM // 2) + _axis(HEAD_DIM // 2, 1, 3, OPB), HEAD_DIM, K_BITS)
-    else:
-        dq = _k_stored_channel(_axis(HEAD_DIM, 1, 3, OPB), HEAD_DIM, K_BITS)
+    operand's order (``_k_stored_channel``); ``PART`` 0 or 1: that half of the reduction index k
+    ([NW, HEAD_DIM // 2, BLOCK_G]: ``_k_halves``' halves of K)."""
+    dq = _k_stored_channel(PART * (HEAD_DIM // 2) + _axis(HEAD_DIM // 2, 1, 3, OPB), HEAD_DIM, K_BITS)
     gq = _axis(BLOCK_G, 2, 3, OPB)
     wq = _axis(NW, 0, 3, OPB)
     q_ptrs = q_ptr + seq.to(gl.int64) * stride_qb + (head * GROUP + gq) * stride_qh + dq + 0 * wq
@@ -1161,7 +1167,6 @@ def compact_split_kernel(
     if STAGES == 0:
         ok = _page_offset(bt_row, _tile_first(lo, 0, NW, 7, LK), t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE)
         ov = _page_offset(bt_row, _tile_first(lo, 0, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE)
-    if STAGES == 0:
         kg = _scales(k_pages_ptr, k_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_kb, stride_kh, PB_K, BLOCK_SIZE,
                      BITS_K * 2 * HEAD_DIM)
         vg = _scales(v_pages_ptr, v_grid_ptr, bt_row, fr, rr, t0, t1, head, stride_vb, stride_vh, PB_V, BLOCK_SIZE,
@@ -1211,7 +1216,6 @@ def compact_split_kernel(
                                BLOCK_SIZE)
             nov = _page_offset(bt_row, _tile_first(lo, j + 1, NW, 8, LV), t1, head, stride_vb, stride_vh, PB_V,
                                BLOCK_SIZE)
-        if STAGES == 0:
             nkg = _scales(k_pages_ptr, k_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_kb, stride_kh, PB_K,
                           BLOCK_SIZE, BITS_K * 2 * HEAD_DIM)
             nvg = _scales(v_pages_ptr, v_grid_ptr, bt_row, nfr, rr, t0, t1, head, stride_vb, stride_vh, PB_V,
@@ -1308,9 +1312,7 @@ def _fp8_carried(dst, first, head, stride_kb, stride_kh, stride_vb, stride_vh, P
     """The K and V byte offsets of the page of token ``first`` from the block its slot at ``dst``
     carries (seeded, or copied by the copies of the page STAGES before) at byte ``PB // 16``: K row
     0's padding (``_fp8_row``; PB = 16 head_dim)."""
-    blk = _lds(dst + PB // 16).to(gl.int64)
-    pib = (first % BLOCK_SIZE) // 16
-    return blk * stride_kb + head * stride_kh + pib * PB, blk * stride_vb + head * stride_vh + pib * PB
+    return _carried_offsets(dst + PB // 16, first, head, stride_kb, stride_kh, stride_vb, stride_vh, PB, PB, BLOCK_SIZE)
 
 
 @gluon.jit
@@ -1334,13 +1336,8 @@ def _fp8_issue(k_pages_ptr, v_pages_ptr, ok, ov, first, t0, t1, dst, fblk, bt_ro
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC_ZFILL, "=r,r,l,r", [off, src, size], dtype=gl.int32, is_pure=False, pack=1)
     # lane 0: the block the slot's next page is in, into K row 0's padding (byte head_dim: ``_fp8_carried``)
-    SL: gl.constexpr = gl.SliceLayout(2, IL)
-    lane = _axis(32, 1, 2, SL)
-    fb = gl.max(fblk, axis=2)
-    gl.inline_asm_elementwise(_CP4_ON, "=r,r,l,r,r", [gl.max(dst, axis=2) + 16 * CPR + 0 * lane,
-                                                      bt_row + fb // BLOCK_SIZE + 0 * lane,
-                                                      gl.where(fb < t1, 4, 0) + 0 * lane, (lane == 0).to(gl.int32)],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    _carry_block(gl.max(dst, axis=2) + 16 * CPR, gl.max(fblk, axis=2), t1, bt_row, 0, BLOCK_SIZE,
+                 gl.SliceLayout(2, IL))
     _per_thread(_COMMIT, NW)
 
 
