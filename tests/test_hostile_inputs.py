@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -280,3 +281,99 @@ def test_hostile_gguf_model_files_are_typed_errors(name, tmp_path, monkeypatch, 
     assert main(["kv", "dump", "--model", str(p), "--text", str(text), "--tokens", "8", "-o", str(tmp_path / "o.wz")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("weightszip: error:") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_page_decoders_refuse_a_buffer_written_while_they_read_it():
+    """The page and KV Exact4 decoders run with the GIL released on the caller's live array: a
+    header bit toggled by another thread between a decoder's check and its use of that header is a
+    typed error or a decode, never a Rust panic (``PanicException`` is not an ``Exception``). Before
+    the fix, here, some of either's 2000 decodes panicked."""
+    import threading
+
+    C = 512
+    rng = np.random.default_rng(0)
+    vals = (rng.standard_normal((4, 16, C)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    cb = pages.calibrate(vals.reshape(-1, C), max_len=8)
+    buf, offs = pages.encode_pages(cb, vals, align=8)
+    src = np.frombuffer(buf, np.uint8).copy()
+    last = 2 * (C // 32 - 1)  # the last stream's word count in page 0's header
+    H, D = 4, 64
+    buf4, offs4 = kv_exact.cpu_encode_exact4_pages(np.full((8, 16, H, D), 0x3F80, np.uint16))  # all 1.0
+    src4 = np.frombuffer(buf4, np.uint8).copy()
+    mask = int(offs4[-2]) + 4 * (H - 1)  # the last page's plain-row mask of its last head
+    stop = threading.Event()
+
+    def toggle():
+        while not stop.is_set():
+            src[last] ^= 0x40
+            src4[mask] ^= 0x01
+
+    outcomes = {}
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the decoder back to the GIL at once, not after the toggler's 5 ms
+    t = threading.Thread(target=toggle)
+    t.start()
+    try:
+        for name, decode in (("pages", lambda: pages.decode_pages(cb, src, offs)),
+                             ("exact4", lambda: kv_exact.cpu_decode_exact4_pages(src4, offs4, H, D))):
+            for _ in range(2000):
+                try:
+                    decode()
+                    kind = "decoded"
+                except errors.WeightszipError as e:
+                    kind = type(e).__name__
+                except BaseException as e:  # noqa: BLE001 - a panic is what this test looks for
+                    pytest.fail(f"{name}: {type(e).__name__}: {e}")
+                outcomes[name, kind] = outcomes.get((name, kind), 0) + 1
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(switch)
+    assert any(k == "decoded" for _, k in outcomes) and any(k != "decoded" for _, k in outcomes), outcomes
+
+
+def test_kv_exact_calibration_refuses_more_channels_than_pages_hold():
+    """2 KiB of histogram per channel: 8 MiB of samples as one row of 2^22 channels asked the Rust
+    calibrator for 8 GiB and aborted the process; more than 65536 channels (the pages' limit) is now
+    refused first, by the wrapper and by the Rust function."""
+    with pytest.raises(errors.LimitExceededError, match="channels"):
+        kv_exact.cpu_calibrate_bases(np.zeros((1, (1 << 16) + 1), np.uint16))
+    from weightszip import _core
+
+    a = np.zeros((1, (1 << 16) + 1), np.uint16)
+    with pytest.raises(errors.LimitExceededError, match="channels"):
+        _core.kvx_calibrate(a.shape[1], a.ctypes.data, a.nbytes)
+    assert kv_exact.cpu_calibrate_bases(np.zeros((2, 1 << 16), np.uint16)).shape == (1 << 16,)
+
+
+def test_torch_views_with_a_lazy_negation_round_trip_their_values():
+    """``c.conj().imag`` is a view whose negation is a flag beside the storage; contiguous() keeps
+    the flag, so the stored bytes were the un-negated values (the round trip came back negated)."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor([0.25 + 0.75j], dtype=torch.complex64).conj().imag
+    assert x.is_neg() and x.is_contiguous()
+    assert torch.equal(weightszip.decompress(weightszip.compress(x)), x)
+    w = torch.tensor([[1.5 - 2j, -3 + 0.5j]] * 16, dtype=torch.complex64).conj().imag.to(torch.bfloat16)
+    assert torch.equal(weightszip.decompress(weightszip.compress(w)), w)
+
+
+def test_bit_pattern_inputs_and_integer_arguments_are_checked_before_rust():
+    """torch tensors that are not 16-bit were viewed as int16 (float32: twice the channels, pages that
+    later read as corrupt) where numpy arrays were refused; integers outside the Rust argument's
+    type were OverflowError, a strided memoryview BufferError: all InvalidArgumentError now."""
+    torch = pytest.importorskip("torch")
+    f32 = torch.randn(64, 64)
+    for call in (lambda: pages.calibrate(f32), lambda: kv_exact.cpu_calibrate_bases(f32),
+                 lambda: kv_exact.cpu_encode_exact4_pages(torch.randn(2, 16, 2, 64)),
+                 lambda: pages.calibrate(np.zeros((64, 64), np.uint16), max_len=300),
+                 lambda: pages.calibrate(np.zeros((64, 64), np.uint16), max_len=-1),
+                 lambda: pages.encode_pages(pages.calibrate(np.zeros((16, 32), np.uint16)),
+                                            np.zeros((1, 16, 32), np.uint16), align=-8),
+                 lambda: weightszip.compress(np.zeros(8, np.float32), lanes_log2=-1),
+                 lambda: weightszip.compress(np.zeros(8, np.float32), lanes_log2=2**40),
+                 lambda: weightszip.decompress(memoryview(weightszip.compress(np.zeros(8)))[::2]),
+                 lambda: weightszip.info(memoryview(b"abcdef")[::2])):
+        with pytest.raises(errors.InvalidArgumentError):
+            call()
+    bf = torch.randn(64, 64).to(torch.bfloat16)  # 16-bit torch input is still taken as its bits
+    assert pages.calibrate(bf) == pages.calibrate(bf.view(torch.int16).numpy().view(np.uint16))

@@ -107,7 +107,9 @@ def as_buffer(x: Any) -> _Buffer:
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        t = t.contiguous()
+        # a lazy negation or conjugation (``c.conj().imag``) is a flag beside the storage: applied
+        # here, or the stored bytes would be the un-negated values (contiguous() keeps the flag)
+        t = t.resolve_neg().resolve_conj().contiguous()
         return _Buffer(t.data_ptr(), t.numel() * t.element_size(), t, to_name[x.dtype], tuple(t.shape), FLAG_TORCH)
     if isinstance(x, (np.ndarray, np.generic)):
         a = np.asarray(x)
@@ -128,9 +130,17 @@ def bytes_buffer(b: Any) -> tuple[int, int, Any]:
     else:
         try:
             a = np.frombuffer(b, dtype=np.uint8)
-        except TypeError as e:
-            raise InvalidArgumentError(f"expected bytes-like input, got {type(b).__name__}") from e
+        except (TypeError, ValueError, BufferError) as e:  # BufferError: a memoryview with strides
+            raise InvalidArgumentError(f"expected contiguous bytes-like input, got {type(b).__name__}: {e}") from e
     return a.ctypes.data, a.nbytes, a
+
+
+def int_arg(name: str, value: Any, lo: int, hi: int) -> int:
+    """``value`` as an int in [lo, hi], else InvalidArgumentError (the Rust functions take unsigned
+    integers: a value outside their type was an OverflowError from the conversion)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise InvalidArgumentError(f"{name} must be an integer from {lo} to {hi}, got {value!r}")
+    return int(value)
 
 
 def normalize_axis(axis: int, ndim: int) -> int:
@@ -191,7 +201,7 @@ def compress(
         0,
         chunk_bytes,
         threads_default(threads),
-        lanes_log2,
+        int_arg("lanes_log2", lanes_log2, 0, 2**32 - 1),
     )
 
 

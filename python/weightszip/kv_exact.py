@@ -88,6 +88,7 @@ def cpu_calibrate_bases(samples) -> np.ndarray:
     ``kv_exact_ref.calibrate_bases``)."""
     a = _u16(samples)
     _check(a.ndim == 2 and a.size > 0, "samples must be [rows, channels]")
+    _check_channels(1, a.shape[1])
     return np.frombuffer(_core.kvx_calibrate(a.shape[1], a.ctypes.data, a.nbytes), np.uint8).copy()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from weightszip import _core
+from weightszip._tensors import bytes_buffer, int_arg
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 
 PAGE_TOKENS = _core.PAGE_TOKENS
@@ -32,7 +33,10 @@ def _u16(x) -> np.ndarray:
     if hasattr(x, "detach"):  # torch tensor: reinterpret as int16 bits without a float conversion
         import torch
 
-        x = x.detach().cpu().contiguous().view(torch.int16).numpy()
+        if x.element_size() != 2 or x.dtype.is_complex or x.dtype == torch.bool:
+            # (viewed as int16 first, float32 became twice the channels)
+            raise InvalidArgumentError(f"expected 16-bit values (uint16 bit patterns), got {x.dtype}")
+        x = x.detach().cpu().resolve_neg().contiguous().view(torch.int16).numpy()
     a = np.ascontiguousarray(np.asarray(x))
     if a.dtype.itemsize != 2 or a.dtype.kind not in "uif":
         raise InvalidArgumentError(f"expected 16-bit values (uint16 bit patterns), got {a.dtype}")
@@ -42,7 +46,7 @@ def _u16(x) -> np.ndarray:
 def _bytes(buf) -> np.ndarray:
     """A byte buffer (bytes, bytearray, memoryview or an array) as contiguous numpy uint8."""
     if isinstance(buf, (bytes, bytearray, memoryview)):
-        return np.frombuffer(buf, np.uint8)
+        return bytes_buffer(buf)[2]  # (a memoryview with strides: InvalidArgumentError)
     return np.ascontiguousarray(buf).view(np.uint8)
 
 
@@ -63,6 +67,7 @@ def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8) -> bytes:
     a = _u16(samples)
     if a.ndim != 2:
         raise InvalidArgumentError(f"samples must be [tokens, channels], got shape {a.shape}")
+    max_len = int_arg("max_len", max_len, 0, 255)
     return _core.page_calibrate(DTYPE_CODES[dtype], a.shape[1], a.ctypes.data, a.nbytes, max_len)
 
 
@@ -79,6 +84,7 @@ def encode_pages(codebook: bytes, values, align: int = 8) -> tuple[bytes, np.nda
     _, _, channels, _ = codebook_info(codebook)
     if a.ndim != 3 or a.shape[1:] != (PAGE_TOKENS, channels):
         raise InvalidArgumentError(f"pages must be [n, {PAGE_TOKENS}, {channels}], got {a.shape}")
+    align = int_arg("align", align, 0, 2**63 - 1)
     buf, offs = _core.page_encode(bytes(codebook), a.ctypes.data, a.nbytes, align)
     return buf, np.asarray(offs, np.int64)
 

@@ -257,7 +257,9 @@ fn decode_body(shape: Shape, bases: &[u8], page: &[u8], out: &mut [u8], index: u
                     if next >= ex[head + 1] {
                         return Err(corrupt(index, "more escapes than exception bytes"));
                     }
-                    let e = page[next];
+                    // the offsets are read again after the header rules: a caller's buffer written by
+                    // another thread (the GIL is released) may now point past the page
+                    let e = *page.get(next).ok_or_else(|| corrupt(index, "an exception offset past the page"))?;
                     next += 1;
                     if code_of(bases[ch], e) != ESCAPE {
                         return Err(corrupt(index, "an escaped exponent has a code"));
@@ -345,6 +347,10 @@ pub fn decode_pages(shape: Shape, bases: &[u8], buf: &[u8], offsets: &[u64], out
 pub fn calibrate_bases(channels: usize, samples: &[u8]) -> Result<Vec<u8>> {
     if channels == 0 || samples.is_empty() || !samples.len().is_multiple_of(2 * channels) {
         return Err(Error::InvalidArgument(format!("samples must be whole rows of {channels} bf16 values")));
+    }
+    if channels > MAX_CHANNELS {
+        // 2 KiB of histogram per channel: the pages' own limit keeps it at 128 MiB
+        return Err(Error::LimitExceeded(format!("{channels} channels (at most {MAX_CHANNELS})")));
     }
     let mut hist = vec![[0u64; 256]; channels];
     for (i, v) in samples.chunks_exact(2).enumerate() {

@@ -326,7 +326,12 @@ fn decode_body(shape: Shape, page: &[u8], out: &mut [u8], index: usize) -> Resul
                 if row_codes.iter().chain(row_raw).any(|&b| b != 0) {
                     return Err(corrupt(index, "a plain row's codes or raw bytes are not zero"));
                 }
-                let row = &page[plain_at..plain_at + 2 * d];
+                // the masks are read again after check_counts / check_length: a caller's buffer
+                // written by another thread (the GIL is released) may now mark more plain rows than
+                // the page holds, an error and not a panic
+                let row = page
+                    .get(plain_at..plain_at + 2 * d)
+                    .ok_or_else(|| corrupt(index, "a plain row runs past the page"))?;
                 plain_at += 2 * d;
                 let mut coded = true;
                 for ((v, &top), me) in row.chunks_exact(2).zip(tops.iter()).zip(maxe.iter_mut()) {

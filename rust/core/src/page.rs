@@ -424,7 +424,10 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
     let ml = cb.max_len as u32;
     for s in 0..n_streams {
         let nw = u16::from_le_bytes([page[2 * s], page[2 * s + 1]]) as usize;
-        let words = &page[pos..pos + 4 * nw];
+        // read again after page_len's check: a caller's buffer written by another thread (the GIL
+        // is released) may now declare more words than the page holds, an error and not a panic
+        let words =
+            page.get(pos..pos + 4 * nw).ok_or_else(|| Error::Corrupt(format!("stream {s} runs past the page")))?;
         pos += 4 * nw;
         let word = |i: usize| -> u64 {
             if i < nw {
