@@ -393,3 +393,110 @@ def test_cli_arguments_the_model_or_text_cannot_meet_are_one_line_errors(argv, m
     err = capsys.readouterr().err
     assert err.startswith("weightszip: error:") and match in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.wz").exists()
+
+
+# ------------------------------------------------------------------- --save and --plot
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Loading a model fails the test: the checks below must come before it."""
+    from weightszip import models
+
+    def load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(models, "load_causal_lm", load)
+
+
+def test_cli_eval_kl_never_writes_over_an_input(tmp_path, no_model, capsys):
+    """`--save` naming the --text file replaced the held-out text with the JSON report, silently;
+    each output naming an input (the text, a .txt of a --text folder, the model's file), or another
+    output, is now refused before the model is loaded (exit status 2), the input untouched."""
+    from weightszip.cli import main
+
+    text = tmp_path / "held_out.txt"
+    text.write_text("It is a truth universally acknowledged. " * 20)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("x " * 100)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    kl_args = ["eval", "kl", "--model", str(model), "--format", "bf16", "--window", "8"]
+    for argv, why in [
+        (["--text", str(text), "--save", str(text)], "is the input file"),
+        (["--text", str(text), "--plot", str(text)], "is the input file"),
+        (["--text", str(text), "--save", str(tmp_path / "held_out.json"), "--plot", str(text)], "is the input file"),
+        (["--text", str(text), "--save", str(model)], "is the input file"),
+        (["--text", str(folder), "--save", str(folder / "a.txt")], "--text folder"),
+        (["--text", str(folder), "--save", str(folder / "report.txt")], "--text folder"),
+        (["--text", str(text), "--save", str(tmp_path / "r.npz")], "another suffix"),
+        (["--text", str(text), "--save", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.npz")], "another option"),
+    ]:
+        assert main([*kl_args, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("weightszip: error:") and why in err and len(err.splitlines()) == 1, err
+    assert text.read_text() == "It is a truth universally acknowledged. " * 20 and model.read_bytes() == b"GGUF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held_out.txt", "m.gguf", "texts"]
+    assert sorted(p.name for p in folder.iterdir()) == ["a.txt"]
+
+
+def test_cli_eval_kl_output_paths_that_cannot_be_written_are_usage_errors_up_front(tmp_path, no_model, capsys):
+    """A --plot in a folder that does not exist, or a --save / --plot that is a directory, failed after
+    the whole evaluation (hours at 32k tokens) and lost its results: now exit status 2 before loading."""
+    from weightszip.cli import main
+
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "file").write_text("x")
+    kl_args = ["eval", "kl", "--model", "smollm2", "--format", "bf16", "--text", str(TEXT), "--window", "8"]
+    for argv, why in [(["--plot", str(tmp_path / "nodir" / "x.png")], "no folder"),
+                      (["--plot", str(tmp_path / "d1")], "is a directory"),
+                      (["--save", str(tmp_path / "d1")], "is a directory"),
+                      (["--save", str(tmp_path / "file" / "r.json")], "not a folder")]:
+        assert main([*kl_args, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("weightszip: error:") and why in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d1", "file"]
+
+
+def test_cli_eval_kl_prints_its_results_before_writing_the_plot(fake_lm, tmp_path, monkeypatch, capsys):
+    """A plot or report that fails to be written (a full disk) no longer takes the printed results
+    with it: the table comes first, then the error (exit status 1)."""
+    from weightszip.cli import main
+
+    row = kl.FormatResult(name="bf16", description="", bits_per_value=16.0, mean_kl=0.0, top1=1.0, kl_p99=0.0,
+                          buckets=[{"start": 0, "end": 8, "kl": 0.0}], seconds=0.1, attention="model",
+                          kl=np.zeros(8), agree=np.ones(8, bool))
+    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (2, 1, 4))
+    monkeypatch.setattr(kl, "evaluate", lambda *a, **k: ([row], 0.5))
+    monkeypatch.setattr(fake_lm.model.config, "_attn_implementation", "sdpa", raising=False)
+
+    def plot(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kl, "plot", plot)
+    argv = ["eval", "kl", "--model", "fake", "--format", "bf16", "--text", str(TEXT), "--window", "8",
+            "--plot", str(tmp_path / "kl.png"), "--save", str(tmp_path / "r.json")]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0].split()[:2] == ["format", "bits/value"] and "bf16" in out
+    assert "No space left on device" in err
+
+
+def test_cli_kv_dump_checks_its_output_folder_before_loading_the_model(tmp_path, no_model, capsys):
+    """`kv dump -o FILE/x.wz` ran the whole forward, then failed with exit status 1 (README: 2); now
+    its folder is made (or found unusable) before the model is loaded, exit status 2."""
+    from weightszip.cli import main
+
+    text = tmp_path / "book.txt"
+    text.write_text("call me Ishmael. " * 10)
+    args = ["kv", "dump", "--model", "smollm2", "--text", str(text), "--tokens", "4"]
+    assert main([*args, "-o", str(text / "x.wz")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error:") and "not a folder" in err and len(err.splitlines()) == 1
+    (tmp_path / "d").mkdir()
+    assert main([*args, "-o", str(tmp_path / "d"), "--force"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="was loaded"):  # (a new folder is made first, then the model loads)
+        main([*args, "-o", str(tmp_path / "new" / "sub" / "x.wz")])
+    assert (tmp_path / "new" / "sub").is_dir()

@@ -250,7 +250,7 @@ def test_existing_output_is_refused_without_force(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and p.read_bytes() == b"changed"
     assert run_cli("decompress", str(p) + ".wz", "-q", "-f") == 0
     assert p.read_bytes() == b"hello, world"
-    # a tensor archive (decompressed by the Python writer) too
+    # a tensor archive (written as a .safetensors file) too
     weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
     mine.write_bytes(b"mine")
     assert run_cli("decompress", tmp_path / "a.wz", "-o", mine, "-q") == 1
@@ -290,8 +290,9 @@ def test_help_describes_the_overwrite_guard(capsys):
     for cmd in ("compress", "decompress"):
         with pytest.raises(SystemExit):
             run_cli(cmd, "--help")
-        text = " ".join(capsys.readouterr().out.split())
+        text = " ".join(capsys.readouterr().out.split()).replace("- ", "-")  # (argparse wraps lines at hyphens)
         assert "-f, --force" in text and "not overwritten" in text and ".wz-partial" in text
+        assert "permission mode" in text and "130" in text
 
 
 @pytest.mark.parametrize("cmd", [["kv", "dump", "--tokens", "16"], ["calibrate"]])
@@ -314,7 +315,7 @@ def test_kv_dump_and_calibrate_refuse_an_existing_output_before_any_work(tmp_pat
 
 
 def test_temporary_files_never_touch_a_file_of_a_fixed_name(tmp_path):
-    """Both writers (the Rust core's for files, the Python one for tensor archives) used fixed
+    """The writers (the Rust core's, and a Python one for tensor archives until session 28) used fixed
     temporary names (.NAME.wz-partial, NAME.wz-partial), truncating and renaming away a user's file
     of that name; now each takes a new file of a unique name, created exclusively."""
     p = tmp_path / "f.bin"
@@ -336,51 +337,20 @@ def test_temporary_files_never_touch_a_file_of_a_fixed_name(tmp_path):
     assert {x.name for x in tmp_path.iterdir()} == made | set(mine)
 
 
-def test_python_writer_temporary_names_are_unique_exclusive_and_removed_on_failure(tmp_path, monkeypatch):
-    import os
-    import stat
-
-    dst = tmp_path / "out.safetensors"
-    names = set()
-    for _ in range(20):
-        tmp, fd = files._create_temporary(dst)
-        os.close(fd)
-        assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(".out.safetensors.")
-        assert tmp.endswith(".wz-partial") and f".{os.getpid()}." in tmp
-        names.add(tmp)
-    assert len(names) == 20  # each one a new file (O_EXCL): none was reused
-    for t in names:
-        os.remove(t)
-    # a name taken already is skipped, not opened
-    taken = iter(["aaaaaaaa", "aaaaaaaa", "bbbbbbbb"])
-    monkeypatch.setattr(files.secrets, "token_hex", lambda n: next(taken))
-    monkeypatch.setattr(files, "_temporary_counter", itertools.repeat(7))
-    tmp1, fd1 = files._create_temporary(dst)
-    tmp2, fd2 = files._create_temporary(dst)
-    os.close(fd1), os.close(fd2)
-    assert tmp1.endswith(".7.aaaaaaaa.wz-partial") and tmp2.endswith(".7.bbbbbbbb.wz-partial")
-    os.remove(tmp1), os.remove(tmp2)
-    monkeypatch.undo()
-    # a long name is cut so that the temporary name stays within 255 bytes
-    long_dst = tmp_path / ("é" * 124 + ".st")
-    tmp, fd = files._create_temporary(long_dst)
-    os.close(fd)
-    assert len(os.path.basename(tmp).encode()) <= 255
-    os.remove(tmp)
-    # the output gets the usual mode (0o666 less the umask), as before, not mkstemp's 0o600
-    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
-    assert run_cli("decompress", tmp_path / "a.wz", "-o", dst, "-q") == 0
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(dst.stat().st_mode) == 0o666 & ~umask
-    # a failure while writing removes the temporary file and leaves no output
-    def boom(*a):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(files._core, "decode_file_entry", boom)
-    with pytest.raises(RuntimeError):
-        files.decompress_file(tmp_path / "a.wz", tmp_path / "b.safetensors")
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wz", "out.safetensors"]
+def test_a_damaged_tensor_archive_leaves_no_safetensors_file(tmp_path, capsys):
+    """A tensor archive is written as a .safetensors file by the core's streaming writer: a chunk that
+    fails its checksum part-way leaves neither the output nor a temporary file."""
+    src = tmp_path / "a.wz"
+    weightszip.save_file({"a": np.arange(50_000, dtype=np.float32), "b": np.arange(50_000, dtype=np.int32)}, src,
+                         chunk_bytes=4096)
+    b = bytearray(src.read_bytes())
+    last = weightszip.file_info(src)["entries"][-1]
+    assert last["name"] == "b" and last["chunks"] > 1
+    b[len(b) // 2] ^= 1  # (in entry "b"'s chunks, after "a" has been written out)
+    src.write_bytes(bytes(b))
+    assert run_cli("decompress", src, "-o", tmp_path / "a.safetensors", "-q") == 1
+    assert "ChecksumMismatchError" in capsys.readouterr().err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wz"]
 
 
 def _racing_refusal(monkeypatch, theirs: bytes):
@@ -477,8 +447,8 @@ def _dead_pid() -> int:
 @pytest.mark.parametrize("what", ["compress", "decompress tensors"])
 def test_temporary_files_of_a_killed_run_are_removed_by_the_next(tmp_path, what):
     """A run killed with SIGKILL leaves its full-size temporary file; the next run writing that
-    output removes it (its PID no longer runs). Both writers (the Rust one, the Python one) do,
-    each recognising the other's names; live writers' files and other names are left alone."""
+    output removes it (its PID no longer runs), for a file and for a tensor archive (written as a
+    .safetensors file); live writers' files and other names are left alone."""
     p = tmp_path / "f.bin"
     p.write_bytes(b"hello")
     weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
@@ -580,3 +550,190 @@ def test_a_file_changed_while_being_compressed_is_an_error_and_no_output(tmp_pat
     with pytest.raises(weightszip.WeightszipIOError, match="changed while being compressed"):
         files.compress_file(src, dst, progress=progress)
     assert calls and not dst.exists() and list(tmp_path.iterdir()) == [src]
+
+
+def _interrupt_at_second_call(what):
+    """A progress callback that interrupts the run at its second call (the first comes before any
+    chunk): raises KeyboardInterrupt or SystemExit, or sends this process SIGINT (Python's handler
+    raises KeyboardInterrupt), or raises an ordinary error (printed; the work goes on)."""
+    import signal
+
+    calls = []
+
+    def progress(done, total):
+        calls.append(done)
+        if len(calls) == 2:
+            if what == "KeyboardInterrupt":
+                raise KeyboardInterrupt
+            if what == "SystemExit":
+                raise SystemExit(3)
+            if what == "SIGINT":
+                os.kill(os.getpid(), signal.SIGINT)
+            if what == "ValueError":
+                raise ValueError("an ordinary error of the callback")
+
+    return progress, calls
+
+
+@pytest.mark.parametrize("what", ["KeyboardInterrupt", "SystemExit", "SIGINT"])
+@pytest.mark.parametrize("call", ["compress_file", "decompress_file", "decompress_file tensors", "verify_file"])
+def test_an_interrupt_stops_the_codec_and_leaves_no_file(tmp_path, what, call):
+    """Ctrl-C while Rust works reaches Python only in the progress callback: it was printed and
+    swallowed, so the run went on and published its output. Now the codec stops, its temporary file
+    is removed, nothing is published, and the interrupt is raised."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    files.compress_file(p, tmp_path / "f.wz", chunk_bytes=1 << 14)
+    weightszip.save_file({"a": np.arange(1 << 18, dtype=np.int32)}, tmp_path / "t.wz", chunk_bytes=1 << 14)
+    before = sorted(x.name for x in tmp_path.iterdir())
+    progress, calls = _interrupt_at_second_call(what)
+    run = {"compress_file": lambda: files.compress_file(p, tmp_path / "out", chunk_bytes=1 << 14, threads=1,
+                                                        progress=progress),
+           "decompress_file": lambda: files.decompress_file(tmp_path / "f.wz", tmp_path / "out", threads=1,
+                                                            progress=progress),
+           "decompress_file tensors": lambda: files.decompress_file(tmp_path / "t.wz", tmp_path / "out", threads=1,
+                                                                    progress=progress),
+           "verify_file": lambda: files.verify_file(tmp_path / "f.wz", threads=1, progress=progress)}[call]
+    with pytest.raises(SystemExit if what == "SystemExit" else KeyboardInterrupt):
+        run()
+    assert len(calls) == 2, "stopped at once"
+    assert sorted(x.name for x in tmp_path.iterdir()) == before
+
+
+def test_an_ordinary_error_of_the_progress_callback_is_printed_and_the_work_goes_on(tmp_path, capsys):
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 1000)
+    progress, calls = _interrupt_at_second_call("ValueError")
+    files.compress_file(p, tmp_path / "f.wz", chunk_bytes=1 << 12, threads=1, progress=progress)
+    assert len(calls) > 2 and "an ordinary error of the callback" in capsys.readouterr().err
+    files.decompress_file(tmp_path / "f.wz", tmp_path / "g.bin")
+    assert (tmp_path / "g.bin").read_bytes() == p.read_bytes()
+
+
+@pytest.mark.parametrize("cmd", ["compress", "decompress", "verify"])
+def test_ctrl_c_in_the_cli_exits_130_with_one_line_and_no_output(tmp_path, capsys, monkeypatch, cmd):
+    p = tmp_path / "f.bin"
+    p.write_bytes(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    assert run_cli("compress", p, "-o", tmp_path / "f.wz", "-q", "--chunk-size", 1 << 14) == 0
+    before = sorted(x.name for x in tmp_path.iterdir())
+    progress, calls = _interrupt_at_second_call("KeyboardInterrupt")
+    monkeypatch.setattr(cli._Progress, "__call__", lambda self, done, total: progress(done, total))
+    args = {"compress": ["compress", p, "-o", tmp_path / "out", "--chunk-size", 1 << 14],
+            "decompress": ["decompress", tmp_path / "f.wz", "-o", tmp_path / "out"],
+            "verify": ["verify", tmp_path / "f.wz"]}[cmd]
+    assert run_cli(*args, "-q", "--threads", 1) == 130
+    assert capsys.readouterr().err == "weightszip: interrupted\n"
+    assert len(calls) == 2 and sorted(x.name for x in tmp_path.iterdir()) == before
+
+
+def test_a_tensor_archive_decompresses_streaming_with_progress(tmp_path):
+    """A tensor archive is written as .safetensors by the core's streaming writer: its header, then
+    the entries' bytes in order (the data section), reporting progress (the bar stayed at 0% while
+    each whole tensor was decoded into memory); the file is the one safetensors reads back."""
+    t = {"w": np.arange(300_000, dtype=np.float32).reshape(600, 500), "e": np.zeros((0, 3), np.int8),
+         "b": (np.arange(7) % 2).astype(bool), "z": np.float16(1.5).reshape(())}
+    weightszip.save_file(t, tmp_path / "t.wz", chunk_bytes=1 << 15)
+    calls = []
+    index = files.decompress_file(tmp_path / "t.wz", tmp_path / "t.safetensors", threads=1,
+                                  progress=lambda d, n: calls.append((d, n)))
+    raw = sum(e["raw_bytes"] for e in index["entries"])
+    assert calls[0] == (0, raw) and calls[-1] == (raw, raw) and len(calls) > 3
+    back = st_load(str(tmp_path / "t.safetensors"))
+    assert list(back) == list(t) or sorted(back) == sorted(t)
+    for k, v in t.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and (back[k] == v).all()
+    (n,) = struct.unpack("<Q", (tmp_path / "t.safetensors").read_bytes()[:8])
+    assert (tmp_path / "t.safetensors").stat().st_size == 8 + n + raw
+
+
+@pytest.mark.parametrize("how", ["same path", "dot dot", "symlink", "hard link"])
+def test_the_api_writers_never_replace_their_input(tmp_path, how):
+    """compress_file(p, p) replaced a model file with its .wz (and decompress_file(w, w) a container
+    with its output), silently: now InvalidArgumentError, the input untouched, as the CLI refuses it."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"precious" * 100)
+    w = tmp_path / "f.wz"
+    files.compress_file(p, w)
+    container = w.read_bytes()
+    (tmp_path / "sub").mkdir()
+    for src in (p, w):
+        out = {"same path": src, "dot dot": tmp_path / "sub" / ".." / src.name, "symlink": tmp_path / "link",
+               "hard link": tmp_path / "hard"}[how]
+        if how == "symlink":
+            out.symlink_to(src)
+        elif how == "hard link":
+            out.hardlink_to(src)
+        call = files.compress_file if src == p else files.decompress_file
+        with pytest.raises(weightszip.InvalidArgumentError, match="is the input file"):
+            call(src, out)
+        if how in ("symlink", "hard link"):
+            out.unlink()
+    assert p.read_bytes() == b"precious" * 100 and w.read_bytes() == container
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["f.bin", "f.wz", "sub"]
+
+
+@pytest.mark.parametrize("what", ["compress", "decompress file", "decompress tensors"])
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o755])
+def test_outputs_keep_the_input_permission_bits(tmp_path, what, mode):
+    """Like gzip and zstd: a 0600 checkpoint's .wz (and the file restored from it) was 0644 (0666 less
+    the umask), readable by every user; the output now gets the input's permission bits, through the
+    CLI and the API (with --force / overwrite, a file replaced keeps its own: see above)."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"secret" * 100)
+    files.compress_file(p, tmp_path / "f.wz")
+    weightszip.save_file({"i": np.arange(3, dtype=np.int32)}, tmp_path / "a.wz")
+    src = {"compress": p, "decompress file": tmp_path / "f.wz", "decompress tensors": tmp_path / "a.wz"}[what]
+    src.chmod(mode)
+    cmd = "compress" if what == "compress" else "decompress"
+    assert run_cli(cmd, src, "-o", tmp_path / "cli.out", "-q") == 0
+    (files.compress_file if what == "compress" else files.decompress_file)(src, tmp_path / "api.out")
+    for out in ("cli.out", "api.out"):
+        assert stat.S_IMODE((tmp_path / out).stat().st_mode) == mode, out
+
+
+@pytest.mark.parametrize("cmd", ["compress", "decompress"])
+def test_an_empty_output_path_is_a_usage_error(tmp_path, capsys, cmd):
+    """`compress f -o ''` (-o "$OUT" with OUT unset) wrote f.wz, a place the user did not name, and
+    reported success; now argparse's usage error (exit status 2), nothing written."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    assert run_cli("compress", p, "-o", tmp_path / "f.wz", "-q") == 0
+    with pytest.raises(SystemExit) as e:
+        run_cli(cmd, p if cmd == "compress" else tmp_path / "f.wz", "-o", "", "-q")
+    assert e.value.code == 2 and "empty path" in capsys.readouterr().err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["f.bin", "f.wz"]
+
+
+def test_info_escapes_names_that_are_not_printable(tmp_path, capsys):
+    """A tensor name from a hostile file reached the terminal raw: escape sequences (window title,
+    colours) and a newline that forged a table line. `info` prints such names escaped."""
+    name = "\x1b]0;pwned\x07\x1b[31mRED\nfake line"
+    st_save({name: torch.zeros(4), "plain.weight": torch.ones(2)}, str(tmp_path / "esc.safetensors"))
+    assert run_cli("compress", tmp_path / "esc.safetensors", "-o", tmp_path / "esc.wz", "-q") == 0
+    capsys.readouterr()
+    assert run_cli("info", tmp_path / "esc.wz", "--all") == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "fake line" not in out.splitlines()[-1]
+    lines = out.splitlines()
+    assert len(lines) == 3 + len(files.file_info(tmp_path / "esc.wz")["entries"])  # (3 lines, then one per entry)
+    assert any(line.lstrip().startswith("\\x1b]0;pwned\\x07") for line in lines)
+    assert any(line.lstrip().startswith("plain.weight ") for line in lines)
+
+
+def test_io_errors_name_the_file(tmp_path, capsys):
+    """The core's I/O errors said only 'No such file or directory': now they name the input or output."""
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"hello")
+    (tmp_path / "d1").mkdir()
+    for args, path in [(["compress", p, "-o", tmp_path / "nodir" / "x.wz"], tmp_path / "nodir" / "x.wz"),
+                       (["info", tmp_path / "nonexist"], tmp_path / "nonexist"),
+                       (["verify", tmp_path / "nonexist", "-q"], tmp_path / "nonexist"),
+                       (["compress", p, "-o", tmp_path / "d1", "-f"], tmp_path / "d1"),
+                       (["compress", tmp_path / "nonexist"], tmp_path / "nonexist")]:
+        assert run_cli(*args) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("weightszip: error:") and f"{path}:" in err and len(err.splitlines()) == 1, err
+    with pytest.raises(weightszip.WeightszipIOError, match=str(tmp_path / "nonexist")):
+        files.compress_file(tmp_path / "nonexist", tmp_path / "x.wz")
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["d1", "f.bin"]
+

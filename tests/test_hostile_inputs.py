@@ -377,3 +377,62 @@ def test_bit_pattern_inputs_and_integer_arguments_are_checked_before_rust():
             call()
     bf = torch.randn(64, 64).to(torch.bfloat16)  # 16-bit torch input is still taken as its bits
     assert pages.calibrate(bf) == pages.calibrate(bf.view(torch.int16).numpy().view(np.uint16))
+
+
+def _zero_bomb(n_chunks: int, chunk: int = 1 << 20) -> bytes:
+    """A valid container of named tensors (checksums right, `info` and `verify` accept it): one uint8
+    tensor of n_chunks * chunk zeros, its chunks all one chunk's payload (about 320 bytes for 1 MiB
+    of zeros), so that a file of n_chunks * 350 bytes declares n_chunks MiB."""
+    d = weightszip.compress(np.zeros(chunk, np.uint8), chunk_bytes=chunk)
+    idx = bytes(_index(d))
+    off, stored_len, stored_sum, raw_sum = struct.unpack("<QIQQ", idx[-28:])  # (the only chunk's record)
+    payload = d[off: off + stored_len]
+    body, records = bytearray(d[:16]), []
+    for _ in range(n_chunks):
+        records.append(struct.pack("<QIQQ", len(body), stored_len, stored_sum, raw_sum))
+        body += payload
+    # kind 0, 1 entry: name "a", uint8, tensor layout, profile, flags 0, 1 dim, axis 0; shape, chunk_elems, chunks
+    index = struct.pack("<B3xIH", 0, 1, 1) + b"a" + bytes([0, 0, 1, 0, 1, 0]) + struct.pack("<QQI", n_chunks * chunk,
+                                                                                              chunk, n_chunks)
+    index += b"".join(records)
+    pre = np.frombuffer(bytes(body[:16]) + index, np.uint8)
+    sum_ = weightszip._core.xxh3_64(pre.ctypes.data, pre.nbytes)
+    return bytes(body) + index + struct.pack("<QQ", len(index), sum_) + b"WZPINDEX"
+
+
+@pytest.fixture
+def tight_address_space():
+    """At most 64 MiB more address space: a decoder that holds a whole 128 MiB tensor fails."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (used + (64 << 20), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_tensor_archive_decompresses_with_bounded_memory(tmp_path, tight_address_space):
+    """A 40 kB archive of one 128 MiB tensor of zeros: `decompress` decoded each whole tensor into
+    memory (a 1.6 MB file asked for 31 GiB: a MemoryError traceback); it now streams it to the
+    .safetensors file as file containers are, within 64 MiB of address space."""
+    src = tmp_path / "bomb.wz"
+    src.write_bytes(_zero_bomb(128))
+    assert weightszip.file_info(src)["entries"][0]["raw_bytes"] == 128 << 20
+    dst = tmp_path / "bomb.safetensors"
+    weightszip.decompress_file(src, dst, threads=1)
+    with open(dst, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        assert json.loads(f.read(n))["a"] == {"dtype": "U8", "shape": [128 << 20], "data_offsets": [0, 128 << 20]}
+    assert dst.stat().st_size == 8 + n + (128 << 20)
+
+
+@pytest.mark.parametrize("out", ["numpy", "torch"])
+def test_a_tensor_too_large_for_memory_is_a_limit_error(tmp_path, small_address_space, out):
+    """load_file (and decompress) of a tensor that cannot be allocated: LimitExceededError, not numpy's
+    MemoryError (or torch's RuntimeError)."""
+    src = tmp_path / "bomb.wz"
+    src.write_bytes(_zero_bomb(4096))  # 4 GiB declared, 1.4 MB stored
+    with pytest.raises(errors.LimitExceededError, match="'a': 4294967296 bytes do not fit in memory"):
+        weightszip.load_file(src, out=out)
+    with pytest.raises(errors.LimitExceededError, match="do not fit in memory"):
+        weightszip.decompress(src.read_bytes(), out=out)

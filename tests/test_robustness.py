@@ -191,3 +191,35 @@ def test_a_buffer_written_during_decoding_gives_typed_errors_only():
         stop.set()
         t.join()
     assert other == []
+
+
+def test_the_file_api_raises_typed_errors_for_ordinary_bad_input(tmp_path, monkeypatch):
+    """Each was an untyped error (FileNotFoundError, UnicodeEncodeError, OverflowError, ValueError; a
+    lone surrogate in an output path was a Rust panic), which `except WeightszipError` missed."""
+    x = np.zeros(3, np.float32)
+    missing = tmp_path / "nosuch"
+    with pytest.raises(errors.WeightszipIOError, match=f"{missing}: No such file"):
+        weightszip.compress_file(missing, tmp_path / "x.wz")
+    with pytest.raises(errors.WeightszipIOError, match=f"{missing}: No such file"):
+        weightszip.decompress_file(missing, tmp_path / "x")
+    with pytest.raises(errors.InvalidArgumentError, match="surrogate"):
+        weightszip.save_file({"\ud800": x}, tmp_path / "s.wz")
+    for bad_path in ("\ud800.wz", "a\0b"):
+        with pytest.raises(errors.InvalidArgumentError):
+            weightszip.save_file({"x": x}, tmp_path / bad_path)
+        (tmp_path / "f.bin").write_bytes(b"hello")
+        with pytest.raises(errors.InvalidArgumentError):
+            weightszip.compress_file(tmp_path / "f.bin", tmp_path / bad_path)
+        with pytest.raises(errors.InvalidArgumentError):
+            weightszip.compress_file(tmp_path / bad_path, tmp_path / "f.wz")
+    for chunk in (-1, 2**64):
+        with pytest.raises(errors.InvalidArgumentError, match="chunk size"):
+            weightszip.compress(x, chunk_bytes=chunk)
+        with pytest.raises(errors.InvalidArgumentError, match="chunk size"):
+            weightszip.save_file({"x": x}, tmp_path / "s.wz", chunk_bytes=chunk)
+        with pytest.raises(errors.InvalidArgumentError, match="chunk size"):
+            weightszip.compress_file(tmp_path / "f.bin", tmp_path / "f.wz", chunk_bytes=chunk)
+    monkeypatch.setenv("WEIGHTSZIP_THREADS", "abc")
+    with pytest.raises(errors.InvalidArgumentError, match="WEIGHTSZIP_THREADS='abc' is not an integer"):
+        weightszip.compress(x)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]

@@ -53,9 +53,16 @@ def encode_file(
     lanes_log2: int,
     progress: Progress = None,
     overwrite: bool = True,
+    mode: int | None = None,
 ) -> Index: ...
 def decode_file(
-    input: str | PathLike[str], output: str | PathLike[str] | None, threads: int, progress: Progress = None, overwrite: bool = True
+    input: str | PathLike[str],
+    output: str | PathLike[str] | None,
+    threads: int,
+    progress: Progress = None,
+    overwrite: bool = True,
+    prefix: bytes | None = None,
+    mode: int | None = None,
 ) -> Index: ...
 def xxh3_64(addr: int, len: int) -> int: ...
 

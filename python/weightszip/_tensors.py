@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from weightszip import _core
-from weightszip.errors import InvalidArgumentError
+from weightszip.errors import InvalidArgumentError, LimitExceededError
 
 FLAG_TORCH = 1
 LAYOUT_TENSOR = 0
@@ -80,10 +80,45 @@ def threads_default(threads: int | None) -> int:
     """0 lets the core use one thread per core; `WEIGHTSZIP_THREADS` overrides the default. A count
     above the core's cap (`MAX_THREADS`, 256) is taken as the cap, as the core itself does."""
     if threads is None:
-        threads = int(os.environ.get("WEIGHTSZIP_THREADS", "0"))
+        text = os.environ.get("WEIGHTSZIP_THREADS", "0")
+        try:
+            threads = int(text)
+        except ValueError:
+            raise InvalidArgumentError(f"WEIGHTSZIP_THREADS={text!r} is not an integer") from None
     if threads < 0:
         raise InvalidArgumentError(f"threads must be >= 0, got {threads}")
     return min(threads, _core.MAX_THREADS)
+
+
+def check_path(path: str | os.PathLike) -> str:
+    """`os.fspath(path)`, a name the operating system can take: one the file system encoding cannot
+    encode (a lone surrogate) or that holds a NUL byte is InvalidArgumentError (the core's path
+    conversion panicked on the first)."""
+    p = os.fspath(path)
+    try:
+        b = os.fsencode(p)
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{p!r}: not a usable file name (a lone surrogate)") from None
+    if b"\0" in b:
+        raise InvalidArgumentError(f"{p!r}: a file name cannot hold a NUL byte")
+    return p
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    """`chunk_bytes` as the core takes it (a u64; the core checks the rest of the range: at least 1,
+    at most its limit)."""
+    return int_arg("chunk_bytes", chunk_bytes, 0, 2**64 - 1)
+
+
+def check_name(name: Any) -> str:
+    """A tensor name the container can hold: a str that is valid UTF-8 (no lone surrogates)."""
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"tensor names must be str, got {type(name).__name__}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"tensor name {name!r} is not valid UTF-8 (a lone surrogate)") from None
+    return name
 
 
 class _Buffer:
@@ -157,7 +192,19 @@ def meta_tuple(buf: _Buffer, name: str, axis: int, layout: int) -> tuple:
 
 def empty_like_entry(entry: Mapping[str, Any], out: str | None):
     """Allocate the array an entry decodes into: torch when asked for (or when it came from torch),
-    numpy otherwise. Returns (array, address)."""
+    numpy otherwise. Returns (array, address). A tensor that does not fit in memory (a container's
+    declared size can be far larger than its bytes: zeros compress very well) is LimitExceededError,
+    not MemoryError."""
+    try:
+        return _empty_like_entry(entry, out)
+    except MemoryError:
+        raise LimitExceededError(
+            f"tensor {entry['name']!r}: {entry['raw_bytes']} bytes do not fit in memory "
+            "(`weightszip decompress` writes a container to a file with bounded memory)"
+        ) from None
+
+
+def _empty_like_entry(entry: Mapping[str, Any], out: str | None):
     want_torch = out == "torch" or (out is None and entry["flags"] & FLAG_TORCH and _torch(load=True) is not None)
     if out not in (None, "torch", "numpy"):
         raise InvalidArgumentError(f"out must be None, 'numpy' or 'torch', not {out!r}")
@@ -169,7 +216,12 @@ def empty_like_entry(entry: Mapping[str, Any], out: str | None):
         _, from_name = _torch_maps()
         if entry["dtype"] not in from_name:
             raise InvalidArgumentError(f"torch has no dtype {entry['dtype']}")
-        t = torch.empty(shape, dtype=from_name[entry["dtype"]])
+        try:
+            t = torch.empty(shape, dtype=from_name[entry["dtype"]])
+        except RuntimeError as e:  # (torch's allocator says so with a RuntimeError, not MemoryError)
+            if "can't allocate memory" in str(e):
+                raise MemoryError(str(e)) from None
+            raise
         return t, t.data_ptr()
     a = np.empty(shape, dtype=_NAME_TO_NP[entry["dtype"]])
     return a, a.ctypes.data
@@ -199,7 +251,7 @@ def compress(
     return _core.compress_buffers(
         [(meta_tuple(buf, "", axis, layout), buf.addr, buf.nbytes)],
         0,
-        chunk_bytes,
+        check_chunk_bytes(chunk_bytes),
         threads_default(threads),
         int_arg("lanes_log2", lanes_log2, 0, 2**32 - 1),
     )
@@ -249,14 +301,13 @@ def save_file(
     it was created while the file was being written."""
     bufs = []
     for name, x in tensors.items():
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"tensor names must be str, got {type(name).__name__}")
+        check_name(name)
         ax = axis.get(name, -1) if isinstance(axis, Mapping) else axis
         bufs.append((name, as_buffer(x), ax))
     _core.save_buffers(
-        os.fspath(path),
+        check_path(path),
         [(meta_tuple(b, name, ax, LAYOUT_TENSOR), b.addr, b.nbytes) for name, b, ax in bufs],
-        chunk_bytes,
+        check_chunk_bytes(chunk_bytes),
         threads_default(threads),
         _core.DEFAULT_LANES_LOG2,
         overwrite=overwrite,
@@ -269,7 +320,7 @@ def load_file(path: str | os.PathLike, *, out: str | None = None, threads: int |
     InvalidArgumentError, before anything is decoded."""
     from weightszip.files import check_regular_file
 
-    p = os.fspath(path)
+    p = check_path(path)
     check_regular_file(p)
     index = _core.file_index(p)
     seen: set[str] = set()

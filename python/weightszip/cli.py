@@ -45,12 +45,18 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether paths `a` and `b` name one existing file (through symbolic or hard links, `..`)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # (one of them does not exist, or cannot be looked at: nothing to lose)
-        return False
+def output_path(text: str) -> str:
+    """-o OUTPUT: a path, not an empty string (argparse's usage error): `-o "$OUT"` with OUT unset
+    must not write somewhere else."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
+    return text
+
+
+def _printable(name: str) -> str:
+    """A name from a file as `info` prints it: control and other non-printable characters escaped
+    (a hostile name cannot move the cursor, recolour the terminal or forge a line)."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
 
 
 def refuse_output(output: str, inputs: list[str], force: bool) -> str | None:
@@ -62,7 +68,7 @@ def refuse_output(output: str, inputs: list[str], force: bool) -> str | None:
     if not os.path.lexists(output):
         return None
     for i in inputs:
-        if _same_file(i, output):
+        if files.same_file(i, output):
             return f"{output}: is the input file {i}; not overwritten (not even with --force)"
     if not force:
         return f"{output}: already exists; not overwritten (use -f/--force to overwrite it)"
@@ -78,16 +84,16 @@ def _refused(output: str, inputs: list[str], force: bool) -> bool:
 
 
 def _cmd_compress(a) -> int:
-    size = os.path.getsize(a.input)
-    out = a.output or a.input + ".wz"
+    out = a.input + ".wz" if a.output is None else a.output
     if _refused(out, [a.input], a.force):
         return 1
     kind, segs = files.file_segments(a.input)
+    size = os.path.getsize(a.input)
     p = _Progress("compress", size, a.quiet)
     t = time.perf_counter()
     try:
         index = files._core.encode_file(a.input, out, segs, a.chunk_size, a.threads, files._core.DEFAULT_LANES_LOG2, p,
-                                        overwrite=a.force)
+                                        overwrite=a.force, mode=files._mode_of(a.input))
     finally:
         p.close()
     dt = time.perf_counter() - t
@@ -150,7 +156,8 @@ def _cmd_info(a) -> int:
     print(f"  {'name':40s} {'dtype':14s} {'shape':22s} {'ratio':>7s} {'chunks':>6s}")
     for e in shown:
         r = e["stored_bytes"] / e["raw_bytes"] if e["raw_bytes"] else 0.0
-        print(f"  {e['name'][:40]:40s} {e['dtype']:14s} {str(e['shape'])[:22]:22s} {r:7.4f} {e['chunks']:6d}")
+        name = _printable(e["name"])[:40]
+        print(f"  {name:40s} {e['dtype']:14s} {str(e['shape'])[:22]:22s} {r:7.4f} {e['chunks']:6d}")
     if len(shown) < len(index["entries"]):
         print(f"  ... {len(index['entries']) - len(shown)} more (--all)")
     return 0
@@ -178,10 +185,11 @@ def _cmd_demo(a) -> int:
 _OUTPUT_NOTE = (
     "An OUTPUT that exists is not overwritten (error, exit status 1) unless -f/--force is given, not "
     "even one created while the output was being written; one that is the input file itself (or a link "
-    "to it) is never overwritten. The output is written to a new temporary file of a unique name beside "
-    "it (.OUTPUT.PID.N.RANDOM.wz-partial) and moved into place (with --force, keeping an existing file's "
-    "permission mode), so a failed run leaves no partial file; on Linux, temporary files of OUTPUT left "
-    "by a run that was killed (PID no longer running) are removed by the next run writing OUTPUT."
+    "to it) is never overwritten. The output gets the input's permission mode, as with gzip and zstd (with "
+    "--force, a file it replaces keeps its own). It is written to a new temporary file beside it, of a "
+    "unique name (.OUTPUT.PID.N.RANDOM.wz-partial), then moved into place, so a failed or interrupted run "
+    "(Ctrl-C: exit status 130) leaves no partial file; on Linux, temporary files of OUTPUT left by a run "
+    "that was killed (PID no longer running) are removed by the next run writing OUTPUT."
 )
 
 
@@ -196,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Compress any file (.safetensors, .gguf, .npy tensor-aware; anything else as bytes). "
                        + _OUTPUT_NOTE)
     c.add_argument("input")
-    c.add_argument("-o", "--output", help="output path (default INPUT.wz); an existing one is refused without --force")
+    c.add_argument("-o", "--output", type=output_path,
+                   help="output path (default INPUT.wz); an existing one is refused without --force")
     c.add_argument("-f", "--force", action="store_true",
                    help="overwrite OUTPUT if it exists (never the input itself)")
     c.add_argument("--chunk-size", type=_nonnegative_int, default=files._core.DEFAULT_CHUNK_BYTES,
@@ -207,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Restore the original file, byte for byte (a container of named tensors is "
                        "written as a .safetensors file). " + _OUTPUT_NOTE)
     d.add_argument("input")
-    d.add_argument("-o", "--output",
+    d.add_argument("-o", "--output", type=output_path,
                    help="output path (default: INPUT without .wz); an existing one is refused without --force")
     d.add_argument("-f", "--force", action="store_true",
                    help="overwrite OUTPUT if it exists (never the input itself)")
@@ -240,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # (Ctrl-C: the codec stopped, its temporary file removed, nothing written)
+        print("weightszip: interrupted", file=sys.stderr)
+        return 130
     except OutputExistsError as e:  # (created since refuse_output's check: still not replaced)
         print(f"weightszip: error: {e} (use -f/--force to overwrite it)", file=sys.stderr)
         return 1

@@ -5,11 +5,9 @@ it through with bounded memory."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
-import secrets
 import stat
 import struct
 from collections.abc import Callable
@@ -22,9 +20,11 @@ from weightszip._tensors import (
     LAYOUT_FILE_BYTES,
     LAYOUT_TENSOR,
     _NAME_TO_NP,
+    check_chunk_bytes,
+    check_path,
     threads_default,
 )
-from weightszip.errors import InvalidArgumentError, OutputExistsError
+from weightszip.errors import InvalidArgumentError, WeightszipIOError
 
 Segment = tuple  # (name, dtype name, shape, channel axis, layout, flags)
 
@@ -249,7 +249,8 @@ def _npy_segments(f, size: int) -> list[Segment] | None:
 def check_regular_file(path: str | os.PathLike) -> None:
     """``path``, where it exists, must be a regular file: a FIFO or device has no size and would block
     or never end a read, a directory is not a file (InvalidArgumentError). A missing or unreadable
-    one is left to the reader, which reports it (WeightszipIOError)."""
+    one is left to the reader, which reports it (WeightszipIOError naming it)."""
+    check_path(path)
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -258,11 +259,43 @@ def check_regular_file(path: str | os.PathLike) -> None:
         raise InvalidArgumentError(f"{os.fspath(path)} is not a regular file")
 
 
+def _io_error(path, e: OSError) -> WeightszipIOError:
+    """A Python-side I/O error as the core reports its own: WeightszipIOError naming the file."""
+    return WeightszipIOError(f"I/O error: {os.fspath(path)}: {e.strerror or e}")
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether paths `a` and `b` name one existing file (through symbolic or hard links, `..`)."""
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # (one of them does not exist, or cannot be looked at: nothing to lose)
+        return False
+
+
+def _refuse_input_as_output(src, dst) -> None:
+    """The writers never replace their input: `dst` naming `src` (or a link to it) is refused."""
+    if same_file(src, dst):
+        raise InvalidArgumentError(f"{os.fspath(dst)}: is the input file {os.fspath(src)}; not overwritten")
+
+
+def _mode_of(path) -> int:
+    """The permission bits of the input file `path`, which its output gets (as gzip and zstd do)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError as e:
+        raise _io_error(path, e) from e
+
+
 def file_segments(path: str | os.PathLike) -> tuple[str, list[Segment]]:
-    """Describe a file as segments: ('safetensors' | 'gguf' | 'npy' | 'bytes', segments)."""
+    """Describe a file as segments: ('safetensors' | 'gguf' | 'npy' | 'bytes', segments). A file
+    that cannot be read is a WeightszipIOError naming it."""
     check_regular_file(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    try:
+        size = os.path.getsize(path)
+        f = open(path, "rb")
+    except OSError as e:
+        raise _io_error(path, e) from e
+    with f:
         if size == 0 and f.read(1):  # /proc and /sys files report 0 bytes and then have data
             raise InvalidArgumentError(f"{os.fspath(path)} reports 0 bytes but has data (a /proc or /sys file?): "
                                        "copy it to a regular file first")
@@ -285,11 +318,19 @@ def compress_file(
 ) -> dict:
     """Compress any file to a .wz container (written atomically); returns its index. With
     `overwrite=False` an existing `dst` is left as it is and `OutputExistsError` raised, even if it
-    was created while the container was being written."""
+    was created while the container was being written. `dst` naming `src` itself (or a link to it)
+    is refused (InvalidArgumentError), whatever `overwrite` says. The output gets the permission
+    bits of `src` (as gzip and zstd do), or with `overwrite` those of the file it replaces.
+
+    `progress(done, total)` is called as the work goes; an ordinary exception it raises is printed
+    and the work goes on, but a KeyboardInterrupt (or other exception that is not an `Exception`),
+    or one raised by a signal handler meanwhile (Ctrl-C), stops it: no output and no temporary file
+    are left, and the exception is raised."""
     _, segs = file_segments(src)
+    _refuse_input_as_output(src, dst)
     return _core.encode_file(
-        os.fspath(src), os.fspath(dst), segs, chunk_bytes, threads_default(threads), _core.DEFAULT_LANES_LOG2, progress,
-        overwrite=overwrite,
+        os.fspath(src), check_path(dst), segs, check_chunk_bytes(chunk_bytes), threads_default(threads),
+        _core.DEFAULT_LANES_LOG2, progress, overwrite=overwrite, mode=_mode_of(src),
     )
 
 
@@ -302,17 +343,22 @@ def decompress_file(
     overwrite: bool = True,
 ) -> dict:
     """Restore the original file from a .wz made by `compress_file`, byte for byte. A container of
-    named tensors (from `save_file`) is written out as a .safetensors file. `overwrite` as for
-    `compress_file`."""
+    named tensors (from `save_file`) is written out as a .safetensors file. Both stream with bounded
+    memory, whatever the size of a tensor. `overwrite`, the input as output, the permission bits and
+    `progress` as for `compress_file`."""
     check_regular_file(src)
     index = _core.file_index(os.fspath(src))
-    if index["kind"] == 1:
-        return _core.decode_file(os.fspath(src), os.fspath(dst), threads_default(threads), progress, overwrite=overwrite)
-    _write_safetensors(src, dst, index, threads_default(threads), overwrite=overwrite)
-    return index
+    _refuse_input_as_output(src, dst)
+    prefix = None if index["kind"] == 1 else _safetensors_header(index)
+    return _core.decode_file(os.fspath(src), check_path(dst), threads_default(threads), progress, overwrite=overwrite,
+                             prefix=prefix, mode=_mode_of(src))
 
 
-def _write_safetensors(src, dst, index: dict, threads: int, overwrite: bool = True) -> None:
+def _safetensors_header(index: dict) -> bytes:
+    """The header (length and JSON) of the .safetensors file that holds a container of named tensors:
+    the entries' bytes in order are its data section (each tensor's offsets are the sums of the raw
+    sizes before it), so that the core's streaming decoder writes the file as this prefix, then the
+    entries."""
     header, offset = {}, 0
     for e in index["entries"]:
         # (the container allows any names; a safetensors header is a JSON object of unique names,
@@ -328,120 +374,7 @@ def _write_safetensors(src, dst, index: dict, threads: int, overwrite: bool = Tr
         offset += e["raw_bytes"]
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
-    _remove_stale_temporaries(dst)
-    tmp, fd = _create_temporary(dst)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(struct.pack("<Q", len(h)) + h)
-            for i, e in enumerate(index["entries"]):
-                buf = np.empty(e["raw_bytes"], dtype=np.uint8)
-                _core.decode_file_entry(os.fspath(src), i, buf.ctypes.data, buf.nbytes, threads)
-                out.write(memoryview(buf))  # (not buf.tobytes(): a second copy of the tensor)
-                del buf
-            out.flush()
-            if overwrite:
-                _keep_mode(out.fileno(), dst)
-            os.fsync(out.fileno())  # (as the Rust writer: the data is on disk before the rename)
-        _publish(tmp, dst, overwrite)
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-
-
-def _keep_mode(fd: int, dst) -> None:
-    """Give the temporary file the permission mode of the regular file it is to replace (as gzip
-    does with -f; read, write and execute bits), as the Rust writer does."""
-    try:
-        st = os.stat(dst)
-    except OSError:
-        return
-    if stat.S_ISREG(st.st_mode) and hasattr(os, "fchmod"):
-        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)
-
-
-def _publish(tmp: str, dst, overwrite: bool) -> None:
-    """Put the finished `tmp` in place as `dst`, as the Rust writer does: renamed over it, or with
-    `overwrite=False` hard-linked to the name, which fails if the name is taken (even by a file
-    created while the output was written: no check-then-rename). Where the file system has no hard
-    links, a check then a rename."""
-    if overwrite:
-        os.replace(tmp, dst)
-        return
-    try:
-        os.link(tmp, dst)
-    except FileExistsError:
-        raise OutputExistsError(f"{os.fspath(dst)}: already exists; not overwritten") from None
-    except OSError:
-        if os.path.lexists(dst):
-            raise OutputExistsError(f"{os.fspath(dst)}: already exists; not overwritten") from None
-        os.rename(tmp, dst)
-        return
-    os.remove(tmp)
-
-
-# Bytes of the output's name kept in its temporary file's name (the name stays within 255 bytes).
-_TEMPORARY_NAME_PREFIX_MAX = 160
-_temporary_counter = itertools.count()
-
-
-def _temporary_prefix(dst) -> str:
-    """`.NAME.`: the part of the temporary names of `dst` before the PID (the Rust writer's too)."""
-    name = os.path.basename(os.fspath(dst))
-    name = name.encode("utf-8", "surrogateescape")[:_TEMPORARY_NAME_PREFIX_MAX].decode("utf-8", "ignore")
-    return f".{name}."
-
-
-def _create_temporary(dst) -> tuple[str, int]:
-    """A new, empty file beside `dst`, `.NAME.PID.N.RANDOM.wz-partial` (N a per-process counter),
-    created exclusively (never a file that exists: a user's, or another writer's of the same
-    output), as the Rust core's writer does; returns its path and an open descriptor. Its mode is
-    the usual 0o666 less the umask."""
-    dst = os.fspath(dst)
-    folder = os.path.dirname(dst)
-    prefix = _temporary_prefix(dst)
-    for _ in range(100):
-        tmp = os.path.join(folder, f"{prefix}{os.getpid()}.{next(_temporary_counter)}.{secrets.token_hex(4)}.wz-partial")
-        try:
-            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free temporary name beside {dst}")
-
-
-def _temporary_pid(name: str, prefix: str) -> int | None:
-    """The PID in `name` if it is exactly a temporary name of the output whose names start with
-    `prefix` (`PREFIX PID.N.XXXXXXXX.wz-partial`, X lowercase hex); else None."""
-    if not (name.startswith(prefix) and name.endswith(".wz-partial")):
-        return None
-    parts = name[len(prefix): -len(".wz-partial")].split(".")
-    if (len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts[:2]) or len(parts[2]) != 8
-            or not all(c in "0123456789abcdef" for c in parts[2])):
-        return None
-    pid = int(parts[0])
-    return pid if pid < 2**32 else None
-
-
-def _remove_stale_temporaries(dst) -> None:
-    """Remove the temporary files of `dst` left by writers that were killed (SIGKILL, a power cut):
-    those whose PID is not a running process, as the Rust writer does. Linux only (through /proc;
-    elsewhere, or without /proc, nothing is removed); never this process's, nor any file whose name
-    is not exactly a temporary name of `dst`."""
-    if not os.path.exists("/proc/self"):
-        return
-    prefix, me = _temporary_prefix(dst), os.getpid()
-    try:
-        entries = list(os.scandir(os.path.dirname(os.fspath(dst)) or "."))
-    except OSError:
-        return
-    for e in entries:
-        pid = _temporary_pid(e.name, prefix)
-        if pid is None or pid == me or os.path.exists(f"/proc/{pid}"):
-            continue
-        try:
-            if e.is_file(follow_symlinks=False):
-                os.remove(e.path)
-        except OSError:
-            pass
+    return struct.pack("<Q", len(h)) + h
 
 
 def file_info(path: str | os.PathLike) -> dict:
@@ -451,7 +384,8 @@ def file_info(path: str | os.PathLike) -> dict:
 
 
 def verify_file(path: str | os.PathLike, *, threads: int | None = None, progress=None) -> dict:
-    """Decode every chunk of a .wz file and check every checksum (nothing is written)."""
+    """Decode every chunk of a .wz file and check every checksum (nothing is written). `progress` as
+    for `compress_file` (an interrupt stops it and is raised)."""
     check_regular_file(path)
     return _core.decode_file(os.fspath(path), None, threads_default(threads), progress)
 

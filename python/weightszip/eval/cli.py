@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,7 +70,60 @@ def _add_calibration_arg(p) -> None:
     p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
 
 
+def _make_folder_for(path: Path) -> str | None:
+    """Create the folder that the output `path` goes in, if missing (as --save and kv dump's -o always
+    did), before any work; why `path` cannot be written there (a file where the folder should be, a
+    directory at `path`), or None."""
+    if path.parent.exists() and not path.parent.is_dir():
+        return f"{path}: {path.parent} is not a folder"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"{path}: cannot create its folder {path.parent} ({e.strerror or e})"
+    if path.is_dir():
+        return f"{path}: is a directory"
+    return None
+
+
+def _check_kl_outputs(a) -> str | None:
+    """Why --save (with its .npz) or --plot cannot be written, or None: checked before the model is
+    loaded, so that a slip costs no evaluation. Never an input (the --text file, a .txt file in a
+    --text folder, the model's file), never a directory, not both options on one file; --plot's folder
+    must exist, --save's is created."""
+    from weightszip.cli import refuse_output
+    from weightszip.files import same_file
+
+    outs: list[tuple[str, Path]] = []
+    if a.save:
+        save = Path(a.save)
+        if save.suffix == ".npz":
+            return (f"--save {save}: the per-position arrays go to {save.with_suffix('.npz')} beside the report; "
+                    "give the report another suffix (e.g. .json)")
+        outs += [("--save", save), ("--save", save.with_suffix(".npz"))]
+    if a.plot:
+        outs.append(("--plot", Path(a.plot)))
+    text = Path(a.text)
+    for i, (flag, p) in enumerate(outs):
+        if any(os.path.abspath(p) == os.path.abspath(q) for _, q in outs[:i]):
+            return f"{flag} {p}: also written by another option"
+        why = refuse_output(str(p), [a.text, a.model], force=True)
+        if why is not None:
+            return why
+        if text.is_dir() and p.suffix == ".txt" and same_file(p.parent, text):
+            return f"{flag} {p}: a .txt file in the --text folder would be read as text; not written"
+        if flag == "--plot" and not p.parent.is_dir():
+            return f"--plot {p}: no folder {p.parent}"
+        why = _make_folder_for(p)
+        if why is not None:
+            return f"{flag} {why}"
+    return None
+
+
 def _cmd_eval_kl(a) -> int:
+    why = _check_kl_outputs(a)
+    if why is not None:
+        print(f"weightszip: error: {why}", file=sys.stderr)
+        return 2
     import torch
     import transformers
 
@@ -132,24 +186,35 @@ def _cmd_eval_kl(a) -> int:
         "results": [r.summary() for r in rows],
     }
     if a.plot:
-        kl.plot(rows, a.plot, title=f"{lm.name}, {a.window} tokens of {Path(a.text).name}")
         report["plot"] = str(a.plot)
+    if a.save:
+        report["per_position"] = str(Path(a.save).with_suffix(".npz"))
+    # The results first: a plot or report that cannot be written (a full disk) loses no evaluation.
+    _print_kl(a, report, rows, ref_seconds)
+    sys.stdout.flush()
+    if a.plot:
+        kl.plot(rows, a.plot, title=f"{lm.name}, {a.window} tokens of {Path(a.text).name}")
     if a.save:
         import numpy as np
 
         save = Path(a.save)
-        save.parent.mkdir(parents=True, exist_ok=True)
         # Per-position scores beside the report (to re-plot or re-bucket without re-running).
         arrays = {}
         for i, r in enumerate(rows):
             arrays[f"kl_{i}"], arrays[f"agree_{i}"] = r.kl.astype(np.float32), r.agree
         np.savez_compressed(save.with_suffix(".npz"), names=np.array([r.name for r in rows]), **arrays)
-        report["per_position"] = str(save.with_suffix(".npz"))
         save.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+def _print_kl(a, report: dict, rows, ref_seconds: float) -> None:
+    """The report as JSON (--json), or the table."""
+    from weightszip.eval import kl
+
     if a.json:
         json.dump(report, sys.stdout, indent=1)
         print()
-        return 0
+        return
     print(f"{'format':34s} {'bits/value':>10s} {'mean KL':>10s} {'top-1':>7s} {'KL p99':>9s} {'attention':>9s} {'time s':>7s}")
     for r in rows:
         print(
@@ -160,7 +225,6 @@ def _cmd_eval_kl(a) -> int:
     print(kl.describe_position_buckets(rows))
     if a.plot:
         print(f"plot: {a.plot}")
-    return 0
 
 
 def _cmd_kv_dump(a) -> int:
@@ -171,7 +235,7 @@ def _cmd_kv_dump(a) -> int:
 
     from weightszip.cli import refuse_output
 
-    why = refuse_output(a.output, [a.text, a.model], a.force)
+    why = refuse_output(a.output, [a.text, a.model], a.force) or _make_folder_for(Path(a.output))
     if why is not None:
         print(f"weightszip: error: {why}", file=sys.stderr)
         return 2
@@ -202,13 +266,15 @@ def _cmd_kv_dump(a) -> int:
     )
     tensors["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     out = Path(a.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
         # (without --force, a file created at OUTPUT since the check above is not replaced either)
         weightszip.save_file(tensors, out, threads=a.threads or None, overwrite=a.force)
     except weightszip.OutputExistsError as e:
         print(f"weightszip: error: {e} (use -f/--force to overwrite it)", file=sys.stderr)
+        return 2
+    except (weightszip.WeightszipError, OSError) as e:  # (a full disk, its folder gone meanwhile)
+        print(f"weightszip: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     dt = time.perf_counter() - t0
     raw = kv.nbytes
@@ -237,8 +303,9 @@ def add_parsers(subparsers) -> None:
     k.add_argument("--window", type=positive_int, required=True, help="tokens in the window (the context the last position sees)")
     k.add_argument("--offset", type=nonnegative_int, default=0, help="skip this many tokens of the text first (default 0)")
     k.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
-    k.add_argument("--plot", help="write a PNG of KL and top-1 against position")
-    k.add_argument("--save", help="also write the JSON report to this file (and per-position KL, top-1 to .npz beside it)")
+    k.add_argument("--plot", help="write a PNG of KL and top-1 against position (into a folder that exists)")
+    k.add_argument("--save", help="also write the JSON report to this file (and per-position KL, top-1 to .npz beside it; "
+                   "its folder is created if missing)")
     k.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's choice; at most 256)")
     k.add_argument("--buckets", type=positive_int, default=8, help="position buckets in the report (default 8)")
     k.add_argument("--chunk", type=positive_int, default=512, help="queries per block in the windowed attention")

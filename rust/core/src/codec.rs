@@ -295,6 +295,68 @@ pub enum OnExisting {
     Refuse,
 }
 
+/// Where a file writer puts its output, and how.
+#[derive(Debug, Clone, Copy)]
+pub struct Output<'a> {
+    pub path: &'a Path,
+    /// What to do if `path` exists when the output is published.
+    pub on_existing: OnExisting,
+    /// Permission bits (read, write, execute: `mode & 0o777`) for the output, e.g. its input's, as
+    /// gzip and zstd do; set on the temporary file before anything is written to it. None: the usual
+    /// 0o666 less the umask. A regular file replaced under `OnExisting::Replace` keeps its own mode
+    /// instead. Unix only (elsewhere ignored).
+    pub mode: Option<u32>,
+}
+
+impl<'a> Output<'a> {
+    pub fn new(path: &'a Path, on_existing: OnExisting) -> Self {
+        Output { path, on_existing, mode: None }
+    }
+}
+
+/// What a file writer calls with (bytes done, bytes in all) as it goes: an error (e.g.
+/// `Error::Interrupted`) stops it, with no output and no temporary file left.
+pub type Progress<'a> = &'a mut dyn FnMut(u64, u64) -> Result<()>;
+
+/// `e`, its message prefixed with `path`: the file an I/O error happened on.
+fn name_io(path: &Path, e: std::io::Error) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+/// `Error::Io` naming `path` (other errors as they are).
+fn at(path: &Path) -> impl Fn(Error) -> Error + '_ {
+    move |e| match e {
+        Error::Io(io) => Error::Io(name_io(path, io)),
+        other => other,
+    }
+}
+
+/// `Error::Io` naming `path`, from an `std::io::Error`.
+fn io_at(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::Io(name_io(path, e))
+}
+
+/// Open the input file `path`; an error names it.
+pub fn open_input(path: &Path) -> Result<File> {
+    File::open(path).map_err(io_at(path))
+}
+
+/// The output file's writes: an error names the output (not its temporary file).
+struct OutputWriter<'a> {
+    file: File,
+    path: &'a Path,
+}
+
+impl Write for OutputWriter<'_> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.file.write(b).map_err(|e| name_io(self.path, e))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush().map_err(|e| name_io(self.path, e))
+    }
+}
+
 /// The part of the temporary names of `path`'s output before the PID: `.NAME.` (NAME cut, at a
 /// character boundary, so that the temporary name stays within the file system's 255 bytes).
 fn temporary_prefix(path: &Path) -> String {
@@ -424,45 +486,62 @@ fn publish(tmp: &Path, path: &Path, on_existing: OnExisting) -> Result<()> {
     Ok(())
 }
 
-/// Keep the permission mode of the regular file at `path` that `file` is about to replace (as
-/// gzip does with -f): read, write and execute bits only (Unix; elsewhere nothing).
-fn keep_mode(file: &File, path: &Path) -> Result<()> {
+/// Keep the permission mode of the regular file at `path` that `file` is about to replace (read,
+/// write and execute bits only; Unix, elsewhere nothing). Whether there was one.
+fn keep_mode(file: &File, path: &Path) -> Result<bool> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
         if let Ok(m) = std::fs::metadata(path) {
             if m.is_file() {
-                file.set_permissions(std::fs::Permissions::from_mode(m.permissions().mode() & 0o777))?;
+                set_mode(file, m.permissions().mode())?;
+                return Ok(true);
             }
         }
     }
     #[cfg(not(unix))]
     let _ = (file, path);
+    Ok(false)
+}
+
+/// Give `file` the permission bits of `mode` (`mode & 0o777`; Unix, elsewhere nothing).
+fn set_mode(file: &File, mode: u32) -> Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(mode & 0o777))?;
+    }
+    #[cfg(not(unix))]
+    let _ = (file, mode);
     Ok(())
 }
 
-/// Write to `path` through a temporary file (see `create_temporary`) published under `path` on
+/// Write to `out.path` through a temporary file (see `create_temporary`) published under it on
 /// success (see `OnExisting`), so a failed or interrupted run never leaves a partial file under
 /// the final name, and the temporary file is removed on any failure or panic. First removes the
-/// temporary files of earlier writers of `path` that were killed (`remove_stale_temporaries`).
-fn write_atomically(
-    path: &Path,
-    on_existing: OnExisting,
-    f: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
-) -> Result<()> {
+/// temporary files of earlier writers of the path that were killed (`remove_stale_temporaries`).
+/// The output's mode: see `Output::mode`. An I/O error of the output names its path.
+fn write_atomically(out: Output<'_>, f: impl FnOnce(&mut BufWriter<OutputWriter<'_>>) -> Result<()>) -> Result<()> {
+    let (path, on_existing) = (out.path, out.on_existing);
     remove_stale_temporaries(path);
-    let (tmp, file) = create_temporary(path)?;
+    let (tmp, file) = create_temporary(path).map_err(at(path))?;
     let guard = RemoveOnDrop(Some(&tmp));
-    let mut w = BufWriter::with_capacity(1 << 20, file);
+    // (before any byte is written: no one can open the temporary file under a wider mode meanwhile)
+    let replacing = on_existing == OnExisting::Replace && keep_mode(&file, path).map_err(at(path))?;
+    if let (false, Some(mode)) = (replacing, out.mode) {
+        set_mode(&file, mode).map_err(at(path))?;
+    }
+    let mut w = BufWriter::with_capacity(1 << 20, OutputWriter { file, path });
     f(&mut w)?;
     w.flush()?;
+    let file = &w.get_ref().file;
     if on_existing == OnExisting::Replace {
-        keep_mode(w.get_ref(), path)?;
+        keep_mode(file, path).map_err(at(path))?; // (a file created at `path` meanwhile)
     }
-    w.get_ref().sync_all()?;
+    file.sync_all().map_err(io_at(path))?;
     drop(w);
     // (a publish that fails, e.g. onto a directory, leaves no temporary file behind either)
-    publish(&tmp, path, on_existing)?;
+    publish(&tmp, path, on_existing).map_err(at(path))?;
     std::mem::forget(guard);
     Ok(())
 }
@@ -471,17 +550,19 @@ fn write_atomically(
 /// tensor-aware coding, the rest is coded as bytes). Memory stays bounded by the batch size.
 /// A file written while it is read (longer, shorter or modified at the end than at the start)
 /// is an error, and no output is left: the container would hold a mix, or a prefix, of it.
+///
+/// `progress` is called with (bytes done, bytes in all) after each batch of chunks; an error from it
+/// stops the run with that error and no output.
 pub fn encode_file(
     input: &Path,
-    output: &Path,
+    output: Output<'_>,
     segments: &[TensorMeta],
     opts: &EncodeOptions,
-    on_existing: OnExisting,
-    progress: &mut dyn FnMut(u64, u64),
+    progress: Progress<'_>,
 ) -> Result<Index> {
     opts.check()?;
-    let mut f = File::open(input)?;
-    let before = f.metadata()?;
+    let mut f = open_input(input)?;
+    let before = f.metadata().map_err(io_at(input))?;
     let total = before.len();
     let mut sum = 0u64;
     for s in segments {
@@ -492,10 +573,10 @@ pub fn encode_file(
         return Err(Error::InvalidArgument(format!("segments cover {sum} bytes of a {total}-byte file")));
     }
     let mut index = None;
-    write_atomically(output, on_existing, |w| {
+    write_atomically(output, |w| {
         let mut wr = Writer::new(w, KIND_FILE)?;
         let mut done = 0u64;
-        progress(0, total);
+        progress(0, total)?;
         for meta in segments {
             let ce = chunk_elems_for(meta, opts);
             let cb = ce * meta.dtype.size() as u64;
@@ -508,7 +589,7 @@ pub fn encode_file(
                     let mut b = vec![0u8; n as usize];
                     f.read_exact(&mut b).map_err(|e| match e.kind() {
                         std::io::ErrorKind::UnexpectedEof => changed(input, total, f.metadata().map_or(0, |m| m.len())),
-                        _ => e.into(),
+                        _ => io_at(input)(e),
                     })?;
                     left -= n;
                     bufs.push(b);
@@ -520,7 +601,7 @@ pub fn encode_file(
                     wr.write_chunk(c)?;
                     done += b.len() as u64;
                 }
-                progress(done, total);
+                progress(done, total)?;
             }
         }
         unchanged_since(&mut f, &before, input)?;
@@ -533,8 +614,8 @@ pub fn encode_file(
 /// The file read through `f` still has the length and modification time it had (`before`), and
 /// ends where its length says: else an I/O error naming it ("changed while being compressed").
 fn unchanged_since(f: &mut File, before: &std::fs::Metadata, path: &Path) -> Result<()> {
-    let now = f.metadata()?;
-    let grew = f.read(&mut [0u8; 1])? != 0;
+    let now = f.metadata().map_err(io_at(path))?;
+    let grew = f.read(&mut [0u8; 1]).map_err(io_at(path))? != 0;
     if grew || now.len() != before.len() || now.modified().ok() != before.modified().ok() {
         return Err(changed(path, before.len(), now.len()));
     }
@@ -548,29 +629,33 @@ fn changed(path: &Path, was: u64, now: u64) -> Error {
     )))
 }
 
-/// Decode a container file, writing the concatenation of its entries to `output` (for a container
-/// of kind "file": the original file, byte for byte). With `output` None, only verifies.
+/// Decode a container file, writing `prefix` then the concatenation of its entries to `output` (for
+/// a container of kind "file", with no prefix: the original file, byte for byte; for one of named
+/// tensors, with a safetensors header as the prefix: the .safetensors file, the entries being its
+/// data section in order). With `output` None, only verifies (`prefix` is not used). Memory stays
+/// bounded by the batch size whatever the entries' sizes. `progress` as for `encode_file`, over the
+/// entries' bytes.
 pub fn decode_file(
     input: &Path,
-    output: Option<&Path>,
+    output: Option<Output<'_>>,
+    prefix: &[u8],
     threads: usize,
-    on_existing: OnExisting,
-    progress: &mut dyn FnMut(u64, u64),
+    progress: Progress<'_>,
 ) -> Result<Index> {
-    let mut f = File::open(input)?;
-    let (index, _) = read_index(&mut f)?;
+    let mut f = open_input(input)?;
+    let (index, _) = read_index(&mut f).map_err(at(input))?;
     let total = index.raw_bytes();
     let mut run = |sink: &mut dyn Write| -> Result<()> {
         let mut done = 0u64;
-        progress(0, total);
-        f.seek(SeekFrom::Start(PREAMBLE_LEN))?;
+        progress(0, total)?;
+        f.seek(SeekFrom::Start(PREAMBLE_LEN)).map_err(io_at(input))?;
         for (ei, e) in index.entries.iter().enumerate() {
             let mut k = 0;
             while k < e.chunks.len() {
                 let end = (k + batch_len(threads)).min(e.chunks.len());
                 let mut stored = Vec::with_capacity(end - k);
                 for c in &e.chunks[k..end] {
-                    stored.push(read_payload(&mut f, c.stored_len)?);
+                    stored.push(read_payload(&mut f, c.stored_len).map_err(at(input))?);
                 }
                 let decoded: Result<Vec<Vec<u8>>> = with_threads(threads, || {
                     stored
@@ -588,14 +673,17 @@ pub fn decode_file(
                     sink.write_all(&d)?;
                     done += d.len() as u64;
                 }
-                progress(done, total);
+                progress(done, total)?;
                 k = end;
             }
         }
         Ok(())
     };
     match output {
-        Some(p) => write_atomically(p, on_existing, |w| run(w))?,
+        Some(out) => write_atomically(out, |w| {
+            w.write_all(prefix)?;
+            run(w)
+        })?,
         None => run(&mut std::io::sink())?,
     }
     Ok(index)
@@ -619,7 +707,7 @@ pub fn save_tensors(
     on_existing: OnExisting,
 ) -> Result<Index> {
     let mut index = None;
-    write_atomically(path, on_existing, |w| {
+    write_atomically(Output::new(path, on_existing), |w| {
         let mut wr = Writer::new(w, format::KIND_TENSORS)?;
         for (meta, data) in tensors {
             let (ce, chunks) = encode_tensor_chunks(data, meta, opts)?;
@@ -644,15 +732,15 @@ pub fn decode_file_entry(input: &Path, index: &Index, ei: usize, out: &mut [u8],
     if e.chunks.is_empty() {
         return Ok(());
     }
-    let mut f = File::open(input)?;
-    f.seek(SeekFrom::Start(e.chunks[0].offset))?;
+    let mut f = open_input(input)?;
+    f.seek(SeekFrom::Start(e.chunks[0].offset)).map_err(io_at(input))?;
     let cb = (e.chunk_elems * e.meta.dtype.size() as u64) as usize;
     let batch = batch_len(threads);
     for (bi, outs) in out.chunks_mut(cb * batch).enumerate() {
         let k0 = bi * batch;
         let mut stored = Vec::new();
         for c in &e.chunks[k0..(k0 + batch).min(e.chunks.len())] {
-            stored.push(read_payload(&mut f, c.stored_len)?);
+            stored.push(read_payload(&mut f, c.stored_len).map_err(at(input))?);
         }
         with_threads(threads, || {
             outs.par_chunks_mut(cb)
@@ -675,7 +763,7 @@ mod tests {
         std::fs::create_dir_all(&d).unwrap();
         let out = d.join("out.wz");
         let r = std::panic::catch_unwind(|| {
-            write_atomically(&out, OnExisting::Replace, |w| {
+            write_atomically(Output::new(&out, OnExisting::Replace), |w| {
                 w.write_all(&[7u8; 3 << 20])?;
                 panic!("a bug in the writer");
             })

@@ -37,7 +37,12 @@ pub enum Error {
     /// it is left as it was. Holds the output's path.
     #[error("{0}: already exists; not overwritten")]
     OutputExists(String),
-    /// Reading or writing a file failed.
+    /// The caller's progress callback asked the codec to stop (in Python: an interrupt, Ctrl-C,
+    /// raised in or delivered during the callback). A file writer leaves no output and no
+    /// temporary file.
+    #[error("interrupted: {0}")]
+    Interrupted(String),
+    /// Reading or writing a file failed (the message names the file where the codec knows it).
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
 }

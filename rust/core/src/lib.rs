@@ -12,7 +12,7 @@ pub mod kvx4;
 pub mod page;
 pub mod rans;
 
-pub use codec::{compress, decode_file, encode_file, read_index, Container, EncodeOptions, OnExisting};
+pub use codec::{compress, decode_file, encode_file, read_index, Container, EncodeOptions, OnExisting, Output};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use format::{Index, TensorMeta};

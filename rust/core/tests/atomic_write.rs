@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use weightszip_core::codec::{save_tensors, EncodeOptions, OnExisting};
 use weightszip_core::format::LAYOUT_FILE_BYTES;
-use weightszip_core::{decode_file, encode_file, DType, Error, TensorMeta};
+use weightszip_core::{decode_file, encode_file, DType, Error, Output, TensorMeta};
 
 /// A fresh, empty folder of its own under the system's temporary folder.
 fn scratch(test: &str) -> PathBuf {
@@ -40,8 +40,15 @@ fn a_file_named_like_the_old_fixed_temporary_name_is_left_alone() {
     fs::write(&mine_out, b"mine, not weightszip's").unwrap();
     fs::write(&mine_back, b"also mine").unwrap();
     let opts = EncodeOptions::default();
-    encode_file(&input, &out, &[bytes_meta(data.len() as u64)], &opts, OnExisting::Replace, &mut |_, _| {}).unwrap();
-    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    encode_file(
+        &input,
+        Output::new(&out, OnExisting::Replace),
+        &[bytes_meta(data.len() as u64)],
+        &opts,
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
+    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
     assert_eq!(fs::read(&back).unwrap(), data);
     assert_eq!(fs::read(&mine_out).unwrap(), b"mine, not weightszip's");
     assert_eq!(fs::read(&mine_back).unwrap(), b"also mine");
@@ -75,7 +82,7 @@ fn concurrent_writers_of_one_output_do_not_collide() {
     });
     // The output is one writer's whole container, and no temporary file is left.
     let back = d.join("back.bin");
-    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
     assert!(payloads.contains(&fs::read(&back).unwrap()));
     assert_eq!(names(&d), ["back.bin", "same.wz"]);
     fs::remove_dir_all(&d).unwrap();
@@ -88,10 +95,16 @@ fn a_long_output_name_still_gets_a_temporary_file() {
     fs::write(&input, b"hello").unwrap();
     // 250 bytes: the output's name fits the file system's 255, the name with a suffix would not
     let out = d.join(format!("{}.wz", "é".repeat(124)));
-    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {})
-        .unwrap();
+    encode_file(
+        &input,
+        Output::new(&out, OnExisting::Replace),
+        &[bytes_meta(5)],
+        &EncodeOptions::default(),
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
     let back = d.join("back.bin");
-    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
     assert_eq!(fs::read(&back).unwrap(), b"hello");
     fs::remove_dir_all(&d).unwrap();
 }
@@ -112,8 +125,9 @@ fn refuse_never_replaces_a_file_created_while_the_output_was_written() {
             fs::write(&out, b"theirs").unwrap();
             created = true;
         }
+        Ok(())
     };
-    let err = encode_file(&input, &out, &segs, &opts, OnExisting::Refuse, &mut race).unwrap_err();
+    let err = encode_file(&input, Output::new(&out, OnExisting::Refuse), &segs, &opts, &mut race).unwrap_err();
     assert!(matches!(&err, Error::OutputExists(p) if p.ends_with("out.wz")), "{err}");
     assert_eq!(err.to_string(), format!("{}: already exists; not overwritten", out.display()));
     assert_eq!(fs::read(&out).unwrap(), b"theirs");
@@ -123,18 +137,19 @@ fn refuse_never_replaces_a_file_created_while_the_output_was_written() {
     {
         let link = d.join("link.wz");
         std::os::unix::fs::symlink(d.join("nowhere"), &link).unwrap();
-        let err = encode_file(&input, &link, &segs, &opts, OnExisting::Refuse, &mut |_, _| {}).unwrap_err();
+        let err =
+            encode_file(&input, Output::new(&link, OnExisting::Refuse), &segs, &opts, &mut |_, _| Ok(())).unwrap_err();
         assert!(matches!(err, Error::OutputExists(_)));
         assert!(!d.join("nowhere").exists());
         fs::remove_file(&link).unwrap();
     }
     // a free name is published, by every writer
     fs::remove_file(&out).unwrap();
-    encode_file(&input, &out, &segs, &opts, OnExisting::Refuse, &mut |_, _| {}).unwrap();
+    encode_file(&input, Output::new(&out, OnExisting::Refuse), &segs, &opts, &mut |_, _| Ok(())).unwrap();
     let back = d.join("back.bin");
-    decode_file(&out, Some(&back), 0, OnExisting::Refuse, &mut |_, _| {}).unwrap();
+    decode_file(&out, Some(Output::new(&back, OnExisting::Refuse)), &[], 0, &mut |_, _| Ok(())).unwrap();
     assert_eq!(fs::read(&back).unwrap(), data);
-    let err = decode_file(&out, Some(&back), 0, OnExisting::Refuse, &mut |_, _| {}).unwrap_err();
+    let err = decode_file(&out, Some(Output::new(&back, OnExisting::Refuse)), &[], 0, &mut |_, _| Ok(())).unwrap_err();
     assert!(matches!(err, Error::OutputExists(_)));
     let t = d.join("t.wz");
     save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"abc")], &opts, OnExisting::Refuse).unwrap();
@@ -142,7 +157,7 @@ fn refuse_never_replaces_a_file_created_while_the_output_was_written() {
         save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"xyz")], &opts, OnExisting::Refuse).unwrap_err();
     assert!(matches!(err, Error::OutputExists(_)));
     // Replace replaces
-    encode_file(&input, &back, &segs, &opts, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    encode_file(&input, Output::new(&back, OnExisting::Replace), &segs, &opts, &mut |_, _| Ok(())).unwrap();
     assert_eq!(fs::read(&back).unwrap(), fs::read(&out).unwrap());
     assert_eq!(names(&d), ["back.bin", "in.bin", "out.wz", "t.wz"]);
     fs::remove_dir_all(&d).unwrap();
@@ -158,13 +173,19 @@ fn replacing_a_file_keeps_its_permission_mode() {
     let out = d.join("out.wz");
     fs::write(&out, b"old").unwrap();
     fs::set_permissions(&out, fs::Permissions::from_mode(0o640)).unwrap();
-    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Replace, &mut |_, _| {})
-        .unwrap();
+    encode_file(
+        &input,
+        Output::new(&out, OnExisting::Replace),
+        &[bytes_meta(5)],
+        &EncodeOptions::default(),
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
     assert_eq!(fs::metadata(&out).unwrap().permissions().mode() & 0o7777, 0o640);
     let back = d.join("back.bin");
     fs::write(&back, b"old").unwrap();
     fs::set_permissions(&back, fs::Permissions::from_mode(0o604)).unwrap();
-    decode_file(&out, Some(&back), 0, OnExisting::Replace, &mut |_, _| {}).unwrap();
+    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
     assert_eq!(fs::read(&back).unwrap(), b"hello");
     assert_eq!(fs::metadata(&back).unwrap().permissions().mode() & 0o7777, 0o604);
     fs::remove_dir_all(&d).unwrap();
@@ -201,7 +222,14 @@ fn temporary_files_of_killed_writers_of_the_output_are_removed() {
         fs::write(d.join(n), b"partial").unwrap();
     }
     let out = d.join("out.wz");
-    encode_file(&input, &out, &[bytes_meta(5)], &EncodeOptions::default(), OnExisting::Refuse, &mut |_, _| {}).unwrap();
+    encode_file(
+        &input,
+        Output::new(&out, OnExisting::Refuse),
+        &[bytes_meta(5)],
+        &EncodeOptions::default(),
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
     let mut want: Vec<String> = kept.to_vec();
     want.extend(["in.bin".to_string(), "out.wz".to_string()]);
     want.sort();
@@ -211,5 +239,132 @@ fn temporary_files_of_killed_writers_of_the_output_are_removed() {
     save_tensors(&out, &[(TensorMeta::new(DType::U8, vec![1]), b"x")], &EncodeOptions::default(), OnExisting::Replace)
         .unwrap();
     assert!(d.join(&stale[0]).is_dir());
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn an_error_from_progress_stops_the_writer_and_leaves_nothing() {
+    let d = scratch("interrupt");
+    let input = d.join("in.bin");
+    let data: Vec<u8> = (0..400_000u32).map(|i| (i * 11 % 239) as u8).collect();
+    fs::write(&input, &data).unwrap();
+    let opts = EncodeOptions { chunk_bytes: 1 << 14, threads: 1, ..EncodeOptions::default() };
+    let segs = [bytes_meta(data.len() as u64)];
+    let out = d.join("out.wz");
+    encode_file(&input, Output::new(&out, OnExisting::Refuse), &segs, &opts, &mut |_, _| Ok(())).unwrap();
+    let interrupt_at_second_call = || {
+        let mut calls = 0;
+        move |_, _| {
+            calls += 1;
+            if calls == 2 {
+                return Err(Error::Interrupted("stop".into()));
+            }
+            Ok(())
+        }
+    };
+    for on_existing in [OnExisting::Replace, OnExisting::Refuse] {
+        let err = encode_file(
+            &input,
+            Output::new(&d.join("new.wz"), on_existing),
+            &segs,
+            &opts,
+            &mut interrupt_at_second_call(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Interrupted(_)), "{err}");
+        let err = decode_file(
+            &out,
+            Some(Output::new(&d.join("new.bin"), on_existing)),
+            &[],
+            1,
+            &mut interrupt_at_second_call(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, Error::Interrupted(_)), "{err}");
+        let err = decode_file(&out, None, &[], 1, &mut interrupt_at_second_call()).unwrap_err();
+        assert!(matches!(err, Error::Interrupted(_)), "{err}");
+        assert_eq!(names(&d), ["in.bin", "out.wz"], "no output and no temporary file");
+    }
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn decode_file_writes_the_prefix_then_the_entries() {
+    let d = scratch("prefix");
+    let a = (TensorMeta::new(DType::U8, vec![3]), &b"abc"[..]);
+    let b = (TensorMeta::new(DType::U8, vec![0]), &b""[..]);
+    let c = (TensorMeta::new(DType::U8, vec![70_000]), &[9u8; 70_000][..]);
+    let t = d.join("t.wz");
+    let opts = EncodeOptions { chunk_bytes: 1 << 12, ..EncodeOptions::default() };
+    save_tensors(&t, &[a, b, c], &opts, OnExisting::Refuse).unwrap();
+    let out = d.join("t.bin");
+    let mut seen = Vec::new();
+    decode_file(&t, Some(Output::new(&out, OnExisting::Refuse)), b"HEAD", 1, &mut |done, total| {
+        seen.push((done, total));
+        Ok(())
+    })
+    .unwrap();
+    let mut want = b"HEADabc".to_vec();
+    want.extend([9u8; 70_000]);
+    assert_eq!(fs::read(&out).unwrap(), want);
+    assert_eq!(seen.first(), Some(&(0, 70_003)));
+    assert_eq!(seen.last(), Some(&(70_003, 70_003)));
+    assert!(seen.len() > 2 && seen.windows(2).all(|w| w[0].0 <= w[1].0), "{seen:?}");
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[cfg(unix)]
+#[test]
+fn a_new_output_gets_the_given_mode_and_a_replaced_one_keeps_its_own() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    let d = scratch("given-mode");
+    let input = d.join("in.bin");
+    fs::write(&input, b"hello").unwrap();
+    let (out, back) = (d.join("out.wz"), d.join("back.bin"));
+    let segs = [bytes_meta(5)];
+    let opts = EncodeOptions::default();
+    for on_existing in [OnExisting::Refuse, OnExisting::Replace] {
+        let _ = fs::remove_file(&out);
+        let _ = fs::remove_file(&back);
+        let o = Output { mode: Some(0o100600), ..Output::new(&out, on_existing) };
+        encode_file(&input, o, &segs, &opts, &mut |_, _| Ok(())).unwrap();
+        assert_eq!(mode(&out), 0o600);
+        let o = Output { mode: Some(0o4751), ..Output::new(&back, on_existing) };
+        decode_file(&out, Some(o), &[], 0, &mut |_, _| Ok(())).unwrap();
+        assert_eq!((mode(&back), fs::read(&back).unwrap()), (0o751, b"hello".to_vec()), "no setuid bit");
+    }
+    fs::set_permissions(&back, fs::Permissions::from_mode(0o640)).unwrap();
+    let o = Output { mode: Some(0o600), ..Output::new(&back, OnExisting::Replace) };
+    decode_file(&out, Some(o), &[], 0, &mut |_, _| Ok(())).unwrap();
+    assert_eq!(mode(&back), 0o640, "a replaced file keeps its mode");
+    fs::remove_dir_all(&d).unwrap();
+}
+
+#[test]
+fn io_errors_name_the_file() {
+    let d = scratch("io-names");
+    let input = d.join("in.bin");
+    fs::write(&input, b"hello").unwrap();
+    let missing = d.join("missing.bin");
+    let opts = EncodeOptions::default();
+    let err = encode_file(&missing, Output::new(&d.join("o.wz"), OnExisting::Refuse), &[], &opts, &mut |_, _| Ok(()))
+        .unwrap_err();
+    assert!(matches!(&err, Error::Io(e) if e.kind() == std::io::ErrorKind::NotFound), "{err}");
+    assert!(err.to_string().contains(&missing.display().to_string()), "{err}");
+    let err = decode_file(&missing, None, &[], 0, &mut |_, _| Ok(())).unwrap_err();
+    assert!(err.to_string().contains(&missing.display().to_string()), "{err}");
+    let nodir = d.join("nodir").join("o.wz");
+    let err = encode_file(&input, Output::new(&nodir, OnExisting::Refuse), &[bytes_meta(5)], &opts, &mut |_, _| Ok(()))
+        .unwrap_err();
+    assert!(err.to_string().contains(&nodir.display().to_string()), "{err}");
+    fs::create_dir(d.join("dir")).unwrap();
+    let err =
+        encode_file(&input, Output::new(&d.join("dir"), OnExisting::Replace), &[bytes_meta(5)], &opts, &mut |_, _| {
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains(&d.join("dir").display().to_string()), "{err}");
+    assert_eq!(names(&d), ["dir", "in.bin"]);
     fs::remove_dir_all(&d).unwrap();
 }

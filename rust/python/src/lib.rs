@@ -13,10 +13,10 @@ mod page;
 mod store;
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyKeyboardInterrupt};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
-use weightszip_core::codec::{self, EncodeOptions, OnExisting};
+use weightszip_core::codec::{self, EncodeOptions, OnExisting, Output};
 use weightszip_core::format::{Index, TensorMeta};
 use weightszip_core::{DType, Error};
 
@@ -52,6 +52,8 @@ pub(crate) fn to_py(e: Error) -> PyErr {
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
         Error::BufferTooSmall { .. } => BufferTooSmallError::new_err(msg),
         Error::OutputExists(_) => OutputExistsError::new_err(msg),
+        // (only a progress callback stops the codec so, and `Progress::error` hands back what it raised)
+        Error::Interrupted(_) => PyKeyboardInterrupt::new_err(msg),
         Error::Io(_) => WeightszipIOError::new_err(msg),
     }
 }
@@ -205,7 +207,7 @@ fn verify_buffer(py: Python<'_>, addr: usize, len: usize, threads: usize) -> PyR
 fn file_index(py: Python<'_>, path: PathBuf) -> PyResult<PyObject> {
     let index = py
         .allow_threads(|| -> weightszip_core::Result<Index> {
-            let mut f = std::fs::File::open(&path)?;
+            let mut f = codec::open_input(&path)?;
             Ok(codec::read_index(&mut f)?.0)
         })
         .map_err(to_py)?;
@@ -223,29 +225,66 @@ fn decode_file_entry(
     threads: usize,
 ) -> PyResult<()> {
     py.allow_threads(|| -> weightszip_core::Result<()> {
-        let mut f = std::fs::File::open(&path)?;
+        let mut f = codec::open_input(&path)?;
         let (index, _) = codec::read_index(&mut f)?;
         codec::decode_file_entry(&path, &index, entry, unsafe { slice_mut(out_addr, out_len) }, threads)
     })
     .map_err(to_py)
 }
 
-fn progress_fn(cb: Option<PyObject>) -> impl FnMut(u64, u64) {
-    move |done, total| {
-        if let Some(cb) = &cb {
-            Python::with_gil(|py| {
-                // A failing progress callback must not abort the codec; report it and go on.
+/// The Python side of a file writer's progress, called once per batch of chunks: the caller's
+/// callback, if any, then a check for signals (Ctrl-C while Rust works runs Python's handler here).
+struct Progress {
+    cb: Option<PyObject>,
+    /// What stops the codec: an exception that is not an `Exception` (KeyboardInterrupt,
+    /// SystemExit, ...) raised by the callback, or any raised by a signal handler.
+    stopped: Option<PyErr>,
+}
+
+impl Progress {
+    fn new(cb: Option<PyObject>) -> Self {
+        Progress { cb, stopped: None }
+    }
+
+    fn call(&mut self, done: u64, total: u64) -> weightszip_core::Result<()> {
+        Python::with_gil(|py| {
+            if let Some(cb) = &self.cb {
                 if let Err(e) = cb.call1(py, (done, total)) {
-                    e.print(py);
+                    if e.is_instance_of::<PyException>(py) {
+                        // An ordinary error of a progress callback does not stop the codec: it is
+                        // reported and the work goes on.
+                        e.print(py);
+                    } else {
+                        self.stopped = Some(e);
+                    }
                 }
-            });
+            }
+            if self.stopped.is_none() {
+                if let Err(e) = py.check_signals() {
+                    self.stopped = Some(e);
+                }
+            }
+            match &self.stopped {
+                Some(e) => Err(Error::Interrupted(format!("{e}"))),
+                None => Ok(()),
+            }
+        })
+    }
+
+    /// The Python exception for the codec's error `e`: what stopped it, if that was this.
+    fn error(&mut self, e: Error) -> PyErr {
+        match (e, self.stopped.take()) {
+            (Error::Interrupted(_), Some(stopped)) => stopped,
+            (e, _) => to_py(e),
         }
     }
 }
 
-/// Compress a file as segments (tensor-aware where the caller found tensors), streaming.
+/// Compress a file as segments (tensor-aware where the caller found tensors), streaming. `mode`: the
+/// output's permission bits (`Output::mode`). An interrupt in or during `progress` stops it, with no
+/// output, and is raised.
 #[pyfunction]
-#[pyo3(signature = (input, output, segments, chunk_bytes, threads, lanes_log2, progress=None, overwrite=true))]
+#[pyo3(signature = (input, output, segments, chunk_bytes, threads, lanes_log2, progress=None, overwrite=true, mode=None))]
 #[allow(clippy::too_many_arguments)]
 fn encode_file(
     py: Python<'_>,
@@ -257,19 +296,23 @@ fn encode_file(
     lanes_log2: u32,
     progress: Option<PyObject>,
     overwrite: bool,
+    mode: Option<u32>,
 ) -> PyResult<PyObject> {
     let segs: Vec<TensorMeta> = segments.into_iter().map(meta_of).collect::<PyResult<_>>()?;
     let o = opts(chunk_bytes, threads, lanes_log2);
-    let mut p = progress_fn(progress);
+    let mut p = Progress::new(progress);
+    let out = Output { path: &output, on_existing: on_existing(overwrite), mode };
     let index = py
-        .allow_threads(|| codec::encode_file(&input, &output, &segs, &o, on_existing(overwrite), &mut p))
-        .map_err(to_py)?;
+        .allow_threads(|| codec::encode_file(&input, out, &segs, &o, &mut |d, t| p.call(d, t)))
+        .map_err(|e| p.error(e))?;
     index_to_py(py, &index)
 }
 
-/// Decode a container file to `output` (None: verify only), streaming.
+/// Decode a container file to `output` (None: verify only), streaming: `prefix` first, then the
+/// entries' bytes (see `codec::decode_file`). `mode` and interrupts as for `encode_file`.
 #[pyfunction]
-#[pyo3(signature = (input, output, threads, progress=None, overwrite=true))]
+#[pyo3(signature = (input, output, threads, progress=None, overwrite=true, prefix=None, mode=None))]
+#[allow(clippy::too_many_arguments)]
 fn decode_file(
     py: Python<'_>,
     input: PathBuf,
@@ -277,11 +320,15 @@ fn decode_file(
     threads: usize,
     progress: Option<PyObject>,
     overwrite: bool,
+    prefix: Option<Bound<'_, PyBytes>>,
+    mode: Option<u32>,
 ) -> PyResult<PyObject> {
-    let mut p = progress_fn(progress);
+    let mut p = Progress::new(progress);
+    let out = output.as_deref().map(|path| Output { path, on_existing: on_existing(overwrite), mode });
+    let prefix = prefix.as_ref().map_or(&[][..], |b| b.as_bytes());
     let index = py
-        .allow_threads(|| codec::decode_file(&input, output.as_deref(), threads, on_existing(overwrite), &mut p))
-        .map_err(to_py)?;
+        .allow_threads(|| codec::decode_file(&input, out, prefix, threads, &mut |d, t| p.call(d, t)))
+        .map_err(|e| p.error(e))?;
     index_to_py(py, &index)
 }
 
