@@ -213,11 +213,11 @@ def test_the_file_api_raises_typed_errors_for_ordinary_bad_input(tmp_path, monke
         with pytest.raises(errors.InvalidArgumentError):
             weightszip.compress_file(tmp_path / bad_path, tmp_path / "f.wz")
     for chunk in (-1, 2**64):
-        with pytest.raises(errors.InvalidArgumentError, match="chunk size"):
+        with pytest.raises(errors.InvalidArgumentError, match="chunk_bytes"):
             weightszip.compress(x, chunk_bytes=chunk)
-        with pytest.raises(errors.InvalidArgumentError, match="chunk size"):
+        with pytest.raises(errors.InvalidArgumentError, match="chunk_bytes"):
             weightszip.save_file({"x": x}, tmp_path / "s.wz", chunk_bytes=chunk)
-        with pytest.raises(errors.InvalidArgumentError, match="chunk size"):
+        with pytest.raises(errors.InvalidArgumentError, match="chunk_bytes"):
             weightszip.compress_file(tmp_path / "f.bin", tmp_path / "f.wz", chunk_bytes=chunk)
     monkeypatch.setenv("WEIGHTSZIP_THREADS", "abc")
     with pytest.raises(errors.InvalidArgumentError, match="WEIGHTSZIP_THREADS='abc' is not an integer"):
