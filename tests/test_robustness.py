@@ -1,5 +1,6 @@
 """Damaged and hostile input: always a typed error, never a crash, a hang or a huge allocation."""
 
+import os
 import struct
 
 import ml_dtypes
@@ -223,3 +224,58 @@ def test_the_file_api_raises_typed_errors_for_ordinary_bad_input(tmp_path, monke
     with pytest.raises(errors.InvalidArgumentError, match="WEIGHTSZIP_THREADS='abc' is not an integer"):
         weightszip.compress(x)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+
+
+def test_load_file_reads_one_version_of_a_file_replaced_while_it_loads(tmp_path, monkeypatch):
+    """``load_file`` opened the file again for every tensor (and twice per tensor), so a checkpoint
+    published over it meanwhile (write then rename, as every writer here does) gave a dict mixing
+    both versions, or a checksum error on a healthy file. The core now reads the index and every
+    tensor through one open file: the version that was there when the load began."""
+    from weightszip import _tensors
+
+    path, newer = tmp_path / "model.wz", tmp_path / "newer.wz"
+    names = [f"t{i}" for i in range(4)]
+    weightszip.save_file({n: np.zeros(1000, np.float32) for n in names}, path)
+    weightszip.save_file({n: np.ones(1000, np.float32) for n in names}, newer)
+    real, calls = _tensors.empty_like_entry, []
+
+    def allocate_then_publish(entry, out):  # the newer version replaces the file as the first tensor is allocated
+        if not calls:
+            os.replace(newer, path)
+        calls.append(entry["name"])
+        return real(entry, out)
+
+    monkeypatch.setattr(_tensors, "empty_like_entry", allocate_then_publish)
+    got = weightszip.load_file(path)
+    assert calls == names and sorted(got) == names
+    assert all(not got[n].any() for n in names), {n: float(got[n][0]) for n in names}
+    monkeypatch.undo()
+    assert all(weightszip.load_file(path)[n].all() for n in names)  # (the newer version, now)
+
+
+def test_decompress_writes_one_version_of_a_tensor_archive_replaced_while_it_reads(tmp_path, monkeypatch):
+    """A tensor archive decompresses to .safetensors as a header built from its index, then the
+    entries' bytes. The header came from an index read before the core opened the file to decode:
+    an archive published over it in between gave one version's header over the other's data (here
+    names and sizes that do not match the bytes). The header is now built from the index of the
+    file the core decodes."""
+    from safetensors.numpy import load_file as load_safetensors
+
+    from weightszip import files
+
+    path, newer, out = tmp_path / "model.wz", tmp_path / "newer.wz", tmp_path / "model.safetensors"
+    weightszip.save_file({"a": np.arange(1000, dtype=np.float32), "b": np.zeros(10, np.int64)}, path)
+    weightszip.save_file({"c": np.ones(3000, np.float16)}, newer)
+    real, calls = files._safetensors_header, []
+
+    def header_then_publish(index):
+        calls.append([e["name"] for e in index["entries"]])
+        if len(calls) == 1:
+            os.replace(newer, path)
+        return real(index)
+
+    monkeypatch.setattr(files, "_safetensors_header", header_then_publish)
+    files.decompress_file(path, out)
+    got = load_safetensors(str(out))
+    assert calls == [["a", "b"]] and sorted(got) == ["a", "b"], (calls, sorted(got))
+    assert np.array_equal(got["a"], np.arange(1000, dtype=np.float32)) and not got["b"].any()

@@ -322,15 +322,21 @@ def load_file(path: str | os.PathLike, *, out: str | None = None, threads: int |
 
     p = check_path(path)
     check_regular_file(p)
-    index = _core.file_index(p)
-    seen: set[str] = set()
-    for e in index["entries"]:  # one pass: up to 2**20 entries
-        if e["name"] in seen:
-            raise InvalidArgumentError(f"{p}: tensor name {e['name']!r} twice: a dict of the tensors would lose one of them")
-        seen.add(e["name"])
     result = {}
-    for i, e in enumerate(index["entries"]):
-        arr, addr = empty_like_entry(e, out)
-        _core.decode_file_entry(p, i, addr, e["raw_bytes"], threads_default(threads))
-        result[e["name"]] = arr
+
+    def alloc(index):  # the index of the file the core opened once (a file replaced meanwhile: one version)
+        seen: set[str] = set()
+        for e in index["entries"]:  # one pass: up to 2**20 entries
+            if e["name"] in seen:
+                raise InvalidArgumentError(f"{p}: tensor name {e['name']!r} twice: a dict of the tensors would "
+                                           "lose one of them")
+            seen.add(e["name"])
+        outs = []
+        for e in index["entries"]:
+            arr, addr = empty_like_entry(e, out)
+            result[e["name"]] = arr
+            outs.append((addr, e["raw_bytes"]))
+        return outs
+
+    _core.decode_file_entries(p, alloc, threads_default(threads))
     return result

@@ -347,18 +347,20 @@ def decompress_file(
     memory, whatever the size of a tensor. `overwrite`, the input as output, the permission bits and
     `progress` as for `compress_file`."""
     check_regular_file(src)
-    index = _core.file_index(os.fspath(src))
     _refuse_input_as_output(src, dst)
-    prefix = None if index["kind"] == 1 else _safetensors_header(index)
+    # (the header from the index the core read through the file it decodes: one read earlier could
+    # describe another version of a file replaced meanwhile)
     return _core.decode_file(os.fspath(src), check_path(dst), threads_default(threads), progress, overwrite=overwrite,
-                             prefix=prefix, mode=_mode_of(src))
+                             prefix=_safetensors_header, mode=_mode_of(src))
 
 
 def _safetensors_header(index: dict) -> bytes:
     """The header (length and JSON) of the .safetensors file that holds a container of named tensors:
     the entries' bytes in order are its data section (each tensor's offsets are the sums of the raw
     sizes before it), so that the core's streaming decoder writes the file as this prefix, then the
-    entries."""
+    entries. Nothing for a container of a file (kind 1: the entries are the file)."""
+    if index["kind"] == 1:
+        return b""
     header, offset = {}, 0
     for e in index["entries"]:
         # (the container allows any names; a safetensors header is a JSON object of unique names,

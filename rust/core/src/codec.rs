@@ -642,6 +642,19 @@ pub fn decode_file(
     threads: usize,
     progress: Progress<'_>,
 ) -> Result<Index> {
+    decode_file_with(input, output, &mut |_| Ok(prefix.to_vec()), threads, progress)
+}
+
+/// `decode_file` with the prefix made from the index of the file as this call opened it
+/// (`prefix_of`; not called when only verifying): a header built from an index read earlier could
+/// describe another version of a file replaced meanwhile.
+pub fn decode_file_with(
+    input: &Path,
+    output: Option<Output<'_>>,
+    prefix_of: &mut dyn FnMut(&Index) -> Result<Vec<u8>>,
+    threads: usize,
+    progress: Progress<'_>,
+) -> Result<Index> {
     let mut f = open_input(input)?;
     let (index, _) = read_index(&mut f).map_err(at(input))?;
     let total = index.raw_bytes();
@@ -680,10 +693,13 @@ pub fn decode_file(
         Ok(())
     };
     match output {
-        Some(out) => write_atomically(out, |w| {
-            w.write_all(prefix)?;
-            run(w)
-        })?,
+        Some(out) => {
+            let prefix = prefix_of(&index)?;
+            write_atomically(out, |w| {
+                w.write_all(&prefix)?;
+                run(w)
+            })?
+        }
         None => run(&mut std::io::sink())?,
     }
     Ok(index)
@@ -722,8 +738,17 @@ pub fn save_tensors(
     Ok(index.unwrap())
 }
 
-/// Decode one entry of a container file into `out`, reading only that entry's chunks.
-pub fn decode_file_entry(input: &Path, index: &Index, ei: usize, out: &mut [u8], threads: usize) -> Result<()> {
+/// Decode one entry of a container file into `out`, reading only that entry's chunks through `f`,
+/// the file that `index` was read from (`input`: its name, for errors). Readers of several entries
+/// keep one `f`, so a file replaced meanwhile (an atomic rename) is still read as one version.
+pub fn decode_file_entry(
+    input: &Path,
+    f: &mut File,
+    index: &Index,
+    ei: usize,
+    out: &mut [u8],
+    threads: usize,
+) -> Result<()> {
     let e = index.entries.get(ei).ok_or_else(|| Error::InvalidArgument(format!("no entry {ei}")))?;
     let need = e.meta.raw_bytes()?;
     if out.len() as u64 != need {
@@ -732,7 +757,6 @@ pub fn decode_file_entry(input: &Path, index: &Index, ei: usize, out: &mut [u8],
     if e.chunks.is_empty() {
         return Ok(());
     }
-    let mut f = open_input(input)?;
     f.seek(SeekFrom::Start(e.chunks[0].offset)).map_err(io_at(input))?;
     let cb = (e.chunk_elems * e.meta.dtype.size() as u64) as usize;
     let batch = batch_len(threads);
@@ -740,7 +764,7 @@ pub fn decode_file_entry(input: &Path, index: &Index, ei: usize, out: &mut [u8],
         let k0 = bi * batch;
         let mut stored = Vec::new();
         for c in &e.chunks[k0..(k0 + batch).min(e.chunks.len())] {
-            stored.push(read_payload(&mut f, c.stored_len).map_err(at(input))?);
+            stored.push(read_payload(f, c.stored_len).map_err(at(input))?);
         }
         with_threads(threads, || {
             outs.par_chunks_mut(cb)

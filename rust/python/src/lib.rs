@@ -214,22 +214,35 @@ fn file_index(py: Python<'_>, path: PathBuf) -> PyResult<PyObject> {
     index_to_py(py, &index)
 }
 
-/// Decode entry `entry` of a container file into the buffer at `out_addr`.
+/// Decode every entry of a container file through one open file, so that a file replaced meanwhile
+/// (an atomic rename) is read as one version: its index goes to `alloc(index)`, which returns each
+/// entry's output buffer as (address, length) and keeps the buffers alive; returns the index.
 #[pyfunction]
-fn decode_file_entry(
-    py: Python<'_>,
-    path: PathBuf,
-    entry: usize,
-    out_addr: usize,
-    out_len: usize,
-    threads: usize,
-) -> PyResult<()> {
+fn decode_file_entries(py: Python<'_>, path: PathBuf, alloc: PyObject, threads: usize) -> PyResult<PyObject> {
+    let (mut f, index) = py
+        .allow_threads(|| -> weightszip_core::Result<_> {
+            let mut f = codec::open_input(&path)?;
+            let (index, _) = codec::read_index(&mut f)?;
+            Ok((f, index))
+        })
+        .map_err(to_py)?;
+    let index_py = index_to_py(py, &index)?;
+    let outs: Vec<(usize, usize)> = alloc.call1(py, (index_py.clone_ref(py),))?.extract(py)?;
+    if outs.len() != index.entries.len() {
+        return Err(InvalidArgumentError::new_err(format!(
+            "alloc returned {} buffers for {} entries",
+            outs.len(),
+            index.entries.len()
+        )));
+    }
     py.allow_threads(|| -> weightszip_core::Result<()> {
-        let mut f = codec::open_input(&path)?;
-        let (index, _) = codec::read_index(&mut f)?;
-        codec::decode_file_entry(&path, &index, entry, unsafe { slice_mut(out_addr, out_len) }, threads)
+        for (ei, &(addr, len)) in outs.iter().enumerate() {
+            codec::decode_file_entry(&path, &mut f, &index, ei, unsafe { slice_mut(addr, len) }, threads)?;
+        }
+        Ok(())
     })
-    .map_err(to_py)
+    .map_err(to_py)?;
+    Ok(index_py)
 }
 
 /// The Python side of a file writer's progress, called once per batch of chunks: the caller's
@@ -320,15 +333,29 @@ fn decode_file(
     threads: usize,
     progress: Option<PyObject>,
     overwrite: bool,
-    prefix: Option<Bound<'_, PyBytes>>,
+    prefix: Option<PyObject>,
     mode: Option<u32>,
 ) -> PyResult<PyObject> {
     let mut p = Progress::new(progress);
     let out = output.as_deref().map(|path| Output { path, on_existing: on_existing(overwrite), mode });
-    let prefix = prefix.as_ref().map_or(&[][..], |b| b.as_bytes());
+    // `prefix(index)` (the index of the file as this call opened it) -> bytes; what it raises is
+    // kept here and raised, the codec stopped with nothing written
+    let mut prefix_error: Option<PyErr> = None;
+    let mut prefix_of = |index: &Index| -> weightszip_core::Result<Vec<u8>> {
+        let Some(make) = &prefix else { return Ok(Vec::new()) };
+        Python::with_gil(|py| {
+            index_to_py(py, index).and_then(|i| make.call1(py, (i,))).and_then(|b| b.extract::<Vec<u8>>(py)).map_err(
+                |e| {
+                    let msg = format!("prefix: {e}");
+                    prefix_error = Some(e);
+                    Error::InvalidArgument(msg)
+                },
+            )
+        })
+    };
     let index = py
-        .allow_threads(|| codec::decode_file(&input, out, prefix, threads, &mut |d, t| p.call(d, t)))
-        .map_err(|e| p.error(e))?;
+        .allow_threads(|| codec::decode_file_with(&input, out, &mut prefix_of, threads, &mut |d, t| p.call(d, t)))
+        .map_err(|e| prefix_error.take().unwrap_or_else(|| p.error(e)))?;
     index_to_py(py, &index)
 }
 
@@ -363,7 +390,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_buffer_entry, m)?)?;
     m.add_function(wrap_pyfunction!(verify_buffer, m)?)?;
     m.add_function(wrap_pyfunction!(file_index, m)?)?;
-    m.add_function(wrap_pyfunction!(decode_file_entry, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_file_entries, m)?)?;
     m.add_function(wrap_pyfunction!(encode_file, m)?)?;
     m.add_function(wrap_pyfunction!(decode_file, m)?)?;
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
