@@ -205,3 +205,24 @@ def test_a_compact_format_keeps_its_sink_and_recent_tokens_in_bf16():
         assert torch.equal(got[..., :4, :], x[..., :4, :])  # sinks exact
         assert torch.equal(got[..., 4:32, :], fmt.roundtrip(x[..., :32, :], kind, 0, start=0)[..., 4:, :].to(torch.bfloat16))
         assert torch.equal(got[..., -129:-1, :], x[..., -128:, :])  # the recent window exact
+
+
+def test_a_too_old_transformers_is_named_in_the_import_error(tmp_path):
+    """weightszip.hf and load_causal_lm need transformers >= TRANSFORMERS_MIN and say so."""
+    import os
+    import subprocess
+    import sys
+
+    from weightszip.models import TRANSFORMERS_MIN
+
+    fake = tmp_path / "transformers"
+    fake.mkdir()
+    (fake / "__init__.py").write_text('__version__ = "4.57.6"\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(Path(__file__).parent.parent / "python")]))
+    for code in ("import weightszip.hf", "from weightszip.models import load_causal_lm; load_causal_lm('smollm2')"):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError") and f"transformers>={TRANSFORMERS_MIN}" in last and "4.57.6" in last, last
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert pyproject.count("transformers>=") == pyproject.count(f"transformers>={TRANSFORMERS_MIN}") == 3

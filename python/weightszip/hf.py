@@ -1,5 +1,8 @@
 """transformers cache classes: `model.generate(..., past_key_values=WeightszipCache(model.config))`.
 
+Needs transformers >= 5.17 (`weightszip.models.TRANSFORMERS_MIN`; importing this module on an
+older one raises ImportError).
+
 The cache keeps the most recent tokens of every layer as plain tensors and seals older tokens
 into pages of `page_tokens` (LMCache's chunk is 256). A sealed page is
 
@@ -27,12 +30,16 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from weightszip.models import require_transformers
 
-import weightszip
-from weightszip.errors import InvalidArgumentError
-from weightszip.store import ChunkStore
+require_transformers("weightszip.hf")
+
+import torch  # noqa: E402
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
+
+import weightszip  # noqa: E402
+from weightszip.errors import InvalidArgumentError  # noqa: E402
+from weightszip.store import ChunkStore  # noqa: E402
 
 
 class WeightszipLayer(DynamicLayer):
