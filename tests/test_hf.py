@@ -448,6 +448,40 @@ def test_a_released_cache_refuses_to_go_on_until_reset(tiny, tmp_path):
     assert torch.equal(_step(tiny, c, nxt), _step(tiny, ref, nxt))
 
 
+def test_a_format_s_pages_cost_what_the_exact_codec_makes_of_its_decoded_values():
+    """fmt= reproduces the format's effect on outputs; the page is the exact codec's over the
+    format's decoded values, not the format's encoding (what the docs and memory_report say)."""
+    import weightszip
+    from weightszip.eval.formats import get_format
+    from weightszip.hf import WeightszipLayer
+
+    fmt = get_format("int4-g32")
+    layer = WeightszipLayer(0, fmt=fmt, page_tokens=32, recent_tokens=16)
+    k = torch.randn(1, 3, 48, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    layer.update(k, k)
+    coded = fmt.roundtrip(k[..., :32, :], "k", 0).to(torch.bfloat16).contiguous()
+    assert layer.stored_bytes == 2 * len(weightszip.compress(coded))
+    assert "exact codec" in WeightszipCache.memory_report.__doc__
+    import weightszip.hf as hf
+
+    assert "does not store the format's encoding" in hf.__doc__
+    store_md = (Path(__file__).parent.parent / "docs" / "STORE.md").read_text()
+    section = store_md[store_md.index("## transformers"):]
+    assert "not the format's" in section.split("\n## ")[0]
+
+
+def test_docs_and_example_pass_the_cache_as_transformers_5_24_names_it():
+    """generate(past_key_values=) is deprecated from transformers 5.24 on; the docs say cache=."""
+    root = Path(__file__).parent.parent
+    import weightszip.hf as hf
+
+    for text in (hf.__doc__, (root / "docs" / "STORE.md").read_text(), (root / "README.md").read_text()):
+        assert "generate(**inputs, past_key_values=cache" not in text
+        assert "max_new_tokens=64, past_key_values=cache" not in text
+    assert "cache=cache" in hf.__doc__
+    assert "past_key_values=cache" not in (root / "examples" / "transformers_offload.py").read_text()
+
+
 def test_a_too_old_transformers_is_named_in_the_import_error(tmp_path):
     """weightszip.hf and load_causal_lm need transformers >= TRANSFORMERS_MIN and say so."""
     import os
