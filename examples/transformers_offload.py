@@ -17,7 +17,7 @@ import tempfile
 import torch
 from transformers import DynamicCache
 
-from weightszip.hf import WeightszipCache
+from weightszip.hf import GENERATE_CACHE_ARG, WeightszipCache
 from weightszip.models import load_causal_lm
 from weightszip.store import ChunkStore
 
@@ -43,13 +43,14 @@ def main(argv=None) -> int:
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=a.new_tokens, do_sample=False)
 
     with torch.no_grad():
-        ref = lm.model.generate(ids, past_key_values=DynamicCache(config=lm.model.config), **kwargs)
+        # (GENERATE_CACHE_ARG is "cache", as transformers 5.24 and later call it; "past_key_values" before)
+        ref = lm.model.generate(ids, **{GENERATE_CACHE_ARG: DynamicCache(config=lm.model.config)}, **kwargs)
     with tempfile.TemporaryDirectory() as tmp, ChunkStore(a.store or tmp, ram_bytes=a.ram_bytes) as store:
         cache = WeightszipCache(lm.model.config, store=store, page_tokens=a.page_tokens)
         with torch.no_grad():
-            out = lm.model.generate(ids, past_key_values=cache, **kwargs)
+            out = lm.model.generate(ids, **{GENERATE_CACHE_ARG: cache}, **kwargs)
         report, stats = cache.memory_report(), store.stats()
-        cache.release()
+        cache.release()  # the pages leave the store (the cache is done: it refuses further updates)
 
     same = torch.equal(out, ref)
     print(lm.tokenizer.decode(out[0, ids.shape[1] :]))

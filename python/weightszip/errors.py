@@ -16,7 +16,9 @@
 The compact formats' own errors derive from it too (and from ValueError, as they always have):
 `weightszip.compact.codec.CompactCodecError` (inputs the compact codec cannot encode or decode)
 and `weightszip.compact.calibrate.CalibrationError` (a calibration file that is not one, or does
-not fit the model).
+not fit the model). `weightszip.hf.UnsupportedCacheOperationError` (an operation the transformers
+cache does not support, such as beam search) is an `InvalidArgumentError` and a
+NotImplementedError.
 """
 
 from weightszip._core import (

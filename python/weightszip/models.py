@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
 import struct
 import time
@@ -167,6 +168,30 @@ def bf16_bits(t) -> np.ndarray:
 
 EVAL_HINT = "pip install 'weightszip[eval]'"
 
+#: The oldest transformers that weightszip.hf and load_causal_lm work with (checked: 5.16.1 has no
+#: GgufConfig, which loading a GGUF model needs; 4.x lacks the layered Cache API of weightszip.hf).
+#: pyproject.toml declares the same floor.
+TRANSFORMERS_MIN = "5.17.0"
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string ("5.17.0", "5.18.0.dev0" -> (5, 18, 0))."""
+    return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+
+
+def require_transformers(what: str):
+    """Import transformers, or raise ImportError saying `what` needs transformers >= TRANSFORMERS_MIN
+    (not installed, or too old)."""
+    hint = f"pip install -U 'transformers>={TRANSFORMERS_MIN}'"
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"{what} needs transformers>={TRANSFORMERS_MIN}: {hint} ({e})") from e
+    found = getattr(transformers, "__version__", "0")
+    if _version_tuple(found) < _version_tuple(TRANSFORMERS_MIN):
+        raise ImportError(f"{what} needs transformers>={TRANSFORMERS_MIN}, found {found}: {hint}")
+    return transformers
+
 
 @dataclass
 class LoadedModel:
@@ -242,9 +267,16 @@ def load_causal_lm(spec: str | os.PathLike, *, verbose: bool = True, cache: bool
         cache = os.environ.get("WEIGHTSZIP_MODEL_CACHE", "1") != "0"
     try:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+        import transformers  # noqa: F401
     except ImportError as e:
         raise ImportError(f"loading a model needs torch, transformers, gguf and accelerate: {EVAL_HINT} ({e})") from e
+    require_transformers("loading a model (load_causal_lm)")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError as e:
+        raise ImportError(
+            f"loading a model needs transformers>={TRANSFORMERS_MIN}, gguf and accelerate: {EVAL_HINT} ({e})"
+        ) from e
 
     folder, gguf_name, known = _resolve_model(spec)
     t0 = time.perf_counter()
