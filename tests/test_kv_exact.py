@@ -439,6 +439,32 @@ def test_attention_argument_checks(real):
         PagedDecodeAttention(HQ, H, D, page_type="exact", block_size=32, device=DEVICE)
 
 
+@pytest.mark.parametrize("page_format", ["exact", "exact4"])
+def test_attention_refuses_a_strided_heap(real, page_format):
+    """The kernels read a page at heap + byte offset, not through the tensor's stride: a 1-D heap view
+    with a stride is refused, by run() and by the tile-loader helpers (a view equal to the heap value
+    for value gave NaN, or read past the pages). Here the raw bytes under the view are the heap, so the
+    old code ran without a crash and without an error."""
+    exact4 = page_format == "exact4"
+    c = _paged_pair(real, [40], ref=R4 if exact4 else R)
+    n = c["heap"].numel()
+    big = torch.zeros(2 * n, dtype=torch.uint8, device=DEVICE)
+    big[:n] = c["heap"]
+    heap = big[::2]
+    assert heap.dim() == 1 and not heap.is_contiguous()
+    att = PagedDecodeAttention(HQ, H, D, page_type=page_format, window=16, config=CFG, device=DEVICE)
+    att.plan([40], c["bt"])
+    bases = {} if exact4 else {"k_bases": c["kb"], "v_bases": c["vb"]}
+    with pytest.raises(InvalidArgumentError, match="contiguous 1-D uint8 page heap"):
+        att.run(c["q"], heap, heap, k_side=c["ks"], v_side=c["vs"], k_offsets=c["koff"], v_offsets=c["voff"],
+                **bases)
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        if exact4:
+            dequantize_exact4_pages(heap, c["koff"], H, D)
+        else:
+            dequantize_exact_pages(heap, c["koff"], c["kb"], H, D)
+
+
 # -- heap and cache ----------------------------------------------------------------------------------
 
 
