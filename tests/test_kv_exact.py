@@ -574,6 +574,36 @@ def test_cache_errors(real):
         cache.append(0, [s, s], x[:, :1].expand(2, 1, H, D), x[:, :1].expand(2, 1, H, D))
 
 
+def test_cache_checks_layers_and_empty_batches(real):
+    """attend and dense refuse a layer out of range (-1 read the last layer, silently), plan([]) is a
+    typed error that leaves the plan as it was, and append with no sequences appends nothing (both
+    gave an IndexError: the index arrays of an empty list were float)."""
+    cache = KVExactCache(layers=2, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 16, max_seqs=2,
+                         max_tokens=64, device=DEVICE, config=CFG)
+    s = cache.add_sequence()
+    x = tokens(real, 0, 0, torch.arange(20), 0)[None].view(torch.bfloat16).to(DEVICE)
+    for layer in range(2):
+        cache.append(layer, [s], x, x)
+    cache.plan([s])
+    q = torch.randn((1, HQ, D), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
+    for layer in (-1, 2):
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            cache.attend(layer, q)
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            cache.dense(layer, s)
+    planned = cache._planned
+    with pytest.raises(InvalidArgumentError, match="at least one sequence"):
+        cache.plan([])
+    assert cache._planned is planned
+    empty = x[:0, :3]
+    cache.append(0, [], empty, empty)
+    assert cache.length[0, s] == 20
+    with pytest.raises(InvalidArgumentError):  # k must still be [0, T, H, D]
+        cache.append(0, [], x[:, :3], x[:, :3])
+    k, _ = cache.dense(1, s)
+    assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, 0, torch.arange(20), 0))
+
+
 def test_calibrate_bases_shape(real):
     k = real[0].view(torch.bfloat16)  # [3, 64, H, D]
     b = calibrate_bases(k, real[1].view(torch.bfloat16))

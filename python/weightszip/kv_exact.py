@@ -545,12 +545,15 @@ class KVExactCache:
     def _check_seq(self, seq: int) -> None:
         _check(seq in self._live, f"sequence {seq} is not in the cache")
 
+    def _check_layer(self, layer: int) -> None:
+        _check(0 <= layer < self.L, f"layer {layer} out of range")
+
     # -- writes ----------------------------------------------------------------------------------------
     def append(self, layer: int, seqs, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``T`` tokens per sequence: k, v bf16 [len(seqs), T, kv_heads, head_dim]. Pages that
         fill are coded and stored (all sequences' pages in one coding pass); the last 16 tokens of each
-        sequence go to its bf16 ring."""
-        _check(0 <= layer < self.L, f"layer {layer} out of range")
+        sequence go to its bf16 ring. No sequences (or T = 0): nothing to append."""
+        self._check_layer(layer)
         seqs = [int(s) for s in seqs]
         for s in seqs:
             self._check_seq(s)
@@ -559,7 +562,7 @@ class KVExactCache:
         for name, x in (("k", k), ("v", v)):
             _check(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
                    and tuple(x.shape) == (n, T, self.H, self.D), f"{name} must be bf16 [{n}, T, {self.H}, {self.D}]")
-        if T == 0:
+        if T == 0 or n == 0:
             return
         L0 = self.length[layer, seqs]
         _check(bool((L0 + T <= self.max_pages * PAGE).all()), f"a sequence would exceed {self.max_pages * PAGE} tokens")
@@ -660,6 +663,7 @@ class KVExactCache:
         """Plan one decode step for ``seqs``: attention will see each sequence's current length plus
         ``new_tokens`` (the tokens each layer appends before it attends)."""
         seqs = [int(s) for s in seqs]
+        _check(len(seqs) > 0, "plan needs at least one sequence")
         for s in seqs:
             self._check_seq(s)
         lens = self.length[0, seqs] + int(new_tokens)
@@ -690,6 +694,7 @@ class KVExactCache:
         planned sequences (their length must be the planned one). ``reference``: the same kernel
         (config, plan) over the pages decoded to a bf16 pool first, for checking that compression
         changes nothing (slow: it decodes every page the plan reads)."""
+        self._check_layer(layer)
         _check(self._planned is not None, "call plan() before attend()")
         seqs, lens = self._planned
         _check(bool((self.length[layer, seqs] == lens).all()),
@@ -946,6 +951,7 @@ class KVExactCache:
     def dense(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V of one layer as bf16 [length, H, D], decoded by the reference decoder
         (validating every page) and the ring."""
+        self._check_layer(layer)
         self._check_seq(seq)
         n = int(self.length[layer, seq])
         full = n // PAGE
