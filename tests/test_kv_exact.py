@@ -491,6 +491,69 @@ def test_page_heap_reuse_split_and_full():
     assert big.used == 0 and big.top == 0
 
 
+def test_page_heap_refuses_what_it_did_not_hand_out():
+    """free/release take back only regions alloc handed out and not yet freed, as they were handed
+    out: a double free (which listed the region twice, so two later allocations overlapped), a region
+    never handed out or past the heap, a misaligned one, a part of one, one of the wrong size, the same
+    region twice in one call and mismatched lengths are InvalidArgumentError, the heap as before and
+    the other regions of the call still live. alloc takes a scalar size and refuses non-integers."""
+    h = PageHeap(1024, device="cpu")
+    a = h.alloc([32, 32, 32])
+    h.free(a[:1], [32])
+
+    def refused(offsets, sizes):
+        before = h.stats()
+        with pytest.raises(InvalidArgumentError):
+            h.free(offsets, sizes)
+        assert h.stats() == before
+
+    refused(a[:1], [32])  # double free
+    refused([4096], [16])  # past the heap: never handed out
+    refused([40], [16])  # misaligned, inside a live region
+    refused([32], [16])  # the first half of a live region
+    refused([48], [16])  # the second half
+    refused([32], [64])  # the wrong size
+    refused([32, 32], [32, 32])  # twice in one call
+    refused([32, 64, 0], [32, 32, 32])  # one freed region among live ones: none goes back
+    refused([32, 64], [32])  # lengths differ (an IndexError before)
+    refused([32.0], [32])  # not integers
+    refused([32], [0])
+    assert h.used == 64
+    assert h.alloc([32]).tolist() == [0]  # the freed region, once
+    assert h.alloc([32]).tolist() == [96]
+    h.free([32, 64, 0, 96], [32, 32, 32, 32])
+    assert h.used == 0 and h.top == 0
+    r = h.runs([], [])
+    h.release(r)
+    # alloc: a scalar size gives one offset; sizes that are not integers are refused (16.9 was 16)
+    assert h.alloc(16).tolist() == [0]
+    for bad in ([16.9], np.array([16.0]), [[16]], ["16"]):
+        with pytest.raises(InvalidArgumentError):
+            h.alloc(bad)
+    assert h.used == 16 and h.top == 16
+
+
+def test_page_heap_release_rechecks_a_stale_plan():
+    """runs() checks the regions when it runs; release() of a plan made before the heap changed checks
+    them again: a plan released twice is refused the second time."""
+    h = PageHeap(1 << 16, device="cpu")
+    a = h.alloc([16] * 2000)  # one batch: the live arrays
+    h.free(a[::2], [16] * 1000)  # 1000 one-region holes
+    b = h.alloc([16] * 5)  # into the holes, a small batch: the live dict
+    assert set(b.tolist()) <= set(a[::2].tolist())
+    plan = h.runs(b[:2], [16, 16])
+    h.alloc([16])  # the heap changes after runs()
+    h.release(plan)
+    with pytest.raises(InvalidArgumentError, match="not allocated"):
+        h.release(plan)
+    with pytest.raises(InvalidArgumentError, match="not allocated"):
+        h.free(b[:1], [16])
+    h.free(b[2:], [16, 16, 16])
+    with pytest.raises(InvalidArgumentError, match="not allocated"):
+        h.free(a[:2], [16, 16])  # a[0] was freed above, a[1] is live: nothing changes
+    h.free(a[1:2], [16])
+
+
 def _run_cache(real, cache, seqs_prompts, steps, g):
     for layer in range(3):
         for s, p in seqs_prompts:
@@ -670,6 +733,49 @@ def test_page_heap_regions_never_overlap(ops, bulk_min):
         spans = sorted(live.items())
         assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
         assert all(0 <= a and a + n <= h.capacity for a, n in spans)
+        assert h.used == sum(live.values())
+    h.free(list(live), list(live.values()))
+    assert h.used == 0 and h.top == 0 and h.stats()["free_regions"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(1, 40), min_size=1, max_size=80)), min_size=1,
+                max_size=60), st.sampled_from([64, 1]))
+def test_page_heap_refuses_bad_frees_and_keeps_its_books(ops, small_batch):
+    """Random allocations, frees of live regions, and frees that must be refused (a freed region again,
+    a live region with another size or offset, a live one and a freed one together): the refused ones
+    change nothing, the others keep working, and freeing everything empties the heap. Batches of up to
+    80 regions: with ``small_batch`` 1 they go into the live arrays, with 64 mostly into the live dict."""
+    h = PageHeap(1 << 15, device="cpu")
+    h.small_batch = small_batch
+    live: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    for kind, units in ops:
+        keys = sorted(live)
+        if kind == 0 or not keys:
+            try:
+                offs = h.alloc([16 * u for u in units])
+            except LimitExceededError:
+                continue
+            for o, u in zip(offs.tolist(), units):
+                live[o] = 16 * u
+                freed.pop(o, None)
+        elif kind == 1:
+            pick = list(dict.fromkeys(keys[u % len(keys)] for u in units))
+            h.free(pick, [live[o] for o in pick])
+            for o in pick:
+                freed[o] = live.pop(o)
+        else:
+            o = keys[units[0] % len(keys)]
+            bad = [([o], [live[o] + 16]), ([o + 16], [16]) if live[o] > 16 else ([o + 8], [16])]
+            stale = [f for f in freed if f not in live]
+            if stale:
+                bad.append(([o, stale[0]], [live[o], freed[stale[0]]]))
+            before = (h.stats(), len(live))
+            for offs, sizes in bad:
+                with pytest.raises(InvalidArgumentError):
+                    h.free(offs, sizes)
+                assert (h.stats(), len(live)) == before
         assert h.used == sum(live.values())
     h.free(list(live), list(live.values()))
     assert h.used == 0 and h.top == 0 and h.stats()["free_regions"] == 0
