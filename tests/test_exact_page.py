@@ -116,6 +116,29 @@ def _ref_bits(values, tb):
     return ln.view(n, 16, -1, 32).sum((1, 3)).to(torch.int32)
 
 
+def test_triton_decoder_checks_offsets_and_buf(real_kv):
+    """The decoder reads offsets[i] and the page words at pointer + index: offsets must be a contiguous
+    1-D integer tensor of at least one entry, buf contiguous 1-D uint8 (typed errors, not a segfault
+    through a strided view's other entries, a Triton type error or a torch RuntimeError)."""
+    x, p = _pages(real_kv, layer=2, kind=0, channels=32)
+    cb = pages.calibrate(x[32:], "bfloat16")
+    tb = ep.PageTables.from_codebook(cb, device=DEVICE)
+    raw, offs_np = pages.encode_pages(cb, p[:2])
+    buf, offs = _dev(np.frombuffer(raw, np.uint8)), _dev(offs_np)
+    want = _dev(p[:2].view(np.int16))
+    assert torch.equal(ep.decode_pages(buf, offs.to(torch.int32), tb), want)  # int32 offsets are taken
+    # a strided view over memory that starts with the real offsets (the old code decoded those: no error)
+    strided = torch.cat([offs, offs])[::2]
+    assert not strided.is_contiguous()
+    bad_offsets = [offs.double(), offs.view(1, -1), offs[:0], strided, offs.tolist()]
+    for bad in bad_offsets:
+        with pytest.raises(InvalidArgumentError, match="offsets"):
+            ep.decode_pages(buf, bad, tb)
+    for bad in (torch.stack([buf, buf], 1).reshape(-1)[::2], buf.view(-1, 8), buf.view(torch.int8)):
+        with pytest.raises(InvalidArgumentError, match="buf"):
+            ep.decode_pages(bad, offs, tb)
+
+
 def test_triton_escapes_and_bf16_specials():
     # Symbols never seen in calibration go through the escape; NaN, inf, -0 and subnormals survive.
     rng = np.random.default_rng(5)

@@ -230,6 +230,28 @@ def test_write_kernel_bad_input():
         compact_write(x[:, :, :48], ok, pages, t)
 
 
+def test_write_kernel_refuses_strided_slots_and_positions():
+    """The kernel reads token t's slot and position at ptr + t: a strided slot_mapping (whose values
+    check_slots passed while the kernel wrote to the slots in between: out of the pool in general)
+    or strided positions are refused before anything is written."""
+    tabs = tables_for(KV[0, 0], "k", 4)
+    t = compact_write_tables(tabs, DEVICE)
+    x = KV[0, 0, :4].to(DEVICE)
+    pages = pool(2, 3, 16, 4, 64)
+    before = pages.clone()
+    # values [0, 1, 2, 3]; the memory between holds other in-pool slots (so the old code wrote there)
+    slots = torch.tensor([0, 5, 1, 6, 2, 7, 3, 8], device=DEVICE)[::2]
+    assert slots.tolist() == [0, 1, 2, 3] and not slots.is_contiguous()
+    with pytest.raises(InvalidArgumentError, match="slot_mapping must be contiguous"):
+        compact_write(x, slots, pages, t)
+    assert torch.equal(pages, before)
+    rt, xb = rope_tables(KV[0, 1], 4)
+    positions = torch.tensor([0, 9, 1, 9, 2, 9, 3, 9], device=DEVICE)[::2]
+    with pytest.raises(InvalidArgumentError, match="positions must be contiguous"):
+        compact_write(xb[:4].to(DEVICE), slots.contiguous(), pages, compact_write_tables(rt, DEVICE), positions)
+    assert torch.equal(pages, before)
+
+
 # -- attention -----------------------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from weightszip.kernels import (  # noqa: E402
     dequantize_pages_ref,
     paged_decode_ref,
     quantize_fp8_ref,
+    rope_logit_coef,
     transform_query,
 )
 
@@ -266,6 +267,82 @@ def test_bad_plan_and_run():
     bad[1, 0] = -1
     with pytest.raises(InvalidArgumentError, match="negative"):
         attn.plan([20, 40], bad)
+
+
+def test_plan_refuses_block_tables_with_strided_rows():
+    """The kernels read a row's entries at row + j: a table whose columns are not adjacent in memory is
+    refused (a transposed view of valid ids read block 0 twice; a column slice read the ids between)."""
+    attn = _attn(num_q_heads=2, num_kv_heads=1)
+    transposed = torch.tensor([[0, 0], [1, 1]], dtype=torch.int32, device=DEVICE).t()[:1]  # values [[0, 1]]
+    assert transposed.tolist() == [[0, 1]] and transposed.stride(1) != 1
+    with pytest.raises(InvalidArgumentError, match="contiguous rows"):
+        attn.plan([32], transposed)
+    sliced = torch.tensor([[0, 10**6, 1, 7]], dtype=torch.int32, device=DEVICE)[:, ::2]  # values [[0, 1]]
+    with pytest.raises(InvalidArgumentError, match="contiguous rows"):
+        attn.plan([32], sliced)
+    # rows need not be adjacent: a row slice of a wider table, and a one-column table of any stride
+    wide = torch.tensor([[0, 1, 7, 7], [1, 0, 7, 7]], dtype=torch.int32, device=DEVICE)
+    attn.plan([32], wide[:1, :2])
+    attn.plan([16], wide[:, ::2][:1, :1])
+
+
+def test_fp8_scales_must_be_contiguous():
+    """The kernels read a KV head's scale at scale + head: a strided scale tensor is refused."""
+    c = make_case(B=1, Hq=4, Hkv=2, D=32, lens=[32], page_type="fp8")
+    attn = _attn(page_type="fp8")
+    attn.plan(c["lens"], c["bt"])
+    strided = torch.stack([c["ks"], torch.full_like(c["ks"], 100.0)], 1).reshape(-1)[::2]  # values equal ks
+    assert torch.equal(strided, c["ks"]) and not strided.is_contiguous()
+    with pytest.raises(InvalidArgumentError, match="k_scale"):
+        attn.run(c["q"], c["k"], c["v"], k_scale=strided, v_scale=c["vs"])
+    with pytest.raises(InvalidArgumentError, match="scale"):
+        dequantize_pages(c["k"], "fp8", strided)
+
+
+def test_out_must_be_a_float_tensor():
+    """out's dtype is the output's: an integer or fp8 buffer (which truncated the output) is refused;
+    bf16, fp16 and fp32 are taken (the tests read fp32 outputs of bf16 queries)."""
+    c = make_case(B=1, Hq=4, Hkv=2, D=32, lens=[20])
+    attn = _attn()
+    attn.plan(c["lens"], c["bt"])
+    for dt in (torch.int32, torch.uint8, torch.float8_e4m3fn, torch.float64):
+        with pytest.raises(InvalidArgumentError, match="out must be"):
+            attn.run(c["q"], c["k"], c["v"], out=torch.zeros(1, 4, 32, dtype=dt, device=DEVICE))
+
+
+def test_dequantize_pages_refuses_shapes_its_kernel_cannot_tile():
+    """The kernel tiles 16 tokens of a power-of-two head_dim: a block_size of 24 or 8 left rows of the
+    output unwritten, a head_dim of 48 failed inside Triton."""
+    p = torch.randn(1, 1, 24, 32).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        dequantize_pages(p, "bf16")
+    with pytest.raises(InvalidArgumentError, match="block_size"):
+        dequantize_pages(p[:, :, :8], "bf16")
+    with pytest.raises(InvalidArgumentError, match="head_dim"):
+        dequantize_pages(torch.randn(1, 1, 16, 48).to(torch.bfloat16).to(DEVICE), "bf16")
+
+
+def test_query_helpers_check_shapes():
+    q = torch.randn(2, 4, 32)
+    with pytest.raises(InvalidArgumentError, match="num_kv_heads"):
+        transform_query(q[:, :3], None, None, 2)
+    with pytest.raises(InvalidArgumentError, match="k_inv_transform"):
+        transform_query(q, torch.eye(16).expand(2, 16, 16), None, 2)
+    with pytest.raises(InvalidArgumentError, match="k_mean"):
+        transform_query(q, None, torch.zeros(1, 32), 2)
+    with pytest.raises(InvalidArgumentError, match="q must be"):
+        transform_query(q[0], None, None, 2)
+    with pytest.raises(InvalidArgumentError, match="k_rope_m"):
+        rope_logit_coef(q, torch.zeros(2, 16), 2)
+    with pytest.raises(InvalidArgumentError, match="num_kv_heads"):
+        rope_logit_coef(q, torch.zeros(3, 32), 3)
+    # a q whose heads are not adjacent in memory (head_dim contiguous, as run() takes it) works
+    wide = torch.randn(2, 8, 32)[:, ::2]
+    m = torch.randn(2, 32)
+    qt, bias = transform_query(wide, torch.randn(2, 32, 32), m, 2)
+    qt_c, bias_c = transform_query(wide.contiguous(), None, m, 2)
+    assert torch.equal(bias, bias_c) and qt.shape == qt_c.shape
+    assert torch.equal(rope_logit_coef(wide, m, 2), rope_logit_coef(wide.contiguous(), m, 2))
 
 
 @settings(max_examples=60, deadline=None)

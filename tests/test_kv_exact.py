@@ -439,6 +439,32 @@ def test_attention_argument_checks(real):
         PagedDecodeAttention(HQ, H, D, page_type="exact", block_size=32, device=DEVICE)
 
 
+@pytest.mark.parametrize("page_format", ["exact", "exact4"])
+def test_attention_refuses_a_strided_heap(real, page_format):
+    """The kernels read a page at heap + byte offset, not through the tensor's stride: a 1-D heap view
+    with a stride is refused, by run() and by the tile-loader helpers (a view equal to the heap value
+    for value gave NaN, or read past the pages). Here the raw bytes under the view are the heap, so the
+    old code ran without a crash and without an error."""
+    exact4 = page_format == "exact4"
+    c = _paged_pair(real, [40], ref=R4 if exact4 else R)
+    n = c["heap"].numel()
+    big = torch.zeros(2 * n, dtype=torch.uint8, device=DEVICE)
+    big[:n] = c["heap"]
+    heap = big[::2]
+    assert heap.dim() == 1 and not heap.is_contiguous()
+    att = PagedDecodeAttention(HQ, H, D, page_type=page_format, window=16, config=CFG, device=DEVICE)
+    att.plan([40], c["bt"])
+    bases = {} if exact4 else {"k_bases": c["kb"], "v_bases": c["vb"]}
+    with pytest.raises(InvalidArgumentError, match="contiguous 1-D uint8 page heap"):
+        att.run(c["q"], heap, heap, k_side=c["ks"], v_side=c["vs"], k_offsets=c["koff"], v_offsets=c["voff"],
+                **bases)
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        if exact4:
+            dequantize_exact4_pages(heap, c["koff"], H, D)
+        else:
+            dequantize_exact_pages(heap, c["koff"], c["kb"], H, D)
+
+
 # -- heap and cache ----------------------------------------------------------------------------------
 
 
@@ -463,6 +489,69 @@ def test_page_heap_reuse_split_and_full():
     with pytest.raises(LimitExceededError):
         big.alloc([1 << 62] * 4 + [64] * 70)
     assert big.used == 0 and big.top == 0
+
+
+def test_page_heap_refuses_what_it_did_not_hand_out():
+    """free/release take back only regions alloc handed out and not yet freed, as they were handed
+    out: a double free (which listed the region twice, so two later allocations overlapped), a region
+    never handed out or past the heap, a misaligned one, a part of one, one of the wrong size, the same
+    region twice in one call and mismatched lengths are InvalidArgumentError, the heap as before and
+    the other regions of the call still live. alloc takes a scalar size and refuses non-integers."""
+    h = PageHeap(1024, device="cpu")
+    a = h.alloc([32, 32, 32])
+    h.free(a[:1], [32])
+
+    def refused(offsets, sizes):
+        before = h.stats()
+        with pytest.raises(InvalidArgumentError):
+            h.free(offsets, sizes)
+        assert h.stats() == before
+
+    refused(a[:1], [32])  # double free
+    refused([4096], [16])  # past the heap: never handed out
+    refused([40], [16])  # misaligned, inside a live region
+    refused([32], [16])  # the first half of a live region
+    refused([48], [16])  # the second half
+    refused([32], [64])  # the wrong size
+    refused([32, 32], [32, 32])  # twice in one call
+    refused([32, 64, 0], [32, 32, 32])  # one freed region among live ones: none goes back
+    refused([32, 64], [32])  # lengths differ (an IndexError before)
+    refused([32.0], [32])  # not integers
+    refused([32], [0])
+    assert h.used == 64
+    assert h.alloc([32]).tolist() == [0]  # the freed region, once
+    assert h.alloc([32]).tolist() == [96]
+    h.free([32, 64, 0, 96], [32, 32, 32, 32])
+    assert h.used == 0 and h.top == 0
+    r = h.runs([], [])
+    h.release(r)
+    # alloc: a scalar size gives one offset; sizes that are not integers are refused (16.9 was 16)
+    assert h.alloc(16).tolist() == [0]
+    for bad in ([16.9], np.array([16.0]), [[16]], ["16"]):
+        with pytest.raises(InvalidArgumentError):
+            h.alloc(bad)
+    assert h.used == 16 and h.top == 16
+
+
+def test_page_heap_release_rechecks_a_stale_plan():
+    """runs() checks the regions when it runs; release() of a plan made before the heap changed checks
+    them again: a plan released twice is refused the second time."""
+    h = PageHeap(1 << 16, device="cpu")
+    a = h.alloc([16] * 2000)  # one batch: the live arrays
+    h.free(a[::2], [16] * 1000)  # 1000 one-region holes
+    b = h.alloc([16] * 5)  # into the holes, a small batch: the live dict
+    assert set(b.tolist()) <= set(a[::2].tolist())
+    plan = h.runs(b[:2], [16, 16])
+    h.alloc([16])  # the heap changes after runs()
+    h.release(plan)
+    with pytest.raises(InvalidArgumentError, match="not allocated"):
+        h.release(plan)
+    with pytest.raises(InvalidArgumentError, match="not allocated"):
+        h.free(b[:1], [16])
+    h.free(b[2:], [16, 16, 16])
+    with pytest.raises(InvalidArgumentError, match="not allocated"):
+        h.free(a[:2], [16, 16])  # a[0] was freed above, a[1] is live: nothing changes
+    h.free(a[1:2], [16])
 
 
 def _run_cache(real, cache, seqs_prompts, steps, g):
@@ -548,6 +637,36 @@ def test_cache_errors(real):
         cache.append(0, [s, s], x[:, :1].expand(2, 1, H, D), x[:, :1].expand(2, 1, H, D))
 
 
+def test_cache_checks_layers_and_empty_batches(real):
+    """attend and dense refuse a layer out of range (-1 read the last layer, silently), plan([]) is a
+    typed error that leaves the plan as it was, and append with no sequences appends nothing (both
+    gave an IndexError: the index arrays of an empty list were float)."""
+    cache = KVExactCache(layers=2, kv_heads=H, head_dim=D, num_q_heads=HQ, heap_bytes=1 << 16, max_seqs=2,
+                         max_tokens=64, device=DEVICE, config=CFG)
+    s = cache.add_sequence()
+    x = tokens(real, 0, 0, torch.arange(20), 0)[None].view(torch.bfloat16).to(DEVICE)
+    for layer in range(2):
+        cache.append(layer, [s], x, x)
+    cache.plan([s])
+    q = torch.randn((1, HQ, D), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(DEVICE)
+    for layer in (-1, 2):
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            cache.attend(layer, q)
+        with pytest.raises(InvalidArgumentError, match="out of range"):
+            cache.dense(layer, s)
+    planned = cache._planned
+    with pytest.raises(InvalidArgumentError, match="at least one sequence"):
+        cache.plan([])
+    assert cache._planned is planned
+    empty = x[:0, :3]
+    cache.append(0, [], empty, empty)
+    assert cache.length[0, s] == 20
+    with pytest.raises(InvalidArgumentError):  # k must still be [0, T, H, D]
+        cache.append(0, [], x[:, :3], x[:, :3])
+    k, _ = cache.dense(1, s)
+    assert torch.equal(k.cpu().view(torch.int16), tokens(real, 0, 0, torch.arange(20), 0))
+
+
 def test_calibrate_bases_shape(real):
     k = real[0].view(torch.bfloat16)  # [3, 64, H, D]
     b = calibrate_bases(k, real[1].view(torch.bfloat16))
@@ -614,6 +733,49 @@ def test_page_heap_regions_never_overlap(ops, bulk_min):
         spans = sorted(live.items())
         assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:]))
         assert all(0 <= a and a + n <= h.capacity for a, n in spans)
+        assert h.used == sum(live.values())
+    h.free(list(live), list(live.values()))
+    assert h.used == 0 and h.top == 0 and h.stats()["free_regions"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(1, 40), min_size=1, max_size=80)), min_size=1,
+                max_size=60), st.sampled_from([64, 1]))
+def test_page_heap_refuses_bad_frees_and_keeps_its_books(ops, small_batch):
+    """Random allocations, frees of live regions, and frees that must be refused (a freed region again,
+    a live region with another size or offset, a live one and a freed one together): the refused ones
+    change nothing, the others keep working, and freeing everything empties the heap. Batches of up to
+    80 regions: with ``small_batch`` 1 they go into the live arrays, with 64 mostly into the live dict."""
+    h = PageHeap(1 << 15, device="cpu")
+    h.small_batch = small_batch
+    live: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    for kind, units in ops:
+        keys = sorted(live)
+        if kind == 0 or not keys:
+            try:
+                offs = h.alloc([16 * u for u in units])
+            except LimitExceededError:
+                continue
+            for o, u in zip(offs.tolist(), units):
+                live[o] = 16 * u
+                freed.pop(o, None)
+        elif kind == 1:
+            pick = list(dict.fromkeys(keys[u % len(keys)] for u in units))
+            h.free(pick, [live[o] for o in pick])
+            for o in pick:
+                freed[o] = live.pop(o)
+        else:
+            o = keys[units[0] % len(keys)]
+            bad = [([o], [live[o] + 16]), ([o + 16], [16]) if live[o] > 16 else ([o + 8], [16])]
+            stale = [f for f in freed if f not in live]
+            if stale:
+                bad.append(([o, stale[0]], [live[o], freed[stale[0]]]))
+            before = (h.stats(), len(live))
+            for offs, sizes in bad:
+                with pytest.raises(InvalidArgumentError):
+                    h.free(offs, sizes)
+                assert (h.stats(), len(live)) == before
         assert h.used == sum(live.values())
     h.free(list(live), list(live.values()))
     assert h.used == 0 and h.top == 0 and h.stats()["free_regions"] == 0

@@ -41,6 +41,11 @@ def small():
     model.model.layers = model.model.layers[:LAYERS]
     model.config.num_hidden_layers = LAYERS
     model = model.to(DEVICE)
+    return model, lm.tokenizer, first_layers_calibration()
+
+
+def first_layers_calibration() -> Calibration:
+    """The shipped SmolLM2 calibration's first LAYERS layers."""
     full = Calibration.load(CAL)
     cal = Calibration(
         LAYERS, full.kv_heads, full.head_dim, full.mu[:LAYERS].clone(), full.mult[:LAYERS].clone(), full.signs,
@@ -49,7 +54,7 @@ def small():
         rope_m=full.rope_m[:LAYERS].clone(), rope_phase=full.rope_phase, meta={"note": "first 4 layers"},
     )
     cal.validate()
-    return model, lm.tokenizer, cal
+    return cal
 
 
 def test_paged_generation_gives_the_reference_tokens(small):
@@ -90,3 +95,29 @@ def test_paged_cache_moves_tokens_from_the_window_into_pages(small):
 
     with pytest.raises(InvalidArgumentError, match="do not fit"):
         c.append(0, k.repeat(2, 1, 1)[:100], v.repeat(2, 1, 1)[:100])
+
+
+def test_paged_cache_checks_layer_and_shapes_before_writing():
+    """append/attend refuse a layer out of range (-1 wrote the last layer) and k/v that are not
+    [n, kv_heads, head_dim] alike (a 2-D k was broadcast into the side buffer; k and v of different
+    lengths wrote k's side buffer, then failed) with InvalidArgumentError, the cache unchanged."""
+    from weightszip.compact.paged_cache import PagedCompactCache
+    from weightszip.errors import InvalidArgumentError
+
+    cal = first_layers_calibration()
+    c = PagedCompactCache(cal, "q4", num_q_heads=9, max_tokens=64, device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    sides = [(st["k_side"].clone(), st["v_side"].clone()) for st in c.layers]
+    bad = [(-1, k, k), (LAYERS, k, k), (0, k[0], k[0]), (0, k[:, :2], k[:, :2]), (0, k[..., :32], k[..., :32]),
+           (0, k, k[:1]), (0, k, k[:, :, :, None])]
+    for layer, kk, vv in bad:
+        with pytest.raises(InvalidArgumentError):
+            c.append(layer, kk, vv)
+    assert c.length == [0] * LAYERS
+    assert all(torch.equal(st["k_side"], a) and torch.equal(st["v_side"], b) for st, (a, b) in zip(c.layers, sides))
+    c.append(0, k, k)
+    q = torch.randn(9, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    for layer, qq in ((-1, q), (LAYERS, q), (0, q[:8]), (0, q[None])):
+        with pytest.raises(InvalidArgumentError):
+            c.attend(layer, qq)

@@ -205,9 +205,10 @@ def _check_args(x, slot_mapping, pages, tables):
         t = tables.get(name)
         _check(isinstance(t, torch.Tensor) and t.dtype == dt and tuple(t.shape) == shape and t.is_contiguous()
                and t.device == x.device, f"tables[{name!r}] must be contiguous {dt} {list(shape)} on x's device")
+    # (contiguous: the kernel reads slot t at slot_mapping + t, and check_slots looks at the values)
     _check(isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 1 and slot_mapping.numel() == n
-           and slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.device == x.device,
-           f"slot_mapping must be int32 or int64 [{n}] on x's device")
+           and slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.device == x.device
+           and slot_mapping.is_contiguous(), f"slot_mapping must be contiguous int32 or int64 [{n}] on x's device")
     nbytes = PAGE_TOKENS * (bits * d // 8 + 1)
     _check(isinstance(pages, torch.Tensor) and pages.dtype == torch.uint8 and pages.dim() == 4
            and tuple(pages.shape[1:]) == (h, pages.shape[2], nbytes) and pages.shape[2] >= 1
@@ -220,8 +221,8 @@ def compact_write(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.Tens
                   positions: torch.Tensor | None = None, *, check_slots: bool = True) -> None:
     """Encode ``x`` [n, kv_heads, head_dim] (one layer's new K or V tokens) into ``pages`` in place.
 
-    slot_mapping: int [n], ``block * block_size + offset``, negative = skip. tables: from
-    ``compact_write_tables``. positions: int [n], each token's position in its sequence (needed when
+    slot_mapping: contiguous int [n], ``block * block_size + offset``, negative = skip. tables: from
+    ``compact_write_tables``. positions: contiguous int [n], each token's position in its sequence (needed when
     the tables carry rotary offsets: K of a calibration with ``rope_m``). ``check_slots`` verifies
     on the host that every slot lies in the pool and every position in [0, 2**31) (a device sync;
     pass False inside CUDA graphs once the caller guarantees it)."""
@@ -229,8 +230,9 @@ def compact_write(x: torch.Tensor, slot_mapping: torch.Tensor, pages: torch.Tens
     rope = "rope_m" in tables
     if rope:
         _check(isinstance(positions, torch.Tensor) and positions.dim() == 1 and positions.numel() == n
-               and positions.dtype in (torch.int32, torch.int64) and positions.device == x.device,
-               f"these tables carry rotary offsets: positions must be int32 or int64 [{n}] on x's device")
+               and positions.dtype in (torch.int32, torch.int64) and positions.device == x.device
+               and positions.is_contiguous(),
+               f"these tables carry rotary offsets: positions must be contiguous int32 or int64 [{n}] on x's device")
         for name, shape in (("rope_m", (h, d)), ("rope_phase", (d // 2,)), ("trig", (10240,))):
             t = tables[name]
             _check(isinstance(t, torch.Tensor) and t.dtype == torch.int64 and tuple(t.shape) == shape

@@ -469,13 +469,19 @@ GLUON_STAGE = 64
 
 def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, out: torch.Tensor | None = None,
                  table_ids: torch.Tensor | None = None, block_pages: int | None = None, kernel: str = "auto") -> torch.Tensor:
-    """Decode the pages at ``offsets`` (int64 [n + 1], multiples of 8) of ``buf`` (uint8, its
-    length a multiple of 8), page i with codebook ``table_ids[i]`` (default 0), into int16
+    """Decode the pages at ``offsets`` (int64 or int32 [n + 1], contiguous, multiples of 8) of ``buf``
+    (contiguous 1-D uint8, its length a multiple of 8), page i with codebook ``table_ids[i]`` (default 0), into int16
     [n, 16, C] (``out`` if given). ``kernel``: "auto" or "triton" (the Triton decoder), "gluon" (the
     Gluon one, ``exact_page_gluon``: Hopper only, not faster on the H200; BENCHMARKS.md)."""
+    # (the kernels read both at pointer + index: strided views would be read through the bytes between)
+    if (not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous()
+            or buf.numel() % 8):
+        raise InvalidArgumentError("buf must be contiguous 1-D uint8 with a length that is a multiple of 8")
+    if (not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1
+            or offsets.numel() < 1 or not offsets.is_contiguous() or offsets.device != buf.device):
+        raise InvalidArgumentError("offsets must be a contiguous 1-D int32 or int64 tensor [n + 1] on buf's device")
+    offsets = offsets.to(torch.int64)
     n = offsets.numel() - 1
-    if buf.dtype != torch.uint8 or buf.numel() % 8:
-        raise InvalidArgumentError("buf must be uint8 with a length that is a multiple of 8")
     if kernel not in ("auto", "triton", "gluon"):
         raise InvalidArgumentError(f"kernel must be auto, triton or gluon, got {kernel!r}")
     if out is None:

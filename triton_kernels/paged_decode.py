@@ -1178,16 +1178,27 @@ def _check(cond: bool, msg: str) -> None:
         raise InvalidArgumentError(msg)
 
 
+def _check_query(q, num_kv_heads: int) -> None:
+    """The query helpers' q: [num_seqs, num_q_heads, head_dim], num_q_heads a multiple of num_kv_heads."""
+    _check(isinstance(q, torch.Tensor) and q.dim() == 3, "q must be [num_seqs, num_q_heads, head_dim]")
+    _check(isinstance(num_kv_heads, (int, np.integer)) and num_kv_heads > 0 and q.shape[1] % num_kv_heads == 0,
+           f"num_q_heads ({q.shape[1]}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+
+
 def rope_logit_coef(q: torch.Tensor, k_rope_m: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """The per-query coefficients of the rotary-offset logit term: q . r(p) = sum_i A_i cos(phi_i(p)) +
     B_i sin(phi_i(p)) with A_i = q_a m_a + q_b m_b and B_i = q_b m_a - q_a m_b over RoPE pairs
     (a, b) = (i, i + d/2). q [num_seqs, num_q_heads, d]; k_rope_m [num_kv_heads, d] (the pre-RoPE key
     means in the model's units: ``compact_tables(...)["k_rope_m"]``). Returns fp32 [num_seqs,
     num_q_heads, 2, d/2] (A then B)."""
+    _check_query(q, num_kv_heads)
     b_, hq, d = q.shape
+    _check(d % 2 == 0, f"q's head_dim must be even (RoPE pairs), not {d}")
+    _check(isinstance(k_rope_m, torch.Tensor) and tuple(k_rope_m.shape) == (num_kv_heads, d),
+           f"k_rope_m must be [{num_kv_heads}, {d}]")
     g = hq // num_kv_heads
-    qf = q.double().view(b_, num_kv_heads, g, 2, d // 2)
-    m = k_rope_m.double().view(num_kv_heads, 1, 2, d // 2)
+    qf = q.double().reshape(b_, num_kv_heads, g, 2, d // 2)
+    m = k_rope_m.double().reshape(num_kv_heads, 1, 2, d // 2)
     qa, qb = qf[..., 0, :], qf[..., 1, :]
     ma, mb = m[..., 0, :], m[..., 1, :]
     coef = torch.stack([qa * ma + qb * mb, qb * ma - qa * mb], dim=-2)  # [b, h, g, 2, d/2]
@@ -1203,9 +1214,15 @@ def transform_query(q: torch.Tensor, k_inv_transform: torch.Tensor | None, k_mea
     None (identity); k_mean ``mu_k``: [num_kv_heads, head_dim] or None (zero).
     Returns q' [num_seqs, num_q_heads, head_dim] fp32 and b [num_seqs, num_q_heads] fp32 (or None).
     """
+    _check_query(q, num_kv_heads)
     b_, hq, d = q.shape
+    _check(k_inv_transform is None or (isinstance(k_inv_transform, torch.Tensor)
+                                       and tuple(k_inv_transform.shape) == (num_kv_heads, d, d)),
+           f"k_inv_transform must be [{num_kv_heads}, {d}, {d}] or None")
+    _check(k_mean is None or (isinstance(k_mean, torch.Tensor) and tuple(k_mean.shape) == (num_kv_heads, d)),
+           f"k_mean must be [{num_kv_heads}, {d}] or None")
     g = hq // num_kv_heads
-    qf = q.float().view(b_, num_kv_heads, g, d)
+    qf = q.float().reshape(b_, num_kv_heads, g, d)
     qt = qf if k_inv_transform is None else torch.einsum("bhgd,hed->bhge", qf, k_inv_transform.float())
     bias = None if k_mean is None else torch.einsum("bhgd,hd->bhg", qf, k_mean.float()).reshape(b_, hq)
     return qt.reshape(b_, hq, d), bias
@@ -1344,6 +1361,9 @@ class PagedDecodeAttention:
                f"block_tables must be int32 [num_seqs={lens.size}, max_blocks]")
         _check(block_tables.device == self.device or block_tables.device.type == self.device.type,
                "block_tables must be on the kernel's device")
+        # (the kernels read entry j of a row at row + j: a strided view's other entries were never checked)
+        _check(block_tables.shape[1] <= 1 or block_tables.stride(1) == 1,
+               "block_tables must have contiguous rows (stride(1) == 1)")
         bn = self.config.block_n
         S, W = self.sink_tokens, self.window
         lo = S
@@ -1405,8 +1425,8 @@ class PagedDecodeAttention:
         _check(isinstance(pages, torch.Tensor) and pages.dtype == want,
                f"{name} must be a {want} tensor for page_type {self.page_type_name!r}")
         if self.page_type in EXACT_PAGES:
-            _check(pages.dim() == 1 and pages.data_ptr() % 16 == 0,
-                   f"{name} ({self.page_type_name}) must be the 1-D uint8 page heap, 16-byte aligned")
+            _check(pages.dim() == 1 and pages.is_contiguous() and pages.data_ptr() % 16 == 0,
+                   f"{name} ({self.page_type_name}) must be the contiguous 1-D uint8 page heap, 16-byte aligned")
             return
         if self.page_type == PAGE_COMPACT:
             bits = self.k_bits if name == "k_pages" else self.v_bits
@@ -1440,7 +1460,8 @@ class PagedDecodeAttention:
             k_offsets: torch.Tensor | None = None, v_offsets: torch.Tensor | None = None,
             k_bases: torch.Tensor | None = None, v_bases: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention output [num_seqs, num_q_heads, head_dim] (q's dtype) for one layer.
+        """Attention output [num_seqs, num_q_heads, head_dim] (q's dtype; or ``out``'s, bf16, fp16 or
+        fp32, on q's device) for one layer.
 
         k_side/v_side: bf16 [num_seqs, sink_tokens + window, num_kv_heads, head_dim] (required when the
         format keeps side tokens). q_transformed [num_seqs, num_q_heads, head_dim] and logit_bias
@@ -1477,8 +1498,8 @@ class PagedDecodeAttention:
         fp8 = self.page_type == PAGE_FP8
         if fp8:
             for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-                _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == Hkv,
-                       f"{name} must be fp32 [{Hkv}] for fp8 pages")
+                _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == Hkv
+                       and t.is_contiguous(), f"{name} must be contiguous fp32 [{Hkv}] for fp8 pages")
         compact = self.page_type == PAGE_COMPACT
         cfg = self.config
         has_rope = rope_coef is not None or rope_phase is not None
@@ -1593,7 +1614,10 @@ class PagedDecodeAttention:
             v_mean = v_mean.float().contiguous()
         if out is None:
             out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
-        _check(tuple(out.shape) == (B, Hq, D) and out.stride(2) == 1, f"out must be [{B}, {Hq}, {D}]")
+        _check(isinstance(out, torch.Tensor) and tuple(out.shape) == (B, Hq, D) and out.stride(2) == 1,
+               f"out must be [{B}, {Hq}, {D}]")
+        _check(out.dtype in (torch.bfloat16, torch.float16, torch.float32) and out.device == q.device,
+               f"out must be bf16, fp16 or fp32 on q's device ({q.device}), not {out.dtype} on {out.device}")
 
         block_g = _pow2_at_least(G, 16)
         split_block_g = _pow2_at_least(G, 1) if cuda_dot else block_g
@@ -1842,9 +1866,11 @@ def dequantize_pages(pages: torch.Tensor, page_type: str, scale: torch.Tensor | 
     _check(pages.dtype == PAGE_DTYPES[pt] and pages.dim() == 4 and pages.stride(3) == 1,
            "pages must be [num_blocks, kv_heads, block_size, head_dim] of the page type's dtype")
     nb, h, bs, d = pages.shape
+    _check(bs > 0 and bs % PAGE_TOKENS == 0, f"block_size must be a positive multiple of {PAGE_TOKENS}, not {bs}")
+    _check(d in (16, 32, 64, 128, 256), f"head_dim must be 16, 32, 64, 128 or 256, not {d}")
     if pt == PAGE_FP8:
-        _check(scale is not None and scale.dtype == torch.float32 and scale.numel() == h,
-               f"fp8 pages need an fp32 scale per KV head ([{h}])")
+        _check(isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.numel() == h
+               and scale.is_contiguous(), f"fp8 pages need a contiguous fp32 scale per KV head ([{h}])")
     out = torch.empty((nb, h, bs, d), dtype=torch.float32, device=pages.device)
     _dequantize_pages_kernel[(nb, h, bs // PAGE_TOKENS)](pages, scale if scale is not None else out, out,
                                       pages.stride(0), pages.stride(1), pages.stride(2),
@@ -1858,8 +1884,8 @@ def dequantize_exact_pages(heap: torch.Tensor, offsets: torch.Tensor, bases: tor
     Exact pages at ``offsets`` (int64 [n]) of ``heap`` (uint8, 1-D), through its tile loader: for
     comparison with ``kv_exact_ref.decode_pages``. Pages are not validated (the kernel's contract).
     ``pages_per_tile``: pages decoded together (1, 2, 4, ...: the attention kernel's ``block_n / 16``)."""
-    _check(heap.dtype == torch.uint8 and heap.dim() == 1 and heap.data_ptr() % 16 == 0,
-           "heap must be a 16-byte aligned 1-D uint8 tensor")
+    _check(heap.dtype == torch.uint8 and heap.dim() == 1 and heap.is_contiguous() and heap.data_ptr() % 16 == 0,
+           "heap must be a contiguous, 16-byte aligned 1-D uint8 tensor")
     _check(offsets.dtype == torch.int64 and offsets.dim() == 1, "offsets must be int64 [n]")
     _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
     _check(bases.dtype == torch.uint8 and bases.numel() == heads * head_dim, f"bases must be uint8 [{heads}, {head_dim}]")
@@ -1879,8 +1905,8 @@ def dequantize_exact4_pages(heap: torch.Tensor, offsets: torch.Tensor, heads: in
     Exact4 pages at ``offsets`` (int64 [n]) of ``heap`` (uint8, 1-D), through its tile loader: for
     comparison with ``kv_exact4_ref.decode_pages``. Pages are not validated (the kernel's contract).
     ``pages_per_tile``: pages decoded together (the attention kernel's ``block_n / 16``)."""
-    _check(heap.dtype == torch.uint8 and heap.dim() == 1 and heap.data_ptr() % 16 == 0,
-           "heap must be a 16-byte aligned 1-D uint8 tensor")
+    _check(heap.dtype == torch.uint8 and heap.dim() == 1 and heap.is_contiguous() and heap.data_ptr() % 16 == 0,
+           "heap must be a contiguous, 16-byte aligned 1-D uint8 tensor")
     _check(offsets.dtype == torch.int64 and offsets.dim() == 1, "offsets must be int64 [n]")
     _check(head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, not {head_dim}")
     _check(0 < heads <= EXACT4_MAX_HEADS, f"exact4 pages hold 1 to {EXACT4_MAX_HEADS} KV heads, not {heads}")

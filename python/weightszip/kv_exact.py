@@ -39,8 +39,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -282,6 +285,30 @@ def _pipelined(device: torch.device, chunks, first, second, *, copy_first: bool 
     del bufs
 
 
+def _int_array(x, name: str) -> np.ndarray:
+    """``x`` (a scalar, sequence or array of integers) as a flat int64 array; other numbers refused
+    (a float would be truncated: 16.9 bytes taken as 16)."""
+    a = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if a.dtype != np.int64:
+        if a.size == 0:
+            return np.zeros(0, dtype=np.int64)  # (np.asarray([]) is float64)
+        _check(a.dtype.kind in "iu", f"{name} must be integers, not {a.dtype}")
+        a = a.astype(np.int64)
+    return a.reshape(-1)
+
+
+class HeapRuns(NamedTuple):
+    """``PageHeap.runs``: the regions to free as runs of touching ones (run offsets and bytes, lists;
+    their total bytes), the regions themselves (offsets ascending, sizes) and where the heap found
+    them live when ``runs`` ran (for ``release``)."""
+
+    offsets: list
+    sizes: list
+    total: int
+    regions: tuple[np.ndarray, np.ndarray]
+    found: tuple  # (the heap's version, entries in the live arrays: indices or a slice, keys of the live dict)
+
+
 class PageHeap:
     """Variable-size regions (multiples of 16 bytes) in one uint8 tensor.
 
@@ -290,8 +317,18 @@ class PageHeap:
     size, else fresh space at the top, else the smallest larger free region (split, the rest stays
     free). Pages of a layer differ by a few dozen bytes, so exact-size reuse is the common case.
     ``alloc`` is all or nothing: on LimitExceededError the heap is as before (free space merged).
-    Not thread-safe: its owner (a ``KVExactCache``, itself one model's cache) makes one call at a
-    time."""
+    ``free``/``release`` take back only regions that ``alloc`` handed out and that are not freed yet
+    (offset and size as given): anything else (a double free, a region never handed out, a part of
+    one) is InvalidArgumentError with the heap as before. Not thread-safe: its owner (a
+    ``KVExactCache``, itself one model's cache) makes one call at a time."""
+
+    # The live regions (for free's checks), updated per batch: int64 arrays with room to grow, offsets
+    # ascending (a freed entry keeps its offset with size 0 until the arrays are rebuilt), to which a
+    # batch above them (from the top: a fresh heap, a prefill, a restore) is appended in place; a batch
+    # that lands in holes below goes into a dict when it is small against them (a decode step
+    # allocates a few pages per call: merging each into the arrays would copy them all), and the dict
+    # into the arrays when it grows to a quarter of them; a larger batch is merged in.
+    small_batch = 64
 
     def __init__(self, capacity: int, device="cuda", guard: int = 0):
         _check(int(capacity) >= ref.ALIGN, "heap capacity must be at least 16 bytes")
@@ -306,6 +343,11 @@ class PageHeap:
         self._sizes: list[int] = []  # sorted sizes with free regions
         self._start: dict[int, int] = {}  # free region offset -> size
         self._end: dict[int, int] = {}  # free region end -> offset
+        self._live_buf = np.zeros((2, 0), dtype=np.int64)  # [offsets, sizes] of live regions, room to grow
+        self._live_n = 0  # entries in use (see small_batch)
+        self._live_dead = 0  # entries of size 0 (freed since the last rebuild)
+        self._live_recent: dict[int, int] = {}  # offset -> size of regions from small batches
+        self._version = 0  # changes with every alloc and release (``runs``' lookups stay valid until then)
 
     def _add(self, off: int, size: int) -> None:
         group = self._by_size.setdefault(size, set())
@@ -391,8 +433,10 @@ class PageHeap:
         return i
 
     def alloc(self, sizes) -> np.ndarray:
-        """Offsets (int64) of new regions of ``sizes`` bytes (multiples of 16), all or none."""
-        sizes = np.asarray(sizes, dtype=np.int64)
+        """Offsets (int64 [n]) of new regions of ``sizes`` bytes (integers, multiples of 16: one, or a
+        1-D sequence of n), all or none."""
+        _check(np.ndim(sizes) <= 1, "sizes must be an integer or a 1-D sequence of integers")
+        sizes = _int_array(sizes, "sizes")
         _check(bool((sizes > 0).all() and (sizes % ref.ALIGN == 0).all()), "sizes must be positive multiples of 16")
         if sizes.size and int(sizes.max()) > self.capacity:  # (then no sum of a batch below wraps int64)
             raise LimitExceededError(f"KV Exact heap: a region of {int(sizes.max())} bytes is larger than the heap "
@@ -413,33 +457,150 @@ class PageHeap:
                     f"(largest free region {max(self._sizes[-1] if self._sizes else 0, self.capacity - self.top)})")
             out[i] = off
         self.used += int(sizes.sum())
+        self._add_live(out, sizes)
         return out
 
+    @property
+    def _live(self) -> np.ndarray:
+        """[offsets, sizes] of the live arrays' entries (a view)."""
+        return self._live_buf[:, :self._live_n]
+
+    def _set_live(self, live: np.ndarray, room: int = 0) -> None:
+        buf = np.empty((2, live.shape[1] + room), dtype=np.int64)
+        buf[:, :live.shape[1]] = live
+        self._live_buf, self._live_n, self._live_dead = buf, live.shape[1], 0
+
+    def _add_live(self, offs: np.ndarray, sizes: np.ndarray) -> None:
+        """Record newly allocated regions as live."""
+        self._version += 1
+        if offs.size > self.small_batch:
+            if not bool((offs[1:] > offs[:-1]).all()):  # (from the top they come in order)
+                order = np.argsort(offs)
+                offs, sizes = offs[order], sizes[order]
+            if self._append_live(offs, sizes):
+                return
+        n_live = self._live_n - self._live_dead
+        if offs.size <= max(self.small_batch, n_live // 8):  # into the dict (a decode step's few pages)
+            self._live_recent.update(zip(offs.tolist(), sizes.tolist()))
+            if len(self._live_recent) <= max(1024, n_live // 4):
+                return
+            offs = np.fromiter(self._live_recent, dtype=np.int64, count=len(self._live_recent))
+            sizes = np.fromiter(self._live_recent.values(), dtype=np.int64, count=offs.size)
+            self._live_recent = {}
+            order = np.argsort(offs)
+            offs, sizes = offs[order], sizes[order]
+            if self._append_live(offs, sizes):
+                return
+        live = self._live  # merged in, freed entries dropped
+        if self._live_dead:
+            live = live[:, live[1] > 0]
+        at = np.searchsorted(live[0], offs)
+        self._set_live(np.stack([np.insert(live[0], at, offs), np.insert(live[1], at, sizes)]))
+
+    def _append_live(self, offs: np.ndarray, sizes: np.ndarray) -> bool:
+        """Regions (offsets ascending) appended to the live arrays in place if they lie above them."""
+        n, k = self._live_n, offs.size
+        if n and offs[0] <= self._live_buf[0, n - 1]:
+            return False
+        if n + k > self._live_buf.shape[1]:
+            self._set_live(self._live, room=max(n, k, 1024))
+        self._live_buf[0, n:n + k], self._live_buf[1, n:n + k] = offs, sizes
+        self._live_n += k
+        return True
+
+    def _in_arrays(self, o: np.ndarray, z: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | None]:
+        """The regions (offsets ``o`` ascending, sizes ``z`` > 0) found live in the live arrays: (their
+        entries there, indices or a slice; which regions were found, None for all)."""
+        lo, lz = self._live
+        if not lo.size:
+            return np.zeros(0, dtype=np.int64), np.zeros(o.size, dtype=bool)
+        i0 = int(np.searchsorted(lo, o[0]))
+        stretch = slice(i0, i0 + o.size)
+        if i0 + o.size <= lo.size and np.array_equal(lo[stretch], o) and np.array_equal(lz[stretch], z):
+            return stretch, None  # (a sequence restored in one batch, a whole session)
+        idx = np.minimum(np.searchsorted(lo, o), lo.size - 1)
+        hit = (lo[idx] == o) & (lz[idx] == z)  # (a freed entry has size 0: no hit)
+        return idx[hit], hit
+
+    def _find_live(self, o: np.ndarray, z: np.ndarray) -> tuple[int, np.ndarray | slice, list]:
+        """Where the regions (offsets ``o`` ascending, sizes ``z`` > 0) are recorded live:
+        (version, their entries in the live arrays: indices or a slice, their keys in the live dict);
+        InvalidArgumentError if one is not (nothing changes)."""
+        recent = self._live_recent
+        if o.size <= self.small_batch and recent:  # a few regions: the dict first, in Python
+            ol = o.tolist()
+            found = [recent.get(a) == b for a, b in zip(ol, z.tolist())]
+            keys = [a for a, f in zip(ol, found) if f]
+            if len(keys) == o.size:
+                return self._version, slice(0, 0), keys
+            rest = np.flatnonzero(~np.asarray(found))
+            idx, hit = self._in_arrays(o[rest], z[rest])
+            bad = rest[:0] if hit is None else rest[~hit]
+        else:
+            idx, hit = self._in_arrays(o, z)
+            keys, bad = [], np.zeros(0, dtype=np.int64)
+            if hit is not None and not hit.all():
+                rest = np.flatnonzero(~hit)
+                keys = o[rest].tolist()
+                got = np.fromiter(map(recent.get, keys, itertools.repeat(0)), dtype=np.int64, count=rest.size)
+                bad = rest[got != z[rest]]
+        if bad.size:
+            raise InvalidArgumentError(
+                f"KV Exact heap: region at offset {int(o[bad[0]])} of {int(z[bad[0]])} bytes is not allocated "
+                f"(freed already, never handed out by alloc, or not as allocated)"
+                + (f"; {bad.size - 1} more such regions" if bad.size > 1 else ""))
+        return self._version, idx, keys
+
     def free(self, offsets, sizes) -> None:
-        """Return regions (as ``alloc`` gave them) to the heap."""
+        """Return regions (offsets and sizes as ``alloc`` gave them) to the heap: all or none
+        (InvalidArgumentError when one is not allocated, the heap as before)."""
         self.release(self.runs(offsets, sizes))
 
-    @staticmethod
-    def runs(offsets, sizes) -> tuple[list, list, int]:
-        """The regions as runs of touching ones: (run offsets, run bytes, total bytes), for
-        ``release``. The sort is the costly part of a free; a caller can do it while it waits."""
-        offsets = np.asarray(offsets, dtype=np.int64).reshape(-1)
-        sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    def runs(self, offsets, sizes) -> HeapRuns:
+        """The regions as runs of touching ones (run offsets, run bytes, total bytes), for
+        ``release``, checked to be live (InvalidArgumentError, nothing changes). The sort and the
+        check are the costly part of a free; a caller can do them while it waits."""
+        offsets, sizes = _int_array(offsets, "offsets"), _int_array(sizes, "sizes")
+        _check(offsets.size == sizes.size, f"{offsets.size} offsets but {sizes.size} sizes")
         if not offsets.size:
-            return [], [], 0
+            return HeapRuns([], [], 0, (offsets, sizes), (self._version, offsets, []))
+        _check(bool((sizes > 0).all()), "sizes must be positive")
         # regions that touch each other go back as one run (a freed sequence is a few runs, not
         # one release per page: 524288 single releases took 1.1 s of Python)
         order = np.argsort(offsets, kind="stable")
         o, z = offsets[order], sizes[order]
-        cut = np.flatnonzero(o[1:] != o[:-1] + z[:-1]) + 1
+        ends = o[:-1] + z[:-1]
+        if bool((o[1:] < ends).any()):
+            i = int(np.flatnonzero(o[1:] < ends)[0])
+            raise InvalidArgumentError(f"KV Exact heap: the regions to free overlap (offset {int(o[i + 1])} lies in "
+                                       f"the region at {int(o[i])} of {int(z[i])} bytes; freed twice?)")
+        found = self._find_live(o, z)
+        cut = np.flatnonzero(o[1:] != ends) + 1
         starts = np.concatenate([[0], cut])
-        return o[starts].tolist(), np.add.reduceat(z, starts).tolist(), int(z.sum())
+        return HeapRuns(o[starts].tolist(), np.add.reduceat(z, starts).tolist(), int(z.sum()), (o, z), found)
 
-    def release(self, runs: tuple[list, list, int]) -> None:
-        """Return ``runs(offsets, sizes)``'s regions to the heap."""
-        for off, n in zip(runs[0], runs[1]):
+    def release(self, runs: HeapRuns) -> None:
+        """Return ``runs(offsets, sizes)``'s regions to the heap: all or none, as ``free`` (their
+        liveness is checked again if the heap changed since ``runs``)."""
+        _check(isinstance(runs, HeapRuns), "release takes what runs() returned")
+        if not runs.total:
+            return
+        version, idx, keys = runs.found
+        if version != self._version:
+            version, idx, keys = self._find_live(*runs.regions)
+        self._version += 1
+        self._live_buf[1, idx] = 0
+        self._live_dead += idx.stop - idx.start if isinstance(idx, slice) else idx.size
+        if keys:
+            deque(map(self._live_recent.pop, keys), maxlen=0)
+        if self._live_dead == self._live_n:  # all freed (a whole session): the arrays empty, room kept
+            self._live_n = self._live_dead = 0
+        elif self._live_dead * 2 > self._live_n:  # mostly freed entries: drop them
+            live = self._live
+            self._set_live(live[:, live[1] > 0])
+        for off, n in zip(runs.offsets, runs.sizes):
             self._release(off, n)
-        self.used -= runs[2]
+        self.used -= runs.total
 
     def stats(self) -> dict:
         return {"capacity": self.capacity, "used": self.used, "top": self.top,
@@ -526,7 +687,7 @@ class KVExactCache:
         blocks = self._bt[seq][self._bt[seq] >= 0]
         sz = self.sizes[:, :, blocks]  # [L, 2, pages]
         have = sz > 0
-        runs = [], [], 0
+        runs = self.heap.runs([], [])
         if have.any():  # every layer's pages in one read-back and one free
             if offsets is None or offsets.shape != sz.shape:
                 offsets = self.offsets[:, :, torch.as_tensor(blocks, device=self.device)].cpu().numpy()
@@ -546,12 +707,15 @@ class KVExactCache:
     def _check_seq(self, seq: int) -> None:
         _check(seq in self._live, f"sequence {seq} is not in the cache")
 
+    def _check_layer(self, layer: int) -> None:
+        _check(0 <= layer < self.L, f"layer {layer} out of range")
+
     # -- writes ----------------------------------------------------------------------------------------
     def append(self, layer: int, seqs, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``T`` tokens per sequence: k, v bf16 [len(seqs), T, kv_heads, head_dim]. Pages that
         fill are coded and stored (all sequences' pages in one coding pass); the last 16 tokens of each
-        sequence go to its bf16 ring."""
-        _check(0 <= layer < self.L, f"layer {layer} out of range")
+        sequence go to its bf16 ring. No sequences (or T = 0): nothing to append."""
+        self._check_layer(layer)
         seqs = [int(s) for s in seqs]
         for s in seqs:
             self._check_seq(s)
@@ -560,7 +724,7 @@ class KVExactCache:
         for name, x in (("k", k), ("v", v)):
             _check(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16
                    and tuple(x.shape) == (n, T, self.H, self.D), f"{name} must be bf16 [{n}, T, {self.H}, {self.D}]")
-        if T == 0:
+        if T == 0 or n == 0:
             return
         L0 = self.length[layer, seqs]
         _check(bool((L0 + T <= self.max_pages * PAGE).all()), f"a sequence would exceed {self.max_pages * PAGE} tokens")
@@ -661,6 +825,7 @@ class KVExactCache:
         """Plan one decode step for ``seqs``: attention will see each sequence's current length plus
         ``new_tokens`` (the tokens each layer appends before it attends)."""
         seqs = [int(s) for s in seqs]
+        _check(len(seqs) > 0, "plan needs at least one sequence")
         for s in seqs:
             self._check_seq(s)
         lens = self.length[0, seqs] + int(new_tokens)
@@ -691,6 +856,7 @@ class KVExactCache:
         planned sequences (their length must be the planned one). ``reference``: the same kernel
         (config, plan) over the pages decoded to a bf16 pool first, for checking that compression
         changes nothing (slow: it decodes every page the plan reads)."""
+        self._check_layer(layer)
         _check(self._planned is not None, "call plan() before attend()")
         seqs, lens = self._planned
         _check(bool((self.length[layer, seqs] == lens).all()),
@@ -947,6 +1113,7 @@ class KVExactCache:
     def dense(self, layer: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V of one layer as bf16 [length, H, D], decoded by the reference decoder
         (validating every page) and the ring."""
+        self._check_layer(layer)
         self._check_seq(seq)
         n = int(self.length[layer, seq])
         full = n // PAGE

@@ -75,6 +75,10 @@ class PagedCompactCache:
             ))
         self._planned: dict[int, int] = {}
 
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.L:
+            raise InvalidArgumentError(f"layer {layer} out of range (the cache has {self.L} layers)")
+
     def _slot(self, p: int) -> int:
         return p if p < self.S else self.S + p % self.W
 
@@ -84,6 +88,13 @@ class PagedCompactCache:
         coded into their pages at their positions; the others go to the side buffer."""
         from weightszip.kernels import compact_write
 
+        self._check_layer(layer)
+        for name, x in (("k", k), ("v", v)):
+            if not (isinstance(x, torch.Tensor) and x.dim() == 3 and tuple(x.shape[1:]) == (self.H, self.d)):
+                raise InvalidArgumentError(f"{name} must be [n, {self.H}, {self.d}], not "
+                                           f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if k.shape != v.shape:
+            raise InvalidArgumentError(f"k and v must have the same shape, not {list(k.shape)} and {list(v.shape)}")
         st = self.layers[layer]
         n = k.shape[0]
         old = self.length[layer]
@@ -119,6 +130,10 @@ class PagedCompactCache:
         [num_q_heads, head_dim] in q's dtype."""
         from weightszip.kernels import rope_logit_coef, transform_query
 
+        self._check_layer(layer)
+        if not (isinstance(q, torch.Tensor) and tuple(q.shape) == (self.hq, self.d)):
+            raise InvalidArgumentError(f"q must be [{self.hq}, {self.d}], not "
+                                       f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         st, L = self.layers[layer], self.length[layer]
         attn, t = st["attn"], st["read"]
         if self._planned.get(id(attn)) != L:
