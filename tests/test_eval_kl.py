@@ -580,3 +580,15 @@ def test_cli_eval_kl_refuses_calibration_text_and_records_the_calibration(fake_l
     c = json.loads(report.read_text())["calibration"]
     assert c["text_overlap"] == [] and [Path(t["text"]).name for t in c["texts"]] == [
         "melville-moby_dick.txt", "chesterton-thursday.txt"]
+
+
+@pytest.mark.parametrize("argv", [["eval", "formats"], ["eval", "kl", "--model", "x", "--format", "q4", "--text", str(TEXT),
+                                                        "--window", "8"],
+                                  ["eval", "niah", "--model", "x", "--length", "512"]])
+def test_cli_unreadable_calibration_is_a_usage_error(argv, tmp_path, capsys):
+    # (a missing file was a WeightszipIOError: exit status 1)
+    from weightszip.cli import main
+
+    assert main([*argv, "--calibration", str(tmp_path / "none.wzcal")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error: --calibration") and len(err.strip().splitlines()) == 1

@@ -66,7 +66,12 @@ def _use_calibration(path):
     from weightszip.compact.calibrate import Calibration
     from weightszip.compact.formats import use_calibration
 
-    cal = Calibration.load(path)
+    from weightszip.errors import WeightszipError
+
+    try:
+        cal = Calibration.load(path)
+    except WeightszipError as e:  # (a file that cannot be read: an I/O error, not only a ValueError)
+        raise ValueError(f"--calibration {path}: {e}") from None
     use_calibration(cal)
     return cal
 
