@@ -349,3 +349,81 @@ def _save(tmp_path, x):
     np_save = __import__("numpy").save
     np_save(p, x)
     return p
+
+
+# ------------------------------------------------------------------------ the compact formats' budget
+
+SMOLLM2_CAL = DATA.parent.parent / "python" / "weightszip" / "data" / "smollm2.wzcal"
+
+
+def test_compact_budgets_are_counted_at_the_context(capsys):
+    """q4, q3.5 and q3 were counted at a flat 4 / 3.5 / 3 bits at every --context, though those are
+    budgets at 131072 tokens with 4 sink + 128 recent tokens kept in bf16 (and tables): at 8k q4 showed
+    199 sessions of Llama-3.1-8B on 80 GB, at 128 tokens 4x bf16's. Now the kept tokens and the tables
+    are counted at --context; at 131072 the figures are the budgets, exactly."""
+    at128k = compute("llama-3.1-8b", "h100-80gb", context=131072)
+    assert [at128k.row(n).bits_per_value for n in ("q4", "q3.5", "q3")] == [4, Fraction(7, 2), 3]
+    r = compute("llama-3.1-8b", "h100-80gb", context=8192)
+    assert sessions(r) == {"bf16": 49, "fp8": 99, "int4-g32": 177, "q4": 190, "q3.5": 215, "q3": 248}  # q4 was 199
+    from weightszip import _compact_budget as cb
+
+    for n, target in cb.TARGETS.items():
+        assert r.row(n).bits_per_value == cb.budget_bits(target, 8192, 32, 8, 128) > target
+        assert r.row(n).budget_bits == Fraction(target)
+    assert round(float(r.row("q4").bits_per_value), 3) == 4.194
+    # at most 132 tokens every token is kept in bf16: q4 costs more than bf16 (its tables too)
+    tiny = compute("llama-3.1-8b", "h100-80gb", context=128)
+    assert tiny.row("q4").bits_per_value > 16 and tiny.row("q4").sessions_per_unit < tiny.row("bf16").sessions_per_unit
+    # said in the output
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--context", "8k") == 0
+    out = capsys.readouterr().out
+    assert "budgets at 131072 tokens" in out and "4 sink + 128 recent tokens kept in bf16" in out
+    assert "q4 4 -> 4.194" in out
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--context", "8k", "--json") == 0
+    q4 = next(f for f in json.loads(capsys.readouterr().out)["formats"] if f["name"] == "q4")
+    assert q4["budget_bits_per_value"] == 4.0 and q4["budget_context"] == 131072 and q4["bits_per_value"] > 4.19
+    # a format registered at fixed bits (as a measured format is) is counted as given at every context
+    saved = dict(capacity.FORMATS)
+    try:
+        capacity.register_format("q3.5", Fraction(7219, 2048))
+        assert compute("llama-3.1-8b", "h100-80gb", context=2048).row("q3.5").bits_per_value == Fraction(7219, 2048)
+    finally:
+        capacity.FORMATS.clear()
+        capacity.FORMATS.update(saved)
+
+
+def test_compact_budget_bounds_a_real_calibrations_bits():
+    """Without a calibration the budget's count is at least, and close to, what a real calibration
+    (the one the package ships) gives at every context."""
+    pytest.importorskip("torch")
+    from weightszip import _compact_budget as cb
+    from weightszip.compact.calibrate import Calibration
+
+    cal = Calibration.load(SMOLLM2_CAL)
+    assert (cal.sink_tokens, cal.recent_window, cal.meta["budget_context"]) == (cb.SINK_TOKENS, cb.RECENT_WINDOW,
+                                                                                cb.BUDGET_CONTEXT)
+    for name, target in cb.TARGETS.items():
+        for ctx in (100, 132, 133, 2048, 8192, 131072, 1 << 20):
+            real = cal.bits_fraction(name, ctx)
+            est = cb.budget_bits(target, ctx, cal.layers, cal.kv_heads, cal.head_dim)
+            assert real <= est <= real + Fraction(1, 20), (name, ctx, float(real), float(est))
+
+
+def test_capacity_calibration_honours_params(tmp_path, capsys):
+    """`capacity --calibration` resolved the model without --params: a config that needs them (MoE)
+    failed with "give --params" though they were given."""
+    pytest.importorskip("torch")
+    cfg = {"model_type": "mixtral", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "head_dim": 64, "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "num_local_experts": 8}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    saved = dict(capacity.FORMATS)
+    try:
+        assert run_cli("capacity", "--model", p, "--params", "1B", "--gpu", "l4", "--context", "8k", "--formats",
+                       "bf16,q4", "--calibration", SMOLLM2_CAL, "--json") == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["model"]["params"] == 1e9
+        assert "budget_bits_per_value" not in d["formats"][1] and 4.18 < d["formats"][1]["bits_per_value"] < 4.19
+    finally:
+        capacity.FORMATS.clear()
+        capacity.FORMATS.update(saved)

@@ -500,3 +500,95 @@ def test_cli_kv_dump_checks_its_output_folder_before_loading_the_model(tmp_path,
     with pytest.raises(AssertionError, match="was loaded"):  # (a new folder is made first, then the model loads)
         main([*args, "-o", str(tmp_path / "new" / "sub" / "x.wz")])
     assert (tmp_path / "new" / "sub").is_dir()
+
+
+# ------------------------------------------------------------------- --calibration
+
+SMOLLM2_CAL = Path(__file__).resolve().parent.parent / "python" / "weightszip" / "data" / "smollm2.wzcal"
+
+
+@pytest.fixture
+def unbind_compact():
+    yield
+    from weightszip.compact.formats import use_calibration
+
+    use_calibration(None)
+
+
+def test_cli_eval_kl_checks_the_calibration_against_the_model_before_any_forward(fake_lm, monkeypatch, capsys,
+                                                                                  unbind_compact):
+    """--calibration was never checked against the model: a traceback from inside the formatted
+    forward after the bf16 reference one (a shape error, an IndexError), or a calibration with more
+    layers than the model's taken, its bits per value counted over them. Now a one-line usage error
+    right after the model loads."""
+    from weightszip.cli import main
+
+    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (29, 3, 64))
+    monkeypatch.setattr(kl, "evaluate", lambda *a, **k: pytest.fail("ran a forward"))
+    rc = main(["eval", "kl", "--model", "fake", "--format", "q4", "--calibration", str(SMOLLM2_CAL), "--text",
+               str(TEXT), "--window", "8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("weightszip: error: --calibration") and len(err.strip().splitlines()) == 1
+    assert "30 layers" in err and "29 x 3 x 64" in err
+
+
+def test_cli_eval_kl_refuses_calibration_text_and_records_the_calibration(fake_lm, monkeypatch, tmp_path, capsys,
+                                                                          unbind_compact):
+    """The report did not say which calibration was used, nor could an overlap of the evaluation text
+    with the calibration texts be seen: a --text that is a calibration text (its SHA-256, or the path)
+    is now refused before the model loads unless --allow-calibration-text, and --save's report records
+    the calibration (path, SHA-256, ids, texts) and any overlap."""
+    from weightszip import models
+    from weightszip.cli import main
+    from weightszip.compact.calibrate import Calibration
+    from weightszip.eval.provenance import file_sha256
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("Call me Ishmael. " * 40)
+    (texts / "b.txt").write_text("It was a bright cold day in April. " * 40)
+    cal = Calibration.load(SMOLLM2_CAL)
+    # calibrated on the folder (calibrate hashes the files it read, joined)
+    cal.meta["texts"] = [{"text": "gone/texts", "tokens": 300,
+                          "sha256": __import__("hashlib").sha256((texts / "a.txt").read_bytes()
+                                                                 + (texts / "b.txt").read_bytes()).hexdigest()}]
+    cal.save(tmp_path / "m.wzcal")
+    args = ["eval", "kl", "--model", "fake", "--format", "bf16,q4", "--calibration", str(tmp_path / "m.wzcal"),
+            "--window", "8"]
+    load = models.load_causal_lm
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main([*args, "--text", str(texts)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error: the evaluation text is calibration text") and len(err.splitlines()) == 1
+    assert "first 2 files" in err and "gone/texts" in err
+    # allowed: a warning, and the report records it
+    monkeypatch.setattr(models, "load_causal_lm", load)
+    row = kl.FormatResult(name="bf16", description="", bits_per_value=16.0, mean_kl=0.0, top1=1.0, kl_p99=0.0,
+                          buckets=[{"start": 0, "end": 8, "kl": 0.0}], seconds=0.1, attention="model",
+                          kl=np.zeros(8), agree=np.ones(8, bool))
+    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (30, 3, 64))
+    monkeypatch.setattr(kl, "evaluate", lambda *a, **k: ([row], 0.5))
+    monkeypatch.setattr(fake_lm.model.config, "_attn_implementation", "sdpa", raising=False)
+    report = tmp_path / "r.json"
+    assert main([*args, "--text", str(texts), "--allow-calibration-text", "--save", str(report)]) == 0
+    assert "warning: evaluating on calibration text" in capsys.readouterr().err
+    c = json.loads(report.read_text())["calibration"]
+    assert c["path"] == str(tmp_path / "m.wzcal") and c["sha256"] == file_sha256(tmp_path / "m.wzcal")
+    assert c["texts"] == cal.meta["texts"] and set(c["ids"]) == {"q4", "q3.5", "q3"} and len(c["text_overlap"]) == 1
+    # held-out text: no overlap recorded; the shipped calibration's own texts in the report
+    assert main([*args[:-3], str(SMOLLM2_CAL), "--window", "8", "--text", str(TEXT), "--save", str(report)]) == 0
+    c = json.loads(report.read_text())["calibration"]
+    assert c["text_overlap"] == [] and [Path(t["text"]).name for t in c["texts"]] == [
+        "melville-moby_dick.txt", "chesterton-thursday.txt"]
+
+
+@pytest.mark.parametrize("argv", [["eval", "formats"], ["eval", "kl", "--model", "x", "--format", "q4", "--text", str(TEXT),
+                                                        "--window", "8"],
+                                  ["eval", "niah", "--model", "x", "--length", "512"]])
+def test_cli_unreadable_calibration_is_a_usage_error(argv, tmp_path, capsys):
+    # (a missing file was a WeightszipIOError: exit status 1)
+    from weightszip.cli import main
+
+    assert main([*argv, "--calibration", str(tmp_path / "none.wzcal")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error: --calibration") and len(err.strip().splitlines()) == 1

@@ -397,3 +397,125 @@ def test_length_past_the_models_positions_is_refused_before_any_prompt(fake_lm, 
     err = capsys.readouterr().err
     assert err.startswith("weightszip: error:") and "max_position_embeddings (64" in err
     assert len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------- haystack, threshold, calibration (CLI checks)
+
+SMOLLM2_CAL = __import__("pathlib").Path(niah.__file__).resolve().parent.parent / "data" / "smollm2.wzcal"
+
+
+def _run_niah_without_a_model(monkeypatch, length, text):
+    """run_niah on the character tokenizer with every forward stubbed out: its log lines and report."""
+    import types
+
+    from weightszip.eval import kl
+
+    monkeypatch.setattr(niah, "format_predictor", lambda model, fmt: None)
+    monkeypatch.setattr(niah, "eos_token_ids", lambda model, tok: set())
+    monkeypatch.setattr(niah, "score_prompt",
+                        lambda *a, **k: types.SimpleNamespace(correct=True, seconds=0.0, forwards=1))
+    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (2, 1, 64))
+    cfg = types.SimpleNamespace(max_position_embeddings=1 << 20)
+    lm = types.SimpleNamespace(model=types.SimpleNamespace(config=cfg), tokenizer=CharTokenizer(), name="chars",
+                               source="test", load_seconds=0.0)
+    logs = []
+    rep = niah.run_niah(lm, ["bf16"], length, 2, text=text, variant=Variant(1, 0), log=logs.append)
+    return logs, rep
+
+
+def test_haystack_that_repeats_is_noted(text_file, char_corpus, monkeypatch):
+    """Prompts longer than the haystack text wrap around it (repeat it) silently: now a note says so,
+    and the report records it."""
+    assert len(char_corpus.ids) < 8000
+    logs, rep = _run_niah_without_a_model(monkeypatch, 8000, str(text_file))
+    notes = [s for s in logs if "repeats the text" in s]
+    assert len(notes) == 1 and f"{len(char_corpus.ids):,} tokens of {text_file}" in notes[0]
+    assert rep.meta["haystack_repeats_text"] is True
+    logs, rep = _run_niah_without_a_model(monkeypatch, 1000, str(text_file))
+    assert not any("repeats" in s for s in logs) and rep.meta["haystack_repeats_text"] is False
+
+
+def test_the_package_excerpt_as_haystack_is_said(monkeypatch):
+    """Without ../shared/data/text/paul_graham the haystack is the package's excerpt: said in the log
+    (and in --help)."""
+    monkeypatch.setattr(niah, "default_text", niah.package_text)
+    logs, rep = _run_niah_without_a_model(monkeypatch, 1000, None)
+    assert "the excerpt the package ships" in logs[0] and "paul_graham was not found" in logs[0]
+    assert rep.meta["text"] == str(niah.package_text())
+    p = niah.add_parser(__import__("argparse").ArgumentParser().add_subparsers())
+    help_text = next(a.help for a in p._actions if a.dest == "text")
+    assert "excerpt the package ships" in help_text and "repeat" in help_text
+
+
+@pytest.mark.parametrize("value", ["nan", "0", "-0.5", "1.5", "inf", "x"])
+def test_bad_threshold_is_a_usage_error_before_loading(value, monkeypatch, capsys):
+    # (nan loaded the model and the haystack, then failed in math.ceil; 0 accepted any variant; > 1 none)
+    from weightszip import models
+
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        niah.main(["--model", "fake", "--formats", "bf16", "--length", "512", "--threshold", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --threshold" in err and "Traceback" not in err
+    assert niah.add_parser(__import__("argparse").ArgumentParser().add_subparsers()).parse_args(
+        ["--model", "m", "--length", "512", "--threshold", "1"]).threshold == 1.0
+
+
+@pytest.fixture
+def unbind_compact():
+    pytest.importorskip("torch")
+    yield
+    from weightszip.compact.formats import use_calibration
+
+    use_calibration(None)
+
+
+def test_calibration_of_another_model_is_refused_before_any_forward(fake_lm, monkeypatch, capsys, unbind_compact):
+    """--calibration was never checked against the model: an IndexError or a shape error from inside
+    the formatted forwards, or a calibration with more layers taken silently. Now a one-line usage
+    error right after the model loads."""
+    from weightszip.eval import kl
+
+    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (2, 1, 64))
+    monkeypatch.setattr(niah, "run_niah", lambda *a, **k: pytest.fail("ran the evaluation"))
+    rc = niah.main(["--model", "fake", "--formats", "bf16,q4", "--length", "48", "--calibration", str(SMOLLM2_CAL)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("weightszip: error: --calibration") and len(err.strip().splitlines()) == 1
+    assert "30 layers" in err and "2 x 1 x 64" in err
+
+
+def test_calibration_text_as_haystack_is_refused_and_the_report_records_the_calibration(
+        fake_lm, monkeypatch, tmp_path, capsys, unbind_compact):
+    from weightszip.compact.calibrate import Calibration
+    from weightszip.eval import kl
+    from weightszip.eval.provenance import file_sha256
+
+    hay = tmp_path / "hay"
+    hay.mkdir()
+    (hay / "a.txt").write_text(HAYSTACK)
+    (hay / "b.txt").write_text(HAYSTACK[::-1])
+    copy = tmp_path / "elsewhere.txt"
+    copy.write_text(HAYSTACK[::-1])  # the same bytes as hay/b.txt, another path
+    cal = Calibration.load(SMOLLM2_CAL)
+    cal.meta["texts"] = [{"text": str(copy), "tokens": 100, "sha256": file_sha256(copy)}]
+    cal.save(tmp_path / "m.wzcal")
+    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (30, 3, 64))
+    seen = {}
+
+    def run_niah(*a, **k):
+        seen.update(k)
+        raise ValueError("stopped here")
+
+    monkeypatch.setattr(niah, "run_niah", run_niah)
+    argv = ["--model", "fake", "--formats", "bf16,q4", "--length", "48", "--calibration", str(tmp_path / "m.wzcal"),
+            "--text", str(hay)]
+    assert niah.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error: the evaluation text is calibration text") and "b.txt" in err
+    assert "--allow-calibration-text" in err and not seen
+    assert niah.main([*argv, "--allow-calibration-text"]) == 2  # (run, then stopped by the stub)
+    assert "warning: evaluating on calibration text" in capsys.readouterr().err
+    c = seen["calibration"]
+    assert c["path"] == str(tmp_path / "m.wzcal") and c["sha256"] == file_sha256(tmp_path / "m.wzcal")
+    assert c["texts"] == cal.meta["texts"] and set(c["ids"]) == {"q4", "q3.5", "q3"} and c["text_overlap"]

@@ -51,13 +51,12 @@ from weightszip.compact import codec
 from weightszip.compact.codec import BITS_CHOICES, GRID_STEPS_PER_OCTAVE, HeadTables
 from weightszip.errors import WeightszipError
 
-SINK_TOKENS = 4
-RECENT_WINDOW = 128
+# (defined without torch, for the capacity calculator: weightszip._compact_budget)
+from weightszip._compact_budget import BUDGET_CONTEXT, RECENT_WINDOW, SINK_TOKENS, TARGETS, table_bits_bound
+
 # the most tokens a calibration file may ask to keep in bf16 (sinks, and the recent window): readers
 # size their bf16 rings from these, so a file cannot make them allocate without bound
 MAX_KEPT_TOKENS = 1 << 16
-BUDGET_CONTEXT = 131072
-TARGETS = {"q4": 4.0, "q3.5": 3.5, "q3": 3.0}
 CALIBRATION_KIND = "weightszip-compact-calibration"
 CALIBRATION_VERSION = 2  # reads 1 too (no rotary offsets)
 ROPE_OFFSET_MIN_RATIO = 0.25
@@ -661,7 +660,7 @@ def allocate(dist: np.ndarray, target: float, layers: int, kv_heads: int, head_d
     ctx = BUDGET_CONTEXT
     overhead = kept * 16 / ctx + (ctx - kept) / ctx * 8 / head_dim
     # tables, bounded above by their size at 5-bit codebooks
-    table = head_dim + layers * 2 * (kv_heads * (head_dim * 96 + 8) + 32 * 32)
+    table = table_bits_bound(layers, kv_heads, head_dim)
     overhead += table / (2 * layers * ctx * head_dim * kv_heads)
     code_budget = (target - overhead) * ctx / (ctx - kept)  # average code width allowed
     n = layers * 2

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
+from weightszip import _compact_budget as compact_budget
 from weightszip.cli_args import positive_int
 from weightszip.errors import InvalidArgumentError, WeightszipError
 
@@ -104,6 +105,15 @@ class KVFormat:
     name: str
     bits_per_value: Fraction
     description: str = ""
+    # a compact format's budget: ``bits_per_value`` holds at ``budget_context`` tokens (its bf16 tokens
+    # and tables included), and ``bits_at`` spreads those over the context asked for; None: fixed bits
+    budget_context: int | None = None
+
+    def bits_at(self, context: int, layers: int, kv_heads: int, head_dim: int) -> Fraction:
+        """Bits per value of a session of ``context`` tokens of a model of this shape."""
+        if self.budget_context is None:
+            return self.bits_per_value
+        return compact_budget.budget_bits(self.bits_per_value, context, layers, kv_heads, head_dim)
 
 
 @dataclass(frozen=True)
@@ -138,17 +148,19 @@ GPUS: dict[str, GPU] = {}
 MODELS: dict[str, ModelSpec] = {}
 
 
-def register_format(name: str, bits_per_value, description: str = "") -> KVFormat:
+def register_format(name: str, bits_per_value, description: str = "", *, budget: bool = False) -> KVFormat:
     """Add or replace a KV format by its bits per cached value, all overhead included.
 
     Replacing is allowed on purpose: code that implements a format registers the exact bits it
-    measures (e.g. `register_format("q3.5", Fraction(7219, 2048))`) over the stated figure."""
+    measures (e.g. `register_format("q3.5", Fraction(7219, 2048))`) over the stated figure.
+    ``budget=True``: the bits are a compact format's budget at ``compact_budget.BUDGET_CONTEXT`` tokens
+    (q4, q3.5, q3 without a calibration), counted at each context by ``compact_budget.budget_bits``."""
     if not isinstance(name, str) or not name or "," in name or name != name.strip():
         raise CapacityError(f"format name {name!r}: give a non-empty name without commas or spaces around it")
     bits = _frac(bits_per_value, f"format {name!r} bits per value")
     if not 0 < bits <= 64:
         raise CapacityError(f"format {name!r}: bits per value must be in (0, 64], got {float(bits)}")
-    fmt = KVFormat(name, bits, description)
+    fmt = KVFormat(name, bits, description, compact_budget.BUDGET_CONTEXT if budget else None)
     FORMATS[name] = fmt
     return fmt
 
@@ -192,9 +204,24 @@ register_format(
     "(8 bits each; `weightszip eval` runs int4-g32 with a bf16 scale and zero point, 5.0 bits, a baseline a "
     "little more accurate than the one counted here)",
 )
-register_format("q4", 4, "weightszip compact format, at its stated 4 bits per value (all overhead counted)")
-register_format("q3.5", Fraction(7, 2), "weightszip compact format, at its stated 3.5 bits per value")
-register_format("q3", 3, "weightszip compact format, at its stated 3 bits per value")
+# q4, q3.5 and q3 are budgets at 131072 tokens, their bf16 tokens and tables included: counted at
+# --context by compact_budget.budget_bits (no calibration) or exactly from one (--calibration).
+COMPACT_BUDGET_NOTE = (
+    f"budgets at {compact_budget.BUDGET_CONTEXT} tokens, all overhead counted; at another context the "
+    f"{compact_budget.SINK_TOKENS} sink + {compact_budget.RECENT_WINDOW} recent tokens kept in bf16 and the tables "
+    f"(at their bound: 5-bit codebooks, rotary offsets) are counted at that context, the codes and scales of the "
+    f"other tokens at what the budget leaves them; --calibration M.wzcal counts a real calibration's exact bits "
+    f"(at most about these)"
+)
+for _name, _target in compact_budget.TARGETS.items():
+    register_format(
+        _name, Fraction(_target).limit_denominator(1 << 20),
+        f"weightszip compact format, a budget of {_target:g} bits per value at {compact_budget.BUDGET_CONTEXT} tokens "
+        f"({compact_budget.SINK_TOKENS} sink + {compact_budget.RECENT_WINDOW} recent tokens in bf16 and the tables "
+        "included; counted at --context)",
+        budget=True,
+    )
+del _name, _target
 
 register_gpu("h100-80gb", 80, "the 80 GB on its label")
 register_gpu(
@@ -431,7 +458,7 @@ def resolve_model(model: str | ModelSpec, params=None) -> ModelSpec:
 @dataclass
 class FormatRow:
     name: str
-    bits_per_value: Fraction
+    bits_per_value: Fraction  # at the report's context
     description: str
     kv_bytes_per_token: Fraction
     kv_bytes_per_session: Fraction
@@ -443,6 +470,7 @@ class FormatRow:
     fleet_gpus: int | None
     cost_reserved: Fraction | None
     cost_on_demand: Fraction | None
+    budget_bits: Fraction | None = None  # a compact format's budget at compact_budget.BUDGET_CONTEXT
 
 
 @dataclass
@@ -563,11 +591,14 @@ def compute(
         unit, unit_gpus = f"{gpus // gpus_per_node}-node replica", gpus
     replicas_per_unit = unit_gpus // gpus
 
-    def per_session(bits: Fraction) -> tuple[Fraction, Fraction]:
-        tok = Fraction(spec.kv_values_per_token) * bits / 8 * repl
+    def bits(f: KVFormat) -> Fraction:
+        return f.bits_at(context, spec.layers, spec.kv_heads, spec.head_dim)
+
+    def per_session(b: Fraction) -> tuple[Fraction, Fraction]:
+        tok = Fraction(spec.kv_values_per_token) * b / 8 * repl
         return tok, tok * context
 
-    ref = {n: _sessions(budget_total, per_session(FORMATS[n].bits_per_value)[1]) for n in ("bf16", "fp8") if n in FORMATS}
+    ref = {n: _sessions(budget_total, per_session(bits(FORMATS[n]))[1]) for n in ("bf16", "fp8") if n in FORMATS}
     rep = Report(
         model=spec, gpu=g, memory_gb=mem, memory_source=mem_src, gpus=gpus, gpus_per_node=gpus_per_node,
         context=context, weight_bytes=wbytes, weights_source=wsrc, memory_fraction=frac, activations_gb=act,
@@ -576,15 +607,16 @@ def compute(
     )
     for n in names:
         f = FORMATS[n]
-        tok, sess = per_session(f.bits_per_value)
+        tok, sess = per_session(bits(f))
         s_rep = _sessions(budget_total, sess)
         s_unit = s_rep * replicas_per_unit
         units = -(-sessions // s_unit) if s_unit else None
         ngpu = units * unit_gpus if units is not None else None
         rep.formats.append(
             FormatRow(
-                name=n, bits_per_value=f.bits_per_value, description=f.description, kv_bytes_per_token=tok,
+                name=n, bits_per_value=bits(f), description=f.description, kv_bytes_per_token=tok,
                 kv_bytes_per_session=sess, sessions_per_replica=s_rep, sessions_per_unit=s_unit,
+                budget_bits=f.bits_per_value if f.budget_context is not None else None,
                 vs_bf16=s_rep / ref["bf16"] if ref.get("bf16") else None,
                 vs_fp8=s_rep / ref["fp8"] if ref.get("fp8") else None,
                 fleet_units=units, fleet_gpus=ngpu,
@@ -619,6 +651,11 @@ def _notes(r: Report) -> list[str]:
             n.append(f"fp8: {f.description} ({scales} bytes for {r.model.name}).")
         elif f.name == "int4-g32" or f.name.startswith("kv-exact"):
             n.append(f"{f.name}: {f.description}.")
+    budgets = [f for f in r.formats if f.budget_bits is not None]
+    if budgets:
+        at = ", ".join(f"{f.name} {_g(f.budget_bits)} -> {_num(f.bits_per_value, 3)}" for f in budgets)
+        n.append(f"{', '.join(f.name for f in budgets)}: {COMPACT_BUDGET_NOTE}. Bits per value at {r.context} tokens "
+                 f"for this model: {at}.")
     return n
 
 
@@ -727,6 +764,8 @@ def to_dict(r: Report) -> dict:
         "formats": [
             {
                 "name": f.name, "bits_per_value": float(f.bits_per_value), "description": f.description,
+                **({} if f.budget_bits is None else {"budget_bits_per_value": float(f.budget_bits),
+                                                     "budget_context": compact_budget.BUDGET_CONTEXT}),
                 "kv_bytes_per_token": float(f.kv_bytes_per_token), "kv_gb_per_session": float(f.kv_bytes_per_session / GB),
                 "sessions_per_replica": f.sessions_per_replica, "sessions_per_unit": f.sessions_per_unit,
                 "speedup_vs_bf16": f.vs_bf16, "speedup_vs_fp8": f.vs_fp8,
@@ -857,7 +896,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
     p.add_argument("--plot", metavar="PATH.png", help="write a bar chart (needs matplotlib)")
     p.add_argument("--calibration", metavar="M.wzcal", help="count q4, q3.5, q3 at the exact bits per value of this "
-                   "model's calibration (from `weightszip calibrate`) at --context, instead of their stated bits")
+                   "model's calibration (from `weightszip calibrate`) at --context; without it they are counted as "
+                   f"budgets of 4, 3.5 and 3 bits at {compact_budget.BUDGET_CONTEXT} tokens with the "
+                   f"{compact_budget.SINK_TOKENS + compact_budget.RECENT_WINDOW} tokens kept in bf16 and the tables "
+                   "spread over --context")
     p.add_argument("--kv-sample", metavar="KV.npy", help="count kv-exact and kv-exact4 at the size their pages take "
                    "on this captured K/V ([..., tokens, kv_heads, head_dim] bf16 bits, .npy or .pt; the second "
                    "half of its tokens measured), instead of their size on our real K/V")
@@ -865,12 +907,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _use_calibration(path: str, model: str, context: int) -> None:
-    """Register q4, q3.5 and q3 at the exact bits the calibration gives them for ``model``."""
+def _use_calibration(path: str, model: str, context: int, params=None) -> None:
+    """Register q4, q3.5 and q3 at the exact bits the calibration gives them for ``model``
+    (``params``: --params, for a config the estimator cannot count)."""
     from weightszip.compact.calibrate import Calibration, CalibrationError
     from weightszip.errors import WeightszipError
 
-    spec = resolve_model(model)
+    spec = resolve_model(model, params)
     try:
         cal = Calibration.load(path)
         cal.check_model(spec.layers, spec.kv_heads, spec.head_dim)
@@ -888,7 +931,7 @@ def run(args) -> int:
     if args.plot:
         _import_pyplot()  # fail before printing anything
     if getattr(args, "calibration", None):
-        _use_calibration(args.calibration, args.model, args.context)
+        _use_calibration(args.calibration, args.model, args.context, args.params)
     if getattr(args, "kv_sample", None):
         for name, bits in measure_exact_formats(load_kv_sample(args.kv_sample)).items():
             register_format(name, bits, f"{EXACT_FORMATS[name]}, at the size its pages take on {args.kv_sample} "

@@ -58,16 +58,57 @@ def add_device_arg(p) -> None:
                    help="torch device for the model's forwards (default cpu; e.g. cuda)")
 
 
-def _use_calibration(path) -> None:
-    """--calibration FILE: bind the compact formats (q4, q3.5, q3) to a model's calibration."""
-    if path:
-        from weightszip.compact.formats import use_calibration
+def _use_calibration(path):
+    """--calibration FILE: bind the compact formats (q4, q3.5, q3) to a model's calibration; the
+    Calibration, or None without one."""
+    if not path:
+        return None
+    from weightszip.compact.calibrate import Calibration
+    from weightszip.compact.formats import use_calibration
 
-        use_calibration(path)
+    from weightszip.errors import WeightszipError
+
+    try:
+        cal = Calibration.load(path)
+    except WeightszipError as e:  # (a file that cannot be read: an I/O error, not only a ValueError)
+        raise ValueError(f"--calibration {path}: {e}") from None
+    use_calibration(cal)
+    return cal
 
 
-def _add_calibration_arg(p) -> None:
-    p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
+def check_calibration_fits(cal, path, model) -> str | None:
+    """Why the calibration does not fit the loaded model (its layers, KV heads, head_dim), or None:
+    checked right after the model loads, before any forward (a mismatch failed inside the formatted
+    forward, after the bf16 reference one, or went unnoticed with more layers than the model's)."""
+    if cal is None:
+        return None
+    from weightszip.compact.calibrate import CalibrationError
+    from weightszip.eval import kl
+
+    try:
+        cal.check_model(*kl.model_kv_shape(model))
+    except CalibrationError as e:
+        return f"--calibration {path}: {e}"
+    return None
+
+
+def text_files(path) -> list[Path]:
+    """The files `eval kl` reads from --text (a file, or a folder's *.txt by name), as models.read_text."""
+    p = Path(path)
+    if p.is_dir():
+        return sorted(q for q in p.glob("*.txt") if q.is_file())
+    return [p] if p.is_file() else []
+
+
+def _add_calibration_arg(p, evaluates_text: bool = False) -> None:
+    if not evaluates_text:
+        p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
+        return
+    p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3; it must "
+                   "be the model's, and the text must not be one of its calibration texts)")
+    p.add_argument("--allow-calibration-text", action="store_true",
+                   help="evaluate even when the text is one of the calibration's texts (same SHA-256 or path); "
+                   "refused without it, as the result would not be held out")
 
 
 def _make_folder_for(path: Path) -> str | None:
@@ -131,9 +172,11 @@ def _cmd_eval_kl(a) -> int:
     from weightszip.eval import kl
     from weightszip.models import ModelNotInstalled, tokenize_text
 
+    from weightszip.eval import provenance
+
     names = _split_formats(a.format)
     try:
-        _use_calibration(a.calibration)
+        cal = _use_calibration(a.calibration)
         fmts = [F.get_format(n) for n in names]
     except (KeyError, F.FormatUnavailable, ValueError, OSError) as e:
         print(f"weightszip: error: {e.args[0] if e.args else e}", file=sys.stderr)
@@ -141,10 +184,19 @@ def _cmd_eval_kl(a) -> int:
     if a.window < 2:
         print("weightszip: error: --window must be at least 2 tokens", file=sys.stderr)
         return 2
+    overlap = provenance.overlap(cal, text_files(a.text)) if cal is not None else []
+    why = provenance.refuse_or_warn(a.calibration, overlap, a.allow_calibration_text)
+    if why is not None:
+        print(f"weightszip: error: {why}", file=sys.stderr)
+        return 2
     try:
         lm = _load(a.model, a.threads, a.device)
     except (ModelNotInstalled, ImportError, ValueError) as e:
         print(f"weightszip: error: {e}", file=sys.stderr)
+        return 2
+    why = check_calibration_fits(cal, a.calibration, lm.model)
+    if why is not None:
+        print(f"weightszip: error: {why}", file=sys.stderr)
         return 2
     try:
         ids, files = tokenize_text(lm.tokenizer, Path(a.text), a.window, a.offset)
@@ -183,6 +235,8 @@ def _cmd_eval_kl(a) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attention": lm.model.config._attn_implementation,
+        "calibration": None if cal is None else dict(provenance.describe(a.calibration, cal),
+                                                     text_overlap=overlap),
         "results": [r.summary() for r in rows],
     }
     if a.plot:
@@ -299,7 +353,8 @@ def add_parsers(subparsers) -> None:
     )
     k.add_argument("--model", required=True, help=_model_help())
     k.add_argument("--format", required=True, help="format name(s), comma-separated (weightszip eval formats lists them)")
-    k.add_argument("--text", required=True, help="text file, or folder of *.txt (held-out: not used for calibration)")
+    k.add_argument("--text", required=True, help="text file, or folder of *.txt (held-out: not used for calibration; "
+                   "with --calibration, a text of the calibration is refused)")
     k.add_argument("--window", type=positive_int, required=True, help="tokens in the window (the context the last position sees)")
     k.add_argument("--offset", type=nonnegative_int, default=0, help="skip this many tokens of the text first (default 0)")
     k.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
@@ -309,7 +364,7 @@ def add_parsers(subparsers) -> None:
     k.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's choice; at most 256)")
     k.add_argument("--buckets", type=positive_int, default=8, help="position buckets in the report (default 8)")
     k.add_argument("--chunk", type=positive_int, default=512, help="queries per block in the windowed attention")
-    _add_calibration_arg(k)
+    _add_calibration_arg(k, evaluates_text=True)
     add_device_arg(k)
     k.add_argument(
         "--chunked", action="store_true", help="run every format through the windowed fp32 attention (bf16 then shows its floor)"
@@ -352,7 +407,11 @@ def add_parsers(subparsers) -> None:
 def _cmd_eval_formats(a) -> int:
     from weightszip.eval import formats as F
 
-    _use_calibration(a.calibration)
+    try:
+        _use_calibration(a.calibration)
+    except (ValueError, OSError) as e:
+        print(f"weightszip: error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
     status = F.available_formats()
     print(f"{'format':10s} {'bits/value':>10s}  {'kept bf16':>9s}  description (bits at {a.context} tokens, head_dim {a.head_dim})")
     for name, fmt in F.FORMATS.items():

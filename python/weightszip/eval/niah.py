@@ -134,9 +134,15 @@ class Corpus:
     files: list[str]
 
 
+def package_text() -> Path:
+    """The haystack when no other is found: the folder of the public-domain excerpt the package ships
+    (weightszip/data: carroll-alice-excerpt.txt, about 11k tokens)."""
+    return Path(__file__).resolve().parent.parent / "data"
+
+
 def default_text() -> Path:
-    """$WEIGHTSZIP_NIAH_TEXT, else ../shared/data/text/paul_graham as seen from the project, else the
-    text the package ships (weightszip/data)."""
+    """$WEIGHTSZIP_NIAH_TEXT, else ../shared/data/text/paul_graham as seen from the working directory
+    (or the package's folders), else the text the package ships (``package_text()``)."""
     env = os.environ.get("WEIGHTSZIP_NIAH_TEXT")
     if env:
         return Path(env)
@@ -146,18 +152,34 @@ def default_text() -> Path:
             if cand.is_dir():
                 return cand.resolve()
     # Installed without the project's shared texts: the public-domain text the package ships.
-    return Path(__file__).resolve().parent.parent / "data"
+    return package_text()
 
 
-def _read_texts(path: Path, max_chars: int) -> tuple[str, list[str]]:
+def text_files(path: Path) -> list[Path]:
+    """The haystack's files in reading order (a file, or a folder's .txt, .md and suffix-less files by name)."""
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".md", ""))
         if not files:
             raise FileNotFoundError(f"no .txt or .md files in {path}")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise FileNotFoundError(f"no such file or folder: {path}")
+        return files
+    if path.is_file():
+        return [path]
+    raise FileNotFoundError(f"no such file or folder: {path}")
+
+
+def wrap_note(corpus: "Corpus", prompts) -> str | None:
+    """A note when a prompt's haystack is longer than the corpus, so it repeats the text (the
+    haystack wraps around the corpus), or None."""
+    need = max((p.haystack_tokens for p in prompts), default=0)
+    if need <= len(corpus.ids):
+        return None
+    return (f"note: the prompts' haystack (up to {need:,} tokens) is longer than the haystack text ({len(corpus.ids):,} "
+            f"tokens of {corpus.source}): each prompt repeats the text, {need / len(corpus.ids):.2f} times; "
+            "give a longer --text for prompts that do not")
+
+
+def _read_texts(path: Path, max_chars: int) -> tuple[str, list[str]]:
+    files = text_files(path)
     pieces, used, n = [], [], 0
     for p in files:
         t = p.read_text(encoding="utf-8", errors="replace").strip()
@@ -568,9 +590,10 @@ def choose_variant(tok, corpus, predict_bf16, decode, eos, length: int, seed: in
 
 def run_niah(lm, formats: list[str], length: int, n: int, *, seed: int = 0, text=None, variant: Variant | None = None,
              ladder: list[Variant] | None = None, pilot: int = DEFAULT_PILOT, threshold: float = DEFAULT_THRESHOLD,
-             max_new: int = DEFAULT_MAX_NEW, log=None, on_prompt=None) -> NiahReport:
+             max_new: int = DEFAULT_MAX_NEW, log=None, on_prompt=None, calibration: dict | None = None) -> NiahReport:
     """``lm``: a ``weightszip.models.LoadedModel``. bf16 is always run (first). ``on_prompt(report)``
-    is called with the report so far after each prompt (``meta["partial"]`` true until the end)."""
+    is called with the report so far after each prompt (``meta["partial"]`` true until the end).
+    ``calibration``: what the report records of the calibration used (``provenance.describe``)."""
     from weightszip.eval.formats import get_format
     from weightszip.eval.kl import model_kv_shape
 
@@ -585,7 +608,9 @@ def run_niah(lm, formats: list[str], length: int, n: int, *, seed: int = 0, text
     t0 = time.perf_counter()
     corpus = load_corpus(tok, text)
     t_corpus = time.perf_counter() - t0
-    log(f"haystack: {corpus.source} ({len(corpus.files)} files, {len(corpus.ids):,} tokens)")
+    log(f"haystack: {corpus.source} ({len(corpus.files)} files, {len(corpus.ids):,} tokens)"
+        + (" -- the excerpt the package ships: ../shared/data/text/paul_graham was not found"
+           if text is None and Path(corpus.source) == package_text() else ""))
     predictors = {name: format_predictor(model, f) for name, f in fmts.items()}
 
     if variant is None:
@@ -595,6 +620,9 @@ def run_niah(lm, formats: list[str], length: int, n: int, *, seed: int = 0, text
     else:
         choice = {"chosen_by": "--variant", "threshold": threshold, "pilot_prompts": 0, "tried": [], "seconds": 0.0}
     prompts = make_prompts(tok, corpus, length, variant, seed, n)
+    wraps = wrap_note(corpus, prompts)
+    if wraps:
+        log(wraps)
     _, kv_heads, head_dim = model_kv_shape(model)
     bits = {name: f.bits_per_value(length, head_dim, kv_heads) for name, f in fmts.items()}
     results: dict[str, list[PromptResult]] = {name: [] for name in names}
@@ -605,6 +633,7 @@ def run_niah(lm, formats: list[str], length: int, n: int, *, seed: int = 0, text
             "model": lm.name, "model_source": lm.source, "length": length, "n": n, "seed": seed,
             "partial": done < n, "prompts_done": done,
             "text": corpus.source, "text_files": len(corpus.files), "corpus_tokens": len(corpus.ids),
+            "haystack_repeats_text": wraps is not None, "calibration": calibration,
             "chat_template": uses_chat_template(tok), "max_new_tokens": max_new,
             "decoding": "greedy; each forward inside kl.kv_format (the format on every attention layer, prompt and "
                         "new tokens); verified against the expected answer block: one forward per (prompt, format)",
@@ -710,6 +739,18 @@ def _tokens(s: str) -> int:
     return n
 
 
+def _threshold(s: str) -> float:
+    """--threshold: a share in (0, 1] (nan, 0 and 1.5 were taken: nan failed after the model loaded,
+    0 accepted the hardest variant on any pilot, > 1 never accepted one)."""
+    try:
+        t = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0 < t <= 1:  # (false for nan too)
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s!r}")
+    return t
+
+
 def check_length(model, length: int) -> None:
     """ValueError if ``length`` tokens are more than ``MAX_LENGTH`` or the model's
     ``max_position_embeddings`` (checked before any prompt is built)."""
@@ -735,14 +776,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--length", type=_tokens, required=True, help="prompt length in tokens (2048 or 2k)")
     p.add_argument("--n", type=positive_int, default=20, help="prompts (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
-    p.add_argument("--text", help="haystack: a text file or a folder of .txt files (default ../shared/data/text/paul_graham)")
+    p.add_argument("--text", help="haystack: a text file or a folder of .txt files (default: $WEIGHTSZIP_NIAH_TEXT, else "
+                   "../shared/data/text/paul_graham from the working directory, else the ~11k-token excerpt the package "
+                   "ships, weightszip/data/carroll-alice-excerpt.txt; prompts longer than the text repeat it, with a note)")
     p.add_argument("--variant", type=parse_variant, help="KEYSxDISTRACTORS, e.g. 2x2: skip the pilot")
     p.add_argument("--variants", default=DEFAULT_LADDER, help=f"the pilot's variants, hardest first (default {DEFAULT_LADDER})")
     p.add_argument("--pilot", type=positive_int, default=DEFAULT_PILOT, help=f"pilot prompts per variant (default {DEFAULT_PILOT})")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="bf16 pilot accuracy a variant needs (default 0.8)")
+    p.add_argument("--threshold", type=_threshold, default=DEFAULT_THRESHOLD,
+                   help="bf16 pilot accuracy a variant needs, in (0, 1] (default 0.8)")
     p.add_argument("--max-new", type=positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
     p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
-    p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
+    p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3; it must be "
+                   "the model's, and the haystack must not be one of its calibration texts)")
+    p.add_argument("--allow-calibration-text", action="store_true",
+                   help="run even when the haystack holds one of the calibration's texts (same SHA-256 or path); "
+                   "refused without it, as the result would not be held out")
     p.add_argument("--device", type=torch_device, default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (per-prompt details included)")
     p.add_argument("-o", "--output", help="also write the JSON report to this file (updated after each prompt)")
@@ -758,19 +806,28 @@ def run_cli(args) -> int:
         print(f"weightszip: error: {msg}", file=sys.stderr)
         return 2
 
+    from weightszip.eval import provenance
+    from weightszip.eval.cli import _use_calibration, check_calibration_fits
+
     formats = [s.strip() for s in args.formats.split(",") if s.strip()]
     try:
         ladder = [parse_variant(s) for s in args.variants.split(",") if s.strip()]
-        if args.calibration:
-            from weightszip.compact.formats import use_calibration
-
-            use_calibration(args.calibration)
+        cal = _use_calibration(args.calibration)
         for name in formats:
             get_format(name)
     except (KeyError, FormatUnavailable, ValueError, OSError) as e:
         return fail(e.args[0] if e.args else e)
     if not ladder:
         return fail("--variants names no variant")
+    overlap = []
+    if cal is not None:
+        try:
+            overlap = provenance.overlap(cal, text_files(Path(args.text) if args.text else default_text()))
+        except FileNotFoundError:
+            pass  # (said once the haystack is read)
+        why = provenance.refuse_or_warn(args.calibration, overlap, args.allow_calibration_text)
+        if why is not None:
+            return fail(why)
     if args.threads:
         import torch
 
@@ -780,6 +837,9 @@ def run_cli(args) -> int:
         lm = load_causal_lm(args.model, verbose=False)
     except (ModelNotInstalled, ImportError, ValueError) as e:
         return fail(e)
+    why = check_calibration_fits(cal, args.calibration, lm.model)
+    if why is not None:
+        return fail(why)
     if args.device != "cpu":
         lm.model.to(args.device)
 
@@ -790,7 +850,9 @@ def run_cli(args) -> int:
     try:
         rep = run_niah(lm, formats, args.length, args.n, seed=args.seed, text=args.text, variant=args.variant,
                        ladder=ladder, pilot=args.pilot, threshold=args.threshold, max_new=args.max_new, log=log,
-                       on_prompt=checkpoint)
+                       on_prompt=checkpoint,
+                       calibration=None if cal is None else dict(provenance.describe(args.calibration, cal),
+                                                                 text_overlap=overlap))
     except (ValueError, FileNotFoundError) as e:
         return fail(e)
     data = rep.to_json()

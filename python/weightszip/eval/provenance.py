@@ -1,0 +1,84 @@
+"""Which calibration an evaluation used, and whether an evaluation text is one of its
+calibration texts (the held-out claim of docs/EVALUATION.md, checked on each run)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def describe(path, cal) -> dict:
+    """The report's ``calibration`` entry: the file, its SHA-256, the per-format calibration ids
+    (the XXH3 of the tables a format's codes depend on, as compact chunks record them), the model it
+    was made on and its calibration texts (path, tokens, SHA-256) as its meta records them."""
+    from weightszip.integrations.compact_chunks import calibration_id
+
+    return {
+        "path": str(path),
+        "sha256": file_sha256(path),
+        "ids": {f: f"{calibration_id(cal, f):016x}" for f in cal.allocation},
+        "model": cal.meta.get("model"),
+        "texts": list(cal.meta.get("texts", [])),
+    }
+
+
+def overlap(cal, files) -> list[str]:
+    """The evaluation text ``files`` (in the order they are read) that are calibration texts of
+    ``cal``, each said in words: a file whose SHA-256, or the first files' joined bytes' (how
+    ``weightszip calibrate`` hashes a folder), equals a calibration text's; or a file that is a
+    calibration text's path, or lies in its folder (the path as recorded, from the current folder)."""
+    texts = [t for t in cal.meta.get("texts", []) if isinstance(t, dict)]
+    if not texts:
+        return []
+    by_hash = {t.get("sha256"): t.get("text") for t in texts if t.get("sha256")}
+    found: list[str] = []
+    joined = hashlib.sha256()
+    for i, f in enumerate(files):
+        f = Path(f)
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        joined.update(data)
+        digests = [(hashlib.sha256(data).hexdigest(), str(f))]
+        if i:
+            digests.append((joined.hexdigest(), f"the first {i + 1} files of {f.parent} joined"))
+        for digest, what in digests:
+            if digest in by_hash:
+                found.append(f"{what} has the SHA-256 of calibration text {by_hash[digest]}")
+        for t in texts:
+            p = Path(str(t.get("text", "")))
+            if not p.exists():
+                continue
+            try:
+                same = os.path.samefile(p, f) or (p.is_dir() and any(os.path.samefile(p, q) for q in f.parents))
+            except OSError:
+                same = False
+            if same:
+                found.append(f"{f} is calibration text {t.get('text')}" + (" (a file of that folder)" if p.is_dir() else ""))
+    return list(dict.fromkeys(found))
+
+
+def refuse_or_warn(cal_path, found: list[str], allow: bool, flag: str = "--allow-calibration-text") -> str | None:
+    """The error line that refuses an evaluation on calibration text, or None (after a warning on
+    stderr when ``allow``)."""
+    import sys
+
+    if not found:
+        return None
+    what = "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+    if not allow:
+        return (f"the evaluation text is calibration text of --calibration {cal_path} ({what}): the result would not "
+                f"be held out; use other text, or {flag} to run it anyway")
+    print(f"weightszip: warning: evaluating on calibration text of {cal_path} ({what}); the result is not held out",
+          file=sys.stderr)
+    return None
