@@ -581,6 +581,18 @@ def test_an_interrupt_stops_the_codec_and_leaves_no_file(tmp_path, what, call):
     """Ctrl-C while Rust works reaches Python only in the progress callback: it was printed and
     swallowed, so the run went on and published its output. Now the codec stops, its temporary file
     is removed, nothing is published, and the interrupt is raised."""
+    import signal
+
+    # Python's own SIGINT handler, as in a terminal: a job started in the background of a
+    # non-interactive shell (a CI runner) inherits SIGINT ignored, and Python then installs none
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _run_interrupt_case(tmp_path, what, call)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_interrupt_case(tmp_path, what, call):
     p = tmp_path / "f.bin"
     p.write_bytes(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
     files.compress_file(p, tmp_path / "f.wz", chunk_bytes=1 << 14)
