@@ -459,17 +459,23 @@ def test_cli_eval_kl_output_paths_that_cannot_be_written_are_usage_errors_up_fro
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d1", "file"]
 
 
+def _stub_evaluation(monkeypatch, fake_lm, kv_shape):
+    """`eval kl`'s model work replaced: the model's KV shape is ``kv_shape`` (layers, KV heads,
+    head_dim) and the evaluation returns one bf16 row at once."""
+    row = kl.FormatResult(name="bf16", description="", bits_per_value=16.0, mean_kl=0.0, top1=1.0, kl_p99=0.0,
+                          buckets=[{"start": 0, "end": 8, "kl": 0.0}], seconds=0.1, attention="model",
+                          kl=np.zeros(8), agree=np.ones(8, bool))
+    monkeypatch.setattr(kl, "model_kv_shape", lambda model: kv_shape)
+    monkeypatch.setattr(kl, "evaluate", lambda *a, **k: ([row], 0.5))
+    monkeypatch.setattr(fake_lm.model.config, "_attn_implementation", "sdpa", raising=False)
+
+
 def test_cli_eval_kl_prints_its_results_before_writing_the_plot(fake_lm, tmp_path, monkeypatch, capsys):
     """A plot or report that fails to be written (a full disk) no longer takes the printed results
     with it: the table comes first, then the error (exit status 1)."""
     from weightszip.cli import main
 
-    row = kl.FormatResult(name="bf16", description="", bits_per_value=16.0, mean_kl=0.0, top1=1.0, kl_p99=0.0,
-                          buckets=[{"start": 0, "end": 8, "kl": 0.0}], seconds=0.1, attention="model",
-                          kl=np.zeros(8), agree=np.ones(8, bool))
-    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (2, 1, 4))
-    monkeypatch.setattr(kl, "evaluate", lambda *a, **k: ([row], 0.5))
-    monkeypatch.setattr(fake_lm.model.config, "_attn_implementation", "sdpa", raising=False)
+    _stub_evaluation(monkeypatch, fake_lm, (2, 1, 4))
 
     def plot(*a, **k):
         raise OSError(28, "No space left on device")
@@ -563,12 +569,7 @@ def test_cli_eval_kl_refuses_calibration_text_and_records_the_calibration(fake_l
     assert "first 2 files" in err and "gone/texts" in err
     # allowed: a warning, and the report records it
     monkeypatch.setattr(models, "load_causal_lm", load)
-    row = kl.FormatResult(name="bf16", description="", bits_per_value=16.0, mean_kl=0.0, top1=1.0, kl_p99=0.0,
-                          buckets=[{"start": 0, "end": 8, "kl": 0.0}], seconds=0.1, attention="model",
-                          kl=np.zeros(8), agree=np.ones(8, bool))
-    monkeypatch.setattr(kl, "model_kv_shape", lambda model: (30, 3, 64))
-    monkeypatch.setattr(kl, "evaluate", lambda *a, **k: ([row], 0.5))
-    monkeypatch.setattr(fake_lm.model.config, "_attn_implementation", "sdpa", raising=False)
+    _stub_evaluation(monkeypatch, fake_lm, (30, 3, 64))
     report = tmp_path / "r.json"
     assert main([*args, "--text", str(texts), "--allow-calibration-text", "--save", str(report)]) == 0
     assert "warning: evaluating on calibration text" in capsys.readouterr().err

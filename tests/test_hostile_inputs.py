@@ -21,16 +21,22 @@ from weightszip.kernels import kv_exact_ref as ref  # noqa: E402
 from test_robustness import _index, _reseal  # noqa: E402
 
 
+def _more_address_space(extra: int):
+    """The process's address space limited to what it uses now plus ``extra`` bytes, for the test's
+    body (a generator for the fixtures below)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (used + extra, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 @pytest.fixture
 def small_address_space():
     """At most 2 GiB more address space for the test's body: an output sized from hostile offsets
     would fail with MemoryError instead of the typed error the decoders must raise first."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as f:
-        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    yield from _more_address_space(2 << 30)
 
 
 def _exact4_pages(n=2, h=1, d=32):
@@ -403,12 +409,7 @@ def _zero_bomb(n_chunks: int, chunk: int = 1 << 20) -> bytes:
 @pytest.fixture
 def tight_address_space():
     """At most 64 MiB more address space: a decoder that holds a whole 128 MiB tensor fails."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as f:
-        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (used + (64 << 20), hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    yield from _more_address_space(64 << 20)
 
 
 def test_a_tensor_archive_decompresses_with_bounded_memory(tmp_path, tight_address_space):

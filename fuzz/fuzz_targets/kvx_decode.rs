@@ -11,19 +11,11 @@
 
 #![no_main]
 
+mod common;
+
+use common::class;
 use libfuzzer_sys::fuzz_target;
 use weightszip_core::kvx::{self, Shape};
-use weightszip_core::Error;
-
-/// Truncated, Corrupt or another error (the class the Python bindings raise).
-fn class(r: &Result<(), Error>) -> Option<&'static str> {
-    match r {
-        Ok(()) => None,
-        Err(Error::Truncated(_)) => Some("truncated"),
-        Err(Error::Corrupt(_)) => Some("corrupt"),
-        Err(_) => Some("other"),
-    }
-}
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < 9 {

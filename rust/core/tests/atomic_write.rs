@@ -6,7 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use weightszip_core::codec::{save_tensors, EncodeOptions, OnExisting};
-use weightszip_core::format::LAYOUT_FILE_BYTES;
+use weightszip_core::format::{Index, LAYOUT_FILE_BYTES};
 use weightszip_core::{decode_file, encode_file, DType, Error, Output, TensorMeta};
 
 /// A fresh, empty folder of its own under the system's temporary folder.
@@ -19,6 +19,16 @@ fn scratch(test: &str) -> PathBuf {
 
 fn bytes_meta(n: u64) -> TensorMeta {
     TensorMeta { layout: LAYOUT_FILE_BYTES, ..TensorMeta::new(DType::U8, vec![n]) }
+}
+
+/// `encode_file` of `input` as one segment of `n` plain bytes, default options, no progress.
+fn encode_bytes(input: &Path, out: Output<'_>, n: u64) -> weightszip_core::Result<Index> {
+    encode_file(input, out, &[bytes_meta(n)], &EncodeOptions::default(), &mut |_, _| Ok(()))
+}
+
+/// `decode_file` of `input` with no prefix and no progress (`out` None: verify only).
+fn decode(input: &Path, out: Option<Output<'_>>) -> weightszip_core::Result<Index> {
+    decode_file(input, out, &[], 0, &mut |_, _| Ok(()))
 }
 
 fn names(dir: &Path) -> Vec<String> {
@@ -39,16 +49,8 @@ fn a_file_named_like_the_old_fixed_temporary_name_is_left_alone() {
     let (mine_out, mine_back) = (d.join(".out.wz.wz-partial"), d.join(".back.bin.wz-partial"));
     fs::write(&mine_out, b"mine, not weightszip's").unwrap();
     fs::write(&mine_back, b"also mine").unwrap();
-    let opts = EncodeOptions::default();
-    encode_file(
-        &input,
-        Output::new(&out, OnExisting::Replace),
-        &[bytes_meta(data.len() as u64)],
-        &opts,
-        &mut |_, _| Ok(()),
-    )
-    .unwrap();
-    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
+    encode_bytes(&input, Output::new(&out, OnExisting::Replace), data.len() as u64).unwrap();
+    decode(&out, Some(Output::new(&back, OnExisting::Replace))).unwrap();
     assert_eq!(fs::read(&back).unwrap(), data);
     assert_eq!(fs::read(&mine_out).unwrap(), b"mine, not weightszip's");
     assert_eq!(fs::read(&mine_back).unwrap(), b"also mine");
@@ -82,7 +84,7 @@ fn concurrent_writers_of_one_output_do_not_collide() {
     });
     // The output is one writer's whole container, and no temporary file is left.
     let back = d.join("back.bin");
-    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
+    decode(&out, Some(Output::new(&back, OnExisting::Replace))).unwrap();
     assert!(payloads.contains(&fs::read(&back).unwrap()));
     assert_eq!(names(&d), ["back.bin", "same.wz"]);
     fs::remove_dir_all(&d).unwrap();
@@ -95,16 +97,9 @@ fn a_long_output_name_still_gets_a_temporary_file() {
     fs::write(&input, b"hello").unwrap();
     // 250 bytes: the output's name fits the file system's 255, the name with a suffix would not
     let out = d.join(format!("{}.wz", "é".repeat(124)));
-    encode_file(
-        &input,
-        Output::new(&out, OnExisting::Replace),
-        &[bytes_meta(5)],
-        &EncodeOptions::default(),
-        &mut |_, _| Ok(()),
-    )
-    .unwrap();
+    encode_bytes(&input, Output::new(&out, OnExisting::Replace), 5).unwrap();
     let back = d.join("back.bin");
-    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
+    decode(&out, Some(Output::new(&back, OnExisting::Replace))).unwrap();
     assert_eq!(fs::read(&back).unwrap(), b"hello");
     fs::remove_dir_all(&d).unwrap();
 }
@@ -147,9 +142,9 @@ fn refuse_never_replaces_a_file_created_while_the_output_was_written() {
     fs::remove_file(&out).unwrap();
     encode_file(&input, Output::new(&out, OnExisting::Refuse), &segs, &opts, &mut |_, _| Ok(())).unwrap();
     let back = d.join("back.bin");
-    decode_file(&out, Some(Output::new(&back, OnExisting::Refuse)), &[], 0, &mut |_, _| Ok(())).unwrap();
+    decode(&out, Some(Output::new(&back, OnExisting::Refuse))).unwrap();
     assert_eq!(fs::read(&back).unwrap(), data);
-    let err = decode_file(&out, Some(Output::new(&back, OnExisting::Refuse)), &[], 0, &mut |_, _| Ok(())).unwrap_err();
+    let err = decode(&out, Some(Output::new(&back, OnExisting::Refuse))).unwrap_err();
     assert!(matches!(err, Error::OutputExists(_)));
     let t = d.join("t.wz");
     save_tensors(&t, &[(TensorMeta::new(DType::U8, vec![3]), b"abc")], &opts, OnExisting::Refuse).unwrap();
@@ -173,19 +168,12 @@ fn replacing_a_file_keeps_its_permission_mode() {
     let out = d.join("out.wz");
     fs::write(&out, b"old").unwrap();
     fs::set_permissions(&out, fs::Permissions::from_mode(0o640)).unwrap();
-    encode_file(
-        &input,
-        Output::new(&out, OnExisting::Replace),
-        &[bytes_meta(5)],
-        &EncodeOptions::default(),
-        &mut |_, _| Ok(()),
-    )
-    .unwrap();
+    encode_bytes(&input, Output::new(&out, OnExisting::Replace), 5).unwrap();
     assert_eq!(fs::metadata(&out).unwrap().permissions().mode() & 0o7777, 0o640);
     let back = d.join("back.bin");
     fs::write(&back, b"old").unwrap();
     fs::set_permissions(&back, fs::Permissions::from_mode(0o604)).unwrap();
-    decode_file(&out, Some(Output::new(&back, OnExisting::Replace)), &[], 0, &mut |_, _| Ok(())).unwrap();
+    decode(&out, Some(Output::new(&back, OnExisting::Replace))).unwrap();
     assert_eq!(fs::read(&back).unwrap(), b"hello");
     assert_eq!(fs::metadata(&back).unwrap().permissions().mode() & 0o7777, 0o604);
     fs::remove_dir_all(&d).unwrap();
@@ -222,14 +210,7 @@ fn temporary_files_of_killed_writers_of_the_output_are_removed() {
         fs::write(d.join(n), b"partial").unwrap();
     }
     let out = d.join("out.wz");
-    encode_file(
-        &input,
-        Output::new(&out, OnExisting::Refuse),
-        &[bytes_meta(5)],
-        &EncodeOptions::default(),
-        &mut |_, _| Ok(()),
-    )
-    .unwrap();
+    encode_bytes(&input, Output::new(&out, OnExisting::Refuse), 5).unwrap();
     let mut want: Vec<String> = kept.to_vec();
     want.extend(["in.bin".to_string(), "out.wz".to_string()]);
     want.sort();
@@ -331,12 +312,12 @@ fn a_new_output_gets_the_given_mode_and_a_replaced_one_keeps_its_own() {
         encode_file(&input, o, &segs, &opts, &mut |_, _| Ok(())).unwrap();
         assert_eq!(mode(&out), 0o600);
         let o = Output { mode: Some(0o4751), ..Output::new(&back, on_existing) };
-        decode_file(&out, Some(o), &[], 0, &mut |_, _| Ok(())).unwrap();
+        decode(&out, Some(o)).unwrap();
         assert_eq!((mode(&back), fs::read(&back).unwrap()), (0o751, b"hello".to_vec()), "no setuid bit");
     }
     fs::set_permissions(&back, fs::Permissions::from_mode(0o640)).unwrap();
     let o = Output { mode: Some(0o600), ..Output::new(&back, OnExisting::Replace) };
-    decode_file(&out, Some(o), &[], 0, &mut |_, _| Ok(())).unwrap();
+    decode(&out, Some(o)).unwrap();
     assert_eq!(mode(&back), 0o640, "a replaced file keeps its mode");
     fs::remove_dir_all(&d).unwrap();
 }
@@ -352,7 +333,7 @@ fn io_errors_name_the_file() {
         .unwrap_err();
     assert!(matches!(&err, Error::Io(e) if e.kind() == std::io::ErrorKind::NotFound), "{err}");
     assert!(err.to_string().contains(&missing.display().to_string()), "{err}");
-    let err = decode_file(&missing, None, &[], 0, &mut |_, _| Ok(())).unwrap_err();
+    let err = decode(&missing, None).unwrap_err();
     assert!(err.to_string().contains(&missing.display().to_string()), "{err}");
     let nodir = d.join("nodir").join("o.wz");
     let err = encode_file(&input, Output::new(&nodir, OnExisting::Refuse), &[bytes_meta(5)], &opts, &mut |_, _| Ok(()))
