@@ -1491,3 +1491,23 @@ def test_exact4_gluon_staging_slot_layout():
         # bf16 mode: K and V rows of 2 d bytes, after the same carried words
         _, _, kr16, _, _, vr16, _, krs16, _, vrs16, slot16 = xg.x4_geometry(d, True)
         assert kr16 >= 68 and kr16 % 32 == 0 and vr16 == kr16 + 16 * krs16 and vr16 + 16 * vrs16 <= slot16
+
+
+def test_page_heap_live_arrays_keep_count_of_freed_entries_when_they_grow():
+    """The live arrays grew (a batch from the top) by a copy that kept their freed (size 0) entries
+    but reset the count of them to 0: a later merge then put new regions beside freed entries at the
+    same offsets (200 duplicate offsets here), right only by the order of insertion. A rebuild now
+    drops the freed entries: the count matches, and no offset is listed twice."""
+    from weightszip.kv_exact import PageHeap
+
+    h = PageHeap(1 << 30, device="cpu")
+    a = h.alloc([16] * 600)
+    h.free(a[0:580:2], [16] * 290)  # 290 one-region holes; fewer than half the entries: kept as size 0
+    b = h.alloc([32] * 700)  # from the top, appended: the arrays grow
+    c = h.alloc([16] * 200)  # into the holes, merged in
+    lo, lz = h._live
+    assert int((lz == 0).sum()) == h._live_dead and np.unique(lo).size == lo.size
+    h.free(np.concatenate([a[1:580:2], a[580:]]), [16] * 310)
+    h.free(b, [32] * 700)
+    h.free(c, [16] * 200)
+    assert h.used == 0

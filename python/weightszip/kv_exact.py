@@ -466,6 +466,10 @@ class PageHeap:
         return self._live_buf[:, :self._live_n]
 
     def _set_live(self, live: np.ndarray, room: int = 0) -> None:
+        """The live arrays rebuilt from ``live`` with ``room`` to grow: freed entries (size 0) are
+        dropped here, as the count of them starts again at 0."""
+        if self._live_dead:
+            live = live[:, live[1] > 0]
         buf = np.empty((2, live.shape[1] + room), dtype=np.int64)
         buf[:, :live.shape[1]] = live
         self._live_buf, self._live_n, self._live_dead = buf, live.shape[1], 0
@@ -504,6 +508,7 @@ class PageHeap:
             return False
         if n + k > self._live_buf.shape[1]:
             self._set_live(self._live, room=max(n, k, 1024))
+            n = self._live_n  # (freed entries dropped)
         self._live_buf[0, n:n + k], self._live_buf[1, n:n + k] = offs, sizes
         self._live_n += k
         return True
