@@ -185,12 +185,13 @@ impl Store {
         py.allow_threads(|| self.inner.close()).map_err(to_py)
     }
 
-    fn file_of(&self, key: &[u8]) -> PyResult<Option<PathBuf>> {
-        self.inner.file_of(key).map_err(to_py)
+    fn file_of(&self, py: Python<'_>, key: &[u8]) -> PyResult<Option<PathBuf>> {
+        // (these wait for the store's lock, which a put of another thread may hold: not with the GIL)
+        py.allow_threads(|| self.inner.file_of(key)).map_err(to_py)
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats().map_err(to_py)?;
+        let s = py.allow_threads(|| self.inner.stats()).map_err(to_py)?;
         let d = PyDict::new(py);
         for (k, v) in [
             ("ram_chunks", s.ram_chunks),
