@@ -100,15 +100,17 @@ def text_files(path) -> list[Path]:
     return [p] if p.is_file() else []
 
 
-def _add_calibration_arg(p, evaluates_text: bool = False) -> None:
-    if not evaluates_text:
+def add_calibration_arg(p, evaluates: str | None = None) -> None:
+    """--calibration; for a command that evaluates on text (``evaluates``: what it calls that text),
+    also --allow-calibration-text (``provenance.held_out``)."""
+    if evaluates is None:
         p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3)")
         return
     p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3; it must "
-                   "be the model's, and the text must not be one of its calibration texts)")
+                   f"be the model's, and the {evaluates} must not be one of its calibration texts)")
     p.add_argument("--allow-calibration-text", action="store_true",
-                   help="evaluate even when the text is one of the calibration's texts (same SHA-256 or path); "
-                   "refused without it, as the result would not be held out")
+                   help=f"run even when the {evaluates} is or holds one of the calibration's texts (same SHA-256 or "
+                   "path); refused without it, as the result would not be held out")
 
 
 def _make_folder_for(path: Path) -> str | None:
@@ -184,8 +186,7 @@ def _cmd_eval_kl(a) -> int:
     if a.window < 2:
         print("weightszip: error: --window must be at least 2 tokens", file=sys.stderr)
         return 2
-    overlap = provenance.overlap(cal, text_files(a.text)) if cal is not None else []
-    why = provenance.refuse_or_warn(a.calibration, overlap, a.allow_calibration_text)
+    overlap, why = provenance.held_out(cal, a.calibration, text_files(a.text), a.allow_calibration_text)
     if why is not None:
         print(f"weightszip: error: {why}", file=sys.stderr)
         return 2
@@ -235,8 +236,7 @@ def _cmd_eval_kl(a) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attention": lm.model.config._attn_implementation,
-        "calibration": None if cal is None else dict(provenance.describe(a.calibration, cal),
-                                                     text_overlap=overlap),
+        "calibration": None if cal is None else provenance.describe(a.calibration, cal, overlap),
         "results": [r.summary() for r in rows],
     }
     if a.plot:
@@ -364,7 +364,7 @@ def add_parsers(subparsers) -> None:
     k.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's choice; at most 256)")
     k.add_argument("--buckets", type=positive_int, default=8, help="position buckets in the report (default 8)")
     k.add_argument("--chunk", type=positive_int, default=512, help="queries per block in the windowed attention")
-    _add_calibration_arg(k, evaluates_text=True)
+    add_calibration_arg(k, evaluates="text")
     add_device_arg(k)
     k.add_argument(
         "--chunked", action="store_true", help="run every format through the windowed fp32 attention (bf16 then shows its floor)"
@@ -383,7 +383,7 @@ def add_parsers(subparsers) -> None:
     f.add_argument("--context", type=positive_int, default=8192, help="context length for bits per value (default 8192)")
     f.add_argument("--head-dim", type=positive_int, default=64)
     f.add_argument("--kv-heads", type=positive_int, default=3)
-    _add_calibration_arg(f)
+    add_calibration_arg(f)
     f.set_defaults(fn=_cmd_eval_formats)
 
     v = subparsers.add_parser("kv", help="capture real KV caches")

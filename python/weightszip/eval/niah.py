@@ -764,6 +764,8 @@ def check_length(model, length: int) -> None:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``niah`` under ``weightszip eval``."""
+    from weightszip.eval.cli import add_calibration_arg
+
     p = subparsers.add_parser(
         "niah",
         help="multi-key needle-in-a-haystack retrieval under each KV format (RULER-style)",
@@ -786,11 +788,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="bf16 pilot accuracy a variant needs, in (0, 1] (default 0.8)")
     p.add_argument("--max-new", type=positive_int, default=DEFAULT_MAX_NEW, help="greedy tokens per number at most (default 12)")
     p.add_argument("--threads", type=thread_count, default=0, help="torch CPU threads (default: torch's; at most 256)")
-    p.add_argument("--calibration", help="a .wzcal file from `weightszip calibrate` (needed by q4, q3.5, q3; it must be "
-                   "the model's, and the haystack must not be one of its calibration texts)")
-    p.add_argument("--allow-calibration-text", action="store_true",
-                   help="run even when the haystack holds one of the calibration's texts (same SHA-256 or path); "
-                   "refused without it, as the result would not be held out")
+    add_calibration_arg(p, evaluates="haystack")
     p.add_argument("--device", type=torch_device, default="cpu", help="torch device for the model's forwards (default cpu; e.g. cuda)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON (per-prompt details included)")
     p.add_argument("-o", "--output", help="also write the JSON report to this file (updated after each prompt)")
@@ -819,15 +817,13 @@ def run_cli(args) -> int:
         return fail(e.args[0] if e.args else e)
     if not ladder:
         return fail("--variants names no variant")
-    overlap = []
-    if cal is not None:
-        try:
-            overlap = provenance.overlap(cal, text_files(Path(args.text) if args.text else default_text()))
-        except FileNotFoundError:
-            pass  # (said once the haystack is read)
-        why = provenance.refuse_or_warn(args.calibration, overlap, args.allow_calibration_text)
-        if why is not None:
-            return fail(why)
+    try:
+        haystack = text_files(Path(args.text) if args.text else default_text())
+    except FileNotFoundError:
+        haystack = []  # (said once the haystack is read)
+    overlap, why = provenance.held_out(cal, args.calibration, haystack, args.allow_calibration_text)
+    if why is not None:
+        return fail(why)
     if args.threads:
         import torch
 
@@ -851,8 +847,7 @@ def run_cli(args) -> int:
         rep = run_niah(lm, formats, args.length, args.n, seed=args.seed, text=args.text, variant=args.variant,
                        ladder=ladder, pilot=args.pilot, threshold=args.threshold, max_new=args.max_new, log=log,
                        on_prompt=checkpoint,
-                       calibration=None if cal is None else dict(provenance.describe(args.calibration, cal),
-                                                                 text_overlap=overlap))
+                       calibration=None if cal is None else provenance.describe(args.calibration, cal, overlap))
     except (ValueError, FileNotFoundError) as e:
         return fail(e)
     data = rep.to_json()

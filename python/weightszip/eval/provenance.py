@@ -16,10 +16,11 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
-def describe(path, cal) -> dict:
+def describe(path, cal, text_overlap: list[str]) -> dict:
     """The report's ``calibration`` entry: the file, its SHA-256, the per-format calibration ids
     (the XXH3 of the tables a format's codes depend on, as compact chunks record them), the model it
-    was made on and its calibration texts (path, tokens, SHA-256) as its meta records them."""
+    was made on, its calibration texts (path, tokens, SHA-256) as its meta records them, and the
+    evaluation texts found among them (``held_out``)."""
     from weightszip.integrations.compact_chunks import calibration_id
 
     return {
@@ -28,6 +29,7 @@ def describe(path, cal) -> dict:
         "ids": {f: f"{calibration_id(cal, f):016x}" for f in cal.allocation},
         "model": cal.meta.get("model"),
         "texts": list(cal.meta.get("texts", [])),
+        "text_overlap": list(text_overlap),
     }
 
 
@@ -68,9 +70,15 @@ def overlap(cal, files) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def refuse_or_warn(cal_path, found: list[str], allow: bool, flag: str = "--allow-calibration-text") -> str | None:
-    """The error line that refuses an evaluation on calibration text, or None (after a warning on
-    stderr when ``allow``)."""
+def held_out(cal, cal_path, files, allow: bool) -> tuple[list[str], str | None]:
+    """The evaluation text ``files`` found among the calibration's texts (``overlap``; none without a
+    calibration), and the error line that refuses the evaluation on them, or None (after a warning on
+    stderr when ``allow``, the ``--allow-calibration-text`` option)."""
+    found = overlap(cal, files) if cal is not None else []
+    return found, _refuse_or_warn(cal_path, found, allow)
+
+
+def _refuse_or_warn(cal_path, found: list[str], allow: bool, flag: str = "--allow-calibration-text") -> str | None:
     import sys
 
     if not found:
