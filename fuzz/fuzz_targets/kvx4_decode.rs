@@ -13,18 +13,14 @@
 
 mod common;
 
-use common::class;
+use common::{class, page_header};
 use libfuzzer_sys::fuzz_target;
 use weightszip_core::kvx4::{self, Shape};
 use weightszip_core::Error;
 
 fuzz_target!(|data: &[u8]| {
-    if data.len() < 9 {
-        return;
-    }
-    let sel = data[0];
-    let shape = Shape::new(1 + (sel & 3) as usize, 32 * (1 + ((sel >> 2) & 1) as usize)).expect("valid shape");
-    let raw_mid = u64::from_le_bytes(data[1..9].try_into().unwrap());
+    let Some((sel, (heads, head_dim), raw_mid)) = page_header(data) else { return };
+    let shape = Shape::new(heads, head_dim).expect("valid shape");
     let mut page = data[9..].to_vec();
     if sel & 16 != 0 && page.len() >= 4 * shape.heads {
         let mut before = 0u32;
