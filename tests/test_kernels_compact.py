@@ -13,6 +13,7 @@ pages, |error| / max|v| with v the true-domain values, decoded pages and side to
 
 import dataclasses
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -602,6 +603,22 @@ def test_gluon_kernel_real_shapes_gpu(shape, variant, bits):
     assert (out.double() - triton_out.double()).abs().max().item() <= 2.0**-7 * vmax
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
+@pytest.mark.parametrize("bits", [(4, 4), (3, 3), (2, 3)], ids=["q4", "q3", "k2v3"])
+@pytest.mark.parametrize("variant", [(8, 1, 128, 0), (8, 0, 128, 2)], ids=["default", "staged2"])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
+def test_gluon_vote_max_gives_the_same_output_gpu(shape, variant, bits):
+    """``KernelConfig.gluon_vote`` (the lazy max by a warp vote) gives the default kernel's output bit
+    for bit: the same maxima, so the same weights and sums in the same order."""
+    run, ref, vmax = _real_shape_case(shape, *bits)
+    warps, ahead, maxnreg, stages = variant
+    cfg = KernelConfig(gluon=True, gluon_min_work=0, gluon_warps=warps, gluon_ahead=ahead, gluon_maxnreg=maxnreg,
+                       gluon_stages=stages)
+    out = run(cfg)
+    assert torch.equal(run(dataclasses.replace(cfg, gluon_vote=True)), out)
+    assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
+
+
 # -- the register lookup's PTX (compiled only; Triton's interpreter cannot run inline assembly) ----------
 
 
@@ -951,6 +968,154 @@ def test_gluon_table_fill_writes_the_host_tables(monkeypatch):
                         assert bool((half[entries:] == -1).all()), (kb, vb, dtype, head)
 
 
+def _run_warp_ptx(asm: str, regs: dict) -> dict:
+    """A lockstep interpreter of one warp for the PTX subset ``_vote_max_asm`` uses: ``regs`` maps
+    operand numbers to 32-lane tensors (fp32 or int32); returns the operands after the block. Branches
+    must be uniform (``bra.uni``), as the kernel promises."""
+    body = asm.strip()[1:-1]
+    stmts = [x.strip() for x in body.split(";") if x.strip()]
+    labels, code = {}, []
+    for x in stmts:
+        while re.match(r"^\w+:", x):
+            name, x = x.split(":", 1)
+            labels[name] = len(code)
+            x = x.strip()
+        if x and not x.startswith(".reg"):
+            code.append(x)
+    env = {f"${k}": v.clone() for k, v in regs.items()}
+    lane = torch.arange(32)
+
+    def val(t):
+        if t in env:
+            return env[t]
+        return torch.full((32,), float(t) if "." in t else int(t, 0))
+
+    pc = 0
+    while pc < len(code):
+        x = code[pc]
+        pc += 1
+        guard = re.match(r"^@(!?)(\w+)\s+(.*)$", x)
+        if guard:
+            pred = env[guard.group(2)].bool()
+            pred = ~pred if guard.group(1) else pred
+            assert bool((pred == pred[0]).all()), "a divergent branch"
+            if not bool(pred[0]):
+                continue
+            x = guard.group(3)
+        op, args = x.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        if op == "bra.uni":
+            pc = labels[a[0]]
+        elif op == "max.f32":
+            env[a[0]] = torch.fmax(val(a[1]), val(a[2])).float()
+        elif op == "add.f32":
+            env[a[0]] = (val(a[1]).float() + val(a[2]).float()).float()
+        elif op == "setp.gt.f32":
+            env[a[0]] = val(a[1]).float() > val(a[2]).float()
+        elif op == "setp.ne.u32":
+            env[a[0]] = val(a[1]) != val(a[2])
+        elif op == "or.pred":
+            env[a[0]] = env[a[1]] | env[a[2]]
+        elif op == "vote.sync.any.pred":
+            env[a[0]] = env[a[1]].any().expand(32).clone()
+        elif op == "shfl.sync.bfly.b32":
+            env[a[0]] = val(a[1])[lane ^ int(a[2])].clone()
+        elif op in ("selp.f32", "selp.u32"):
+            env[a[0]] = torch.where(env[a[3]], val(a[1]), val(a[2]))
+        elif op in ("mov.f32", "mov.u32"):
+            env[a[0]] = val(a[1]).clone()
+        else:
+            raise AssertionError(f"unmodelled PTX: {x}")
+    return {int(k[1:]): v for k, v in env.items() if k.startswith("$")}
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_gluon_vote_max_asm_equals_its_reference(tiles):
+    """``_vote_max_asm`` (the compact kernel's lazy max: a warp vote, shuffles only when a max moves),
+    run by a lockstep interpreter of one warp over the mma.sync accumulator layout (lane l: rows
+    l // 4 and l // 4 + 8, columns 2 (l % 4) + 8 t and the next), gives ``vote_max_ref``'s new maxima
+    and flag bit for bit: pages below the threshold, pages that move one column or all, rows at -inf,
+    the first page (max -1e30), and logits a hair above and at the threshold."""
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    asm = pg._vote_max_asm(tiles)
+    n, g = 4 * tiles, 8 * tiles
+    gen = torch.Generator().manual_seed(tiles)
+    lane = torch.arange(32)
+    rows = torch.stack([lane // 4, lane // 4, lane // 4 + 8, lane // 4 + 8], dim=1)  # [32, 4] per tile
+    cols = torch.stack([2 * (lane % 4), 2 * (lane % 4) + 1] * 2, dim=1)
+    slack = float(pg.MAX_SLACK.value)
+    cases = []
+    for k in range(40):
+        m = (torch.randn(g, generator=gen) * 4).float()
+        s = (m[None, :] + torch.rand(16, g, generator=gen) * slack - slack).float()  # all below: no move
+        if k % 4 == 1:
+            s[torch.randint(16, (1,), generator=gen), torch.randint(g, (1,), generator=gen)] += 2 * slack + 1
+        elif k % 4 == 2:
+            s += 3 * slack
+        elif k % 4 == 3:
+            s[torch.rand(16, generator=gen) < 0.5] = float("-inf")
+        cases.append((s, m))
+    m0 = torch.full((g,), -1.0e30)
+    cases += [(torch.randn(16, g, generator=gen), m0), (torch.full((16, g), float("-inf")), m0)]
+    edge = torch.zeros(16, g)
+    cases += [(edge + torch.nextafter(torch.tensor(slack), torch.tensor(99.0)), torch.zeros(g)),
+              (edge + slack, torch.zeros(g))]
+    moved = 0
+    for s, m in cases:
+        regs = {}
+        for t in range(tiles):
+            for e in range(4):
+                regs[2 * n + 4 * t + e] = s[rows[:, e], cols[:, e] + 8 * t].float()
+                regs[3 * n + 4 * t + e] = m[cols[:, e] + 8 * t].float()
+        out = _run_warp_ptx(asm, regs)
+        want_m, want_need = pg.vote_max_ref(s[None].float(), m[None].float())
+        moved += int(want_need)
+        for t in range(tiles):
+            for e in range(4):
+                assert torch.equal(out[4 * t + e], want_m[0, cols[:, e] + 8 * t]), (t, e)
+                assert bool((out[n + 4 * t + e] == int(want_need)).all())
+    assert 10 <= moved < len(cases)  # both paths ran
+
+
+def test_gluon_vote_max_is_the_lazy_max(monkeypatch):
+    """``vote_max_ref`` (the model of ``_vote_max_asm``) and ``_vote_softmax_step``'s Python body around
+    it give ``_lazy_softmax_step``'s weights, rescale, max, mass and flag bit for bit over pages of
+    logits that climb, jump and fall (the same sequence as the test below)."""
+    import types
+
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    def asm(text, constraints, args, dtype, is_pure, pack):
+        s, m = args
+        m_new, need = pg.vote_max_ref(s, m[:, 0, :], slack)
+        return m_new[:, None, :].expand_as(s), need[:, None, None].expand_as(s)
+
+    gl = types.SimpleNamespace(where=torch.where, maximum=torch.maximum, exp2=torch.exp2, int32=torch.int32,
+                               float32=torch.float32, expand_dims=lambda x, d: x.unsqueeze(d),
+                               max=lambda x, axis: x.amax(dim=axis), inline_asm_elementwise=asm,
+                               reduce=lambda x, axis, fn: x.select(axis, 0))
+    slack = float(pg.MAX_SLACK.value)
+    for f in (pg._lazy_softmax_step, pg._vote_softmax_step):  # (one module: the same globals)
+        monkeypatch.setitem(f.fn.__globals__, "gl", gl)
+        monkeypatch.setitem(f.fn.__globals__, "MAX_SLACK", slack)
+    monkeypatch.setitem(pg._vote_softmax_step.fn.__globals__, "_vote_max_asm", lambda t: "")
+    monkeypatch.setitem(pg._vote_softmax_step.fn.__globals__, "_vote_max_constraints", lambda t: "")
+    gen = torch.Generator().manual_seed(5)
+    trend = torch.cat([torch.linspace(0, 6, 20), torch.full((5,), 36.0), torch.full((15,), -20.0)])
+    nw, g = 2, 8
+    m = torch.full((nw, g), -1.0e30)
+    l_t = torch.zeros(nw, 16, g)
+    for j in range(40):
+        s = (torch.randn(nw, 16, g, generator=gen) * 2 + trend[j]).float()
+        valid = torch.rand(nw, 16, generator=gen) > 0.1
+        a = pg._lazy_softmax_step.fn(s, valid, m, l_t)
+        b = pg._vote_softmax_step.fn(s, valid, m, l_t)
+        for x, y in zip(a + ((a[2] != m).any(dim=1).to(torch.int32),), b):  # the flag: any head of the warp moved
+            assert torch.equal(x, y), j
+        m, l_t = a[2], a[3]
+
+
 def test_gluon_lazy_softmax_gives_the_softmax(monkeypatch):
     """The compact kernel's running softmax (``_lazy_softmax_step``'s Python body on the CPU, the sum's
     rescale as ``_rescale`` does it: skipped where no head's max moved) over pages of logits that
@@ -960,7 +1125,7 @@ def test_gluon_lazy_softmax_gives_the_softmax(monkeypatch):
 
     from weightszip.kernels import paged_decode_gluon as pg
 
-    gl = types.SimpleNamespace(where=torch.where, maximum=torch.maximum, exp2=torch.exp2,
+    gl = types.SimpleNamespace(where=torch.where, maximum=torch.maximum, exp2=torch.exp2, int32=torch.int32,
                                expand_dims=lambda x, d: x.unsqueeze(d), max=lambda x, axis: x.amax(dim=axis))
     slack = float(pg.MAX_SLACK.value)
     monkeypatch.setitem(pg._lazy_softmax_step.fn.__globals__, "gl", gl)
@@ -1101,6 +1266,7 @@ import sys
 from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_for_hopper, smem_offsets
 
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
+vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
@@ -1108,7 +1274,7 @@ ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_pt
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
-             TAB_OFF=tab_off, STAGE_OFF=stage_off)
+             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1124,10 +1290,13 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
 @pytest.mark.parametrize("case", [(4, 4, 128, 4, 0, 0), (4, 3, 128, 8, 0, 0), (3, 3, 64, 3, 0, 0), (2, 3, 64, 3, 0, 0),
                                   (4, 4, 64, 16, 0, 0), (4, 4, 128, 4, 2, 0), (3, 3, 64, 3, 2, 0),
                                   (4, 4, 128, 4, 0, 2), (3, 3, 128, 4, 0, 2), (4, 3, 128, 8, 0, 4), (2, 3, 64, 3, 2, 2),
-                                  (4, 4, 128, 4, 2, 2), (4, 4, 32, 4, 0, 2), (3, 4, 128, 4, 0, 2)],
+                                  (4, 4, 128, 4, 2, 2), (4, 4, 32, 4, 0, 2), (3, 4, 128, 4, 0, 2),
+                                  (4, 4, 128, 4, 0, 2, 1), (3, 3, 128, 4, 0, 2, 1), (4, 4, 64, 16, 0, 0, 1),
+                                  (4, 4, 128, 4, 2, 2, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
-                              "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged"])
+                              "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
+                              "q4-8b-staged-vote", "q3-8b-staged-vote", "q4-64x16-vote", "q4-8b-rope-staged-vote"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1137,7 +1306,8 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     (``KernelConfig.gluon_rope``) compiles at the 16 warps it runs on; the staged variants
     (``KernelConfig.gluon_stages``) issue cp.async, and the kernel's shared memory is exactly the
     pair tables and the staging buffer (``smem_offsets``: inline PTX addresses them, so no Triton
-    scratch may lie in their bytes)."""
+    scratch may lie in their bytes). The ``-vote`` cases: the lazy max by a warp vote
+    (``KernelConfig.gluon_vote``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()

@@ -159,6 +159,11 @@ class KernelConfig:
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
+    # compact pages: the lazy running max by a warp vote (``paged_decode_gluon._vote_softmax_step``: no
+    # shuffles on pages where no head's max moves; the same maxima as the default, so the same output
+    # bit for bit). Built and tested on the CPU in session 29 (its PTX run by a warp interpreter,
+    # compiled for sm_90), not yet timed or run on a GPU: off until an A/B on the H200 says it pays
+    gluon_vote: bool = False
 
     def __post_init__(self):
         """Launch parameters that would not compile, or would compile into the wrong kernel, are
@@ -1670,7 +1675,7 @@ class PagedDecodeAttention:
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
-                STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off,
+                STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
                 # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))

@@ -49,6 +49,9 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
 * **Two product chains for the logits** (``_k_halves``, ``_logits``): the 8 dependent ``mma.sync``
   of a page's ``K Q^T`` as two chains over the two halves of head_dim, summed at the end (a
   different fp32 rounding of the sum, within the stated tolerance; 1-2% for KV Exact4, none here).
+* **The lazy max by a warp vote** (``VOTE``, ``KernelConfig.gluon_vote``, off by default and not yet
+  timed on a GPU): one vote asks whether any logit of the warp exceeds its column's max + MAX_SLACK,
+  and the row shuffles run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima).
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
@@ -1017,6 +1020,62 @@ def _softmax_step(s, valid, m_i, l_i):
 MAX_SLACK = gl.constexpr(8.0)
 
 
+@constexpr_function
+def _vote_max_asm(tiles):
+    """The lazy running max of ``_lazy_softmax_step`` for one thread's ``tiles`` n-tiles of a
+    [16, 8 tiles] logit block in the mma.sync accumulator layout (4 values a tile: rows r and r + 8 of
+    columns c and c + 1; the rows' other 14 values on the lanes 4, 8 and 16 apart), with the running
+    max of each value's column beside it: $0.. the new max of each value's column, then 4 ``tiles``
+    flags (1 if any max of the warp moved); inputs the logits, then the maxima. A warp vote decides
+    first: no logit of the warp above its column's max + MAX_SLACK (most pages), no max moves and no
+    shuffle runs; else each column's max over its 16 rows by three butterfly shuffles."""
+    n = 4 * tiles
+    s, m = n * 2, n * 3  # operand numbers of the logits and of the maxima
+    lines = [".reg .pred p, q, any;", ".reg .f32 c<%d>, t<%d>, x;" % (2 * tiles, 2 * tiles), "setp.ne.u32 p, 0, 0;"]
+    for t in range(tiles):
+        for j in range(2):  # the tile's two columns
+            i, k = 2 * t + j, 4 * t + j
+            lines += [f"max.f32 c{i}, ${s + k}, ${s + k + 2};", f"add.f32 t{i}, ${m + k}, {MAX_SLACK.value:.1f};",
+                      f"setp.gt.f32 q, c{i}, t{i};", "or.pred p, p, q;"]
+    lines += ["vote.sync.any.pred any, p, 0xffffffff;", "@!any bra.uni KEEP;"]
+    for i in range(2 * tiles):
+        for lane in (4, 8, 16):
+            lines += [f"shfl.sync.bfly.b32 x, c{i}, {lane}, 0x1f, 0xffffffff;", f"max.f32 c{i}, c{i}, x;"]
+    for t in range(tiles):
+        for j in range(2):
+            i, k = 2 * t + j, 4 * t + j
+            lines += [f"max.f32 c{i}, c{i}, ${m + k};", f"setp.gt.f32 q, c{i}, t{i};",
+                      f"selp.f32 ${k}, c{i}, ${m + k}, q;", f"mov.f32 ${k + 2}, ${k};"]
+    lines += ["bra.uni DONE;", "KEEP:"]
+    lines += [f"mov.f32 ${k}, ${m + k};" for k in range(n)]
+    lines += ["DONE:", "selp.u32 $%d, 1, 0, any;" % n] + [f"mov.u32 ${n + k}, ${n};" for k in range(1, n)]
+    return "{ " + " ".join(lines) + " }"
+
+
+def vote_max_ref(s: torch.Tensor, m_i: torch.Tensor, slack: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch model of ``_vote_max_asm`` over whole warps: logits ``s`` [NW, 16, G] and running maxima
+    ``m_i`` [NW, G] (fp32) to the new maxima [NW, G] and ``need`` [NW] (int32, 1 where the warp's
+    vote found a logit above its column's max + MAX_SLACK). Equal to ``_lazy_softmax_step``'s max
+    and flag: no logit above the threshold leaves every column's max where it was."""
+    slack = MAX_SLACK.value if slack is None else slack
+    thresh = m_i + slack
+    vote = (s > thresh[:, None, :]).flatten(1).any(dim=1)
+    m_c = torch.maximum(m_i, s.amax(dim=1))
+    return torch.where(vote[:, None] & (m_c > thresh), m_c, m_i), vote.to(torch.int32)
+
+
+@constexpr_function
+def _vote_max_constraints(tiles):
+    n = 4 * tiles
+    return ",".join(["=f"] * n + ["=r"] * n + ["f"] * (2 * n))
+
+
+@gluon.jit
+def _first(a, b):
+    """A reduction's combine that keeps its first operand (for values every thread already holds)."""
+    return a
+
+
 @gluon.jit
 def _lazy_softmax_step(s, valid, m_i, l_t):
     """``_softmax_step`` with a lazy max and the mass kept per thread (``l_t`` [NW, 16, BLOCK_G]: the
@@ -1029,6 +1088,28 @@ def _lazy_softmax_step(s, valid, m_i, l_t):
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(s - gl.expand_dims(m_new, 1))
     return p, alpha, m_new, l_t * gl.expand_dims(alpha, 1) + p
+
+
+@gluon.jit
+def _vote_softmax_step(s, valid, m_i, l_t):
+    """``_softmax_step`` with a lazy max and the mass kept per thread (``l_t`` [NW, 16, BLOCK_G]: the
+    rows each thread holds, summed across them at the end): the max moves only by more than
+    MAX_SLACK (the result is the same at any max the weights do not overflow at: the merge divides
+    the sum by the mass at one max), so ``alpha`` is 1 on most pages, and no shuffles sum the mass.
+    The new max comes from ``_vote_max_asm`` (a warp vote first, shuffles only when a max moves),
+    with ``need`` [NW], 1 where a max of the warp moved; both reach the heads' layout by a reduction
+    that keeps its first operand (every thread already holds its columns' values: no shuffle is
+    left after dead-code elimination)."""
+    s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
+    TILES: gl.constexpr = s.shape[2] // 8
+    m3, moved = gl.inline_asm_elementwise(_vote_max_asm(TILES), _vote_max_constraints(TILES),
+                                          [s, gl.expand_dims(m_i, 1)], dtype=(gl.float32, gl.int32),
+                                          is_pure=True, pack=4 * TILES)
+    m_new = gl.reduce(m3, 1, _first)
+    need = gl.reduce(gl.reduce(moved, 1, _first), 1, _first)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m3)
+    return p, alpha, m_new, l_t * gl.expand_dims(alpha, 1) + p, need
 
 
 @constexpr_function
@@ -1049,6 +1130,12 @@ def _rescale(acc, alpha, moved, HEAD_DIM: gl.constexpr, BLOCK_G: gl.constexpr):
     """``acc`` [NW, HEAD_DIM, BLOCK_G] times ``alpha`` [NW, BLOCK_G] per head, skipped in a warp none
     of whose heads' max ``moved`` (the common case past the first pages: see ``MAX_SLACK``)."""
     need = gl.max(moved.to(gl.int32), axis=1)  # [NW]: one value per warp (a reduction within it)
+    return _rescale_if(acc, alpha, need, HEAD_DIM, BLOCK_G)
+
+
+@gluon.jit
+def _rescale_if(acc, alpha, need, HEAD_DIM: gl.constexpr, BLOCK_G: gl.constexpr):
+    """``_rescale`` with the warp's flag given: skipped in a warp whose ``need`` [NW] is 0."""
     n: gl.constexpr = min(32, HEAD_DIM * BLOCK_G // 32)  # a thread's values (all of them: one branch)
     return gl.inline_asm_elementwise(_rescale_asm(n), _rescale_constraints(n),
                                      [acc, gl.expand_dims(alpha, 1), gl.expand_dims(gl.expand_dims(need, 1), 1)],
@@ -1093,7 +1180,7 @@ def compact_split_kernel(
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
-    STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0,
+    STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2; lazy, ``_lazy_softmax_step``), softmax mass and unnormalized fp32 sum of
@@ -1228,7 +1315,10 @@ def compact_split_kernel(
             s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
                               _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2, ROPE_CHUNKS, NW,
                               MMA, OPA, OPB) * qk_scale
-        p, alpha, m_new, l_t = _lazy_softmax_step(s, valid, m_i, l_t)
+        if VOTE:  # KernelConfig.gluon_vote: the lazy max by a warp vote (not yet timed on a GPU)
+            p, alpha, m_new, l_t, need = _vote_softmax_step(s, valid, m_i, l_t)
+        else:
+            p, alpha, m_new, l_t = _lazy_softmax_step(s, valid, m_i, l_t)
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
         if STAGES > 0:
             a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV)
@@ -1240,7 +1330,10 @@ def compact_split_kernel(
                 a0, a1, a2, a3 = _v_words(v_pages_ptr, ov, 0, BITS_V, M, LV)
                 b0, b1, b2, b3 = _v_words(v_pages_ptr, ov, 1, BITS_V, M, LV)
         vt = _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS_V, TAB_OFF + 128, HEAD_DIM, NW, LV, OPA)
-        acc = mma_v2(vt, pt, _rescale(acc, alpha, m_new != m_i, HEAD_DIM, BLOCK_G))
+        if VOTE:
+            acc = mma_v2(vt, pt, _rescale_if(acc, alpha, need, HEAD_DIM, BLOCK_G))
+        else:
+            acc = mma_v2(vt, pt, _rescale(acc, alpha, m_new != m_i, HEAD_DIM, BLOCK_G))
         m_i = m_new
         fr = nfr
         if STAGES == 0:
