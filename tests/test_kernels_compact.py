@@ -626,8 +626,6 @@ def _run_lut_ptx(asm: str, inputs: list[int]) -> list[int]:
     """The instructions of the register lookup's PTX, run one by one on Python ints (b32 registers;
     prmt in its default mode: a selector nibble's bits 0-2 pick one of 8 bytes, bit 3 replicates the
     picked byte's sign)."""
-    import re
-
     m32 = 0xFFFFFFFF
 
     def prmt(a, b, c):
@@ -1012,8 +1010,6 @@ def _run_warp_ptx(asm: str, regs: dict) -> dict:
             env[a[0]] = (val(a[1]).float() + val(a[2]).float()).float()
         elif op == "setp.gt.f32":
             env[a[0]] = val(a[1]).float() > val(a[2]).float()
-        elif op == "setp.ne.u32":
-            env[a[0]] = val(a[1]) != val(a[2])
         elif op == "or.pred":
             env[a[0]] = env[a[1]] | env[a[2]]
         elif op == "vote.sync.any.pred":
@@ -1125,7 +1121,7 @@ def test_gluon_lazy_softmax_gives_the_softmax(monkeypatch):
 
     from weightszip.kernels import paged_decode_gluon as pg
 
-    gl = types.SimpleNamespace(where=torch.where, maximum=torch.maximum, exp2=torch.exp2, int32=torch.int32,
+    gl = types.SimpleNamespace(where=torch.where, maximum=torch.maximum, exp2=torch.exp2,
                                expand_dims=lambda x, d: x.unsqueeze(d), max=lambda x, axis: x.amax(dim=axis))
     slack = float(pg.MAX_SLACK.value)
     monkeypatch.setitem(pg._lazy_softmax_step.fn.__globals__, "gl", gl)

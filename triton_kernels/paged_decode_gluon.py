@@ -1031,12 +1031,12 @@ def _vote_max_asm(tiles):
     shuffle runs; else each column's max over its 16 rows by three butterfly shuffles."""
     n = 4 * tiles
     s, m = n * 2, n * 3  # operand numbers of the logits and of the maxima
-    lines = [".reg .pred p, q, any;", ".reg .f32 c<%d>, t<%d>, x;" % (2 * tiles, 2 * tiles), "setp.ne.u32 p, 0, 0;"]
+    lines = [".reg .pred p, q, any;", ".reg .f32 c<%d>, t<%d>, x;" % (2 * tiles, 2 * tiles)]
     for t in range(tiles):
         for j in range(2):  # the tile's two columns
             i, k = 2 * t + j, 4 * t + j
-            lines += [f"max.f32 c{i}, ${s + k}, ${s + k + 2};", f"add.f32 t{i}, ${m + k}, {MAX_SLACK.value:.1f};",
-                      f"setp.gt.f32 q, c{i}, t{i};", "or.pred p, p, q;"]
+            lines += [f"max.f32 c{i}, ${s + k}, ${s + k + 2};", f"add.f32 t{i}, ${m + k}, {MAX_SLACK.value:.1f};"]
+            lines += [f"setp.gt.f32 p, c{i}, t{i};"] if i == 0 else [f"setp.gt.f32 q, c{i}, t{i};", "or.pred p, p, q;"]
     lines += ["vote.sync.any.pred any, p, 0xffffffff;", "@!any bra.uni KEEP;"]
     for i in range(2 * tiles):
         for lane in (4, 8, 16):
@@ -1092,14 +1092,10 @@ def _lazy_softmax_step(s, valid, m_i, l_t):
 
 @gluon.jit
 def _vote_softmax_step(s, valid, m_i, l_t):
-    """``_softmax_step`` with a lazy max and the mass kept per thread (``l_t`` [NW, 16, BLOCK_G]: the
-    rows each thread holds, summed across them at the end): the max moves only by more than
-    MAX_SLACK (the result is the same at any max the weights do not overflow at: the merge divides
-    the sum by the mass at one max), so ``alpha`` is 1 on most pages, and no shuffles sum the mass.
-    The new max comes from ``_vote_max_asm`` (a warp vote first, shuffles only when a max moves),
-    with ``need`` [NW], 1 where a max of the warp moved; both reach the heads' layout by a reduction
-    that keeps its first operand (every thread already holds its columns' values: no shuffle is
-    left after dead-code elimination)."""
+    """``_lazy_softmax_step`` (the same outputs) with the new max from ``_vote_max_asm`` (a warp vote
+    first, shuffles only when a max moves), and also ``need`` [NW], 1 where a max of the warp moved.
+    Both reach the heads' layout by a reduction that keeps its first operand (every thread already
+    holds its columns' values: no shuffle is left after dead-code elimination)."""
     s = gl.where(gl.expand_dims(valid, 2), s, float("-inf"))
     TILES: gl.constexpr = s.shape[2] // 8
     m3, moved = gl.inline_asm_elementwise(_vote_max_asm(TILES), _vote_max_constraints(TILES),
