@@ -344,14 +344,53 @@ fn open_regular(path: &Path) -> Result<File> {
 /// what it points to; a FIFO) as a name. A missing entry is not an error.
 pub fn remove_entry(path: &Path) -> std::io::Result<()> {
     let r = match fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_dir() => fs::remove_dir_all(path),
+        Ok(m) if m.file_type().is_dir() => remove_tree(path),
         Ok(_) => fs::remove_file(path),
         Err(e) => Err(e),
     };
+    not_found_is_ok(r)
+}
+
+fn not_found_is_ok(r: std::io::Result<()>) -> std::io::Result<()> {
     match r {
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
         r => r,
     }
+}
+
+/// Remove a directory and everything in it with a work list, not recursion: std's
+/// `remove_dir_all` recurses once per level, so a crafted tree some thousands of levels deep
+/// overflowed the stack of the thread removing it (an I/O pool thread at open: the process
+/// aborted). Links are removed as names, never followed. A directory is removed once the ones
+/// below it are; the depth reached is bounded by the path length the OS accepts (past it, an
+/// error, ENAMETOOLONG).
+fn remove_tree(root: &Path) -> std::io::Result<()> {
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.last() {
+        let entries = match fs::read_dir(dir) {
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                todo.pop(); // (gone meanwhile)
+                continue;
+            }
+            r => r?,
+        };
+        let mut below = Vec::new();
+        for e in entries {
+            let e = e?;
+            if e.file_type()?.is_dir() {
+                below.push(e.path());
+            } else {
+                not_found_is_ok(fs::remove_file(e.path()))?;
+            }
+        }
+        if below.is_empty() {
+            not_found_is_ok(fs::remove_dir(dir))?;
+            todo.pop();
+        } else {
+            todo.extend(below);
+        }
+    }
+    Ok(())
 }
 
 /// Read a whole chunk file and verify it: sizes against the file's length (before anything is

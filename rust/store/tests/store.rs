@@ -862,3 +862,35 @@ fn chunks_a_store_cannot_read_are_reported_not_missed() {
     // big, old, new, v2: the older "old" and the replaced "new" are gone
     assert_eq!(chunk_files(dir.path()).len(), 4);
 }
+
+/// A directory named like a chunk file holding a tree 2,000 levels deep (the most a 4 KiB path
+/// allows with one-letter names): removed whole from a thread with a 128 KiB stack. std's
+/// remove_dir_all, which the store used, recursed once per level and overflowed such a stack
+/// (the process aborted); the work list does not recurse.
+#[cfg(unix)]
+#[test]
+fn a_deep_directory_in_a_chunk_files_place_is_removed_without_recursion() {
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join(file::rel_path(file::key_hash(&key(1)), 1));
+    fs::create_dir_all(top.parent().unwrap()).unwrap();
+    let mut p = top.clone();
+    fs::create_dir(&p).unwrap();
+    for level in 0..2000 {
+        p.push(if level % 2 == 0 { "d" } else { "e" });
+        fs::create_dir(&p).unwrap();
+        if level % 500 == 0 {
+            fs::write(p.with_file_name("f"), b"x").unwrap();
+        }
+    }
+    assert!(p.as_os_str().len() > 4000, "{}", p.as_os_str().len());
+    let t = top.clone();
+    let r = std::thread::Builder::new()
+        .stack_size(128 << 10)
+        .spawn(move || file::remove_entry(&t))
+        .unwrap()
+        .join()
+        .unwrap();
+    r.unwrap();
+    assert!(fs::symlink_metadata(&top).is_err());
+    assert!(top.parent().unwrap().is_dir(), "only the entry is removed");
+}
