@@ -2,9 +2,10 @@
 """Where a kernel's warps wait, from Nsight Compute's per-instruction source counters: the stall
 reasons over all samples, the instructions with the most samples (with their main reason and the
 instruction before them: a stall is charged to the instruction that could not issue, so its cause
-is often what it waits for), and each ``LDGSTS`` copy's L2 sectors and shared-memory wavefronts per
+is often what it waits for), each ``LDGSTS`` copy's L2 sectors and shared-memory wavefronts per
 execution on the common path (a warp's 512-byte copy needs 16 sectors and 4 wavefronts; more means
-split requests).
+split requests), and the shared loads there with bank conflicts (wavefronts per execution against
+Nsight's ideal).
 
     ncu --clock-control none -k regex:exact4_split --launch-skip 2 --launch-count 1 --set full \\
         --import-source yes -o x4 python ...
@@ -55,6 +56,13 @@ def summarize(path: str, top: int = 12) -> str:
             out.append(f"{i} {r[1].strip()[:50]} sect {_num(r, ix, 'L2 Theoretical Sectors Global') / execs:.1f} "
                        f"smem wf {_num(r, ix, 'L1 Wavefronts Shared') / execs:.1f} "
                        f"thr {_num(r, ix, 'Avg. Predicated-On Threads Executed'):.0f}")
+    # shared loads on the common path with bank conflicts: wavefronts per execution against the ideal
+    for i, r in enumerate(data):
+        execs = _num(r, ix, "Instructions Executed")
+        excess = _num(r, ix, "L1 Wavefronts Shared Excessive")
+        if r[1].strip().startswith("LDS") and execs >= most / 10 and excess > 0:
+            out.append(f"{i} {r[1].strip()[:50]} smem wf {_num(r, ix, 'L1 Wavefronts Shared') / execs:.2f} "
+                       f"ideal {_num(r, ix, 'L1 Wavefronts Shared Ideal') / execs:.2f}")
     return "\n".join(out)
 
 

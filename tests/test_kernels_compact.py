@@ -11,6 +11,7 @@ pages, |error| / max|v| with v the true-domain values, decoded pages and side to
   (2**-9 relative each) before the products: 2**-6.
 """
 
+import collections
 import dataclasses
 import os
 import re
@@ -617,6 +618,61 @@ def test_gluon_vote_max_gives_the_same_output_gpu(shape, variant, bits):
     out = run(cfg)
     assert torch.equal(run(dataclasses.replace(cfg, gluon_vote=True)), out)
     assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
+@pytest.mark.parametrize("bits", [(4, 4), (3, 4), (4, 3)], ids=["q4", "k3v4", "q3.5"])
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128), (9, 3, 64)], ids=["llama8b", "llama70b-tp8", "smollm2"])
+def test_gluon_v_swizzle_gives_the_same_output_gpu(shape, stages, bits):
+    """``KernelConfig.gluon_v_swizzle`` (V's staged chunks in swizzled places) reads the same words, so
+    the output is the default's bit for bit; where it does not apply (V at 3 bits, head_dim 64) it is
+    the same kernel."""
+    run, ref, vmax = _real_shape_case(shape, *bits)
+    cfg = KernelConfig(gluon=True, gluon_min_work=0, gluon_warps=8, gluon_ahead=0, gluon_maxnreg=128,
+                       gluon_stages=stages, gluon_vote=True)
+    out = run(cfg)
+    assert torch.equal(run(dataclasses.replace(cfg, gluon_v_swizzle=True)), out)
+    assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
+
+
+def test_v_swizzle_is_a_permutation_its_reader_inverts_without_bank_conflicts():
+    """``v_swizzled_chunk`` (where the copies put V's 16-byte chunks) and ``v_swizzled_word`` (where
+    ``_v_words_staged`` reads them), run on tensors: a permutation of each 64-byte row's 4 chunks;
+    the reader finds at its address the word it wants; and a staged V load (lane 4 j + tl reads the
+    4 words of chunk j >> 1 of row 8 th + 2 tl + e, ``v_layout``) serves each phase of 8 lanes in
+    one wavefront (its distinct chunks in distinct 16-byte bank groups), 4 a load, where the
+    unswizzled layout takes 16."""
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    cv = torch.arange(64)
+    placed = pg.v_swizzled_chunk.fn(cv)
+    assert sorted(placed.tolist()) == list(range(64))
+    assert torch.equal(placed // 4, cv // 4)  # within its row
+    # the reader: row r, word q (of 16) is the chunk the copies placed, word q % 4 of it
+    r, q = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    where = 16 * r + pg.v_swizzled_word.fn(q, r)
+    assert torch.equal(where, 4 * placed[4 * r + q // 4] + q % 4)
+
+    def wavefronts(swizzled, base):
+        total = 0
+        for th in range(2):
+            for e in range(2):
+                for phase in range(4):
+                    lanes = range(8 * phase, 8 * phase + 8)
+                    addrs = set()
+                    for lane in lanes:
+                        tl, j = lane % 4, lane // 4
+                        row, q = 8 * th + 2 * tl + e, 4 * (j >> 1)
+                        word = 16 * row + (pg.v_swizzled_word.fn(q, row) if swizzled else q)
+                        addrs.add(base + 4 * word)
+                    groups = collections.Counter((a % 128) // 16 for a in addrs)
+                    total += max(groups.values())
+        return total
+
+    for base in (96, 112):  # V's planes in a slot: 96 + K's 1024 bytes + the shift (0 or 16), mod 128
+        assert wavefronts(True, base) == 4 * 4
+        assert wavefronts(False, base) == 4 * 16
 
 
 # -- the register lookup's PTX (compiled only; Triton's interpreter cannot run inline assembly) ----------
@@ -1263,6 +1319,7 @@ from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_
 
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
 vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
+swizzle = sys.argv[8:9] == ["1"]  # KernelConfig.gluon_v_swizzle
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
@@ -1270,7 +1327,7 @@ ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_pt
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
-             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote)
+             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_SWIZZLE=swizzle)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1288,11 +1345,12 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (4, 4, 128, 4, 0, 2), (3, 3, 128, 4, 0, 2), (4, 3, 128, 8, 0, 4), (2, 3, 64, 3, 2, 2),
                                   (4, 4, 128, 4, 2, 2), (4, 4, 32, 4, 0, 2), (3, 4, 128, 4, 0, 2),
                                   (4, 4, 128, 4, 0, 2, 1), (3, 3, 128, 4, 0, 2, 1), (4, 4, 64, 16, 0, 0, 1),
-                                  (4, 4, 128, 4, 2, 2, 1)],
+                                  (4, 4, 128, 4, 2, 2, 1), (4, 4, 128, 4, 0, 2, 1, 1), (4, 4, 128, 8, 0, 4, 1, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
-                              "q4-8b-staged-vote", "q3-8b-staged-vote", "q4-64x16-vote", "q4-8b-rope-staged-vote"])
+                              "q4-8b-staged-vote", "q3-8b-staged-vote", "q4-64x16-vote", "q4-8b-rope-staged-vote",
+                              "q4-8b-staged-vote-vswz", "q4-70b-staged4-vote-vswz"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1303,7 +1361,7 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     (``KernelConfig.gluon_stages``) issue cp.async, and the kernel's shared memory is exactly the
     pair tables and the staging buffer (``smem_offsets``: inline PTX addresses them, so no Triton
     scratch may lie in their bytes). The ``-vote`` cases: the lazy max by a warp vote
-    (``KernelConfig.gluon_vote``)."""
+    (``KernelConfig.gluon_vote``); ``-vswz``: V's staged chunks swizzled (``KernelConfig.gluon_v_swizzle``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()

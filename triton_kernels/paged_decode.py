@@ -160,10 +160,13 @@ class KernelConfig:
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
     # compact pages: the lazy running max by a warp vote (``paged_decode_gluon._vote_softmax_step``: no
-    # shuffles on pages where no head's max moves; the same maxima as the default, so the same output
-    # bit for bit). Built and tested on the CPU in session 29 (its PTX run by a warp interpreter,
-    # compiled for sm_90), not yet timed or run on a GPU: off until an A/B on the H200 says it pays
+    # shuffles on pages where no head's max moves; the same maxima as without it, so the same output
+    # bit for bit). On by default for compact pages (``DEFAULT_CONFIGS``) since session 30's A/B
     gluon_vote: bool = False
+    # compact pages with 4-bit V (q4) and head_dim 128, staged: V's 16-byte chunks staged in swizzled
+    # places (``paged_decode_gluon.v_swizzled_chunk``) so that the V operand's shared loads are free
+    # of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same output
+    gluon_v_swizzle: bool = False
 
     def __post_init__(self):
         """Launch parameters that would not compile, or would compile into the wrong kernel, are
@@ -225,8 +228,9 @@ DEFAULT_CONFIGS = {
     # (2**15; q4 with 132 side tokens, `box/s22_run03/probe.json`); with that threshold the formats' side
     # tokens (fewer paged tokens) had put 70B TP8 batch 8 x 32k on the Triton kernel. At 2**18 and up
     # (session 13, `box/s13_run01/dec_small.json`) 6-18% faster, 1.33-1.36x at 70B TP8 8 x 128k.
+    # The lazy max by a warp vote (session 30, H100, .boxq A/B, bit-identical output): q4 1.03-1.13x, q3 1.05-1.07x.
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
-                               gluon_min_work=0),
+                               gluon_min_work=0, gluon_vote=True),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
@@ -1676,6 +1680,7 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
+                V_SWIZZLE=cfg.gluon_v_swizzle,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
                 # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))

@@ -49,9 +49,12 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
 * **Two product chains for the logits** (``_k_halves``, ``_logits``): the 8 dependent ``mma.sync``
   of a page's ``K Q^T`` as two chains over the two halves of head_dim, summed at the end (a
   different fp32 rounding of the sum, within the stated tolerance; 1-2% for KV Exact4, none here).
-* **The lazy max by a warp vote** (``VOTE``, ``KernelConfig.gluon_vote``, off by default and not yet
-  timed on a GPU): one vote asks whether any logit of the warp exceeds its column's max + MAX_SLACK,
-  and the row shuffles run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima).
+* **The lazy max by a warp vote** (``VOTE``, ``KernelConfig.gluon_vote``, the compact default): one
+  vote asks whether any logit of the warp exceeds its column's max + MAX_SLACK, and the row shuffles
+  run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima, so the same output). On
+  an H100 0.99-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
+* **V's staged chunks swizzled** (``V_SWIZZLE``, ``KernelConfig.gluon_v_swizzle``, q4 at head_dim
+  128): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V operand's shared loads.
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
@@ -498,20 +501,24 @@ def _carry_block(dst, fblk, t1, bt_row, LANE: gl.constexpr, BLOCK_SIZE: gl.const
 
 @gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
-                NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr):
+                NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr,
+                VSWZ: gl.constexpr = False):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
     chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
     ``fblk`` (block 0 past t1: the copy's zero fill) carried to header byte 0, as one commit group;
     then the shifts into header word 1. No global load waits: the slot's next page takes its block
-    from there (``_carried_offsets``)."""
+    from there (``_carried_offsets``). ``VSWZ``: V's chunks in ``v_swizzled_chunk``'s places."""
     KB: gl.constexpr = 16 * NK
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
     sk = (ok & 16).to(gl.int32)
     sv = (ov & 16).to(gl.int32)
     src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
     on = (c < NK + NV).to(gl.int32) + 0 * sk
-    off = dst + gl.where(c < NK, SLOT_HDR + sk + 16 * c, SLOT_HDR + 32 + KB + sv + 16 * (c - NK))
+    cv = c - NK
+    if VSWZ:
+        cv = v_swizzled_chunk(cv)
+    off = dst + gl.where(c < NK, SLOT_HDR + sk + 16 * c, SLOT_HDR + 32 + KB + sv + 16 * cv)
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
     SL: gl.constexpr = gl.SliceLayout(2, IL)
@@ -758,6 +765,25 @@ def _v_word_index(M: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
+def v_swizzled_chunk(cv):
+    """Where a staged V page of 128-channel nibble rows (4 16-byte chunks a row) holds its chunk
+    ``cv``: chunk k of row r at k ^ ((r >> 1) & 3) of the row (``KernelConfig.gluon_v_swizzle``).
+    The V operand's staged reads (``_v_words_staged``: lane 4 j + tl reads chunk j >> 1 of rows
+    2 tl + e, 8 th + 2 tl + e, one 16-byte ``ld.shared.v4`` each) then find a phase's 8 lanes in 4
+    distinct chunks of 4 distinct bank groups (lanes j, j ^ 1 share a chunk), one wavefront, where
+    unswizzled rows 2 tl + e, 64 bytes apart, put the 4 rows' chunks in one bank group: 4 wavefronts
+    a phase, 16 a load instead of 4 (Nsight Compute, H100, BENCHMARKS.md). Plain integer arithmetic,
+    so the tests run it on torch tensors (``.fn``)."""
+    return cv ^ ((cv >> 3) & 3)
+
+
+@gluon.jit
+def v_swizzled_word(q4, r):
+    """``v_swizzled_chunk`` for a reader: the place of word ``q4`` (of 16) of row ``r``."""
+    return q4 ^ (((r >> 1) & 3) * 4)
+
+
+@gluon.jit
 def _k_words(pages_ptr, poff, BITS: gl.constexpr, M: gl.constexpr, LK: gl.constexpr):
     """A K page's words for the K operand, row 8 nh + nl: plane words [NW, 2 (nh), 8 (nl), M, 1, 1, 1],
     or at width 4 nibble words [NW, 2, 8, M, 1, 4 (t), 1]."""
@@ -799,14 +825,18 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
 
 @gluon.jit
 def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr,
-                    K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr):
+                    K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr,
+                    VSWZ: gl.constexpr = False):
     """``_v_words`` from the warp's staged page in ``slot`` (V's planes 32 bytes after K's ``K_BYTES``,
-    plus their shift)."""
+    plus their shift; ``VSWZ``: nibble rows of 128 channels with their chunks swizzled,
+    ``v_swizzled_word``)."""
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW)
     base = base + SLOT_HDR + 32 + K_BYTES + (_lds(base + 4) >> 16)
     m, q4, q3 = _v_word_index(M, LW)
+    if VSWZ:
+        q4 = v_swizzled_word(q4, r)
     return _words(None, base, r, m, q4, q3, BITS, M, LV, True)
 
 
@@ -1177,6 +1207,7 @@ def compact_split_kernel(
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
+    V_SWIZZLE: gl.constexpr = False,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2; lazy, ``_lazy_softmax_step``), softmax mass and unnormalized fp32 sum of
@@ -1226,6 +1257,8 @@ def compact_split_kernel(
     NK: gl.constexpr = BITS_K * HEAD_DIM // 8
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
     NCH: gl.constexpr = 1 << ((NK + NV + 31) // 32 - 1).bit_length()
+    # KernelConfig.gluon_v_swizzle, for the layout it is made for (nibble rows of 128 channels)
+    VSWZ: gl.constexpr = V_SWIZZLE and BITS_V == 4 and HEAD_DIM == 128
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
     gl.thread_barrier()
 
@@ -1268,7 +1301,7 @@ def compact_split_kernel(
             ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
                                         stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, ok0, ov0, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
@@ -1278,7 +1311,7 @@ def compact_split_kernel(
             sok, sov = _carried_offsets(dstj, _tile_first(lo, j + STAGES - 1, NW, 3, IL), head, stride_kb, stride_kh,
                                         stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, sok, sov, dstj, _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ)
             slot = _wait_stage(j % STAGES, STAGES - 1)
             k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK)
             sbase = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 2, ROWS)
@@ -1311,14 +1344,14 @@ def compact_split_kernel(
             s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
                               _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2, ROPE_CHUNKS, NW,
                               MMA, OPA, OPB) * qk_scale
-        if VOTE:  # KernelConfig.gluon_vote: the lazy max by a warp vote (not yet timed on a GPU)
+        if VOTE:  # KernelConfig.gluon_vote: the lazy max by a warp vote
             p, alpha, m_new, l_t, need = _vote_softmax_step(s, valid, m_i, l_t)
         else:
             p, alpha, m_new, l_t = _lazy_softmax_step(s, valid, m_i, l_t)
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
         if STAGES > 0:
-            a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV)
-            b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV)
+            a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ)
+            b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ)
         else:
             if K_AHEAD:
                 k0, k1, k2, k3 = _k_words(k_pages_ptr, nok, BITS_K, M, LK)
