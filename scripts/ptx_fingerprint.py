@@ -89,16 +89,21 @@ def configurations():
     cases = [c + (False,) for c in cases] + [(kb, vb, 128, 4, 0, 2, False, True) for kb, vb in ((4, 4), (3, 3))]
     # (KernelConfig.gluon_v_swizzle, off by default: V's staged chunks swizzled, q4 at the 8B launch)
     cases = [c + (False,) for c in cases] + [(4, 4, 128, 4, 0, 2, False, True, True)]
-    for kb, vb, d, group, chunks, stages, bias, vote, vswz in cases:
-        def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, vote=vote, vswz=vswz):
+    # (KernelConfig.gluon_copy_align, off by default: each 8 lanes' copies in one 128-byte line)
+    cases = [c + (False,) for c in cases] + [(4, 4, 128, 4, 0, 2, False, True, True, True),
+                                            (4, 4, 128, 4, 0, 2, False, True, False, True),
+                                            (3, 3, 128, 4, 0, 2, False, True, False, True)]
+    for kb, vb, d, group, chunks, stages, bias, vote, vswz, align in cases:
+        def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, vote=vote, vswz=vswz,
+                  align=align):
             warps = 16 if chunks else 8
-            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages)
+            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, align)
             const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
                          BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
                          STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **({"VOTE": True} if vote else {}),
-                         **({"V_SWIZZLE": True} if vswz else {}))
+                         **({"V_SWIZZLE": True} if vswz else {}), **({"COPY_ALIGN": True} if align else {}))
             return pg.compact_split_kernel, const, compact_ptrs, warps, None if chunks else 128
-        yield f"compact k{kb}v{vb} d{d} g{group} rope{chunks} stages{stages}{' bias' if bias else ''}{' vote' if vote else ''}{' vswz' if vswz else ''}", build
+        yield f"compact k{kb}v{vb} d{d} g{group} rope{chunks} stages{stages}{' bias' if bias else ''}{' vote' if vote else ''}{' vswz' if vswz else ''}{' align' if align else ''}", build
 
     fp8_ptrs = {"q_ptr": "*bf16", "k_pages_ptr": "*fp8e4nv", "v_pages_ptr": "*fp8e4nv", "ws_m_ptr": "*fp32",
                 "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}

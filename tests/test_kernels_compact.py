@@ -625,15 +625,67 @@ def test_gluon_vote_max_gives_the_same_output_gpu(shape, variant, bits):
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128), (9, 3, 64)], ids=["llama8b", "llama70b-tp8", "smollm2"])
 def test_gluon_v_swizzle_gives_the_same_output_gpu(shape, stages, bits):
-    """``KernelConfig.gluon_v_swizzle`` (V's staged chunks in swizzled places) reads the same words, so
-    the output is the default's bit for bit; where it does not apply (V at 3 bits, head_dim 64) it is
-    the same kernel."""
+    """``KernelConfig.gluon_v_swizzle`` (V's staged chunks in swizzled places) and
+    ``KernelConfig.gluon_copy_align`` (the copies in whole 128-byte lines), each and both, read the
+    same words, so the output is the default's bit for bit; where the swizzle does not apply (V at 3
+    bits, head_dim 64) it is the same kernel."""
     run, ref, vmax = _real_shape_case(shape, *bits)
     cfg = KernelConfig(gluon=True, gluon_min_work=0, gluon_warps=8, gluon_ahead=0, gluon_maxnreg=128,
                        gluon_stages=stages, gluon_vote=True)
     out = run(cfg)
     assert torch.equal(run(dataclasses.replace(cfg, gluon_v_swizzle=True)), out)
+    assert torch.equal(run(dataclasses.replace(cfg, gluon_copy_align=True)), out)
+    assert torch.equal(run(dataclasses.replace(cfg, gluon_v_swizzle=True, gluon_copy_align=True)), out)
     assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
+
+
+@pytest.mark.parametrize("bits", [(4, 4, 128), (3, 3, 128), (4, 3, 128), (2, 3, 64), (4, 4, 64), (4, 4, 32)],
+                         ids=["q4", "q3", "q3.5", "k2v3-d64", "q4-d64", "q4-d32"])
+def test_aligned_copies_copy_each_chunk_once_in_whole_lines(bits, monkeypatch):
+    """``KernelConfig.gluon_copy_align``'s copy plan (``aligned_copy_slot`` run on tensors, the last
+    chunks ``aligned_copy_last`` adds, the slot offsets): for both shifts of each side, every chunk
+    of K and V is copied exactly once, into its place in the slot (the shift plus 16 per chunk, K and
+    V apart, inside the slot); each step's 8-lane phases write within one 128-byte line (one shared
+    wavefront), where the default plan's cross a line in every phase; the shared and global
+    addresses agree mod 32 (a global sector's two halves land in one aligned 32 bytes); and a step
+    reads at most 16 sectors."""
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    monkeypatch.setattr(pg.gl, "where", torch.where)
+    bk, bv, d = bits
+    nk, nv = bk * d // 8, bv * d // 8
+    steps = pg.copy_steps(nk, nv, True)
+    koff, voff = pg.slot_k_offset(True), pg.slot_v_offset(bk, d, True)
+    slot = 4 * pg._slot_words(bk, bv, d, True)
+    assert koff % 128 == 0 and voff % 128 == 0 and voff >= koff + 16 + 16 * nk and slot >= voff + 16 + 16 * nv
+    i, lane = torch.arange(steps)[:, None], torch.arange(32)[None, :]
+
+    def phases_lines(addr, on):
+        return max(len({int(a) // 128 for a, o in zip(addr[s, 8 * p:8 * p + 8], on[s, 8 * p:8 * p + 8]) if o})
+                   for s in range(addr.shape[0]) for p in range(4))
+
+    for dk in (0, 1):
+        for dv in (0, 1):
+            is_v, q, on = pg.aligned_copy_slot.fn(i, lane, torch.tensor(dk), torch.tensor(dv), nk, nv)
+            for side, n, shift, off in ((False, nk, dk, koff), (True, nv, dv, voff)):
+                mine = on & (is_v == side)
+                c = q - shift  # the page's chunk: its 32-byte-aligned start is 16 * shift before it
+                got = sorted(c[mine].tolist())
+                if shift and pg.aligned_copy_last(n):
+                    got.append(n - 1)
+                assert sorted(got) == list(range(n)), (side, dk, dv)
+                shared = off + 16 * q
+                assert torch.equal(shared[mine], (off + 16 * shift + 16 * c)[mine])  # where the readers look
+                glob = 16 * q  # from the page's 32-byte-aligned start
+                assert ((shared - glob)[mine] % 32 == 0).all()
+                assert phases_lines(torch.where(mine, shared, 0), mine) == 1, (side, dk, dv)
+                for s in range(steps):
+                    assert len({int(g) // 32 for g in glob[s][mine[s]]}) <= 16
+    # the default plan (chunk 32 s + lane, K's at 64 + shift, V's at 96 + K's bytes + shift): two lines
+    c = lane + 32 * i
+    on = c < nk + nv
+    shared = torch.where(c < nk, 64 + 16 + 16 * c, 96 + 16 * nk + 16 + 16 * (c - nk))
+    assert phases_lines(shared, on) == 2
 
 
 def test_v_swizzle_is_a_permutation_its_reader_inverts_without_bank_conflicts():
@@ -1320,14 +1372,15 @@ from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
 vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
 swizzle = sys.argv[8:9] == ["1"]  # KernelConfig.gluon_v_swizzle
+align = sys.argv[9:10] == ["1"]  # KernelConfig.gluon_copy_align
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
-tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages)
+tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
-             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_SWIZZLE=swizzle)
+             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_SWIZZLE=swizzle, COPY_ALIGN=align)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1345,12 +1398,16 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (4, 4, 128, 4, 0, 2), (3, 3, 128, 4, 0, 2), (4, 3, 128, 8, 0, 4), (2, 3, 64, 3, 2, 2),
                                   (4, 4, 128, 4, 2, 2), (4, 4, 32, 4, 0, 2), (3, 4, 128, 4, 0, 2),
                                   (4, 4, 128, 4, 0, 2, 1), (3, 3, 128, 4, 0, 2, 1), (4, 4, 64, 16, 0, 0, 1),
-                                  (4, 4, 128, 4, 2, 2, 1), (4, 4, 128, 4, 0, 2, 1, 1), (4, 4, 128, 8, 0, 4, 1, 1)],
+                                  (4, 4, 128, 4, 2, 2, 1), (4, 4, 128, 4, 0, 2, 1, 1), (4, 4, 128, 8, 0, 4, 1, 1),
+                                  (4, 4, 128, 4, 0, 2, 1, 1, 1), (3, 3, 128, 4, 0, 2, 1, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 1),
+                                  (2, 3, 64, 3, 0, 2, 1, 0, 1), (4, 4, 32, 4, 0, 2, 1, 1, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
                               "q4-8b-staged-vote", "q3-8b-staged-vote", "q4-64x16-vote", "q4-8b-rope-staged-vote",
-                              "q4-8b-staged-vote-vswz", "q4-70b-staged4-vote-vswz"])
+                              "q4-8b-staged-vote-vswz", "q4-70b-staged4-vote-vswz", "q4-8b-staged-vote-vswz-align",
+                              "q3-8b-staged-vote-align", "q3.5-70b-staged4-vote-align", "k2v3-smollm2-staged-vote-align",
+                              "q4-d32-staged-vote-vswz-align"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1361,7 +1418,8 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     (``KernelConfig.gluon_stages``) issue cp.async, and the kernel's shared memory is exactly the
     pair tables and the staging buffer (``smem_offsets``: inline PTX addresses them, so no Triton
     scratch may lie in their bytes). The ``-vote`` cases: the lazy max by a warp vote
-    (``KernelConfig.gluon_vote``); ``-vswz``: V's staged chunks swizzled (``KernelConfig.gluon_v_swizzle``)."""
+    (``KernelConfig.gluon_vote``); ``-vswz``: V's staged chunks swizzled (``KernelConfig.gluon_v_swizzle``);
+    ``-align``: the copies in whole 128-byte lines (``KernelConfig.gluon_copy_align``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()

@@ -95,7 +95,7 @@ def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: 
     from .paged_decode_gluon import smem_offsets
 
     warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
-    return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages)[2]
+    return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align)[2]
 
 
 LOG2E = 1.4426950408889634
@@ -167,6 +167,11 @@ class KernelConfig:
     # places (``paged_decode_gluon.v_swizzled_chunk``) so that the V operand's shared loads are free
     # of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same output
     gluon_v_swizzle: bool = False
+    # compact pages, staged: each side's planes at a 128-byte line of the slot and each page's copies
+    # assigned so that every 8 lanes write one line (``paged_decode_gluon.aligned_copy_slot``): one
+    # shared wavefront per 8 lanes where the default's copies cross a line in each (Nsight Compute:
+    # 8.2-8.6 wavefronts a copy for 4); slots 12% larger at q4. Built without a GPU: off until timed
+    gluon_copy_align: bool = False
 
     def __post_init__(self):
         """Launch parameters that would not compile, or would compile into the wrong kernel, are
@@ -1667,7 +1672,8 @@ class PagedDecodeAttention:
 
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
-            tab_off, stage_off, _ = pg.smem_offsets(self.k_bits, self.v_bits, D, warps, cfg.gluon_stages)
+            tab_off, stage_off, _ = pg.smem_offsets(self.k_bits, self.v_bits, D, warps, cfg.gluon_stages,
+                                                    cfg.gluon_copy_align)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1680,7 +1686,7 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
-                V_SWIZZLE=cfg.gluon_v_swizzle,
+                V_SWIZZLE=cfg.gluon_v_swizzle, COPY_ALIGN=cfg.gluon_copy_align,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
                 # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))

@@ -54,7 +54,11 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima, so the same output). On
   an H100 0.99-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
 * **V's staged chunks swizzled** (``V_SWIZZLE``, ``KernelConfig.gluon_v_swizzle``, q4 at head_dim
-  128): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V operand's shared loads.
+  128; opt-in, not yet run on a GPU): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V
+  operand's shared loads.
+* **Aligned copies** (``COPY_ALIGN``, ``KernelConfig.gluon_copy_align``; opt-in, not yet run on a
+  GPU): each 8 lanes of a page's copies write one 128-byte line (``aligned_copy_slot``), where the
+  default's cross a line (two shared wavefronts a phase).
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
@@ -402,25 +406,74 @@ SLOT_HDR = gl.constexpr(64)
 
 
 @constexpr_function
-def _slot_words(bits_k, bits_v, head_dim):
+def slot_k_offset(align):
+    """Byte offset of K's planes in a slot, before their shift: after the header, or (``align``,
+    ``KernelConfig.gluon_copy_align``) at 128, so that the copies write whole 128-byte lines."""
+    return 128 if align else SLOT_HDR.value
+
+
+@constexpr_function
+def slot_v_offset(bits_k, head_dim, align):
+    """Byte offset of V's planes in a slot, before their shift: 32 bytes after K's (the K shift's room
+    and V's 32-byte alignment), or (``align``) at the first 128-byte line after K's planes and shift."""
+    kb = bits_k * head_dim * 2  # 16 rows of head_dim codes of bits_k bits
+    return 128 + (kb + 16 + 127) // 128 * 128 if align else SLOT_HDR.value + 32 + kb
+
+
+@constexpr_function
+def _slot_words(bits_k, bits_v, head_dim, align=False):
     """Shared words of one staged page (``SLOT_HDR``'s layout: header, K's bit planes, V's; 16 rows of
     head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes."""
-    # the header, K's planes, 32 bytes before V's (the K shift's room and V's 32-byte alignment), V's
-    # planes and 16 bytes of room for V's shift (``_issue_page``)
-    b = SLOT_HDR.value + 32 + 16 + (bits_k + bits_v) * head_dim * 2
+    # V's planes and 16 bytes of room for V's shift (``_issue_page``)
+    b = slot_v_offset(bits_k, head_dim, align) + 16 + bits_v * head_dim * 2
     return (b + 127) // 128 * 32
 
 
 @functools.lru_cache(maxsize=None)  # asked at every launch of PagedDecodeAttention.run
-def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int) -> tuple[int, int, int]:
+def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int,
+                 align: bool = False) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
-    the end of both. Only inline PTX reads and writes them (from ``global_smem``), so their order is
-    ours: the kernel's two allocations, made first and live through the loop, reserve [0, end) in
-    whichever order Triton places them (the compile test checks that the kernel's shared memory is
-    exactly that: no Triton scratch lies in it)."""
+    the end of both (``align``: ``KernelConfig.gluon_copy_align``'s slots). Only inline PTX reads and
+    writes them (from ``global_smem``), so their order is ours: the kernel's two allocations, made
+    first and live through the loop, reserve [0, end) in whichever order Triton places them (the
+    compile test checks that the kernel's shared memory is exactly that: no Triton scratch lies in it)."""
     tab = (_table_words(table_entries(bits_k), table_entries(bits_v)) + _GRID_WORDS.value) * 4
-    stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim) * 4
+    stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim, align) * 4
     return 0, tab, tab + stg
+
+
+@constexpr_function
+def copy_steps(nk, nv, align):
+    """cp.async steps (of 32 lanes) per staged page: K's and V's ``nk`` + ``nv`` 16-byte chunks as one
+    run, or (``align``) each side's own, rounded up to a power of two (the steps' arange)."""
+    n = (nk + 31) // 32 + (nv + 31) // 32 if align else (nk + nv + 31) // 32
+    return 1 << (n - 1).bit_length()
+
+
+@gluon.jit
+def aligned_copy_slot(i, lane, dk, dv, NK: gl.constexpr, NV: gl.constexpr):
+    """``KernelConfig.gluon_copy_align``'s copies: (V's?, q, copied?) of lane ``lane`` at step ``i``.
+    K's steps come first, ceil(NK / 32) of them, then V's. Lane l of a side's step s copies the 16
+    bytes at q = 32 s + l from the page's 32-byte-aligned start to position q of the side's
+    128-byte-aligned place in the slot, so that each 8 lanes write one 128-byte line: one shared
+    wavefront a phase, where the default's copies, from a start 64 or 96 (+ 16) bytes into a line,
+    cross a line in every phase (two wavefronts; Nsight Compute counted 8.2-8.6 a copy for 4).
+    A side whose page lies 16 bytes past a 32-byte boundary (``dk`` / ``dv`` 1, its shift) thus has
+    its chunk q - 1 at q, as the readers expect; q = 0 is not copied, nor q past the chunks, and the
+    last chunk, when no step reaches it (``aligned_copy_last``), is copied apart. Integer arithmetic
+    and ``gl.where``, so the tests run it on torch tensors (``.fn``)."""
+    IK: gl.constexpr = (NK + 31) // 32
+    is_v = i >= IK
+    q = 32 * gl.where(is_v, i - IK, i) + lane
+    d = gl.where(is_v, dv, dk)
+    return is_v, q, (q >= d) & (q < gl.where(is_v, NV, NK) + d)
+
+
+@constexpr_function
+def aligned_copy_last(n):
+    """Whether a side of ``n`` chunks, shifted, needs its last chunk copied apart from its steps
+    (``aligned_copy_slot``: their q stop at 32 ceil(n / 32) - 1, and the last chunk is at n)."""
+    return n % 32 == 0
 
 
 # One 16-byte cp.async (global $2 to shared byte offset $1 of ``global_smem``) when $3 is not 0
@@ -502,23 +555,36 @@ def _carry_block(dst, fblk, t1, bt_row, LANE: gl.constexpr, BLOCK_SIZE: gl.const
 @gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
                 NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr,
-                VSWZ: gl.constexpr = False):
+                VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False, BITS_K: gl.constexpr = 0,
+                HEAD_DIM: gl.constexpr = 0):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
     chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
     ``fblk`` (block 0 past t1: the copy's zero fill) carried to header byte 0, as one commit group;
     then the shifts into header word 1. No global load waits: the slot's next page takes its block
-    from there (``_carried_offsets``). ``VSWZ``: V's chunks in ``v_swizzled_chunk``'s places."""
+    from there (``_carried_offsets``). ``VSWZ``: V's chunks in ``v_swizzled_chunk``'s places;
+    ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``."""
     KB: gl.constexpr = 16 * NK
+    KOFF: gl.constexpr = slot_k_offset(ALIGN)
+    VOFF: gl.constexpr = slot_v_offset(BITS_K, HEAD_DIM, ALIGN)
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
     sk = (ok & 16).to(gl.int32)
     sv = (ov & 16).to(gl.int32)
-    src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
-    on = (c < NK + NV).to(gl.int32) + 0 * sk
-    cv = c - NK
-    if VSWZ:
-        cv = v_swizzled_chunk(cv)
-    off = dst + gl.where(c < NK, SLOT_HDR + sk + 16 * c, SLOT_HDR + 32 + KB + sv + 16 * cv)
+    if ALIGN:
+        is_v, q, cp = aligned_copy_slot(_axis(NCH, 2, 3, IL), _axis(32, 1, 3, IL), sk >> 4, sv >> 4, NK, NV)
+        src = gl.where(is_v, v_pages_ptr + (ov - sv) + 16 * q, k_pages_ptr + (ok - sk) + 16 * q)
+        on = cp.to(gl.int32)
+        if VSWZ:
+            off = dst + gl.where(is_v, VOFF + sv + 16 * v_swizzled_chunk(q - (sv >> 4)), KOFF + 16 * q)
+        else:
+            off = dst + gl.where(is_v, VOFF, KOFF) + 16 * q
+    else:
+        src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
+        on = (c < NK + NV).to(gl.int32) + 0 * sk
+        cv = c - NK
+        if VSWZ:
+            cv = v_swizzled_chunk(cv)
+        off = dst + gl.where(c < NK, SLOT_HDR + sk + 16 * c, SLOT_HDR + 32 + KB + sv + 16 * cv)
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
     SL: gl.constexpr = gl.SliceLayout(2, IL)
@@ -528,7 +594,24 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
     ovl = gl.max(ov, axis=2)
     # lanes 0 and 1: the scale indices (16 bytes after each side's planes)
     ssrc = gl.where(lane == 0, k_pages_ptr + okl + KB, v_pages_ptr + ovl + 16 * NV)
-    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [d2 + 16 + 16 * lane, ssrc, (lane < 2).to(gl.int32)],
+    soff = d2 + 16 + 16 * lane
+    son = lane < 2
+    if ALIGN:
+        # lanes 3 and 4: K's and V's last chunk, when shifted and no step reached it
+        skl = gl.max(sk, axis=2)
+        svl = gl.max(sv, axis=2)
+        vlast = (NV - 1) + 0 * lane
+        if VSWZ:
+            vlast = v_swizzled_chunk(vlast)
+        if aligned_copy_last(NK):
+            ssrc = gl.where(lane == 3, k_pages_ptr + okl + 16 * (NK - 1), ssrc)
+            soff = gl.where(lane == 3, d2 + KOFF + 16 * NK, soff)
+            son = son | ((lane == 3) & (skl != 0))
+        if aligned_copy_last(NV):
+            ssrc = gl.where(lane == 4, v_pages_ptr + ovl + 16 * (NV - 1), ssrc)
+            soff = gl.where(lane == 4, d2 + VOFF + svl + 16 * vlast, soff)
+            son = son | ((lane == 4) & (svl != 0))
+    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [soff, ssrc, son.to(gl.int32)],
                               dtype=gl.int32, is_pure=False, pack=1)
     # lane 2: the block the slot's next page is in
     _carry_block(d2, gl.max(fblk, axis=2), t1, bt_row, 2, BLOCK_SIZE, SL)
@@ -813,12 +896,16 @@ def _slot_base(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.co
 
 @gluon.jit
 def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr, BITS: gl.constexpr,
-                    M: gl.constexpr, NW: gl.constexpr, LK: gl.constexpr):
-    """``_k_words`` from the warp's staged page in ``slot`` (its planes at ``SLOT_HDR`` plus their shift)."""
+                    M: gl.constexpr, NW: gl.constexpr, LK: gl.constexpr, ALIGN: gl.constexpr = False):
+    """``_k_words`` from the warp's staged page in ``slot`` (its planes at ``slot_k_offset`` plus their
+    shift)."""
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 7, LW)
-    base = base + SLOT_HDR + (_lds(base + 4) & 0xFFFF)
+    if ALIGN:
+        base = base + slot_k_offset(True) + (_lds(base + 4) & 0xFFFF)
+    else:
+        base = base + SLOT_HDR + (_lds(base + 4) & 0xFFFF)
     m, q4, q3 = _k_word_index(M, LW)
     return _words(None, base, r, m, q4, q3, BITS, M, LK, True)
 
@@ -826,14 +913,18 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
 @gluon.jit
 def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr,
                     K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr,
-                    VSWZ: gl.constexpr = False):
+                    VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False, BITS_K: gl.constexpr = 0,
+                    HEAD_DIM: gl.constexpr = 0):
     """``_v_words`` from the warp's staged page in ``slot`` (V's planes 32 bytes after K's ``K_BYTES``,
     plus their shift; ``VSWZ``: nibble rows of 128 channels with their chunks swizzled,
     ``v_swizzled_word``)."""
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW)
-    base = base + SLOT_HDR + 32 + K_BYTES + (_lds(base + 4) >> 16)
+    if ALIGN:
+        base = base + slot_v_offset(BITS_K, HEAD_DIM, True) + (_lds(base + 4) >> 16)
+    else:
+        base = base + SLOT_HDR + 32 + K_BYTES + (_lds(base + 4) >> 16)
     m, q4, q3 = _v_word_index(M, LW)
     if VSWZ:
         q4 = v_swizzled_word(q4, r)
@@ -1207,7 +1298,7 @@ def compact_split_kernel(
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
-    V_SWIZZLE: gl.constexpr = False,
+    V_SWIZZLE: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2; lazy, ``_lazy_softmax_step``), softmax mass and unnormalized fp32 sum of
@@ -1246,7 +1337,7 @@ def compact_split_kernel(
     # shared memory is exactly theirs).
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS],
                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM)
+    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN)
     if STAGES > 0:
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x
@@ -1256,7 +1347,7 @@ def compact_split_kernel(
         _fill_grids(k_grid_ptr + head * 256, v_grid_ptr + head * 256, GRID_OFF, NW)
     NK: gl.constexpr = BITS_K * HEAD_DIM // 8
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
-    NCH: gl.constexpr = 1 << ((NK + NV + 31) // 32 - 1).bit_length()
+    NCH: gl.constexpr = copy_steps(NK, NV, COPY_ALIGN)
     # KernelConfig.gluon_v_swizzle, for the layout it is made for (nibble rows of 128 channels)
     VSWZ: gl.constexpr = V_SWIZZLE and BITS_V == 4 and HEAD_DIM == 128
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
@@ -1301,7 +1392,7 @@ def compact_split_kernel(
             ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
                                         stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, ok0, ov0, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BITS_K, HEAD_DIM)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
@@ -1311,9 +1402,9 @@ def compact_split_kernel(
             sok, sov = _carried_offsets(dstj, _tile_first(lo, j + STAGES - 1, NW, 3, IL), head, stride_kb, stride_kh,
                                         stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, sok, sov, dstj, _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BITS_K, HEAD_DIM)
             slot = _wait_stage(j % STAGES, STAGES - 1)
-            k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK)
+            k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK, COPY_ALIGN)
             sbase = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 2, ROWS)
             kg = _staged_scales(sbase, rr, GRID_OFF, 0)
             vg = _staged_scales(sbase, rr, GRID_OFF, 1)
@@ -1350,8 +1441,10 @@ def compact_split_kernel(
             p, alpha, m_new, l_t = _lazy_softmax_step(s, valid, m_i, l_t)
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
         if STAGES > 0:
-            a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ)
-            b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ)
+            a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ,
+                                             COPY_ALIGN, BITS_K, HEAD_DIM)
+            b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ,
+                                             COPY_ALIGN, BITS_K, HEAD_DIM)
         else:
             if K_AHEAD:
                 k0, k1, k2, k3 = _k_words(k_pages_ptr, nok, BITS_K, M, LK)
