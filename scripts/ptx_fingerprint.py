@@ -85,7 +85,8 @@ def configurations():
              (2, 3, 64, 3, 2, 2), (4, 4, 128, 4, 2, 2), (4, 4, 32, 4, 0, 2), (3, 4, 128, 4, 0, 2)]
     cases = [c + (True,) for c in cases] + [(kb, vb, 128, g, 0, 2, False) for kb, vb in ((4, 4), (4, 3), (3, 3))
                                             for g in (4, 8)]
-    # (KernelConfig.gluon_vote, off by default: the lazy max by a warp vote, at the 8B launch)
+    # (KernelConfig.gluon_vote: the lazy max by a warp vote, at the 8B launch; the compact default since
+    # session 30, so these are the launches PagedDecodeAttention makes)
     cases = [c + (False,) for c in cases] + [(kb, vb, 128, 4, 0, 2, False, True) for kb, vb in ((4, 4), (3, 3))]
     # (KernelConfig.gluon_v_swizzle, off by default: V's staged chunks swizzled, q4 at the 8B launch)
     cases = [c + (False,) for c in cases] + [(4, 4, 128, 4, 0, 2, False, True, True)]
