@@ -83,28 +83,25 @@ def configurations():
     cases = [(4, 4, 128, 4, 0, 0), (4, 3, 128, 8, 0, 0), (3, 3, 64, 3, 0, 0), (2, 3, 64, 3, 0, 0), (4, 4, 64, 16, 0, 0),
              (4, 4, 128, 4, 2, 0), (3, 3, 64, 3, 2, 0), (4, 4, 128, 4, 0, 2), (3, 3, 128, 4, 0, 2), (4, 3, 128, 8, 0, 4),
              (2, 3, 64, 3, 2, 2), (4, 4, 128, 4, 2, 2), (4, 4, 32, 4, 0, 2), (3, 4, 128, 4, 0, 2)]
-    cases = [c + (True,) for c in cases] + [(kb, vb, 128, g, 0, 2, False) for kb, vb in ((4, 4), (4, 3), (3, 3))
-                                            for g in (4, 8)]
-    # (KernelConfig.gluon_vote: the lazy max by a warp vote, at the 8B launch; the compact default since
-    # session 30, so these are the launches PagedDecodeAttention makes)
-    cases = [c + (False,) for c in cases] + [(kb, vb, 128, 4, 0, 2, False, True) for kb, vb in ((4, 4), (3, 3))]
-    # (KernelConfig.gluon_v_swizzle, off by default: V's staged chunks swizzled, q4 at the 8B launch)
-    cases = [c + (False,) for c in cases] + [(4, 4, 128, 4, 0, 2, False, True, True)]
-    # (KernelConfig.gluon_copy_align, off by default: each 8 lanes' copies in one 128-byte line)
-    cases = [c + (False,) for c in cases] + [(4, 4, 128, 4, 0, 2, False, True, True, True),
-                                            (4, 4, 128, 4, 0, 2, False, True, False, True),
-                                            (3, 3, 128, 4, 0, 2, False, True, False, True)]
-    for kb, vb, d, group, chunks, stages, bias, vote, vswz, align in cases:
-        def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, vote=vote, vswz=vswz,
-                  align=align):
+    cases = [c + (True, ()) for c in cases] + [(kb, vb, 128, g, 0, 2, False, ()) for kb, vb in ((4, 4), (4, 3), (3, 3))
+                                                for g in (4, 8)]
+    # the kernel's options at the 8B launch (staged, no bias), each named in the line by its suffix:
+    # VOTE (KernelConfig.gluon_vote, the compact default since session 30), V_SWIZZLE and COPY_ALIGN
+    # (gluon_v_swizzle, gluon_copy_align: opt-in)
+    cases += [(kb, vb, 128, 4, 0, 2, False, opts) for kb, vb, opts in (
+        (4, 4, ("VOTE",)), (3, 3, ("VOTE",)), (4, 4, ("VOTE", "V_SWIZZLE")),
+        (4, 4, ("VOTE", "V_SWIZZLE", "COPY_ALIGN")), (4, 4, ("VOTE", "COPY_ALIGN")), (3, 3, ("VOTE", "COPY_ALIGN")))]
+    suffix = {"VOTE": " vote", "V_SWIZZLE": " vswz", "COPY_ALIGN": " align"}
+    for kb, vb, d, group, chunks, stages, bias, opts in cases:
+        def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
             warps = 16 if chunks else 8
-            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, align)
+            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts)
             const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
                          BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
-                         STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **({"VOTE": True} if vote else {}),
-                         **({"V_SWIZZLE": True} if vswz else {}), **({"COPY_ALIGN": True} if align else {}))
+                         STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
             return pg.compact_split_kernel, const, compact_ptrs, warps, None if chunks else 128
-        yield f"compact k{kb}v{vb} d{d} g{group} rope{chunks} stages{stages}{' bias' if bias else ''}{' vote' if vote else ''}{' vswz' if vswz else ''}{' align' if align else ''}", build
+        name = f"compact k{kb}v{vb} d{d} g{group} rope{chunks} stages{stages}{' bias' if bias else ''}"
+        yield name + "".join(suffix[o] for o in opts), build
 
     fp8_ptrs = {"q_ptr": "*bf16", "k_pages_ptr": "*fp8e4nv", "v_pages_ptr": "*fp8e4nv", "ws_m_ptr": "*fp32",
                 "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}

@@ -655,7 +655,7 @@ def test_aligned_copies_copy_each_chunk_once_in_whole_lines(bits, monkeypatch):
     bk, bv, d = bits
     nk, nv = bk * d // 8, bv * d // 8
     steps = pg.copy_steps(nk, nv, True)
-    koff, voff = pg.slot_k_offset(True), pg.slot_v_offset(bk, d, True)
+    koff, voff = pg.slot_k_offset(True), pg.slot_v_offset(16 * nk, True)
     slot = 4 * pg._slot_words(bk, bv, d, True)
     assert koff % 128 == 0 and voff % 128 == 0 and voff >= koff + 16 + 16 * nk and slot >= voff + 16 + 16 * nv
     i, lane = torch.arange(steps)[:, None], torch.arange(32)[None, :]
@@ -681,10 +681,10 @@ def test_aligned_copies_copy_each_chunk_once_in_whole_lines(bits, monkeypatch):
                 assert phases_lines(torch.where(mine, shared, 0), mine) == 1, (side, dk, dv)
                 for s in range(steps):
                     assert len({int(g) // 32 for g in glob[s][mine[s]]}) <= 16
-    # the default plan (chunk 32 s + lane, K's at 64 + shift, V's at 96 + K's bytes + shift): two lines
+    # the default plan (chunk 32 s + lane, each side at its unaligned offset + shift): two lines
     c = lane + 32 * i
     on = c < nk + nv
-    shared = torch.where(c < nk, 64 + 16 + 16 * c, 96 + 16 * nk + 16 + 16 * (c - nk))
+    shared = torch.where(c < nk, pg.slot_k_offset(False) + 16 + 16 * c, pg.slot_v_offset(16 * nk, False) + 16 + 16 * (c - nk))
     assert phases_lines(shared, on) == 2
 
 

@@ -233,7 +233,8 @@ DEFAULT_CONFIGS = {
     # (2**15; q4 with 132 side tokens, `box/s22_run03/probe.json`); with that threshold the formats' side
     # tokens (fewer paged tokens) had put 70B TP8 batch 8 x 32k on the Triton kernel. At 2**18 and up
     # (session 13, `box/s13_run01/dec_small.json`) 6-18% faster, 1.33-1.36x at 70B TP8 8 x 128k.
-    # The lazy max by a warp vote (session 30, H100, .boxq A/B, bit-identical output): q4 1.03-1.13x, q3 1.05-1.07x.
+    # The lazy max by a warp vote (session 30, H100 A/B, bit-identical output): 0.995-1.13x for q4, q3.5, q3
+    # (BENCHMARKS.md).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
                                gluon_min_work=0, gluon_vote=True),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages

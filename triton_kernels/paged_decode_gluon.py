@@ -52,7 +52,7 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
 * **The lazy max by a warp vote** (``VOTE``, ``KernelConfig.gluon_vote``, the compact default): one
   vote asks whether any logit of the warp exceeds its column's max + MAX_SLACK, and the row shuffles
   run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima, so the same output). On
-  an H100 0.99-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
+  an H100 0.995-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
 * **V's staged chunks swizzled** (``V_SWIZZLE``, ``KernelConfig.gluon_v_swizzle``, q4 at head_dim
   128; opt-in, not yet run on a GPU): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V
   operand's shared loads.
@@ -413,11 +413,11 @@ def slot_k_offset(align):
 
 
 @constexpr_function
-def slot_v_offset(bits_k, head_dim, align):
-    """Byte offset of V's planes in a slot, before their shift: 32 bytes after K's (the K shift's room
-    and V's 32-byte alignment), or (``align``) at the first 128-byte line after K's planes and shift."""
-    kb = bits_k * head_dim * 2  # 16 rows of head_dim codes of bits_k bits
-    return 128 + (kb + 16 + 127) // 128 * 128 if align else SLOT_HDR.value + 32 + kb
+def slot_v_offset(k_bytes, align):
+    """Byte offset of V's planes in a slot, before their shift (``k_bytes``: K's planes): 32 bytes
+    after K's (the K shift's room and V's 32-byte alignment), or (``align``) at the first 128-byte
+    line after K's planes and shift."""
+    return slot_k_offset(True) + (k_bytes + 16 + 127) // 128 * 128 if align else SLOT_HDR.value + 32 + k_bytes
 
 
 @constexpr_function
@@ -425,7 +425,7 @@ def _slot_words(bits_k, bits_v, head_dim, align=False):
     """Shared words of one staged page (``SLOT_HDR``'s layout: header, K's bit planes, V's; 16 rows of
     head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes."""
     # V's planes and 16 bytes of room for V's shift (``_issue_page``)
-    b = slot_v_offset(bits_k, head_dim, align) + 16 + bits_v * head_dim * 2
+    b = slot_v_offset(bits_k * head_dim * 2, align) + 16 + bits_v * head_dim * 2
     return (b + 127) // 128 * 32
 
 
@@ -555,8 +555,7 @@ def _carry_block(dst, fblk, t1, bt_row, LANE: gl.constexpr, BLOCK_SIZE: gl.const
 @gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
                 NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr,
-                VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False, BITS_K: gl.constexpr = 0,
-                HEAD_DIM: gl.constexpr = 0):
+                VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
     chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
@@ -566,7 +565,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
     ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``."""
     KB: gl.constexpr = 16 * NK
     KOFF: gl.constexpr = slot_k_offset(ALIGN)
-    VOFF: gl.constexpr = slot_v_offset(BITS_K, HEAD_DIM, ALIGN)
+    VOFF: gl.constexpr = slot_v_offset(KB, ALIGN)
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
     sk = (ok & 16).to(gl.int32)
     sv = (ov & 16).to(gl.int32)
@@ -584,7 +583,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         cv = c - NK
         if VSWZ:
             cv = v_swizzled_chunk(cv)
-        off = dst + gl.where(c < NK, SLOT_HDR + sk + 16 * c, SLOT_HDR + 32 + KB + sv + 16 * cv)
+        off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * cv)
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
     SL: gl.constexpr = gl.SliceLayout(2, IL)
@@ -600,14 +599,14 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         # lanes 3 and 4: K's and V's last chunk, when shifted and no step reached it
         skl = gl.max(sk, axis=2)
         svl = gl.max(sv, axis=2)
-        vlast = (NV - 1) + 0 * lane
-        if VSWZ:
-            vlast = v_swizzled_chunk(vlast)
         if aligned_copy_last(NK):
             ssrc = gl.where(lane == 3, k_pages_ptr + okl + 16 * (NK - 1), ssrc)
             soff = gl.where(lane == 3, d2 + KOFF + 16 * NK, soff)
             son = son | ((lane == 3) & (skl != 0))
         if aligned_copy_last(NV):
+            vlast = (NV - 1) + 0 * lane
+            if VSWZ:
+                vlast = v_swizzled_chunk(vlast)
             ssrc = gl.where(lane == 4, v_pages_ptr + ovl + 16 * (NV - 1), ssrc)
             soff = gl.where(lane == 4, d2 + VOFF + svl + 16 * vlast, soff)
             son = son | ((lane == 4) & (svl != 0))
@@ -902,10 +901,7 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
     LW: gl.constexpr = words_layout(LK, 3)
     r = 8 * _axis(2, 1, 7, LW) + _axis(8, 2, 7, LW)
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 7, LW)
-    if ALIGN:
-        base = base + slot_k_offset(True) + (_lds(base + 4) & 0xFFFF)
-    else:
-        base = base + SLOT_HDR + (_lds(base + 4) & 0xFFFF)
+    base = base + slot_k_offset(ALIGN) + (_lds(base + 4) & 0xFFFF)
     m, q4, q3 = _k_word_index(M, LW)
     return _words(None, base, r, m, q4, q3, BITS, M, LK, True)
 
@@ -913,18 +909,14 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
 @gluon.jit
 def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr,
                     K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr,
-                    VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False, BITS_K: gl.constexpr = 0,
-                    HEAD_DIM: gl.constexpr = 0):
-    """``_v_words`` from the warp's staged page in ``slot`` (V's planes 32 bytes after K's ``K_BYTES``,
-    plus their shift; ``VSWZ``: nibble rows of 128 channels with their chunks swizzled,
+                    VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False):
+    """``_v_words`` from the warp's staged page in ``slot`` (V's planes at ``slot_v_offset`` of K's
+    ``K_BYTES``, plus their shift; ``VSWZ``: nibble rows of 128 channels with their chunks swizzled,
     ``v_swizzled_word``)."""
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW)
-    if ALIGN:
-        base = base + slot_v_offset(BITS_K, HEAD_DIM, True) + (_lds(base + 4) >> 16)
-    else:
-        base = base + SLOT_HDR + 32 + K_BYTES + (_lds(base + 4) >> 16)
+    base = base + slot_v_offset(K_BYTES, ALIGN) + (_lds(base + 4) >> 16)
     m, q4, q3 = _v_word_index(M, LW)
     if VSWZ:
         q4 = v_swizzled_word(q4, r)
@@ -1392,7 +1384,7 @@ def compact_split_kernel(
             ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
                                         stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, ok0, ov0, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BITS_K, HEAD_DIM)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
@@ -1402,7 +1394,7 @@ def compact_split_kernel(
             sok, sov = _carried_offsets(dstj, _tile_first(lo, j + STAGES - 1, NW, 3, IL), head, stride_kb, stride_kh,
                                         stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, sok, sov, dstj, _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BITS_K, HEAD_DIM)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN)
             slot = _wait_stage(j % STAGES, STAGES - 1)
             k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK, COPY_ALIGN)
             sbase = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 2, ROWS)
@@ -1442,9 +1434,9 @@ def compact_split_kernel(
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
         if STAGES > 0:
             a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ,
-                                             COPY_ALIGN, BITS_K, HEAD_DIM)
+                                             COPY_ALIGN)
             b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ,
-                                             COPY_ALIGN, BITS_K, HEAD_DIM)
+                                             COPY_ALIGN)
         else:
             if K_AHEAD:
                 k0, k1, k2, k3 = _k_words(k_pages_ptr, nok, BITS_K, M, LK)
