@@ -165,8 +165,11 @@ class KernelConfig:
     gluon_vote: bool = False
     # compact pages with 4-bit V (q4) and head_dim 128, staged: V's 16-byte chunks staged in swizzled
     # places (``paged_decode_gluon.v_swizzled_chunk``) so that the V operand's shared loads are free
-    # of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same output
-    gluon_v_swizzle: bool = False
+    # of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same output.
+    # 0 (False): off; 1 (True): chunks permuted within their row (0.93-0.98x at q4 on an H100: the
+    # copies' global sectors grew 3.6x); 2: whole 32-byte sectors moved (each chunk keeps its
+    # source's address mod 32)
+    gluon_v_swizzle: int = 0
     # compact pages, staged: each side's planes at a 128-byte line of the slot and each page's copies
     # assigned so that every 8 lanes write one line (``paged_decode_gluon.aligned_copy_slot``): one
     # shared wavefront per 8 lanes where the default's copies cross a line in each (Nsight Compute:
@@ -194,6 +197,7 @@ class KernelConfig:
             # 2 or 4 slots per warp, as built and measured (8 would not fit beside q4's tables at 16
             # warps; 1 and 3 compile but never ran on a GPU)
             ("gluon_stages", self.gluon_stages, self.gluon_stages in (0, 2, 4), "0, 2 or 4"),
+            ("gluon_v_swizzle", self.gluon_v_swizzle, self.gluon_v_swizzle in (0, 1, 2), "0, 1 or 2"),
         ) if not ok]
         if bad:
             raise InvalidArgumentError("KernelConfig: " + "; ".join(bad))
@@ -1687,7 +1691,7 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
-                V_SWIZZLE=cfg.gluon_v_swizzle, COPY_ALIGN=cfg.gluon_copy_align,
+                V_SWIZZLE=int(cfg.gluon_v_swizzle), COPY_ALIGN=cfg.gluon_copy_align,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
                 # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))

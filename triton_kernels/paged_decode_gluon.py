@@ -53,9 +53,10 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   vote asks whether any logit of the warp exceeds its column's max + MAX_SLACK, and the row shuffles
   run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima, so the same output). On
   an H100 0.995-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
-* **V's staged chunks swizzled** (``V_SWIZZLE``, ``KernelConfig.gluon_v_swizzle``, q4 at head_dim
-  128; opt-in, not yet run on a GPU): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V
-  operand's shared loads.
+* **V's staged chunks swizzled** (``V_SWIZZLE`` 1 or 2, ``KernelConfig.gluon_v_swizzle``, q4 at
+  head_dim 128; opt-in): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V operand's
+  shared loads. Mode 1 (16-byte chunks) ran 0.93-0.98x at q4 on an H100 (its copies cost more
+  global sectors); mode 2 moves whole 32-byte sectors (session 31).
 * **Aligned copies** (``COPY_ALIGN``, ``KernelConfig.gluon_copy_align``; opt-in, not yet run on a
   GPU): each 8 lanes of a page's copies write one 128-byte line (``aligned_copy_slot``), where the
   default's cross a line (two shared wavefronts a phase).
@@ -555,13 +556,13 @@ def _carry_block(dst, fblk, t1, bt_row, LANE: gl.constexpr, BLOCK_SIZE: gl.const
 @gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
                 NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr,
-                VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False):
+                VSWZ: gl.constexpr = 0, ALIGN: gl.constexpr = False):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
     chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
     ``fblk`` (block 0 past t1: the copy's zero fill) carried to header byte 0, as one commit group;
     then the shifts into header word 1. No global load waits: the slot's next page takes its block
-    from there (``_carried_offsets``). ``VSWZ``: V's chunks in ``v_swizzled_chunk``'s places;
+    from there (``_carried_offsets``). ``VSWZ`` (1 or 2): V's chunks in ``v_swizzled_chunk``'s places;
     ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``."""
     KB: gl.constexpr = 16 * NK
     KOFF: gl.constexpr = slot_k_offset(ALIGN)
@@ -574,7 +575,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         src = gl.where(is_v, v_pages_ptr + (ov - sv) + 16 * q, k_pages_ptr + (ok - sk) + 16 * q)
         on = cp.to(gl.int32)
         if VSWZ:
-            off = dst + gl.where(is_v, VOFF + sv + 16 * v_swizzled_chunk(q - (sv >> 4)), KOFF + 16 * q)
+            off = dst + gl.where(is_v, VOFF + sv + 16 * v_swizzled_chunk(q - (sv >> 4), VSWZ), KOFF + 16 * q)
         else:
             off = dst + gl.where(is_v, VOFF, KOFF) + 16 * q
     else:
@@ -582,7 +583,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         on = (c < NK + NV).to(gl.int32) + 0 * sk
         cv = c - NK
         if VSWZ:
-            cv = v_swizzled_chunk(cv)
+            cv = v_swizzled_chunk(cv, VSWZ)
         off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * cv)
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
@@ -606,7 +607,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         if aligned_copy_last(NV):
             vlast = (NV - 1) + 0 * lane
             if VSWZ:
-                vlast = v_swizzled_chunk(vlast)
+                vlast = v_swizzled_chunk(vlast, VSWZ)
             ssrc = gl.where(lane == 4, v_pages_ptr + ovl + 16 * (NV - 1), ssrc)
             soff = gl.where(lane == 4, d2 + VOFF + svl + 16 * vlast, soff)
             son = son | ((lane == 4) & (svl != 0))
@@ -847,22 +848,37 @@ def _v_word_index(M: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
-def v_swizzled_chunk(cv):
+def v_swizzled_chunk(cv, MODE: gl.constexpr):
     """Where a staged V page of 128-channel nibble rows (4 16-byte chunks a row) holds its chunk
-    ``cv``: chunk k of row r at k ^ ((r >> 1) & 3) of the row (``KernelConfig.gluon_v_swizzle``).
-    The V operand's staged reads (``_v_words_staged``: lane 4 j + tl reads chunk j >> 1 of rows
-    2 tl + e, 8 th + 2 tl + e, one 16-byte ``ld.shared.v4`` each) then find a phase's 8 lanes in 4
-    distinct chunks of 4 distinct bank groups (lanes j, j ^ 1 share a chunk), one wavefront, where
-    unswizzled rows 2 tl + e, 64 bytes apart, put the 4 rows' chunks in one bank group: 4 wavefronts
-    a phase, 16 a load instead of 4 (Nsight Compute, H100, BENCHMARKS.md). Plain integer arithmetic,
-    so the tests run it on torch tensors (``.fn``)."""
-    return cv ^ ((cv >> 3) & 3)
+    ``cv`` (``KernelConfig.gluon_v_swizzle``). The V operand's staged reads (``_v_words_staged``:
+    lane 4 j + tl reads chunk j >> 1 of rows 2 tl + e, 8 th + 2 tl + e, one 16-byte ``ld.shared.v4``
+    each) find unswizzled rows 2 tl + e, 64 bytes apart, in one bank group: 4 wavefronts a phase, 16
+    a load instead of 4 (Nsight Compute, H100, BENCHMARKS.md). Both modes put a phase's 4 distinct
+    chunks (lanes j, j ^ 1 share one) in 4 distinct bank groups, one wavefront:
+
+    * ``MODE`` 1: chunk k of row r at k ^ ((r >> 1) & 3) of the row. A chunk then lands 16 bytes
+      from where its source's address mod 32 puts it, and the H100 measured that copy slower (global
+      sectors per request 3.6x the default's; 7% more time at q4, session 31).
+    * ``MODE`` 2: whole 32-byte sectors moved, so each chunk keeps its source's address mod 32: row r
+      at row r ^ ((r >> 1) & 1) (64 bytes: the other half of its line pair) and its chunk k at
+      k ^ (2 ((r >> 2) & 1)) (32 bytes); the 4 rows of a phase then start 0, 64, 32 and 96 bytes
+      into the bank groups.
+
+    Plain integer arithmetic, so the tests run it on torch tensors (``.fn``)."""
+    if MODE == 2:
+        return cv ^ ((cv >> 1) & 4) ^ ((cv >> 3) & 2)
+    else:
+        return cv ^ ((cv >> 3) & 3)
 
 
 @gluon.jit
-def v_swizzled_word(q4, r):
-    """``v_swizzled_chunk`` for a reader: the place of word ``q4`` (of 16) of row ``r``."""
-    return q4 ^ (((r >> 1) & 3) * 4)
+def v_swizzled_word(q4, r, MODE: gl.constexpr):
+    """``v_swizzled_chunk`` for a reader: the place of word ``q4`` (of 16) of row ``r``, as words
+    from row r's start (``MODE`` 2 moves rows: -16 to 31)."""
+    if MODE == 2:
+        return (q4 ^ (((r >> 2) & 1) * 8)) + 16 * ((r ^ ((r >> 1) & 1)) - r)
+    else:
+        return q4 ^ (((r >> 1) & 3) * 4)
 
 
 @gluon.jit
@@ -909,7 +925,7 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
 @gluon.jit
 def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr,
                     K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr,
-                    VSWZ: gl.constexpr = False, ALIGN: gl.constexpr = False):
+                    VSWZ: gl.constexpr = 0, ALIGN: gl.constexpr = False):
     """``_v_words`` from the warp's staged page in ``slot`` (V's planes at ``slot_v_offset`` of K's
     ``K_BYTES``, plus their shift; ``VSWZ``: nibble rows of 128 channels with their chunks swizzled,
     ``v_swizzled_word``)."""
@@ -919,7 +935,7 @@ def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.c
     base = base + slot_v_offset(K_BYTES, ALIGN) + (_lds(base + 4) >> 16)
     m, q4, q3 = _v_word_index(M, LW)
     if VSWZ:
-        q4 = v_swizzled_word(q4, r)
+        q4 = v_swizzled_word(q4, r, VSWZ)
     return _words(None, base, r, m, q4, q3, BITS, M, LV, True)
 
 
@@ -1341,7 +1357,7 @@ def compact_split_kernel(
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
     NCH: gl.constexpr = copy_steps(NK, NV, COPY_ALIGN)
     # KernelConfig.gluon_v_swizzle, for the layout it is made for (nibble rows of 128 channels)
-    VSWZ: gl.constexpr = V_SWIZZLE and BITS_V == 4 and HEAD_DIM == 128
+    VSWZ: gl.constexpr = V_SWIZZLE * (BITS_V == 4) * (HEAD_DIM == 128)
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
     gl.thread_barrier()
 
