@@ -454,7 +454,7 @@ def test_kernel_config_refuses_what_would_not_compile(bad):
     with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
         KernelConfig(**bad)
     KernelConfig(**{k: {"gluon_stages": 4, "gluon_warps": 16, "gluon_rope_warps": 8, "block_n": 32, "num_warps": 8,
-                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0}[k] for k in bad})  # a valid value
+                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_v_swizzle": 2}[k] for k in bad})  # a valid value
 
 
 def test_rotary_term_over_listed_pairs_only():
