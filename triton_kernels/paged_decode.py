@@ -95,7 +95,8 @@ def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: 
     from .paged_decode_gluon import smem_offsets
 
     warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
-    return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align)[2]
+    return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align,
+                        cfg.gluon_v_swizzle == 3)[2]
 
 
 LOG2E = 1.4426950408889634
@@ -168,7 +169,7 @@ class KernelConfig:
     # of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same output.
     # 0 (False): off; 1 (True): chunks permuted within their row (0.93-0.98x at q4 on an H100: the
     # copies' global sectors grew 3.6x); 2: whole 32-byte sectors moved (each chunk keeps its
-    # source's address mod 32)
+    # source's address mod 32; as slow); 3: V's row pairs 160 bytes apart, no permutation
     gluon_v_swizzle: int = 0
     # compact pages, staged: each side's planes at a 128-byte line of the slot and each page's copies
     # assigned so that every 8 lanes write one line (``paged_decode_gluon.aligned_copy_slot``): one
@@ -197,7 +198,7 @@ class KernelConfig:
             # 2 or 4 slots per warp, as built and measured (8 would not fit beside q4's tables at 16
             # warps; 1 and 3 compile but never ran on a GPU)
             ("gluon_stages", self.gluon_stages, self.gluon_stages in (0, 2, 4), "0, 2 or 4"),
-            ("gluon_v_swizzle", self.gluon_v_swizzle, self.gluon_v_swizzle in (0, 1, 2), "0, 1 or 2"),
+            ("gluon_v_swizzle", self.gluon_v_swizzle, self.gluon_v_swizzle in (0, 1, 2, 3), "0 to 3"),
         ) if not ok]
         if bad:
             raise InvalidArgumentError("KernelConfig: " + "; ".join(bad))
@@ -1678,7 +1679,7 @@ class PagedDecodeAttention:
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             tab_off, stage_off, _ = pg.smem_offsets(self.k_bits, self.v_bits, D, warps, cfg.gluon_stages,
-                                                    cfg.gluon_copy_align)
+                                                    cfg.gluon_copy_align, cfg.gluon_v_swizzle == 3)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],

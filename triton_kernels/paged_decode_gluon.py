@@ -422,24 +422,29 @@ def slot_v_offset(k_bytes, align):
 
 
 @constexpr_function
-def _slot_words(bits_k, bits_v, head_dim, align=False):
+def _slot_words(bits_k, bits_v, head_dim, align=False, vpad=False):
     """Shared words of one staged page (``SLOT_HDR``'s layout: header, K's bit planes, V's; 16 rows of
-    head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes."""
+    head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes
+    (``vpad``: ``v_swizzled_chunk``'s mode 3, V's 128-byte row pairs 160 bytes apart)."""
+    v_bytes = bits_v * head_dim * 2
+    if vpad and bits_v == 4 and head_dim == 128:
+        v_bytes = v_bytes * 5 // 4
     # V's planes and 16 bytes of room for V's shift (``_issue_page``)
-    b = slot_v_offset(bits_k * head_dim * 2, align) + 16 + bits_v * head_dim * 2
+    b = slot_v_offset(bits_k * head_dim * 2, align) + 16 + v_bytes
     return (b + 127) // 128 * 32
 
 
 @functools.lru_cache(maxsize=None)  # asked at every launch of PagedDecodeAttention.run
 def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int,
-                 align: bool = False) -> tuple[int, int, int]:
+                 align: bool = False, vpad: bool = False) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
-    the end of both (``align``: ``KernelConfig.gluon_copy_align``'s slots). Only inline PTX reads and
+    the end of both (``align``: ``KernelConfig.gluon_copy_align``'s slots; ``vpad``:
+    ``KernelConfig.gluon_v_swizzle`` 3's). Only inline PTX reads and
     writes them (from ``global_smem``), so their order is ours: the kernel's two allocations, made
     first and live through the loop, reserve [0, end) in whichever order Triton places them (the
     compile test checks that the kernel's shared memory is exactly that: no Triton scratch lies in it)."""
     tab = (_table_words(table_entries(bits_k), table_entries(bits_v)) + _GRID_WORDS.value) * 4
-    stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim, align) * 4
+    stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim, align, vpad) * 4
     return 0, tab, tab + stg
 
 
@@ -562,7 +567,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
     ``fblk`` (block 0 past t1: the copy's zero fill) carried to header byte 0, as one commit group;
     then the shifts into header word 1. No global load waits: the slot's next page takes its block
-    from there (``_carried_offsets``). ``VSWZ`` (1 or 2): V's chunks in ``v_swizzled_chunk``'s places;
+    from there (``_carried_offsets``). ``VSWZ`` (1 to 3): V's chunks in ``v_swizzled_chunk``'s places;
     ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``."""
     KB: gl.constexpr = 16 * NK
     KOFF: gl.constexpr = slot_k_offset(ALIGN)
@@ -579,12 +584,19 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         else:
             off = dst + gl.where(is_v, VOFF, KOFF) + 16 * q
     else:
-        src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
-        on = (c < NK + NV).to(gl.int32) + 0 * sk
+        # swizzled, lane order stays the order of the places (the swizzle is its own inverse): lane
+        # cv fetches the chunk that belongs at place cv. Placing chunk cv from lane cv instead (the
+        # destinations out of lane order) cost the copies 21.5 global sectors for 16.5 and 13.9
+        # shared wavefronts for 8.2 on an H100 (session 31)
         cv = c - NK
-        if VSWZ:
+        pv = cv
+        if VSWZ == 3:
+            pv = v_swizzled_chunk(cv, VSWZ)
+        elif VSWZ:
             cv = v_swizzled_chunk(cv, VSWZ)
-        off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * cv)
+        src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * cv)
+        on = (c < NK + NV).to(gl.int32) + 0 * sk
+        off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * pv)
     _per_thread(_WARP_SYNC, NW)
     gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
     SL: gl.constexpr = gl.SliceLayout(2, IL)
@@ -864,8 +876,19 @@ def v_swizzled_chunk(cv, MODE: gl.constexpr):
       k ^ (2 ((r >> 2) & 1)) (32 bytes); the 4 rows of a phase then start 0, 64, 32 and 96 bytes
       into the bank groups.
 
+    Both are their own inverse, so ``_issue_page`` fetches place p's chunk, ``v_swizzled_chunk(p)``,
+    by lane p and its destinations stay in lane order. Yet mode 2 cost the copies as much as mode 1,
+    either way round (21.5 global sectors for 16.5, 13.8 shared wavefronts for 8.2): a copy whose 8
+    lanes' 128 source bytes do not land as one run in order is slow. Hence
+
+    * ``MODE`` 3: no permutation: V's 128-byte row pairs 160 bytes apart (the slot's V grows from
+      1024 to 1280 bytes), each pair one run as copied; pair p's 32 p mod 128 puts a phase's 4 rows
+      0, 32, 64 and 96 bytes into the bank groups, and 160 keeps each chunk's address mod 32.
+
     Plain integer arithmetic, so the tests run it on torch tensors (``.fn``)."""
-    if MODE == 2:
+    if MODE == 3:
+        return cv + 2 * (cv >> 3)
+    elif MODE == 2:
         return cv ^ ((cv >> 1) & 4) ^ ((cv >> 3) & 2)
     else:
         return cv ^ ((cv >> 3) & 3)
@@ -874,8 +897,10 @@ def v_swizzled_chunk(cv, MODE: gl.constexpr):
 @gluon.jit
 def v_swizzled_word(q4, r, MODE: gl.constexpr):
     """``v_swizzled_chunk`` for a reader: the place of word ``q4`` (of 16) of row ``r``, as words
-    from row r's start (``MODE`` 2 moves rows: -16 to 31)."""
-    if MODE == 2:
+    from row r's start (``MODE`` 2 moves rows: -16 to 31; 3 adds 8 words a row pair before)."""
+    if MODE == 3:
+        return q4 + 8 * (r >> 1)
+    elif MODE == 2:
         return (q4 ^ (((r >> 2) & 1) * 8)) + 16 * ((r ^ ((r >> 1) & 1)) - r)
     else:
         return q4 ^ (((r >> 1) & 3) * 4)
@@ -1345,7 +1370,7 @@ def compact_split_kernel(
     # shared memory is exactly theirs).
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS],
                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN)
+    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_SWIZZLE == 3)
     if STAGES > 0:
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x
