@@ -169,7 +169,8 @@ class KernelConfig:
     # of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same output.
     # 0 (False): off; 1 (True): chunks permuted within their row (0.93-0.98x at q4 on an H100: the
     # copies' global sectors grew 3.6x); 2: whole 32-byte sectors moved (each chunk keeps its
-    # source's address mod 32; as slow); 3: V's row pairs 160 bytes apart, no permutation
+    # source's address mod 32; as slow); 3: V's row pairs 160 bytes apart, no permutation (0.93-1.01x).
+    # Off: on an H100 the copies cost more than the loads save (BENCHMARKS.md, session 31)
     gluon_v_swizzle: int = 0
     # compact pages, staged: each side's planes at a 128-byte line of the slot and each page's copies
     # assigned so that every 8 lanes write one line (``paged_decode_gluon.aligned_copy_slot``): one

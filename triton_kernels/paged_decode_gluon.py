@@ -55,8 +55,8 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   an H100 0.995-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
 * **V's staged chunks swizzled** (``V_SWIZZLE`` 1 or 2, ``KernelConfig.gluon_v_swizzle``, q4 at
   head_dim 128; opt-in): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V operand's
-  shared loads. Mode 1 (16-byte chunks) ran 0.93-0.98x at q4 on an H100 (its copies cost more
-  global sectors); mode 2 moves whole 32-byte sectors (session 31).
+  shared loads, in three layouts. On an H100 all three made q4 slower (0.91-1.01x, session 31):
+  the cp.async copies of any layout but the page's own cost more than the loads save.
 * **Aligned copies** (``COPY_ALIGN``, ``KernelConfig.gluon_copy_align``; opt-in, not yet run on a
   GPU): each 8 lanes of a page's copies write one 128-byte line (``aligned_copy_slot``), where the
   default's cross a line (two shared wavefronts a phase).
