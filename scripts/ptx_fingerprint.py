@@ -60,9 +60,13 @@ def loop_mix(cubin: bytes) -> str:
     code = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     back = [(a - int(m.group(1), 16), int(m.group(1), 16), a) for a, t in code
             for m in [re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", t)] if m and int(m.group(1), 16) <= a]
+    # the main loop: the back branch spanning the most HMMA, the shortest such (a wait's retry path
+    # placed after the loop branches back into it across the loop's tail)
+    hmma = [a for a, t in code if "HMMA" in t]
+    back = [(-sum(lo <= a <= hi for a in hmma), span, lo, hi) for span, lo, hi in back]
     if not back:
         return "loop=none"
-    _, lo, hi = max(back)
+    _, _, lo, hi = min(back)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
                               for a, t in code if lo <= a <= hi)
     pipes = {p: sum(n for o, n in ops.items() if o in names) for p, names in _PIPES.items()}
@@ -87,12 +91,13 @@ def configurations():
                                                 for g in (4, 8)]
     # the kernel's options at the 8B launch (staged, no bias), each named in the line by its suffix:
     # VOTE (KernelConfig.gluon_vote, the compact default since session 30), V_SWIZZLE (1), V_SWIZZLE2, V_SWIZZLE3
-    # and COPY_ALIGN (gluon_v_swizzle 1 to 3, gluon_copy_align: opt-in)
+    # COPY_ALIGN and BULK_COPY (gluon_v_swizzle 1 to 3, gluon_copy_align, gluon_bulk_copy: opt-in)
     cases += [(kb, vb, 128, 4, 0, 2, False, opts) for kb, vb, opts in (
         (4, 4, ("VOTE",)), (3, 3, ("VOTE",)), (4, 4, ("VOTE", "V_SWIZZLE")), (4, 4, ("VOTE", "V_SWIZZLE2")),
         (4, 4, ("VOTE", "V_SWIZZLE2", "COPY_ALIGN")), (4, 4, ("VOTE", "V_SWIZZLE3")), (4, 4, ("VOTE", "V_SWIZZLE3", "COPY_ALIGN")),
+        (4, 4, ("VOTE", "BULK_COPY")), (4, 4, ("VOTE", "V_SWIZZLE3", "BULK_COPY")), (3, 3, ("VOTE", "BULK_COPY")),
         (4, 4, ("VOTE", "V_SWIZZLE", "COPY_ALIGN")), (4, 4, ("VOTE", "COPY_ALIGN")), (3, 3, ("VOTE", "COPY_ALIGN")))]
-    suffix = {"VOTE": " vote", "V_SWIZZLE": " vswz", "V_SWIZZLE2": " vswz2", "V_SWIZZLE3": " vswz3", "COPY_ALIGN": " align"}
+    suffix = {"VOTE": " vote", "V_SWIZZLE": " vswz", "V_SWIZZLE2": " vswz2", "V_SWIZZLE3": " vswz3", "BULK_COPY": " bulk", "COPY_ALIGN": " align"}
     value = {"V_SWIZZLE2": ("V_SWIZZLE", 2), "V_SWIZZLE3": ("V_SWIZZLE", 3)}  # an option's constexpr and value where not (its name, True)
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):

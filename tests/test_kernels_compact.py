@@ -443,7 +443,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
                                  dict(block_n=24), dict(num_warps=0), dict(gluon_ahead=4), dict(gluon_maxnreg=8),
-                                 dict(gluon_min_work=-1), dict(gluon_v_swizzle=4)])
+                                 dict(gluon_min_work=-1), dict(gluon_v_swizzle=4),
+                                 dict(gluon_bulk_copy=True, gluon_v_swizzle=1)])
 def test_kernel_config_refuses_what_would_not_compile(bad):
     """A KernelConfig outside what was built and measured (staging of 2 or 4 slots per warp: 8 slots of
     q4 at 16 warps overflow shared memory, other counts were never run on a GPU), that Triton could
@@ -454,7 +455,8 @@ def test_kernel_config_refuses_what_would_not_compile(bad):
     with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
         KernelConfig(**bad)
     KernelConfig(**{k: {"gluon_stages": 4, "gluon_warps": 16, "gluon_rope_warps": 8, "block_n": 32, "num_warps": 8,
-                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_v_swizzle": 2}[k] for k in bad})  # a valid value
+                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_v_swizzle": 3,
+                        "gluon_bulk_copy": True}[k] for k in bad})  # a valid value
 
 
 def test_rotary_term_over_listed_pairs_only():
@@ -625,9 +627,10 @@ def test_gluon_vote_max_gives_the_same_output_gpu(shape, variant, bits):
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128), (9, 3, 64)], ids=["llama8b", "llama70b-tp8", "smollm2"])
 def test_gluon_v_swizzle_gives_the_same_output_gpu(shape, stages, bits):
-    """``KernelConfig.gluon_v_swizzle`` (V's staged chunks in swizzled places) and
-    ``KernelConfig.gluon_copy_align`` (the copies in whole 128-byte lines), each and both, read the
-    same words, so the output is the default's bit for bit; where the swizzle does not apply (V at 3
+    """``KernelConfig.gluon_v_swizzle`` (V's staged chunks in swizzled places),
+    ``KernelConfig.gluon_copy_align`` (the copies in whole 128-byte lines), each and both, and
+    ``KernelConfig.gluon_bulk_copy`` (the copy engine, V as it lies or padded) read the same words,
+    so the output is the default's bit for bit; where the swizzle does not apply (V at 3
     bits, head_dim 64) it is the same kernel."""
     run, ref, vmax = _real_shape_case(shape, *bits)
     cfg = KernelConfig(gluon=True, gluon_min_work=0, gluon_warps=8, gluon_ahead=0, gluon_maxnreg=128,
@@ -638,6 +641,9 @@ def test_gluon_v_swizzle_gives_the_same_output_gpu(shape, stages, bits):
     assert torch.equal(run(dataclasses.replace(cfg, gluon_copy_align=True)), out)
     for mode in (1, 2, 3):
         assert torch.equal(run(dataclasses.replace(cfg, gluon_v_swizzle=mode, gluon_copy_align=True)), out)
+    # the copy engine (KernelConfig.gluon_bulk_copy), V as it lies and padded
+    for mode in (0, 3):
+        assert torch.equal(run(dataclasses.replace(cfg, gluon_bulk_copy=True, gluon_v_swizzle=mode)), out)
     assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
 
 
@@ -1389,6 +1395,7 @@ kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
 vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
 swizzle = int(sys.argv[8]) if len(sys.argv) > 8 else 0  # KernelConfig.gluon_v_swizzle (0 to 3)
 align = sys.argv[9:10] == ["1"]  # KernelConfig.gluon_copy_align
+bulk = sys.argv[10:11] == ["1"]  # KernelConfig.gluon_bulk_copy
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, swizzle == 3)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
@@ -1396,14 +1403,20 @@ ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_pt
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
-             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_SWIZZLE=swizzle, COPY_ALIGN=align)
+             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_SWIZZLE=swizzle, COPY_ALIGN=align,
+             BULK_COPY=bulk)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
 ptx = k.asm["ptx"]
 # the tables and the staging buffer (inline PTX alone reads and writes them, at smem_offsets') are
 # the kernel's whole shared memory: no Triton scratch shares their bytes while they live
-print("cp.async", ptx.count("cp.async.cg.shared.global") > 0, "shared", k.metadata.shared == smem_end)
+# the staged copies: 16-byte cp.async per lane, or (bulk) the copy engine completing on the slots'
+# mbarriers (and no 16-byte cp.async left)
+copies = ("cp.async.bulk.shared::cluster.global.mbarrier" in ptx and "mbarrier.try_wait.parity" in ptx
+          and "mbarrier.init" in ptx and "cp.async.cg.shared.global" not in ptx) if bulk else \
+    ptx.count("cp.async.cg.shared.global") > 0
+print("cp.async", copies, "shared", k.metadata.shared == smem_end)
 print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, "cos", "cos.approx" in ptx,
       "v4", "ld.shared.v4.b32" in ptx, "spills", spills)
 """
@@ -1418,7 +1431,10 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (4, 4, 128, 4, 0, 2, 1, 1, 1), (3, 3, 128, 4, 0, 2, 1, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 1),
                                   (2, 3, 64, 3, 0, 2, 1, 0, 1), (4, 4, 32, 4, 0, 2, 1, 1, 1),
                                   (4, 4, 128, 4, 0, 2, 1, 2), (4, 4, 128, 8, 0, 4, 1, 2, 1),
-                                  (4, 4, 128, 4, 0, 2, 1, 3), (4, 4, 128, 8, 0, 4, 1, 3, 1)],
+                                  (4, 4, 128, 4, 0, 2, 1, 3), (4, 4, 128, 8, 0, 4, 1, 3, 1),
+                                  (4, 4, 128, 4, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 0, 2, 1, 3, 0, 1),
+                                  (3, 3, 128, 4, 0, 2, 1, 0, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 0, 1),
+                                  (3, 3, 64, 3, 0, 2, 1, 0, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1426,7 +1442,9 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                               "q4-8b-staged-vote-vswz", "q4-70b-staged4-vote-vswz", "q4-8b-staged-vote-vswz-align",
                               "q3-8b-staged-vote-align", "q3.5-70b-staged4-vote-align", "k2v3-smollm2-staged-vote-align",
                               "q4-d32-staged-vote-vswz-align", "q4-8b-staged-vote-vswz2", "q4-70b-staged4-vote-vswz2-align",
-                              "q4-8b-staged-vote-vswz3", "q4-70b-staged4-vote-vswz3-align"])
+                              "q4-8b-staged-vote-vswz3", "q4-70b-staged4-vote-vswz3-align",
+                              "q4-8b-staged-vote-bulk", "q4-8b-staged-vote-vswz3-bulk", "q3-8b-staged-vote-bulk",
+                              "q3.5-70b-staged4-vote-bulk", "q3-smollm2-staged-vote-bulk"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1438,6 +1456,7 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     pair tables and the staging buffer (``smem_offsets``: inline PTX addresses them, so no Triton
     scratch may lie in their bytes). The ``-vote`` cases: the lazy max by a warp vote
     (``KernelConfig.gluon_vote``); ``-vswz``, ``-vswz2``, ``-vswz3``: V's staged chunks swizzled (``KernelConfig.gluon_v_swizzle`` 1 to 3);
+    ``-bulk``: the staged copies by the copy engine (``KernelConfig.gluon_bulk_copy``);
     ``-align``: the copies in whole 128-byte lines (``KernelConfig.gluon_copy_align``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)

@@ -177,6 +177,12 @@ class KernelConfig:
     # shared wavefront per 8 lanes where the default's copies cross a line in each (Nsight Compute:
     # 8.2-8.6 wavefronts a copy for 4); slots 12% larger at q4. Off: 0.98-1.035x on an H100 (session 31)
     gluon_copy_align: bool = False
+    # compact pages, staged: each page's planes and scale indices copied by the copy engine
+    # (``cp.async.bulk`` from one lane, completing on the slot's mbarrier) instead of 16-byte cp.async
+    # from every lane, so the copies leave the load/store pipe's shared-memory wavefronts (8.2-8.6 a
+    # copy, 4 copies a page) and a padded V (``gluon_v_swizzle=3``) costs them nothing more. Built
+    # without a GPU (session 31): off until timed
+    gluon_bulk_copy: bool = False
 
     def __post_init__(self):
         """Launch parameters that would not compile, or would compile into the wrong kernel, are
@@ -200,6 +206,9 @@ class KernelConfig:
             # warps; 1 and 3 compile but never ran on a GPU)
             ("gluon_stages", self.gluon_stages, self.gluon_stages in (0, 2, 4), "0, 2 or 4"),
             ("gluon_v_swizzle", self.gluon_v_swizzle, self.gluon_v_swizzle in (0, 1, 2, 3), "0 to 3"),
+            # the copy engine moves runs of bytes: V as it lies, or in row pairs (mode 3), not permuted
+            ("gluon_bulk_copy", self.gluon_bulk_copy, not self.gluon_bulk_copy or self.gluon_v_swizzle in (0, 3),
+             "needs gluon_v_swizzle 0 or 3"),
         ) if not ok]
         if bad:
             raise InvalidArgumentError("KernelConfig: " + "; ".join(bad))
@@ -1693,7 +1702,7 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
-                V_SWIZZLE=int(cfg.gluon_v_swizzle), COPY_ALIGN=cfg.gluon_copy_align,
+                V_SWIZZLE=int(cfg.gluon_v_swizzle), COPY_ALIGN=cfg.gluon_copy_align, BULK_COPY=cfg.gluon_bulk_copy,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
                 # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))

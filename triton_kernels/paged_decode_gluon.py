@@ -57,9 +57,15 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   head_dim 128; opt-in): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V operand's
   shared loads, in three layouts. On an H100 all three made q4 slower (0.91-1.01x, session 31):
   the cp.async copies of any layout but the page's own cost more than the loads save.
-* **Aligned copies** (``COPY_ALIGN``, ``KernelConfig.gluon_copy_align``; opt-in, not yet run on a
-  GPU): each 8 lanes of a page's copies write one 128-byte line (``aligned_copy_slot``), where the
-  default's cross a line (two shared wavefronts a phase).
+* **Aligned copies** (``COPY_ALIGN``, ``KernelConfig.gluon_copy_align``; opt-in): each 8 lanes of a
+  page's copies write one 128-byte line (``aligned_copy_slot``), where the default's cross a line
+  (two shared wavefronts a phase). Within noise on an H100 (session 31).
+* **Bulk copies** (``BULK_COPY``, ``KernelConfig.gluon_bulk_copy``; opt-in, not yet run on a GPU):
+  lane 0 of each warp has the copy engine move a page's planes and scale indices
+  (``cp.async.bulk``, ``_bulk_issue_asm``) and every lane waits on the slot's mbarrier
+  (``SLOT_BAR``, ``_bulk_wait``) instead of 128 lanes' 16-byte cp.async: the copies then leave the
+  load/store pipe (about 34 of a page's ~190 shared wavefronts a warp on the H100), and V's padded
+  layout (``V_SWIZZLE`` 3) costs them nothing more. The block's carry stays a 4-byte cp.async.
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
@@ -558,73 +564,147 @@ def _carry_block(dst, fblk, t1, bt_row, LANE: gl.constexpr, BLOCK_SIZE: gl.const
                               dtype=gl.int32, is_pure=False, pack=1)
 
 
+# the slot header's mbarrier (``KernelConfig.gluon_bulk_copy``: 8 bytes at 48, after V's scale indices)
+SLOT_BAR = gl.constexpr(48)
+_BULK = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+@constexpr_function
+def _bulk_issue_asm(k_bytes, v_bytes, koff, voff, vpad):
+    """One lane's bulk copies of a page into a slot (``_issue_page`` with ``BULK``): $1 the predicate,
+    $2 the slot's shared byte offset, $3/$4 K's/V's shift, $5/$6 the K/V page in global memory. The
+    slot's mbarrier (``SLOT_BAR``) expects the bytes, then K's planes, K's 16 scale-index bytes, V's
+    planes (``vpad``: as ``v_swizzled_chunk`` mode 3 places them, one 128-byte row pair a copy) and
+    V's scale indices complete on it. The fence orders the warp's earlier reads of the slot (generic
+    proxy, after its warp barrier) before the copy engine's writes."""
+    tx = k_bytes + v_bytes + 32
+    lines = ["{ .reg .pred p; .reg .u32 g, bar, d; .reg .u64 s; setp.ne.b32 p, $1, 0;",
+             "mov.u32 g, global_smem; add.u32 g, g, $2; add.u32 bar, g, %d;" % SLOT_BAR.value,
+             "@p fence.proxy.async.shared::cta;",
+             "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [bar], %d;" % tx,
+             "add.u32 d, g, %d; add.u32 d, d, $3; @p %s [d], [$5], %d, [bar];" % (koff, _BULK, k_bytes),
+             "add.u32 d, g, 16; add.u64 s, $5, %d; @p %s [d], [s], 16, [bar];" % (k_bytes, _BULK),
+             "add.u32 d, g, %d; add.u32 d, d, $4;" % voff]
+    if vpad:
+        for pair in range(v_bytes // 128):
+            lines.append("add.u64 s, $6, %d; @p %s [d], [s], 128, [bar]; add.u32 d, d, 160;" % (128 * pair, _BULK))
+    else:
+        lines.append("@p %s [d], [$6], %d, [bar];" % (_BULK, v_bytes))
+    lines.append("add.u32 d, g, 32; add.u64 s, $6, %d; @p %s [d], [s], 16, [bar]; mov.u32 $0, 0; }" % (v_bytes, _BULK))
+    return " ".join(lines)
+
+
+@constexpr_function
+def _warp_slot_asm(stage_off, stages, slot_bytes):
+    """PTX that sets u32 ``a`` to the shared address of this thread's warp's slot $1's mbarrier (the
+    warp from %tid.x: ``_slot_base``'s order, warp-major)."""
+    return ("mov.u32 t, %%tid.x; shr.u32 t, t, 5; mul.lo.u32 t, t, %d; add.u32 t, t, $1; mul.lo.u32 t, t, %d; "
+            "mov.u32 a, global_smem; add.u32 a, a, t; add.u32 a, a, %d;" % (stages, slot_bytes, stage_off + SLOT_BAR.value))
+
+
+@constexpr_function
+def _bulk_wait_asm(stage_off, stages, slot_bytes):
+    """Every thread waits for phase parity $2 of its warp's slot $1's mbarrier (the page's bulk copies
+    landed; acquire: their bytes are visible), then passes $1 through (``_wait_stage``'s pattern)."""
+    return ("{ .reg .pred p; .reg .u32 t, a; " + _warp_slot_asm(stage_off, stages, slot_bytes) +
+            " WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [a], $2; @!p bra WAIT; mov.u32 $0, $1; }")
+
+
+@constexpr_function
+def _bulk_init_asm(stage_off, stages, slot_bytes):
+    """Lane 0 of each warp initialises its ``stages`` slots' mbarriers (one arrival a phase: the
+    issuing lane's expect_tx), fences the initialisation for the copy engine; then a warp barrier."""
+    body = " ".join("@p mbarrier.init.shared::cta.b64 [a], 1; add.u32 a, a, %d;" % slot_bytes for _ in range(stages))
+    return ("{ .reg .pred p; .reg .u32 t, a, l; mov.u32 l, %tid.x; and.b32 l, l, 31; setp.eq.u32 p, l, 0; " +
+            _warp_slot_asm(stage_off, stages, slot_bytes).replace("add.u32 t, t, $1; ", "") + " " + body +
+            " @p fence.mbarrier_init.release.cluster; bar.warp.sync -1; mov.u32 $0, $1; }")
+
+
+@gluon.jit
+def _bulk_wait(slot, parity, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr):
+    """Wait for the bulk copies of this warp's slot ``slot`` (phase ``parity``); returns ``slot``."""
+    return gl.inline_asm_elementwise(_bulk_wait_asm(STAGE_OFF, STAGES, 4 * SLOTW), "=r,r,r", [slot, parity],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
                 NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr,
-                VSWZ: gl.constexpr = 0, ALIGN: gl.constexpr = False):
+                VSWZ: gl.constexpr = 0, ALIGN: gl.constexpr = False, BULK: gl.constexpr = False):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
     chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
     ``fblk`` (block 0 past t1: the copy's zero fill) carried to header byte 0, as one commit group;
     then the shifts into header word 1. No global load waits: the slot's next page takes its block
     from there (``_carried_offsets``). ``VSWZ`` (1 to 3): V's chunks in ``v_swizzled_chunk``'s places;
-    ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``."""
+    ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``;
+    ``BULK``: the planes and scale indices by the copy engine instead (``_bulk_issue_asm``; the
+    block's carry and the shifts as above)."""
     KB: gl.constexpr = 16 * NK
     KOFF: gl.constexpr = slot_k_offset(ALIGN)
     VOFF: gl.constexpr = slot_v_offset(KB, ALIGN)
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
     sk = (ok & 16).to(gl.int32)
     sv = (ov & 16).to(gl.int32)
-    if ALIGN:
-        is_v, q, cp = aligned_copy_slot(_axis(NCH, 2, 3, IL), _axis(32, 1, 3, IL), sk >> 4, sv >> 4, NK, NV)
-        src = gl.where(is_v, v_pages_ptr + (ov - sv) + 16 * q, k_pages_ptr + (ok - sk) + 16 * q)
-        on = cp.to(gl.int32)
-        if VSWZ:
-            off = dst + gl.where(is_v, VOFF + sv + 16 * v_swizzled_chunk(q - (sv >> 4), VSWZ), KOFF + 16 * q)
-        else:
-            off = dst + gl.where(is_v, VOFF, KOFF) + 16 * q
-    else:
-        # swizzled, lane order stays the order of the places (the swizzle is its own inverse): lane
-        # cv fetches the chunk that belongs at place cv. Placing chunk cv from lane cv instead (the
-        # destinations out of lane order) cost the copies 21.5 global sectors for 16.5 and 13.9
-        # shared wavefronts for 8.2 on an H100 (session 31)
-        cv = c - NK
-        pv = cv
-        if VSWZ == 3:
-            pv = v_swizzled_chunk(cv, VSWZ)
-        elif VSWZ:
-            cv = v_swizzled_chunk(cv, VSWZ)
-        src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * cv)
-        on = (c < NK + NV).to(gl.int32) + 0 * sk
-        off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * pv)
-    _per_thread(_WARP_SYNC, NW)
-    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
     SL: gl.constexpr = gl.SliceLayout(2, IL)
     lane = _axis(32, 1, 2, SL)
     d2 = gl.max(dst, axis=2)
-    okl = gl.max(ok, axis=2)
-    ovl = gl.max(ov, axis=2)
-    # lanes 0 and 1: the scale indices (16 bytes after each side's planes)
-    ssrc = gl.where(lane == 0, k_pages_ptr + okl + KB, v_pages_ptr + ovl + 16 * NV)
-    soff = d2 + 16 + 16 * lane
-    son = lane < 2
-    if ALIGN:
-        # lanes 3 and 4: K's and V's last chunk, when shifted and no step reached it
-        skl = gl.max(sk, axis=2)
-        svl = gl.max(sv, axis=2)
-        if aligned_copy_last(NK):
-            ssrc = gl.where(lane == 3, k_pages_ptr + okl + 16 * (NK - 1), ssrc)
-            soff = gl.where(lane == 3, d2 + KOFF + 16 * NK, soff)
-            son = son | ((lane == 3) & (skl != 0))
-        if aligned_copy_last(NV):
-            vlast = (NV - 1) + 0 * lane
+    if BULK:
+        # lane 0: the copy engine (K's and V's planes and scale indices, one mbarrier phase)
+        _per_thread(_WARP_SYNC, NW)
+        z = 0 * lane
+        gl.inline_asm_elementwise(_bulk_issue_asm(KB, 16 * NV, KOFF, VOFF, VSWZ == 3), "=r,r,r,r,r,l,l",
+                                  [(lane == 0).to(gl.int32), d2 + z, gl.max(sk, axis=2) + z, gl.max(sv, axis=2) + z,
+                                   k_pages_ptr + gl.max(ok, axis=2) + z, v_pages_ptr + gl.max(ov, axis=2) + z],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        if ALIGN:
+            is_v, q, cp = aligned_copy_slot(_axis(NCH, 2, 3, IL), _axis(32, 1, 3, IL), sk >> 4, sv >> 4, NK, NV)
+            src = gl.where(is_v, v_pages_ptr + (ov - sv) + 16 * q, k_pages_ptr + (ok - sk) + 16 * q)
+            on = cp.to(gl.int32)
             if VSWZ:
-                vlast = v_swizzled_chunk(vlast, VSWZ)
-            ssrc = gl.where(lane == 4, v_pages_ptr + ovl + 16 * (NV - 1), ssrc)
-            soff = gl.where(lane == 4, d2 + VOFF + svl + 16 * vlast, soff)
-            son = son | ((lane == 4) & (svl != 0))
-    gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [soff, ssrc, son.to(gl.int32)],
-                              dtype=gl.int32, is_pure=False, pack=1)
+                off = dst + gl.where(is_v, VOFF + sv + 16 * v_swizzled_chunk(q - (sv >> 4), VSWZ), KOFF + 16 * q)
+            else:
+                off = dst + gl.where(is_v, VOFF, KOFF) + 16 * q
+        else:
+            # swizzled, lane order stays the order of the places (the swizzle is its own inverse): lane
+            # cv fetches the chunk that belongs at place cv. Placing chunk cv from lane cv instead (the
+            # destinations out of lane order) cost the copies 21.5 global sectors for 16.5 and 13.9
+            # shared wavefronts for 8.2 on an H100 (session 31)
+            cv = c - NK
+            pv = cv
+            if VSWZ == 3:
+                pv = v_swizzled_chunk(cv, VSWZ)
+            elif VSWZ:
+                cv = v_swizzled_chunk(cv, VSWZ)
+            src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * cv)
+            on = (c < NK + NV).to(gl.int32) + 0 * sk
+            off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * pv)
+        _per_thread(_WARP_SYNC, NW)
+        gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
+        okl = gl.max(ok, axis=2)
+        ovl = gl.max(ov, axis=2)
+        # lanes 0 and 1: the scale indices (16 bytes after each side's planes)
+        ssrc = gl.where(lane == 0, k_pages_ptr + okl + KB, v_pages_ptr + ovl + 16 * NV)
+        soff = d2 + 16 + 16 * lane
+        son = lane < 2
+        if ALIGN:
+            # lanes 3 and 4: K's and V's last chunk, when shifted and no step reached it
+            skl = gl.max(sk, axis=2)
+            svl = gl.max(sv, axis=2)
+            if aligned_copy_last(NK):
+                ssrc = gl.where(lane == 3, k_pages_ptr + okl + 16 * (NK - 1), ssrc)
+                soff = gl.where(lane == 3, d2 + KOFF + 16 * NK, soff)
+                son = son | ((lane == 3) & (skl != 0))
+            if aligned_copy_last(NV):
+                vlast = (NV - 1) + 0 * lane
+                if VSWZ:
+                    vlast = v_swizzled_chunk(vlast, VSWZ)
+                ssrc = gl.where(lane == 4, v_pages_ptr + ovl + 16 * (NV - 1), ssrc)
+                soff = gl.where(lane == 4, d2 + VOFF + svl + 16 * vlast, soff)
+                son = son | ((lane == 4) & (svl != 0))
+        gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [soff, ssrc, son.to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     # lane 2: the block the slot's next page is in
     _carry_block(d2, gl.max(fblk, axis=2), t1, bt_row, 2, BLOCK_SIZE, SL)
     _per_thread(_COMMIT, NW)
@@ -1331,7 +1411,7 @@ def compact_split_kernel(
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
-    V_SWIZZLE: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False,
+    V_SWIZZLE: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2; lazy, ``_lazy_softmax_step``), softmax mass and unnormalized fp32 sum of
@@ -1383,6 +1463,9 @@ def compact_split_kernel(
     NCH: gl.constexpr = copy_steps(NK, NV, COPY_ALIGN)
     # KernelConfig.gluon_v_swizzle, for the layout it is made for (nibble rows of 128 channels)
     VSWZ: gl.constexpr = V_SWIZZLE * (BITS_V == 4) * (HEAD_DIM == 128)
+    # KernelConfig.gluon_bulk_copy: the staged pages by the copy engine (V's layout: none or mode 3's)
+    BULK: gl.constexpr = BULK_COPY and STAGES > 0
+    gl.static_assert(not BULK or VSWZ == 0 or VSWZ == 3, "bulk copies place V unswizzled or padded (mode 3)")
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
     gl.thread_barrier()
 
@@ -1420,12 +1503,15 @@ def compact_split_kernel(
             _seed_block(_slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 2, SL), _tile_first(lo, s0, NW, 2, SL), t1,
                         bt_row, BLOCK_SIZE, SL)
         _per_thread(_WARP_SYNC, NW)
+        if BULK:
+            gl.inline_asm_elementwise(_bulk_init_asm(STAGE_OFF, STAGES, 4 * SLOTW), "=r,r", [lo], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         for s0 in gl.static_range(STAGES - 1):
             dst0 = _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL)
             ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
                                         stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, ok0, ov0, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BULK)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
@@ -1435,8 +1521,10 @@ def compact_split_kernel(
             sok, sov = _carried_offsets(dstj, _tile_first(lo, j + STAGES - 1, NW, 3, IL), head, stride_kb, stride_kh,
                                         stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, sok, sov, dstj, _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BULK)
             slot = _wait_stage(j % STAGES, STAGES - 1)
+            if BULK:
+                slot = _bulk_wait(slot, (j // STAGES) & 1, STAGE_OFF, STAGES, SLOTW)
             k0, k1, k2, k3 = _k_words_staged(slot, STAGE_OFF, STAGES, SLOTW, BITS_K, M, NW, LK, COPY_ALIGN)
             sbase = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 2, ROWS)
             kg = _staged_scales(sbase, rr, GRID_OFF, 0)
@@ -1497,6 +1585,9 @@ def compact_split_kernel(
     # Triton's barrier analysis does not see the lookups, which are inline PTX)
     if STAGES > 0:
         _wait_stage(0, 0)  # the copies past the split's end, before the merge's scratch may reuse their memory
+        if BULK:
+            for s0 in gl.static_range(STAGES - 1):
+                _bulk_wait((n_iter + s0) % STAGES, ((n_iter + s0) // STAGES) & 1, STAGE_OFF, STAGES, SLOTW)
         stg._keep_alive()
     gl.thread_barrier()
     tab._keep_alive()
