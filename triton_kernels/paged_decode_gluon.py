@@ -599,7 +599,8 @@ def _warp_slot_asm(stage_off, stages, slot_bytes):
     """PTX that sets u32 ``a`` to the shared address of this thread's warp's slot $1's mbarrier (the
     warp from %tid.x: ``_slot_base``'s order, warp-major)."""
     return ("mov.u32 t, %%tid.x; shr.u32 t, t, 5; mul.lo.u32 t, t, %d; add.u32 t, t, $1; mul.lo.u32 t, t, %d; "
-            "mov.u32 a, global_smem; add.u32 a, a, t; add.u32 a, a, %d;" % (stages, slot_bytes, stage_off + SLOT_BAR.value))
+            "mov.u32 a, global_smem; add.u32 a, a, t; add.u32 a, a, %d;"
+            % (stages, slot_bytes, stage_off + SLOT_BAR.value))
 
 
 @constexpr_function
@@ -945,21 +946,21 @@ def v_swizzled_chunk(cv, MODE: gl.constexpr):
     ``cv`` (``KernelConfig.gluon_v_swizzle``). The V operand's staged reads (``_v_words_staged``:
     lane 4 j + tl reads chunk j >> 1 of rows 2 tl + e, 8 th + 2 tl + e, one 16-byte ``ld.shared.v4``
     each) find unswizzled rows 2 tl + e, 64 bytes apart, in one bank group: 4 wavefronts a phase, 16
-    a load instead of 4 (Nsight Compute, H100, BENCHMARKS.md). Both modes put a phase's 4 distinct
-    chunks (lanes j, j ^ 1 share one) in 4 distinct bank groups, one wavefront:
+    a load instead of 4 (Nsight Compute, H100, BENCHMARKS.md). Each mode puts a phase's 4 distinct
+    chunks (lanes j, j ^ 1 share one) in 4 distinct bank groups, one wavefront; on the H100 each made
+    q4 slower (0.91-1.01x, session 31):
 
     * ``MODE`` 1: chunk k of row r at k ^ ((r >> 1) & 3) of the row. A chunk then lands 16 bytes
-      from where its source's address mod 32 puts it, and the H100 measured that copy slower (global
-      sectors per request 3.6x the default's; 7% more time at q4, session 31).
+      from where its source's address mod 32 puts it; the copies' excess global sectors grew 3.6x.
     * ``MODE`` 2: whole 32-byte sectors moved, so each chunk keeps its source's address mod 32: row r
       at row r ^ ((r >> 1) & 1) (64 bytes: the other half of its line pair) and its chunk k at
       k ^ (2 ((r >> 2) & 1)) (32 bytes); the 4 rows of a phase then start 0, 64, 32 and 96 bytes
       into the bank groups.
 
-    Both are their own inverse, so ``_issue_page`` fetches place p's chunk, ``v_swizzled_chunk(p)``,
-    by lane p and its destinations stay in lane order. Yet mode 2 cost the copies as much as mode 1,
-    either way round (21.5 global sectors for 16.5, 13.8 shared wavefronts for 8.2): a copy whose 8
-    lanes' 128 source bytes do not land as one run in order is slow. Hence
+    Modes 1 and 2 are their own inverse, so ``_issue_page`` fetches place p's chunk,
+    ``v_swizzled_chunk(p)``, by lane p and its destinations stay in lane order. Yet mode 2 cost the
+    copies as much as mode 1, either way round (21.5 global sectors for 16.5, 13.8 shared wavefronts
+    for 8.2): a copy whose 8 lanes' 128 source bytes do not land as one run in order is slow. Hence
 
     * ``MODE`` 3: no permutation: V's 128-byte row pairs 160 bytes apart (the slot's V grows from
       1024 to 1280 bytes), each pair one run as copied; pair p's 32 p mod 128 puts a phase's 4 rows
