@@ -90,23 +90,20 @@ def configurations():
     cases = [c + (True, ()) for c in cases] + [(kb, vb, 128, g, 0, 2, False, ()) for kb, vb in ((4, 4), (4, 3), (3, 3))
                                                 for g in (4, 8)]
     # the kernel's options at the 8B launch (staged, no bias), each named in the line by its suffix:
-    # VOTE (KernelConfig.gluon_vote, the compact default since session 30), V_SWIZZLE (1), V_SWIZZLE2, V_SWIZZLE3
-    # COPY_ALIGN and BULK_COPY (gluon_v_swizzle 1 to 3, gluon_copy_align, gluon_bulk_copy: opt-in)
+    # VOTE (KernelConfig.gluon_vote, the compact default since session 30), V_PAD, COPY_ALIGN and BULK_COPY
+    # (gluon_v_pad, gluon_copy_align, gluon_bulk_copy: opt-in)
     cases += [(kb, vb, 128, 4, 0, 2, False, opts) for kb, vb, opts in (
-        (4, 4, ("VOTE",)), (3, 3, ("VOTE",)), (4, 4, ("VOTE", "V_SWIZZLE")), (4, 4, ("VOTE", "V_SWIZZLE2")),
-        (4, 4, ("VOTE", "V_SWIZZLE2", "COPY_ALIGN")), (4, 4, ("VOTE", "V_SWIZZLE3")), (4, 4, ("VOTE", "V_SWIZZLE3", "COPY_ALIGN")),
-        (4, 4, ("VOTE", "BULK_COPY")), (4, 4, ("VOTE", "V_SWIZZLE3", "BULK_COPY")), (3, 3, ("VOTE", "BULK_COPY")),
-        (4, 4, ("VOTE", "V_SWIZZLE", "COPY_ALIGN")), (4, 4, ("VOTE", "COPY_ALIGN")), (3, 3, ("VOTE", "COPY_ALIGN")))]
-    suffix = {"VOTE": " vote", "V_SWIZZLE": " vswz", "V_SWIZZLE2": " vswz2", "V_SWIZZLE3": " vswz3", "BULK_COPY": " bulk", "COPY_ALIGN": " align"}
-    value = {"V_SWIZZLE2": ("V_SWIZZLE", 2), "V_SWIZZLE3": ("V_SWIZZLE", 3)}  # an option's constexpr and value where not (its name, True)
+        (4, 4, ("VOTE",)), (3, 3, ("VOTE",)), (4, 4, ("VOTE", "V_PAD")), (4, 4, ("VOTE", "V_PAD", "COPY_ALIGN")),
+        (4, 4, ("VOTE", "BULK_COPY")), (4, 4, ("VOTE", "V_PAD", "BULK_COPY")), (3, 3, ("VOTE", "BULK_COPY")),
+        (4, 4, ("VOTE", "COPY_ALIGN")), (3, 3, ("VOTE", "COPY_ALIGN")))]
+    suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align"}
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
             warps = 16 if chunks else 8
-            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts,
-                                                    "V_SWIZZLE3" in opts)
+            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts)
             const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
                          BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
-                         STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict(value.get(o, (o, True)) for o in opts))
+                         STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
             return pg.compact_split_kernel, const, compact_ptrs, warps, None if chunks else 128
         name = f"compact k{kb}v{vb} d{d} g{group} rope{chunks} stages{stages}{' bias' if bias else ''}"
         yield name + "".join(suffix[o] for o in opts), build

@@ -443,8 +443,7 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
                                  dict(block_n=24), dict(num_warps=0), dict(gluon_ahead=4), dict(gluon_maxnreg=8),
-                                 dict(gluon_min_work=-1), dict(gluon_v_swizzle=4),
-                                 dict(gluon_bulk_copy=True, gluon_v_swizzle=1)])
+                                 dict(gluon_min_work=-1)])
 def test_kernel_config_refuses_what_would_not_compile(bad):
     """A KernelConfig outside what was built and measured (staging of 2 or 4 slots per warp: 8 slots of
     q4 at 16 warps overflow shared memory, other counts were never run on a GPU), that Triton could
@@ -455,8 +454,7 @@ def test_kernel_config_refuses_what_would_not_compile(bad):
     with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
         KernelConfig(**bad)
     KernelConfig(**{k: {"gluon_stages": 4, "gluon_warps": 16, "gluon_rope_warps": 8, "block_n": 32, "num_warps": 8,
-                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_v_swizzle": 3,
-                        "gluon_bulk_copy": True}[k] for k in bad})  # a valid value
+                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0}[k] for k in bad})  # a valid value
 
 
 def test_rotary_term_over_listed_pairs_only():
@@ -626,24 +624,18 @@ def test_gluon_vote_max_gives_the_same_output_gpu(shape, variant, bits):
 @pytest.mark.parametrize("bits", [(4, 4), (3, 4), (4, 3)], ids=["q4", "k3v4", "q3.5"])
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128), (9, 3, 64)], ids=["llama8b", "llama70b-tp8", "smollm2"])
-def test_gluon_v_swizzle_gives_the_same_output_gpu(shape, stages, bits):
-    """``KernelConfig.gluon_v_swizzle`` (V's staged chunks in swizzled places),
-    ``KernelConfig.gluon_copy_align`` (the copies in whole 128-byte lines), each and both, and
-    ``KernelConfig.gluon_bulk_copy`` (the copy engine, V as it lies or padded) read the same words,
-    so the output is the default's bit for bit; where the swizzle does not apply (V at 3
-    bits, head_dim 64) it is the same kernel."""
+def test_gluon_v_pad_and_copy_options_give_the_same_output_gpu(shape, stages, bits):
+    """``KernelConfig.gluon_v_pad`` (V's staged row pairs padded), ``KernelConfig.gluon_copy_align``
+    (the copies in whole 128-byte lines), each and both, and ``KernelConfig.gluon_bulk_copy`` (the
+    copy engine, V as it lies or padded) read the same words, so the output is the default's bit for
+    bit; where the padding does not apply (V at 3 bits, head_dim 64) it is the same kernel."""
     run, ref, vmax = _real_shape_case(shape, *bits)
     cfg = KernelConfig(gluon=True, gluon_min_work=0, gluon_warps=8, gluon_ahead=0, gluon_maxnreg=128,
                        gluon_stages=stages, gluon_vote=True)
     out = run(cfg)
-    for mode in (1, 2, 3):
-        assert torch.equal(run(dataclasses.replace(cfg, gluon_v_swizzle=mode)), out)
-    assert torch.equal(run(dataclasses.replace(cfg, gluon_copy_align=True)), out)
-    for mode in (1, 2, 3):
-        assert torch.equal(run(dataclasses.replace(cfg, gluon_v_swizzle=mode, gluon_copy_align=True)), out)
-    # the copy engine (KernelConfig.gluon_bulk_copy), V as it lies and padded
-    for mode in (0, 3):
-        assert torch.equal(run(dataclasses.replace(cfg, gluon_bulk_copy=True, gluon_v_swizzle=mode)), out)
+    for pad, align, bulk in ((1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1)):
+        change = dict(gluon_v_pad=bool(pad), gluon_copy_align=bool(align), gluon_bulk_copy=bool(bulk))
+        assert torch.equal(run(dataclasses.replace(cfg, **change)), out), change
     assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
 
 
@@ -696,39 +688,27 @@ def test_aligned_copies_copy_each_chunk_once_in_whole_lines(bits, monkeypatch):
     assert phases_lines(shared, on) == 2
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
-def test_v_swizzle_is_a_permutation_its_reader_inverts_without_bank_conflicts(mode):
-    """``v_swizzled_chunk`` (where the copies put V's 16-byte chunks) and ``v_swizzled_word`` (where
-    ``_v_words_staged`` reads them), run on tensors. Modes 1 and 2 permute the page's chunks and are
-    their own inverse (the copies fetch place p's chunk from lane p, in lane order): mode 1 within
-    each 64-byte row, mode 2 within each 128-byte row pair, each chunk an even number of chunks away
-    (at its source's address mod 32). Mode 3 places the chunks in order, each row pair one run, the
-    pairs 160 bytes apart, inside the slot's padded V (``_slot_words``). In all three the reader finds
-    at its address the word it wants, and a staged V load (lane 4 j + tl reads the 4 words of chunk
-    j >> 1 of row 8 th + 2 tl + e, ``v_layout``) serves each phase of 8 lanes in one wavefront (its
-    distinct chunks in distinct 16-byte bank groups), 4 a load, where the unswizzled layout takes 16."""
+def test_v_pad_places_row_pairs_apart_its_reader_finds_them_without_bank_conflicts():
+    """``v_padded_chunk`` (where the copies put V's 16-byte chunks with ``KernelConfig.gluon_v_pad``)
+    and ``v_padded_word`` (where ``_v_words_staged`` reads them), run on tensors: the chunks in order,
+    each 128-byte row pair one run, the pairs 160 bytes apart (every chunk at its source's address
+    mod 32), inside the slot's padded V (``_slot_words``); the reader finds at its address the word
+    it wants; and a staged V load (lane 4 j + tl reads the 4 words of chunk j >> 1 of row
+    8 th + 2 tl + e, ``v_layout``) serves each phase of 8 lanes in one wavefront (its distinct
+    chunks in distinct 16-byte bank groups), 4 a load, where the unpadded layout takes 16."""
     from weightszip.kernels import paged_decode_gluon as pg
 
     cv = torch.arange(64)
-    placed = pg.v_swizzled_chunk.fn(cv, mode)
-    if mode == 3:
-        assert torch.equal(placed, 10 * (cv // 8) + cv % 8)  # row pairs 160 bytes apart, each one run
-        v_bytes = 4 * pg._slot_words.fn(4, 4, 128, False, True) - 4 * pg._slot_words.fn(4, 4, 128)
-        assert 16 * (int(placed.max()) + 1) <= 1024 + v_bytes  # inside the padded slot
-    else:
-        assert sorted(placed.tolist()) == list(range(64))
-        assert torch.equal(pg.v_swizzled_chunk.fn(placed, mode), cv)  # its own inverse
-    if mode == 1:
-        assert torch.equal(placed // 4, cv // 4)  # within its row
-    elif mode == 2:
-        assert torch.equal(placed // 8, cv // 8)  # within its row pair (one line as the copies write it)
-        assert torch.equal((placed - cv) % 2, torch.zeros_like(cv))  # whole 32-byte sectors
+    placed = pg.v_padded_chunk.fn(cv)
+    assert torch.equal(placed, 10 * (cv // 8) + cv % 8)  # row pairs 160 bytes apart, each one run
+    v_bytes = 4 * pg._slot_words.fn(4, 4, 128, False, True) - 4 * pg._slot_words.fn(4, 4, 128)
+    assert 16 * (int(placed.max()) + 1) <= 1024 + v_bytes  # inside the padded slot
     # the reader: row r, word q (of 16) is the chunk the copies placed, word q % 4 of it
     r, q = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
-    where = 16 * r + pg.v_swizzled_word.fn(q, r, mode)
+    where = 16 * r + pg.v_padded_word.fn(q, r)
     assert torch.equal(where, 4 * placed[4 * r + q // 4] + q % 4)
 
-    def wavefronts(swizzled, base):
+    def wavefronts(padded, base):
         total = 0
         for th in range(2):
             for e in range(2):
@@ -738,7 +718,7 @@ def test_v_swizzle_is_a_permutation_its_reader_inverts_without_bank_conflicts(mo
                     for lane in lanes:
                         tl, j = lane % 4, lane // 4
                         row, q = 8 * th + 2 * tl + e, 4 * (j >> 1)
-                        word = 16 * row + (pg.v_swizzled_word.fn(q, row, mode) if swizzled else q)
+                        word = 16 * row + (pg.v_padded_word.fn(q, row) if padded else q)
                         addrs.add(base + 4 * word)
                     groups = collections.Counter((a % 128) // 16 for a in addrs)
                     total += max(groups.values())
@@ -1393,17 +1373,17 @@ from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_
 
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
 vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
-swizzle = int(sys.argv[8]) if len(sys.argv) > 8 else 0  # KernelConfig.gluon_v_swizzle (0 to 3)
+pad = sys.argv[8:9] == ["1"]  # KernelConfig.gluon_v_pad
 align = sys.argv[9:10] == ["1"]  # KernelConfig.gluon_copy_align
 bulk = sys.argv[10:11] == ["1"]  # KernelConfig.gluon_bulk_copy
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
-tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, swizzle == 3)
+tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
-             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_SWIZZLE=swizzle, COPY_ALIGN=align,
+             TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_PAD=pad, COPY_ALIGN=align,
              BULK_COPY=bulk)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
@@ -1430,20 +1410,17 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (4, 4, 128, 4, 2, 2, 1), (4, 4, 128, 4, 0, 2, 1, 1), (4, 4, 128, 8, 0, 4, 1, 1),
                                   (4, 4, 128, 4, 0, 2, 1, 1, 1), (3, 3, 128, 4, 0, 2, 1, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 1),
                                   (2, 3, 64, 3, 0, 2, 1, 0, 1), (4, 4, 32, 4, 0, 2, 1, 1, 1),
-                                  (4, 4, 128, 4, 0, 2, 1, 2), (4, 4, 128, 8, 0, 4, 1, 2, 1),
-                                  (4, 4, 128, 4, 0, 2, 1, 3), (4, 4, 128, 8, 0, 4, 1, 3, 1),
-                                  (4, 4, 128, 4, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 0, 2, 1, 3, 0, 1),
+                                  (4, 4, 128, 4, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 0, 2, 1, 1, 0, 1),
                                   (3, 3, 128, 4, 0, 2, 1, 0, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 0, 1),
                                   (3, 3, 64, 3, 0, 2, 1, 0, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
                               "q4-8b-staged-vote", "q3-8b-staged-vote", "q4-64x16-vote", "q4-8b-rope-staged-vote",
-                              "q4-8b-staged-vote-vswz", "q4-70b-staged4-vote-vswz", "q4-8b-staged-vote-vswz-align",
+                              "q4-8b-staged-vote-vpad", "q4-70b-staged4-vote-vpad", "q4-8b-staged-vote-vpad-align",
                               "q3-8b-staged-vote-align", "q3.5-70b-staged4-vote-align", "k2v3-smollm2-staged-vote-align",
-                              "q4-d32-staged-vote-vswz-align", "q4-8b-staged-vote-vswz2", "q4-70b-staged4-vote-vswz2-align",
-                              "q4-8b-staged-vote-vswz3", "q4-70b-staged4-vote-vswz3-align",
-                              "q4-8b-staged-vote-bulk", "q4-8b-staged-vote-vswz3-bulk", "q3-8b-staged-vote-bulk",
+                              "q4-d32-staged-vote-vpad-align",
+                              "q4-8b-staged-vote-bulk", "q4-8b-staged-vote-vpad-bulk", "q3-8b-staged-vote-bulk",
                               "q3.5-70b-staged4-vote-bulk", "q3-smollm2-staged-vote-bulk"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
@@ -1455,7 +1432,7 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     (``KernelConfig.gluon_stages``) issue cp.async, and the kernel's shared memory is exactly the
     pair tables and the staging buffer (``smem_offsets``: inline PTX addresses them, so no Triton
     scratch may lie in their bytes). The ``-vote`` cases: the lazy max by a warp vote
-    (``KernelConfig.gluon_vote``); ``-vswz``, ``-vswz2``, ``-vswz3``: V's staged chunks swizzled (``KernelConfig.gluon_v_swizzle`` 1 to 3);
+    (``KernelConfig.gluon_vote``); ``-vpad``: V's staged row pairs padded (``KernelConfig.gluon_v_pad``);
     ``-bulk``: the staged copies by the copy engine (``KernelConfig.gluon_bulk_copy``);
     ``-align``: the copies in whole 128-byte lines (``KernelConfig.gluon_copy_align``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)

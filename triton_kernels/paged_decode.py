@@ -96,7 +96,7 @@ def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: 
 
     warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
     return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align,
-                        cfg.gluon_v_swizzle == 3)[2]
+                        cfg.gluon_v_pad)[2]
 
 
 LOG2E = 1.4426950408889634
@@ -164,14 +164,12 @@ class KernelConfig:
     # shuffles on pages where no head's max moves; the same maxima as without it, so the same output
     # bit for bit). On by default for compact pages (``DEFAULT_CONFIGS``) since session 30's A/B
     gluon_vote: bool = False
-    # compact pages with 4-bit V (q4) and head_dim 128, staged: V's 16-byte chunks staged in swizzled
-    # places (``paged_decode_gluon.v_swizzled_chunk``) so that the V operand's shared loads are free
-    # of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same output.
-    # 0 (False): off; 1 (True): chunks permuted within their row (0.93-0.98x at q4 on an H100: the
-    # copies' global sectors grew 3.6x); 2: whole 32-byte sectors moved (each chunk keeps its
-    # source's address mod 32; as slow); 3: V's row pairs 160 bytes apart, no permutation (0.93-1.01x).
-    # Off: on an H100 the copies cost more than the loads save (BENCHMARKS.md, session 31)
-    gluon_v_swizzle: int = 0
+    # compact pages with 4-bit V (q4) and head_dim 128, staged: V's 128-byte row pairs 160 bytes
+    # apart in the slot (``paged_decode_gluon.v_padded_chunk``) so that the V operand's shared loads
+    # are free of bank conflicts (16 wavefronts a load without, 4 with); the same words, so the same
+    # output. Off: with the per-lane copies 0.93-1.01x at q4 on an H100, which cost more than the
+    # loads save (as did two swizzles, removed; BENCHMARKS.md, session 31); for ``gluon_bulk_copy``
+    gluon_v_pad: bool = False
     # compact pages, staged: each side's planes at a 128-byte line of the slot and each page's copies
     # assigned so that every 8 lanes write one line (``paged_decode_gluon.aligned_copy_slot``): one
     # shared wavefront per 8 lanes where the default's copies cross a line in each (Nsight Compute:
@@ -180,7 +178,7 @@ class KernelConfig:
     # compact pages, staged: each page's planes and scale indices copied by the copy engine
     # (``cp.async.bulk`` from one lane, completing on the slot's mbarrier) instead of 16-byte cp.async
     # from every lane, so the copies leave the load/store pipe's shared-memory wavefronts (8.2-8.6 a
-    # copy, 4 copies a page) and a padded V (``gluon_v_swizzle=3``) costs them nothing more. Built
+    # copy, 4 copies a page) and a padded V (``gluon_v_pad``) costs them nothing more. Built
     # without a GPU (session 31): off until timed
     gluon_bulk_copy: bool = False
 
@@ -205,10 +203,6 @@ class KernelConfig:
             # 2 or 4 slots per warp, as built and measured (8 would not fit beside q4's tables at 16
             # warps; 1 and 3 compile but never ran on a GPU)
             ("gluon_stages", self.gluon_stages, self.gluon_stages in (0, 2, 4), "0, 2 or 4"),
-            ("gluon_v_swizzle", self.gluon_v_swizzle, self.gluon_v_swizzle in (0, 1, 2, 3), "0 to 3"),
-            # the copy engine moves runs of bytes: V as it lies, or in row pairs (mode 3), not permuted
-            ("gluon_bulk_copy", self.gluon_bulk_copy, not self.gluon_bulk_copy or self.gluon_v_swizzle in (0, 3),
-             "needs gluon_v_swizzle 0 or 3"),
         ) if not ok]
         if bad:
             raise InvalidArgumentError("KernelConfig: " + "; ".join(bad))
@@ -1689,7 +1683,7 @@ class PagedDecodeAttention:
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             tab_off, stage_off, _ = pg.smem_offsets(self.k_bits, self.v_bits, D, warps, cfg.gluon_stages,
-                                                    cfg.gluon_copy_align, cfg.gluon_v_swizzle == 3)
+                                                    cfg.gluon_copy_align, cfg.gluon_v_pad)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1702,7 +1696,7 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
                 V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
-                V_SWIZZLE=int(cfg.gluon_v_swizzle), COPY_ALIGN=cfg.gluon_copy_align, BULK_COPY=cfg.gluon_bulk_copy,
+                V_PAD=cfg.gluon_v_pad, COPY_ALIGN=cfg.gluon_copy_align, BULK_COPY=cfg.gluon_bulk_copy,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
                 # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))

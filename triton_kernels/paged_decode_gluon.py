@@ -53,10 +53,11 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   vote asks whether any logit of the warp exceeds its column's max + MAX_SLACK, and the row shuffles
   run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima, so the same output). On
   an H100 0.995-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
-* **V's staged chunks swizzled** (``V_SWIZZLE`` 1 or 2, ``KernelConfig.gluon_v_swizzle``, q4 at
-  head_dim 128; opt-in): ``v_swizzled_chunk`` removes the 4-way bank conflicts of the V operand's
-  shared loads, in three layouts. On an H100 all three made q4 slower (0.91-1.01x, session 31):
-  the cp.async copies of any layout but the page's own cost more than the loads save.
+* **V's row pairs padded** (``V_PAD``, ``KernelConfig.gluon_v_pad``, q4 at head_dim 128; opt-in):
+  V's 128-byte row pairs 160 bytes apart in the slot (``v_padded_chunk``), which removes the 4-way
+  bank conflicts of the V operand's shared loads. With the per-lane copies it made q4 0.93-1.01x
+  on an H100, as did two swizzles tried before it (removed, session 31): any layout but the page's
+  own costs those copies more than the loads save. Meant for the bulk copies below.
 * **Aligned copies** (``COPY_ALIGN``, ``KernelConfig.gluon_copy_align``; opt-in): each 8 lanes of a
   page's copies write one 128-byte line (``aligned_copy_slot``), where the default's cross a line
   (two shared wavefronts a phase). Within noise on an H100 (session 31).
@@ -65,7 +66,7 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   (``cp.async.bulk``, ``_bulk_issue_asm``) and every lane waits on the slot's mbarrier
   (``SLOT_BAR``, ``_bulk_wait``) instead of 128 lanes' 16-byte cp.async: the copies then leave the
   load/store pipe (about 34 of a page's ~190 shared wavefronts a warp on the H100), and V's padded
-  layout (``V_SWIZZLE`` 3) costs them nothing more. The block's carry stays a 4-byte cp.async.
+  layout (``V_PAD``) costs them nothing more. The block's carry stays a 4-byte cp.async.
 * **The rotary-offset term** (``ROPE_CHUNKS``): the per-key ``q . r(p)`` of calibrations with rotary
   K offsets, as the Triton kernel's, on the tensor cores (``_rope_logits``).
 
@@ -431,7 +432,7 @@ def slot_v_offset(k_bytes, align):
 def _slot_words(bits_k, bits_v, head_dim, align=False, vpad=False):
     """Shared words of one staged page (``SLOT_HDR``'s layout: header, K's bit planes, V's; 16 rows of
     head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes
-    (``vpad``: ``v_swizzled_chunk``'s mode 3, V's 128-byte row pairs 160 bytes apart)."""
+    (``vpad``: ``KernelConfig.gluon_v_pad``, V's 128-byte row pairs 160 bytes apart)."""
     v_bytes = bits_v * head_dim * 2
     if vpad and bits_v == 4 and head_dim == 128:
         v_bytes = v_bytes * 5 // 4
@@ -445,7 +446,7 @@ def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages
                  align: bool = False, vpad: bool = False) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
     the end of both (``align``: ``KernelConfig.gluon_copy_align``'s slots; ``vpad``:
-    ``KernelConfig.gluon_v_swizzle`` 3's). Only inline PTX reads and
+    ``KernelConfig.gluon_v_pad``'s). Only inline PTX reads and
     writes them (from ``global_smem``), so their order is ours: the kernel's two allocations, made
     first and live through the loop, reserve [0, end) in whichever order Triton places them (the
     compile test checks that the kernel's shared memory is exactly that: no Triton scratch lies in it)."""
@@ -574,7 +575,7 @@ def _bulk_issue_asm(k_bytes, v_bytes, koff, voff, vpad):
     """One lane's bulk copies of a page into a slot (``_issue_page`` with ``BULK``): $1 the predicate,
     $2 the slot's shared byte offset, $3/$4 K's/V's shift, $5/$6 the K/V page in global memory. The
     slot's mbarrier (``SLOT_BAR``) expects the bytes, then K's planes, K's 16 scale-index bytes, V's
-    planes (``vpad``: as ``v_swizzled_chunk`` mode 3 places them, one 128-byte row pair a copy) and
+    planes (``vpad``: as ``v_padded_chunk`` places them, one 128-byte row pair a copy) and
     V's scale indices complete on it. The fence orders the warp's earlier reads of the slot (generic
     proxy, after its warp barrier) before the copy engine's writes."""
     tx = k_bytes + v_bytes + 32
@@ -631,13 +632,13 @@ def _bulk_wait(slot, parity, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOT
 @gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
                 NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr,
-                VSWZ: gl.constexpr = 0, ALIGN: gl.constexpr = False, BULK: gl.constexpr = False):
+                VPAD: gl.constexpr = False, ALIGN: gl.constexpr = False, BULK: gl.constexpr = False):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
     chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
     ``fblk`` (block 0 past t1: the copy's zero fill) carried to header byte 0, as one commit group;
     then the shifts into header word 1. No global load waits: the slot's next page takes its block
-    from there (``_carried_offsets``). ``VSWZ`` (1 to 3): V's chunks in ``v_swizzled_chunk``'s places;
+    from there (``_carried_offsets``). ``VPAD``: V's chunks in ``v_padded_chunk``'s places;
     ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``;
     ``BULK``: the planes and scale indices by the copy engine instead (``_bulk_issue_asm``; the
     block's carry and the shifts as above)."""
@@ -654,7 +655,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         # lane 0: the copy engine (K's and V's planes and scale indices, one mbarrier phase)
         _per_thread(_WARP_SYNC, NW)
         z = 0 * lane
-        gl.inline_asm_elementwise(_bulk_issue_asm(KB, 16 * NV, KOFF, VOFF, VSWZ == 3), "=r,r,r,r,r,l,l",
+        gl.inline_asm_elementwise(_bulk_issue_asm(KB, 16 * NV, KOFF, VOFF, VPAD), "=r,r,r,r,r,l,l",
                                   [(lane == 0).to(gl.int32), d2 + z, gl.max(sk, axis=2) + z, gl.max(sv, axis=2) + z,
                                    k_pages_ptr + gl.max(ok, axis=2) + z, v_pages_ptr + gl.max(ov, axis=2) + z],
                                   dtype=gl.int32, is_pure=False, pack=1)
@@ -663,24 +664,17 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
             is_v, q, cp = aligned_copy_slot(_axis(NCH, 2, 3, IL), _axis(32, 1, 3, IL), sk >> 4, sv >> 4, NK, NV)
             src = gl.where(is_v, v_pages_ptr + (ov - sv) + 16 * q, k_pages_ptr + (ok - sk) + 16 * q)
             on = cp.to(gl.int32)
-            if VSWZ:
-                off = dst + gl.where(is_v, VOFF + sv + 16 * v_swizzled_chunk(q - (sv >> 4), VSWZ), KOFF + 16 * q)
+            if VPAD:
+                off = dst + gl.where(is_v, VOFF + sv + 16 * v_padded_chunk(q - (sv >> 4)), KOFF + 16 * q)
             else:
                 off = dst + gl.where(is_v, VOFF, KOFF) + 16 * q
         else:
-            # swizzled, lane order stays the order of the places (the swizzle is its own inverse): lane
-            # cv fetches the chunk that belongs at place cv. Placing chunk cv from lane cv instead (the
-            # destinations out of lane order) cost the copies 21.5 global sectors for 16.5 and 13.9
-            # shared wavefronts for 8.2 on an H100 (session 31)
-            cv = c - NK
-            pv = cv
-            if VSWZ == 3:
-                pv = v_swizzled_chunk(cv, VSWZ)
-            elif VSWZ:
-                cv = v_swizzled_chunk(cv, VSWZ)
-            src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * cv)
+            src = gl.where(c < NK, k_pages_ptr + ok + 16 * c, v_pages_ptr + ov + 16 * (c - NK))
             on = (c < NK + NV).to(gl.int32) + 0 * sk
-            off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * pv)
+            cv = c - NK
+            if VPAD:
+                cv = v_padded_chunk(cv)
+            off = dst + gl.where(c < NK, KOFF + sk + 16 * c, VOFF + sv + 16 * cv)
         _per_thread(_WARP_SYNC, NW)
         gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [off, src, on], dtype=gl.int32, is_pure=False, pack=1)
         okl = gl.max(ok, axis=2)
@@ -699,8 +693,8 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
                 son = son | ((lane == 3) & (skl != 0))
             if aligned_copy_last(NV):
                 vlast = (NV - 1) + 0 * lane
-                if VSWZ:
-                    vlast = v_swizzled_chunk(vlast, VSWZ)
+                if VPAD:
+                    vlast = v_padded_chunk(vlast)
                 ssrc = gl.where(lane == 4, v_pages_ptr + ovl + 16 * (NV - 1), ssrc)
                 soff = gl.where(lane == 4, d2 + VOFF + svl + 16 * vlast, soff)
                 son = son | ((lane == 4) & (svl != 0))
@@ -941,50 +935,31 @@ def _v_word_index(M: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
-def v_swizzled_chunk(cv, MODE: gl.constexpr):
-    """Where a staged V page of 128-channel nibble rows (4 16-byte chunks a row) holds its chunk
-    ``cv`` (``KernelConfig.gluon_v_swizzle``). The V operand's staged reads (``_v_words_staged``:
-    lane 4 j + tl reads chunk j >> 1 of rows 2 tl + e, 8 th + 2 tl + e, one 16-byte ``ld.shared.v4``
-    each) find unswizzled rows 2 tl + e, 64 bytes apart, in one bank group: 4 wavefronts a phase, 16
-    a load instead of 4 (Nsight Compute, H100, BENCHMARKS.md). Each mode puts a phase's 4 distinct
-    chunks (lanes j, j ^ 1 share one) in 4 distinct bank groups, one wavefront; on the H100 each made
-    q4 slower (0.91-1.01x, session 31):
+def v_padded_chunk(cv):
+    """Where a staged V page of 128-channel nibble rows (4 16-byte chunks a row) holds its chunk ``cv``
+    with ``KernelConfig.gluon_v_pad``: its 128-byte row pairs 160 bytes apart (the slot's V takes
+    1280 bytes for 1024), each pair one run as copied. The V operand's staged reads
+    (``_v_words_staged``: lane 4 j + tl reads chunk j >> 1 of rows 2 tl + e, 8 th + 2 tl + e, one
+    16-byte ``ld.shared.v4`` each) find unpadded rows 2 tl + e, 128 bytes apart, in one bank group:
+    4 wavefronts a phase, 16 a load instead of 4 (Nsight Compute, H100, BENCHMARKS.md). Padded, pair
+    p starts 32 p mod 128 bytes into the bank groups, so a phase's 4 rows fall in 4 groups (one
+    wavefront), and 160 keeps each chunk's address mod 32.
 
-    * ``MODE`` 1: chunk k of row r at k ^ ((r >> 1) & 3) of the row. A chunk then lands 16 bytes
-      from where its source's address mod 32 puts it; the copies' excess global sectors grew 3.6x.
-    * ``MODE`` 2: whole 32-byte sectors moved, so each chunk keeps its source's address mod 32: row r
-      at row r ^ ((r >> 1) & 1) (64 bytes: the other half of its line pair) and its chunk k at
-      k ^ (2 ((r >> 2) & 1)) (32 bytes); the 4 rows of a phase then start 0, 64, 32 and 96 bytes
-      into the bank groups.
-
-    Modes 1 and 2 are their own inverse, so ``_issue_page`` fetches place p's chunk,
-    ``v_swizzled_chunk(p)``, by lane p and its destinations stay in lane order. Yet mode 2 cost the
-    copies as much as mode 1, either way round (21.5 global sectors for 16.5, 13.8 shared wavefronts
-    for 8.2): a copy whose 8 lanes' 128 source bytes do not land as one run in order is slow. Hence
-
-    * ``MODE`` 3: no permutation: V's 128-byte row pairs 160 bytes apart (the slot's V grows from
-      1024 to 1280 bytes), each pair one run as copied; pair p's 32 p mod 128 puts a phase's 4 rows
-      0, 32, 64 and 96 bytes into the bank groups, and 160 keeps each chunk's address mod 32.
-
-    Plain integer arithmetic, so the tests run it on torch tensors (``.fn``)."""
-    if MODE == 3:
-        return cv + 2 * (cv >> 3)
-    elif MODE == 2:
-        return cv ^ ((cv >> 1) & 4) ^ ((cv >> 3) & 2)
-    else:
-        return cv ^ ((cv >> 3) & 3)
+    Session 31 measured this and two swizzles (chunks permuted within a row, or whole 32-byte
+    sectors moved within a row pair) on an H100 with the per-lane cp.async copies: q4 0.91-1.01x,
+    since a copy whose lanes' bytes do not land as one contiguous run costs more global sectors and
+    shared wavefronts (18-21.5 and 12.4-13.9 a V copy against 16.5 and 8.2) than the loads save.
+    The swizzles were removed; the padding is kept for ``KernelConfig.gluon_bulk_copy``, whose copy
+    engine moves each pair as a run. Plain integer arithmetic, so the tests run it on torch tensors
+    (``.fn``)."""
+    return cv + 2 * (cv >> 3)
 
 
 @gluon.jit
-def v_swizzled_word(q4, r, MODE: gl.constexpr):
-    """``v_swizzled_chunk`` for a reader: the place of word ``q4`` (of 16) of row ``r``, as words
-    from row r's start (``MODE`` 2 moves rows: -16 to 31; 3 adds 8 words a row pair before)."""
-    if MODE == 3:
-        return q4 + 8 * (r >> 1)
-    elif MODE == 2:
-        return (q4 ^ (((r >> 2) & 1) * 8)) + 16 * ((r ^ ((r >> 1) & 1)) - r)
-    else:
-        return q4 ^ (((r >> 1) & 3) * 4)
+def v_padded_word(q4, r):
+    """``v_padded_chunk`` for a reader: the place of word ``q4`` (of 16) of row ``r``, as words from
+    row r's unpadded start (8 words of padding a row pair before it)."""
+    return q4 + 8 * (r >> 1)
 
 
 @gluon.jit
@@ -1031,17 +1006,17 @@ def _k_words_staged(slot, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: 
 @gluon.jit
 def _v_words_staged(slot, e: gl.constexpr, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOTW: gl.constexpr,
                     K_BYTES: gl.constexpr, BITS: gl.constexpr, M: gl.constexpr, NW: gl.constexpr, LV: gl.constexpr,
-                    VSWZ: gl.constexpr = 0, ALIGN: gl.constexpr = False):
+                    VPAD: gl.constexpr = False, ALIGN: gl.constexpr = False):
     """``_v_words`` from the warp's staged page in ``slot`` (V's planes at ``slot_v_offset`` of K's
-    ``K_BYTES``, plus their shift; ``VSWZ``: nibble rows of 128 channels with their chunks swizzled,
-    ``v_swizzled_word``)."""
+    ``K_BYTES``, plus their shift; ``VPAD``: nibble rows of 128 channels in padded row pairs,
+    ``v_padded_word``)."""
     LW: gl.constexpr = words_layout(LV, 1)
     r = 8 * _axis(2, 5, 8, LW) + 2 * _axis(4, 6, 8, LW) + e
     base = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 8, LW)
     base = base + slot_v_offset(K_BYTES, ALIGN) + (_lds(base + 4) >> 16)
     m, q4, q3 = _v_word_index(M, LW)
-    if VSWZ:
-        q4 = v_swizzled_word(q4, r, VSWZ)
+    if VPAD:
+        q4 = v_padded_word(q4, r)
     return _words(None, base, r, m, q4, q3, BITS, M, LV, True)
 
 
@@ -1412,7 +1387,7 @@ def compact_split_kernel(
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
-    V_SWIZZLE: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
+    V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
     the running max (base 2; lazy, ``_lazy_softmax_step``), softmax mass and unnormalized fp32 sum of
@@ -1451,7 +1426,7 @@ def compact_split_kernel(
     # shared memory is exactly theirs).
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS],
                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_SWIZZLE == 3)
+    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD)
     if STAGES > 0:
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x
@@ -1462,11 +1437,10 @@ def compact_split_kernel(
     NK: gl.constexpr = BITS_K * HEAD_DIM // 8
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
     NCH: gl.constexpr = copy_steps(NK, NV, COPY_ALIGN)
-    # KernelConfig.gluon_v_swizzle, for the layout it is made for (nibble rows of 128 channels)
-    VSWZ: gl.constexpr = V_SWIZZLE * (BITS_V == 4) * (HEAD_DIM == 128)
-    # KernelConfig.gluon_bulk_copy: the staged pages by the copy engine (V's layout: none or mode 3's)
+    # KernelConfig.gluon_v_pad, for the layout it is made for (nibble rows of 128 channels)
+    VPAD: gl.constexpr = V_PAD and BITS_V == 4 and HEAD_DIM == 128
+    # KernelConfig.gluon_bulk_copy: the staged pages by the copy engine
     BULK: gl.constexpr = BULK_COPY and STAGES > 0
-    gl.static_assert(not BULK or VSWZ == 0 or VSWZ == 3, "bulk copies place V unswizzled or padded (mode 3)")
     IL: gl.constexpr = gl.BlockedLayout([1, 1, NCH], [1, 32, 1], [NW, 1, 1], [2, 1, 0])
     gl.thread_barrier()
 
@@ -1512,7 +1486,7 @@ def compact_split_kernel(
             ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
                                         stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, ok0, ov0, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BULK)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     for j in range(0, n_iter):
@@ -1522,7 +1496,7 @@ def compact_split_kernel(
             sok, sov = _carried_offsets(dstj, _tile_first(lo, j + STAGES - 1, NW, 3, IL), head, stride_kb, stride_kh,
                                         stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
             _issue_page(k_pages_ptr, v_pages_ptr, sok, sov, dstj, _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VSWZ, COPY_ALIGN, BULK)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK)
             slot = _wait_stage(j % STAGES, STAGES - 1)
             if BULK:
                 slot = _bulk_wait(slot, (j // STAGES) & 1, STAGE_OFF, STAGES, SLOTW)
@@ -1563,9 +1537,9 @@ def compact_split_kernel(
             p, alpha, m_new, l_t = _lazy_softmax_step(s, valid, m_i, l_t)
         pt = gl.convert_layout((p * gl.expand_dims(vg, 2)).to(gl.bfloat16), OPB)
         if STAGES > 0:
-            a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ,
+            a0, a1, a2, a3 = _v_words_staged(slot, 0, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VPAD,
                                              COPY_ALIGN)
-            b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VSWZ,
+            b0, b1, b2, b3 = _v_words_staged(slot, 1, STAGE_OFF, STAGES, SLOTW, NK * 16, BITS_V, M, NW, LV, VPAD,
                                              COPY_ALIGN)
         else:
             if K_AHEAD:
