@@ -596,19 +596,19 @@ def _bulk_issue_asm(k_bytes, v_bytes, koff, voff, vpad):
 
 
 @constexpr_function
-def _warp_slot_asm(stage_off, stages, slot_bytes):
-    """PTX that sets u32 ``a`` to the shared address of this thread's warp's slot $1's mbarrier (the
-    warp from %tid.x: ``_slot_base``'s order, warp-major)."""
-    return ("mov.u32 t, %%tid.x; shr.u32 t, t, 5; mul.lo.u32 t, t, %d; add.u32 t, t, $1; mul.lo.u32 t, t, %d; "
+def _warp_slot_asm(stage_off, stages, slot_bytes, slot):
+    """PTX that sets u32 ``a`` to the shared address of this thread's warp's slot ``slot`` (an operand
+    or a constant) mbarrier (the warp from %tid.x: ``_slot_base``'s order, warp-major)."""
+    return ("mov.u32 t, %%tid.x; shr.u32 t, t, 5; mul.lo.u32 t, t, %d; add.u32 t, t, %s; mul.lo.u32 t, t, %d; "
             "mov.u32 a, global_smem; add.u32 a, a, t; add.u32 a, a, %d;"
-            % (stages, slot_bytes, stage_off + SLOT_BAR.value))
+            % (stages, slot, slot_bytes, stage_off + SLOT_BAR.value))
 
 
 @constexpr_function
 def _bulk_wait_asm(stage_off, stages, slot_bytes):
     """Every thread waits for phase parity $2 of its warp's slot $1's mbarrier (the page's bulk copies
     landed; acquire: their bytes are visible), then passes $1 through (``_wait_stage``'s pattern)."""
-    return ("{ .reg .pred p; .reg .u32 t, a; " + _warp_slot_asm(stage_off, stages, slot_bytes) +
+    return ("{ .reg .pred p; .reg .u32 t, a; " + _warp_slot_asm(stage_off, stages, slot_bytes, "$1") +
             " WAIT: mbarrier.try_wait.parity.shared::cta.b64 p, [a], $2; @!p bra WAIT; mov.u32 $0, $1; }")
 
 
@@ -618,7 +618,7 @@ def _bulk_init_asm(stage_off, stages, slot_bytes):
     issuing lane's expect_tx), fences the initialisation for the copy engine; then a warp barrier."""
     body = " ".join("@p mbarrier.init.shared::cta.b64 [a], 1; add.u32 a, a, %d;" % slot_bytes for _ in range(stages))
     return ("{ .reg .pred p; .reg .u32 t, a, l; mov.u32 l, %tid.x; and.b32 l, l, 31; setp.eq.u32 p, l, 0; " +
-            _warp_slot_asm(stage_off, stages, slot_bytes).replace("add.u32 t, t, $1; ", "") + " " + body +
+            _warp_slot_asm(stage_off, stages, slot_bytes, "0") + " " + body +
             " @p fence.mbarrier_init.release.cluster; bar.warp.sync -1; mov.u32 $0, $1; }")
 
 
@@ -648,15 +648,18 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
     c = _axis(32, 1, 3, IL) + 32 * _axis(NCH, 2, 3, IL)
     sk = (ok & 16).to(gl.int32)
     sv = (ov & 16).to(gl.int32)
+    # the warp's page, one value per lane ([NW, 32] of SL) for the header lanes and the copy engine
     SL: gl.constexpr = gl.SliceLayout(2, IL)
     lane = _axis(32, 1, 2, SL)
     d2 = gl.max(dst, axis=2)
+    skl = gl.max(sk, axis=2)
+    svl = gl.max(sv, axis=2)
     if BULK:
         # lane 0: the copy engine (K's and V's planes and scale indices, one mbarrier phase)
         _per_thread(_WARP_SYNC, NW)
         z = 0 * lane
         gl.inline_asm_elementwise(_bulk_issue_asm(KB, 16 * NV, KOFF, VOFF, VPAD), "=r,r,r,r,r,l,l",
-                                  [(lane == 0).to(gl.int32), d2 + z, gl.max(sk, axis=2) + z, gl.max(sv, axis=2) + z,
+                                  [(lane == 0).to(gl.int32), d2 + z, skl + z, svl + z,
                                    k_pages_ptr + gl.max(ok, axis=2) + z, v_pages_ptr + gl.max(ov, axis=2) + z],
                                   dtype=gl.int32, is_pure=False, pack=1)
     else:
@@ -685,8 +688,6 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
         son = lane < 2
         if ALIGN:
             # lanes 3 and 4: K's and V's last chunk, when shifted and no step reached it
-            skl = gl.max(sk, axis=2)
-            svl = gl.max(sv, axis=2)
             if aligned_copy_last(NK):
                 ssrc = gl.where(lane == 3, k_pages_ptr + okl + 16 * (NK - 1), ssrc)
                 soff = gl.where(lane == 3, d2 + KOFF + 16 * NK, soff)
@@ -703,7 +704,7 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
     # lane 2: the block the slot's next page is in
     _carry_block(d2, gl.max(fblk, axis=2), t1, bt_row, 2, BLOCK_SIZE, SL)
     _per_thread(_COMMIT, NW)
-    _sts(d2 + 4 + 0 * lane, gl.max(sk, axis=2) + (gl.max(sv, axis=2) << 16) + 0 * lane)
+    _sts(d2 + 4 + 0 * lane, skl + (svl << 16) + 0 * lane)
 
 
 @gluon.jit
