@@ -95,6 +95,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def config_changes(text: str) -> dict:
+    """``field=value,...`` -> changes to a ``KernelConfig`` (int fields, and bool fields as 0/1 or
+    true/false); a name that is no field, or a bool given anything else, is refused with SystemExit."""
+    from weightszip.kernels import KernelConfig
+
+    types = {f.name: f.type for f in dataclasses.fields(KernelConfig)}
+    changes = {}
+    for item in [t for t in text.split(",") if t]:
+        key, eq, val = item.partition("=")
+        if not eq or key not in types:
+            raise SystemExit(f"{item!r} is not field=value of KernelConfig ({', '.join(types)})")
+        if types[key] in (bool, "bool"):
+            if val.lower() not in ("0", "1", "true", "false"):
+                raise SystemExit(f"{key} takes 0/1/true/false, not {val!r}")
+            changes[key] = val.lower() in ("1", "true")
+        else:
+            changes[key] = int(val)
+    return changes
+
+
 def bench(fn, rep, graph=True):
     """Median seconds of one call. With ``graph``, the call is captured in a CUDA graph first and
     the graph is replayed, so that Python and launch overhead (our run() validates its arguments and

@@ -39,7 +39,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_decode_attention import bench, read_bandwidth, time_sdpa  # noqa: E402
+from bench_decode_attention import bench, config_changes, read_bandwidth, time_sdpa  # noqa: E402
 from bench_gpu_codec import load_sets, tile_channels  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -59,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--format", choices=["exact", "exact4"], default="exact", help="the page format measured")
     p.add_argument("--gluon", default="",
                    help="exact4: also the Gluon kernel (kv_exact4_gluon) at these WARPS:STAGES[:MAXNREG] configs "
-                        "(comma-separated), each beside the same kernel over the bf16 pages")
+                        "(comma-separated; '+field=value' after one changes another KernelConfig field, as "
+                        "8:2:0+gluon_x4_v_swizzle=0), each beside the same kernel over the bf16 pages")
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--write-only", action="store_true", help="skip the attention grid: ratios, write path, capacity")
     p.add_argument("--rep", type=int, default=100)
@@ -242,9 +243,11 @@ def main(argv=None):
     # the Gluon kernel (exact4 only): its configs, each also run over the bf16 pages (its reference)
     gluon_cfgs = {}
     for spec in [s for s in args.gluon.split(",") if s] if fmt == "exact4" else []:
-        w, st, *reg = (int(v) for v in spec.split(":"))
+        launch, *more = spec.split("+")
+        w, st, *reg = (int(v) for v in launch.split(":"))
         gluon_cfgs[spec] = dataclasses.replace(exact_cfg, gluon=True, gluon_warps=w, gluon_stages=st,
-                                               gluon_maxnreg=reg[0] if reg else 0, gluon_min_work=0)
+                                               gluon_maxnreg=reg[0] if reg else 0, gluon_min_work=0,
+                                               **config_changes(",".join(more)))
     res["meta"]["gluon_configs"] = list(gluon_cfgs)
 
     rows = []

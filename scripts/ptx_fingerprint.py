@@ -126,6 +126,11 @@ def configurations():
                 return xg.exact4_split_kernel, const, x4_ptrs, warps, None
             yield f"exact4 d{d} g{group} w{warps} stages{stages} bf16={int(bf16)}", build
 
+    def build_x4_in_order():  # KernelConfig.gluon_x4_v_swizzle=False: V's staged chunks in order
+        const = dict(GROUP=4, BLOCK_G=8, HEAD_DIM=128, STAGES=2, V_SWIZZLE=False)
+        return xg.exact4_split_kernel, const, x4_ptrs, 4, None
+    yield "exact4 d128 g4 w4 stages2 v-in-order", build_x4_in_order
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1309,10 +1309,13 @@ def test_exact4_gluon_attention_bit_identical_to_bf16_pages_gpu(real, lens, spli
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="Gluon kernels run compiled only")
-def test_exact4_gluon_attention_head_dim_128_gpu(real):
+@pytest.mark.parametrize("swizzle", [True, False], ids=["v-swizzled", "v-in-order"])
+def test_exact4_gluon_attention_head_dim_128_gpu(real, swizzle):
+    """At head_dim 128, with V's staged chunks swizzled (the default) or in order
+    (``KernelConfig.gluon_x4_v_swizzle``): the exact4 pages give the bf16 pages' output bit for bit."""
     wide = torch.cat([real, real.roll(1, dims=2)], dim=-1)
-    _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, dataclasses.replace(GLUON_CFG, gluon_warps=8),
-                             page_type="exact4", tiny=True)
+    cfg = dataclasses.replace(GLUON_CFG, gluon_warps=8, gluon_x4_v_swizzle=swizzle)
+    _exact_equals_bf16_pages(wide, [1000, 4100, 300, 2048], None, cfg, page_type="exact4", tiny=True)
 
 
 _COMPILE_X4_GLUON = """
@@ -1322,10 +1325,10 @@ from weightszip.kernels.paged_decode_gluon import compile_for_hopper
 
 ptrs = dict(q_ptr="*bf16", k_ptr="*u8", v_ptr="*u8", k_off_ptr="*i64", v_off_ptr="*i64", ones_ptr="*u8",
             ws_m_ptr="*fp32", ws_l_ptr="*fp32", ws_acc_ptr="*fp32")
-for d, group, warps, stages in ((128, 4, 4, 2), (64, 3, 8, 4), (128, 8, 8, 2)):
-    for bf16 in (False, True):
+for d, group, warps, stages, swz in ((128, 4, 4, 2, 1), (64, 3, 8, 4, 1), (128, 8, 8, 2, 1), (128, 4, 4, 2, 0)):
+    for bf16 in (False, True) if swz else (False,):
         k, spill = compile_for_hopper(xg.exact4_split_kernel, dict(GROUP=group, BLOCK_G=8, HEAD_DIM=d, STAGES=stages,
-                                      BF16=bf16), ptrs, warps)
+                                      BF16=bf16, V_SWIZZLE=bool(swz)), ptrs, warps)
         print(d, group, warps, stages, int(bf16), spill, k.metadata.shared, xg.smem_bytes(d, warps, stages, bf16))
 """
 
@@ -1336,7 +1339,7 @@ def test_exact4_gluon_kernel_compiles_for_hopper(compile_in_child):
     offsets from ``global_smem``: Triton must place nothing else there)."""
     out = compile_in_child(_COMPILE_X4_GLUON)
     rows = [list(map(int, line.split())) for line in out.splitlines() if line[:1].isdigit()]
-    assert len(rows) == 6, out
+    assert len(rows) == 7, out
     for d, group, warps, stages, bf16, spill, shared, want in rows:
         assert spill == 0 and shared == want, (d, group, warps, stages, bf16, spill, shared, want)
 

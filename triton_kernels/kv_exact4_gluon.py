@@ -210,12 +210,13 @@ def _seed(dst, first, t1, bt_row, k_off_ptr, v_off_ptr, BF16: gl.constexpr, BLOC
 
 
 @gluon.jit
-def _v_swizzle(row, RAW: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _v_swizzle(row, RAW: gl.constexpr, HEAD_DIM: gl.constexpr, SWZ: gl.constexpr = True):
     """The XOR applied to the 16-byte chunk index of V's code (``RAW`` False) or raw row ``row`` in a
-    slot (head_dim 128; else 0): the operand loads of rows 0, 2, 4, 6 (and 1, 3, 5, 7) of a quarter warp
-    then fall in distinct banks at row strides of 32-byte multiples (raw 128 bytes, codes 96), and a
-    global sector's two chunks stay one aligned 32 bytes."""
-    if HEAD_DIM == 128:
+    slot (head_dim 128 with ``SWZ``; else 0): the operand loads of rows 0, 2, 4, 6 (and 1, 3, 5, 7) of a
+    quarter warp then fall in distinct banks at row strides of 32-byte multiples (raw 128 bytes, codes
+    96), and a global sector's two chunks stay one aligned 32 bytes. ``SWZ`` False
+    (``KernelConfig.gluon_x4_v_swizzle``): the chunks in order, the loads with bank conflicts."""
+    if (HEAD_DIM == 128) and SWZ:
         if RAW:
             return 2 * ((row // 2) % 4)
         else:
@@ -265,7 +266,7 @@ def _carry(dst, blk, fblk, t1, bt_row, k_off_ptr, v_off_ptr, BF16: gl.constexpr,
 @gluon.jit
 def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, wdst, soff, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
            v_off_ptr, HEAD_DIM: gl.constexpr, BF16: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr,
-           IL: gl.constexpr, FULL: gl.constexpr):
+           IL: gl.constexpr, FULL: gl.constexpr, SWZ: gl.constexpr = True):
     """cp.async of one page of K and of V (``kpo``/``vpo``: byte offsets, ``first``: the page's first
     token, [NW, 1, 1] in ``IL``) into the warp's slot at shared byte ``wdst + soff`` (the warp's first
     slot, the slot's offset: a scalar, so a chunk's place is a loop invariant plus it), with the address chain's
@@ -313,9 +314,9 @@ def _issue(k_ptr, v_ptr, kpo, vpo, first, t0, t1, wdst, soff, ones_ptr, head, nu
         row = gl.where(is_row, gl.where(is_code, crow, rrow), 16)
         dst_rel = gl.where(is_hdr, 16 * is_v.to(gl.int32),
                            gl.where(is_row, gl.where(is_code, gl.where(is_v, G[4], G[1]) + crow * gl.where(is_v, G[8], G[6])
-                                                     + 16 * ((kcd % (D // 32)) ^ gl.where(is_v, _v_swizzle(crow, False, D), 0)),
+                                                     + 16 * ((kcd % (D // 32)) ^ gl.where(is_v, _v_swizzle(crow, False, D, SWZ), 0)),
                                                      gl.where(is_v, G[5], G[2]) + rrow * gl.where(is_v, G[9], G[7])
-                                                     + 16 * ((kr % (D // 16)) ^ gl.where(is_v, _v_swizzle(rrow, True, D), 0))),
+                                                     + 16 * ((kr % (D // 16)) ^ gl.where(is_v, _v_swizzle(rrow, True, D, SWZ), 0))),
                                     gl.where(is_v, G[3], G[0]) + 16 * kq))
         hdr = (4 * num_kv_heads + 15) // 16 * 16
         src = gl.where(is_hdr, base + 16 * (head // 4), base + (hdr + head * (25 * D)) + 16 * kq)
@@ -458,7 +459,7 @@ def _k_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.cons
 
 @gluon.jit
 def _v_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.constexpr, BF16: gl.constexpr,
-               NW: gl.constexpr, OPA: gl.constexpr):
+               NW: gl.constexpr, OPA: gl.constexpr, SWZ: gl.constexpr = True):
     """V^T [NW, HEAD_DIM, 16] bf16 in the A-operand layout from the warp's staged page: thread (tl, j)
     holds rows 8 th + 2 tl + (0, 1) of the channels at raw-row bytes 4 M j + 4 m + 2 i1 + i0
     (``x4_v_channel``); the token pairs made in ``v_layout`` less its last dim."""
@@ -486,15 +487,15 @@ def _v_operand(base, heap_ptr, fr, t0, t1, head, num_kv_heads, HEAD_DIM: gl.cons
         jw = _axis(8, 4, 8, LW)
         mw = _axis(M, 1, 8, LW)
         cpos = 4 * (M * (jw % 4) + mw)  # the code word's byte in its row, then its chunk swizzled
-        ca = _words(bw + G[4] + raw_ * G[8] + (cpos ^ (16 * _v_swizzle(raw_, False, HEAD_DIM))), VEC, LV, 7)
-        cb = _words(bw + G[4] + (raw_ + 1) * G[8] + (cpos ^ (16 * _v_swizzle(raw_ + 1, False, HEAD_DIM))), VEC, LV, 7)
+        ca = _words(bw + G[4] + raw_ * G[8] + (cpos ^ (16 * _v_swizzle(raw_, False, HEAD_DIM, SWZ))), VEC, LV, 7)
+        cb = _words(bw + G[4] + (raw_ + 1) * G[8] + (cpos ^ (16 * _v_swizzle(raw_ + 1, False, HEAD_DIM, SWZ))), VEC, LV, 7)
         bc = 2 * i0 + (j // 4)  # the byte of a code word holding the channel's nibble (nibble i1)
         k7 = _rotr(_prmt(ca, cb, bc * 0x11 + (bc + 4) * 0x1100), 4 * i1 - 7) & 0x07800780
         posw = 4 * M * jw + 4 * mw
         tw = _words(bw + G[3] + posw, VEC, LV, 7)
         t7 = _prmt(tw, 0, bp * 0x101 + 0x4040) << 7
-        rwa = _words(bw + G[5] + raw_ * G[9] + (posw ^ (16 * _v_swizzle(raw_, True, HEAD_DIM))), VEC, LV, 7)
-        rwb = _words(bw + G[5] + (raw_ + 1) * G[9] + (posw ^ (16 * _v_swizzle(raw_ + 1, True, HEAD_DIM))), VEC, LV, 7)
+        rwa = _words(bw + G[5] + raw_ * G[9] + (posw ^ (16 * _v_swizzle(raw_, True, HEAD_DIM, SWZ))), VEC, LV, 7)
+        rwb = _words(bw + G[5] + (raw_ + 1) * G[9] + (posw ^ (16 * _v_swizzle(raw_ + 1, True, HEAD_DIM, SWZ))), VEC, LV, 7)
         x = _prmt(rwa, rwb, bp * 0x1111 + 0xC480) & -2139127681  # 0x807F807F
         val = _pair(k7, t7, x)
         pa, ent = _plain_rows(base, 1, fr, ra, t0, t1, head)
@@ -518,7 +519,7 @@ def exact4_split_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
     num_kv_heads,
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    BF16: gl.constexpr = False, BLOCK_SIZE: gl.constexpr = 16,
+    BF16: gl.constexpr = False, BLOCK_SIZE: gl.constexpr = 16, V_SWIZZLE: gl.constexpr = True,
 ):
     """One split of one KV head over KV Exact4 pages (``k_ptr``/``v_ptr``: the byte heaps,
     ``k_off_ptr``/``v_off_ptr``: int64 page offsets per block; 16-token blocks) or, with ``BF16``, bf16
@@ -569,7 +570,7 @@ def exact4_split_kernel(
                                BF16, BLOCK_SIZE, HEAD_DIM)
         _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wdst, s0 * SLOT, ones_ptr, head, num_kv_heads, blk,
                _tile_first(lo, s0 + NB * STAGES, NW, 3, IL), bt_row, k_off_ptr, v_off_ptr, HEAD_DIM, BF16,
-               BLOCK_SIZE, NW, IL, False)
+               BLOCK_SIZE, NW, IL, False, V_SWIZZLE)
     for j in range(0, n_iter):
         # page j + STAGES - 1 into the slot page j - 1 used (which carried its offsets); page j landed
         f = _tile_first(lo, j + STAGES - 1, NW, 3, IL)
@@ -579,10 +580,10 @@ def exact4_split_kernel(
         step0 = lo + (j + STAGES - 1) * (NW * 16)  # the step's first token
         if (step0 >= t0) & (step0 + NW * 16 <= t1):
             _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wdst, soff, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
-                   v_off_ptr, HEAD_DIM, BF16, BLOCK_SIZE, NW, IL, True)
+                   v_off_ptr, HEAD_DIM, BF16, BLOCK_SIZE, NW, IL, True, V_SWIZZLE)
         else:
             _issue(k_ptr, v_ptr, ko, vo, f, t0, t1, wdst, soff, ones_ptr, head, num_kv_heads, blk, fblk, bt_row, k_off_ptr,
-                   v_off_ptr, HEAD_DIM, BF16, BLOCK_SIZE, NW, IL, False)
+                   v_off_ptr, HEAD_DIM, BF16, BLOCK_SIZE, NW, IL, False, V_SWIZZLE)
         slot = _wait_stage(j % STAGES, STAGES - 1)
         fr = _tile_first(lo, j, NW, 2, ROWS)
         frk = _tile_first(lo, j, NW, 6, gl.SliceLayout(6, LK))
@@ -593,7 +594,7 @@ def exact4_split_kernel(
         pt = gl.convert_layout(p.to(gl.bfloat16), OPB)
         frv = _tile_first(lo, j, NW, 7, gl.SliceLayout(7, LV))
         vt = _v_operand((wv * STAGES + slot) * SLOT, v_ptr, frv, t0, t1, head, num_kv_heads, HEAD_DIM, BF16, NW,
-                        OPA)
+                        OPA, V_SWIZZLE)
         acc = mma_v2(vt, pt, _rescale(acc, alpha, m_new != m_i, HEAD_DIM, BLOCK_G))
         m_i = m_new
     _wait_stage(0, 0)  # the copies past the split's end, before the merge's scratch may reuse their memory

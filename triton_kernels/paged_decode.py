@@ -181,6 +181,11 @@ class KernelConfig:
     # copy, 4 copies a page) and a padded V (``gluon_v_pad``) costs them nothing more. Built
     # without a GPU (session 31): off until timed
     gluon_bulk_copy: bool = False
+    # exact4 pages, head_dim 128: V's staged code and raw rows with their 16-byte chunks XOR-swizzled
+    # (``kv_exact4_gluon._v_swizzle``) so the operand loads are free of bank conflicts; False: the
+    # chunks in order (the copies' shared writes in order, the loads with bank conflicts). The same
+    # words either way, so the same output
+    gluon_x4_v_swizzle: bool = True
 
     def __post_init__(self):
         """Launch parameters that would not compile, or would compile into the wrong kernel, are
@@ -1664,7 +1669,7 @@ class PagedDecodeAttention:
                   else (0, 0, 0, 0)),
                 pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, STAGES=fp8_stages, BF16=bf,
-                BLOCK_SIZE=self.block_size, num_warps=cfg.gluon_warps,
+                BLOCK_SIZE=self.block_size, V_SWIZZLE=cfg.gluon_x4_v_swizzle, num_warps=cfg.gluon_warps,
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg else {}))
         elif pl["n_items"] and gluon_fp8:
             from . import paged_decode_gluon as pg
