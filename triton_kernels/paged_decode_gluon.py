@@ -576,12 +576,13 @@ def _bulk_issue_asm(k_bytes, v_bytes, koff, voff, vpad):
     $2 the slot's shared byte offset, $3/$4 K's/V's shift, $5/$6 the K/V page in global memory. The
     slot's mbarrier (``SLOT_BAR``) expects the bytes, then K's planes, K's 16 scale-index bytes, V's
     planes (``vpad``: as ``v_padded_chunk`` places them, one 128-byte row pair a copy) and
-    V's scale indices complete on it. The fence orders the warp's earlier reads of the slot (generic
-    proxy, after its warp barrier) before the copy engine's writes."""
+    V's scale indices complete on it. No proxy fence: the warp's earlier reads of the slot (generic
+    proxy) completed before this (their values fed the products, and a warp barrier precedes), and a
+    generic-to-async fence orders generic *writes* before async reads (a bulk store), not this; its
+    ``MEMBAR.ALL.CTA`` would also wait out the warp's outstanding 4-byte carry copies each page."""
     tx = k_bytes + v_bytes + 32
     lines = ["{ .reg .pred p; .reg .u32 g, bar, d; .reg .u64 s; setp.ne.b32 p, $1, 0;",
              "mov.u32 g, global_smem; add.u32 g, g, $2; add.u32 bar, g, %d;" % SLOT_BAR.value,
-             "@p fence.proxy.async.shared::cta;",
              "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [bar], %d;" % tx,
              "add.u32 d, g, %d; add.u32 d, d, $3; @p %s [d], [$5], %d, [bar];" % (koff, _BULK, k_bytes),
              "add.u32 d, g, 16; add.u64 s, $5, %d; @p %s [d], [s], 16, [bar];" % (k_bytes, _BULK),
