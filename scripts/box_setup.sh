@@ -1,0 +1,10 @@
+# Sourced at the start of a GPU-box command (device tool): the checkout's Python and kernels with the
+# Rust extension of our abi3 wheel, built here (`maturin build --release -o .boxq/w`) and carried
+# (carry: [".boxq/w", ...]; .boxq/ and .boxdata/ are git-ignored, so they travel only when carried).
+#
+#     source scripts/box_setup.sh   # then python3 benchmarks/... with $OUT/r for results
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${WZ_WHEELS:-.boxq/w}"/*.whl || exit 1
+cp /tmp/site/weightszip/_core*.so python/weightszip/ || exit 1
+export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
+mkdir -p "$OUT/r"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > "$OUT/r/gpu.txt"; cat "$OUT/r/gpu.txt"
