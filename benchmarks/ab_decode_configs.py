@@ -73,15 +73,13 @@ def main(argv=None) -> None:
                 att = atts[n] = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb,
                                                      device="cuda", config=cfg)
                 att.plan([L] * B, bt)
-                fns[n] = lambda att=att: att.run(q, kp, vp, **tabs, **extra)
+                fns[n] = lambda att=att, inp=(q, kp, vp), kw={**tabs, **extra}: att.run(*inp, **kw)
             key = f"{shape}:{B}x{L}:{fmt}"
-            ref = fns[names[0]]().float()
-            row = res.setdefault(key, {n: dict(ms=[], same=True, rel=0.0) for n in names})
-            for n in names:
-                o = fns[n]().float()
-                row[n]["same"] = bool(torch.equal(o, ref))
-                row[n]["rel"] = float((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-                row[n]["kernel"] = atts[n].last_split_kernel
+            outs = {n: fns[n]().float() for n in names}
+            ref = outs[names[0]]
+            row = res[key] = {n: dict(ms=[], same=bool(torch.equal(o, ref)), kernel=atts[n].last_split_kernel,
+                                      rel=float((o - ref).abs().max() / ref.abs().max().clamp_min(1e-30)))
+                              for n, o in outs.items()}
             if args.once:
                 torch.cuda.synchronize()
                 print(key, {n: (row[n]["same"], f"{row[n]['rel']:.1e}") for n in names}, flush=True)
@@ -96,7 +94,7 @@ def main(argv=None) -> None:
                 row[n]["speedup"] = med[names[0]] / med[n]
             print(key, "  ".join(f"{n} {med[n]:.4f} ms ({row[n]['speedup']:.3f}x{'' if row[n]['same'] else ' DIFF %.1e' % row[n]['rel']})"
                                  for n in names), flush=True)
-            del kp, vp, bt, tabs, extra, q, fns, atts
+            del kp, vp, bt, tabs, extra, q, fns, atts, outs, ref
             torch.cuda.empty_cache()
     if not args.once:
         print("\nsummary: geometric-mean speedup over", names[0])
