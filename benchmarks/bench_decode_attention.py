@@ -141,7 +141,6 @@ def read_bandwidth(rep):
     x = torch.ones(1 << 30, dtype=torch.float32, device="cuda")  # 4 GiB
     t = bench(lambda: x.sum(), rep, graph=False)
     bw = x.numel() * 4 / t
-    del x
     return bw
 
 
@@ -163,13 +162,21 @@ def make_paged(B, L, Hkv, D, dtype, gen):
 def time_sdpa(B, L, Hq, Hkv, D, rep, gen):
     """torch SDPA with the flash backend on a dense bf16 cache [B, Hkv, L, D]; the faster of two ways
     to run GQA decode: enable_gqa=True with one query row, or the G query heads of a KV head as G
-    query rows of one head (same math, no mask)."""
+    query rows of one head (same math, no mask). Returns (seconds, variant, bytes read); seconds is
+    None (variant says why) where the dense cache does not fit in what is left of GPU memory."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     G = Hq // Hkv
-    k = torch.randn(B, Hkv, L, D, dtype=torch.bfloat16, device="cuda", generator=gen)
-    v = torch.randn(B, Hkv, L, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    nbytes = 2 * B * Hkv * L * D * 2 + B * Hq * D * 2
+    try:
+        k = torch.randn(B, Hkv, L, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+        v = torch.randn(B, Hkv, L, D, dtype=torch.bfloat16, device="cuda", generator=gen)
+    except torch.OutOfMemoryError:
+        # the dense cache beside what the caller holds (paged caches) does not fit: no SDPA figure
+        k = v = None
+        torch.cuda.empty_cache()
+        return None, f"out of memory (dense bf16 K+V {nbytes / 2**30:.0f} GiB)", nbytes
     q = torch.randn(B, Hq, 1, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     qg = q.view(B, Hkv, G, D)
     times = {}
@@ -179,9 +186,8 @@ def time_sdpa(B, L, Hq, Hkv, D, rep, gen):
         except RuntimeError as e:  # flash may refuse GQA in some builds
             print(f"sdpa enable_gqa: {e}", file=sys.stderr)
         times["rows"] = bench(lambda: F.scaled_dot_product_attention(qg, k, v), rep)
-    del k, v
     best = min(times, key=times.get)
-    return times[best], best, 2 * B * Hkv * L * D * 2 + B * Hq * D * 2
+    return times[best], best, nbytes
 
 
 def time_paged(kind, B, L, Hq, Hkv, D, rep, gen, config):
@@ -199,7 +205,6 @@ def time_paged(kind, B, L, Hq, Hkv, D, rep, gen, config):
     t = bench(lambda: attn.run(q, k, v, out=out, **kw), rep)
     per_tok = 2 * D * (2 if kind == "bf16" else 1)
     nbytes = attn.bytes_read(per_tok) + (2 * Hkv * 4 if kind == "fp8" else 0)
-    del k, v
     return t, nbytes, info
 
 
@@ -256,7 +261,7 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config, side=(0, 0)):
     info = attn.plan([L] * B, bt)
     out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
     t = bench(lambda: attn.run(q, kp, vp, out=out, **tabs, **extra), rep)
-    from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
+    from weightszip.kernels import DEFAULT_CONFIGS
     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
     default = DEFAULT_CONFIGS[PAGE_COMPACT]
@@ -271,7 +276,6 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config, side=(0, 0)):
     # + the tables each program reads (codebooks, grids), q' (fp32) instead of a bf16 q, the side tokens
     nbytes = (attn.bytes_read(per_tok) + Hkv * (2**kb + 2**vb) * 2 + 2 * Hkv * 256 * 4 + B * Hq * (D * 2 + 4)
               + 2 * B * (S + W) * Hkv * D * 2)
-    del kp, vp
     return t, nbytes, info
 
 
@@ -305,7 +309,6 @@ COMPACT_SWEEP = "64:4:2:0,64:4:3:0,128:4:2:0,32:4:3:0,64:8:2:0,16:4:3:1,32:4:2:1
 def tune_compact(shapes, rep, spec=COMPACT_SWEEP):
     from weightszip.kernels import DEFAULT_CONFIGS, KernelConfig
     from weightszip.kernels.paged_decode import PAGE_COMPACT
-    import triton
     from tqdm import tqdm
 
     points = [("llama8b", 8, 32768), ("llama8b", 64, 131072), ("llama70b-tp8", 8, 32768),
@@ -468,7 +471,10 @@ def main(argv=None):
             continue
         if "sdpa" in kernels:
             t, how, nb = time_sdpa(B, L, Hq, Hkv, D, args.rep, gen)
-            row["sdpa"] = dict(time_s=t, bytes=nb, variant=how)
+            if t is None:
+                row["sdpa_skipped"] = how
+            else:
+                row["sdpa"] = dict(time_s=t, bytes=nb, variant=how)
         for kind in [k for k in kernels if k != "sdpa"]:
             if kind in COMPACT:
                 cfg = None
@@ -505,7 +511,7 @@ def main(argv=None):
         if "skipped" in row:
             continue
         best_bf16 = min((row[k]["time_s"] for k in ("sdpa", "bf16") if k in row), default=None)
-        for k in kernels:
+        for k in [k for k in kernels if k in row]:
             r = row[k]
             r["gbps"] = r["bytes"] / r["time_s"] / 1e9
             r["efficiency"] = r["bytes"] / r["time_s"] / bw
@@ -540,7 +546,7 @@ def table(res):
             continue
         cells = []
         for k in kernels:
-            cells += [f"{r[k]['time_s'] * 1e3:.3f}", f"{r[k]['efficiency']:.2f}"]
+            cells += [f"{r[k]['time_s'] * 1e3:.3f}", f"{r[k]['efficiency']:.2f}"] if k in r else ["-", "-"]
         if "fp8" in kernels:
             cells += [f"{r[k]['speedup_vs_fp8']:.2f}x" for k in comp]
         lines.append(f"| {r['shape']} | {r['batch']} | {r['context'] // 1024}k | " + " | ".join(cells) + " |")
@@ -570,7 +576,7 @@ def plot(res, path):
         labels = {"sdpa": "torch SDPA flash (bf16)", "bf16": "ours, bf16 pages", "fp8": "ours, fp8 pages",
                   "q4": "ours, q4 (K4 V4)", "q3.5": "ours, q3.5 (K4 V3)", "q3": "ours, q3 (K3 V3)"}
         for k in res["meta"].get("kernels", list(KERNELS[:3])):
-            ax.plot(x, [r[k]["efficiency"] for r in rs], marker="o", label=labels.get(k, k))
+            ax.plot(x, [r[k]["efficiency"] if k in r else float("nan") for r in rs], marker="o", label=labels.get(k, k))
         ax.set_xticks(list(x), [f"b{r['batch']}\n{r['context'] // 1024}k" for r in rs], fontsize=7)
         ax.set_ylabel("bytes read / time / read bandwidth")
         ax.set_title(s)

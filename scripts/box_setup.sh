@@ -5,6 +5,8 @@
 #     source scripts/box_setup.sh   # then python3 benchmarks/... with $OUT/r for results
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${WZ_WHEELS:-.boxq/w}"/*.whl || exit 1
 cp /tmp/site/weightszip/_core*.so python/weightszip/ || exit 1
-export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
+# TRITON_INTERPRET=0: the test modules default it to 1 (the CPU interpreter) where it is unset, and
+# their GPU tests skip under the interpreter (session 33's first call ran none of them).
+export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 mkdir -p "$OUT/r"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,driver_version --format=csv > "$OUT/r/gpu.txt"; cat "$OUT/r/gpu.txt"
