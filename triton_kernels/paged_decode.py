@@ -178,13 +178,13 @@ class KernelConfig:
     # compact pages, staged: each page's planes and scale indices copied by the copy engine
     # (``cp.async.bulk`` from one lane, completing on the slot's mbarrier) instead of 16-byte cp.async
     # from every lane, so the copies leave the load/store pipe's shared-memory wavefronts (8.2-8.6 a
-    # copy, 4 copies a page) and a padded V (``gluon_v_pad``) costs them nothing more. Built
-    # without a GPU (session 31): off until timed
+    # copy, 4 copies a page) and a padded V (``gluon_v_pad``) costs them nothing more. Off: on an H100
+    # 0.84-0.97x (0.89-0.92x with V padded), bit-identical (BENCHMARKS.md, session 33); the H200 untimed
     gluon_bulk_copy: bool = False
     # exact4 pages, head_dim 128: V's staged code and raw rows with their 16-byte chunks XOR-swizzled
     # (``kv_exact4_gluon._v_swizzle``) so the operand loads are free of bank conflicts; False: the
     # chunks in order (the copies' shared writes in order, the loads with bank conflicts). The same
-    # words either way, so the same output
+    # words either way, so the same output; in order 1.002-1.005x on an H100 (noise; session 33)
     gluon_x4_v_swizzle: bool = True
 
     def __post_init__(self):
