@@ -187,20 +187,28 @@ fn build_model(
     let mut keys_seen: Vec<usize> = Vec::new();
     let mut sym_id = vec![u32::MAX; alphabet];
     let mut syms_seen: Vec<usize> = Vec::new();
+    // Each unit's (key id, symbol id), the key id in the high half: one pass of lookups, then a
+    // count pass that reads them in order (keys < 2^15 + 1 and symbols < 2^12 fit).
+    let mut cells: Vec<u32> = Vec::with_capacity(wkeys.len());
     for (&k, &s) in wkeys.iter().zip(&wsyms) {
-        if key_id[k as usize] == u32::MAX {
-            key_id[k as usize] = keys_seen.len() as u32;
+        let mut kid = key_id[k as usize];
+        if kid == u32::MAX {
+            kid = keys_seen.len() as u32;
+            key_id[k as usize] = kid;
             keys_seen.push(k as usize);
         }
-        if sym_id[s as usize] == u32::MAX {
-            sym_id[s as usize] = syms_seen.len() as u32;
+        let mut sid = sym_id[s as usize];
+        if sid == u32::MAX {
+            sid = syms_seen.len() as u32;
+            sym_id[s as usize] = sid;
             syms_seen.push(s as usize);
         }
+        cells.push(kid << 16 | sid);
     }
     let ns = syms_seen.len();
     let mut counts = vec![0u32; keys_seen.len() * ns];
-    for (&k, &s) in wkeys.iter().zip(&wsyms) {
-        counts[key_id[k as usize] as usize * ns + sym_id[s as usize] as usize] += 1;
+    for &c in &cells {
+        counts[(c >> 16) as usize * ns + (c & 0xffff) as usize] += 1;
     }
     let mut global = vec![0u64; ns];
     for row in counts.chunks(ns) {
@@ -466,13 +474,14 @@ fn encode_impl<const UB: usize>(data: &[u8], split: Split, strides: &[usize], la
         let lane = i & mask;
         let es = &enc[ctx[i] as usize * alphabet + syms[i] as usize];
         let base = lane * per_lane;
-        let mut x = states[lane];
-        if x >= es.x_max {
-            words[base + counts[lane]] = x as u16;
-            counts[lane] += 1;
-            x >>= 16;
-        }
-        states[lane] = rans::enc_step(x, es);
+        let x = states[lane];
+        // Renormalise without a branch (it goes either way about as often): the low half is
+        // always written at the lane's next place, which counts only when the word is emitted.
+        let emit = x >= es.x_max;
+        let c = counts[lane];
+        words[base + c] = x as u16;
+        counts[lane] = c + emit as usize;
+        states[lane] = rans::enc_step(if emit { x >> 16 } else { x }, es);
     }
 
     let mut out = Vec::with_capacity(raw_bytes + n / 2 + 4096);
@@ -529,19 +538,22 @@ fn pack_low_bits<const UB: usize>(data: &[u8], n: usize, rbits: u32, out: &mut V
         return;
     }
     let len = (n * rbits as usize).div_ceil(8);
-    let start = out.len();
-    // 8 bytes of slack let every unit OR its bits in with one unaligned 64-bit read-modify-write.
-    out.resize(start + len + 8, 0);
-    let buf = &mut out[start..];
+    out.reserve(len);
     let mask = (1u64 << rbits) - 1;
+    // A 64-bit accumulator, flushed 32 bits at a time (rbits <= 31, so a unit's bits always fit
+    // beside fewer than 32 pending ones): no read-modify-write of memory per unit, whose
+    // overlapping 8-byte windows defeated store forwarding.
+    let (mut acc, mut pending) = (0u64, 0u32);
     for i in 0..n {
-        let bit = i * rbits as usize;
-        let at = bit >> 3;
-        let word: &mut [u8; 8] = (&mut buf[at..at + 8]).try_into().unwrap();
-        let v = u64::from_le_bytes(*word) | ((load::<UB>(data, i) as u64 & mask) << (bit & 7));
-        *word = v.to_le_bytes();
+        acc |= (load::<UB>(data, i) as u64 & mask) << pending;
+        pending += rbits;
+        if pending >= 32 {
+            out.extend_from_slice(&(acc as u32).to_le_bytes());
+            acc >>= 32;
+            pending -= 32;
+        }
     }
-    out.truncate(start + len);
+    out.extend_from_slice(&acc.to_le_bytes()[..pending.div_ceil(8) as usize]);
 }
 
 /// Read the low bits of unit `i` from the packed raw section (see `pack_low_bits`).
@@ -880,4 +892,49 @@ fn decode_symbols(
         }
     }
     !bad
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `pack_low_bits` against a bit-at-a-time packer, for every unit width and low-bit count and
+    /// unit counts around the 32-bit flush boundaries; `low_bits` reads every unit back.
+    #[test]
+    fn low_bits_pack_like_a_bit_at_a_time_packer() {
+        fn check<const UB: usize>(data: &[u8]) {
+            for rbits in 1..(8 * UB as u32) {
+                for n in [0, 1, 2, 3, 31, 32, 33, 63, 64, 65, data.len() / UB] {
+                    let mut want = vec![0u8; (n * rbits as usize).div_ceil(8)];
+                    for i in 0..n {
+                        let v = load::<UB>(data, i);
+                        for b in 0..rbits as usize {
+                            let bit = i * rbits as usize + b;
+                            want[bit / 8] |= (((v >> b) & 1) as u8) << (bit % 8);
+                        }
+                    }
+                    let mut got = vec![0xAA]; // bytes already in the payload stay in front
+                    pack_low_bits::<UB>(data, n, rbits, &mut got);
+                    assert_eq!(got[0], 0xAA);
+                    assert_eq!(&got[1..], &want[..], "UB {UB} rbits {rbits} n {n}");
+                    let mask = (1u64 << rbits) - 1;
+                    for i in 0..n {
+                        assert_eq!(low_bits(&want, i, rbits, mask) as u64, load::<UB>(data, i) as u64 & mask);
+                    }
+                }
+            }
+        }
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let data: Vec<u8> = (0..4 * 203)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        check::<1>(&data);
+        check::<2>(&data);
+        check::<4>(&data);
+    }
 }
