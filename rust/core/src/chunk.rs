@@ -99,13 +99,19 @@ fn unit_keys(
         out.extend(prev.iter().map(|&p| p >> shift));
         return;
     }
+    // Row segments: within one, the units' channels run on with the previous row's symbols, so
+    // each segment is one zip of two slices (which the compiler vectorises).
+    out.reserve(prev.len());
     let mut c = head % stride;
-    for &p in prev {
-        out.push(((p >> shift) as usize * n_groups + groups[c] as usize) as u16);
-        c += 1;
-        if c == stride {
-            c = 0;
-        }
+    let mut rest = prev;
+    while !rest.is_empty() {
+        let len = rest.len().min(stride - c);
+        let (seg, tail) = rest.split_at(len);
+        out.extend(
+            seg.iter().zip(&groups[c..c + len]).map(|(&p, &g)| ((p >> shift) as usize * n_groups + g as usize) as u16),
+        );
+        rest = tail;
+        c = 0;
     }
 }
 
@@ -140,6 +146,28 @@ fn channel_groups(syms: &[u16], stride: usize, g: usize, sym_bits: u32) -> Vec<u
         groups[c] = (rank * g / stride) as u8;
     }
     groups
+}
+
+/// The count of each cell of a `n_keys` x `ns` table from units' cell ids (key id in the high
+/// half, symbol id in the low). Two tables, for even and odd units, summed after: a run of units
+/// in one cell then increments two counters in turn instead of waiting on each store of the same one.
+fn count_cells(cells: &[u32], n_keys: usize, ns: usize) -> Vec<u32> {
+    let len = n_keys * ns;
+    let mut counts = vec![0u32; 2 * len];
+    let (even, odd) = counts.split_at_mut(len);
+    let mut pairs = cells.chunks_exact(2);
+    for p in &mut pairs {
+        even[(p[0] >> 16) as usize * ns + (p[0] & 0xffff) as usize] += 1;
+        odd[(p[1] >> 16) as usize * ns + (p[1] & 0xffff) as usize] += 1;
+    }
+    for &c in pairs.remainder() {
+        even[(c >> 16) as usize * ns + (c & 0xffff) as usize] += 1;
+    }
+    for (e, &o) in even.iter_mut().zip(odd.iter()) {
+        *e += o;
+    }
+    counts.truncate(len);
+    counts
 }
 
 /// Build the model for one stride and grouping from the symbols of `windows` (ranges of unit
@@ -206,10 +234,7 @@ fn build_model(
         cells.push(kid << 16 | sid);
     }
     let ns = syms_seen.len();
-    let mut counts = vec![0u32; keys_seen.len() * ns];
-    for &c in &cells {
-        counts[(c >> 16) as usize * ns + (c & 0xffff) as usize] += 1;
-    }
+    let counts = count_cells(&cells, keys_seen.len(), ns);
     let mut global = vec![0u64; ns];
     for row in counts.chunks(ns) {
         for (g, &c) in global.iter_mut().zip(row) {
@@ -897,6 +922,56 @@ fn decode_symbols(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `unit_keys` against a unit-at-a-time reference of its formula, for windows that start and
+    /// end inside rows, before the first full row and across many rows, with and without groups.
+    #[test]
+    fn unit_keys_match_the_formula_unit_by_unit() {
+        let syms: Vec<u16> = (0..1000u32).map(|i| (i.wrapping_mul(2654435761) >> 21) as u16).collect();
+        for &(stride, n_groups) in &[(1usize, 1usize), (7, 1), (7, 3), (64, 4), (999, 2), (1000, 1)] {
+            let groups: Vec<u8> =
+                if n_groups > 1 { (0..stride).map(|c| (c * 5 % n_groups) as u8).collect() } else { vec![] };
+            let (shift, none) = (2u32, 60_000usize);
+            for &(a, b) in &[
+                (0usize, 1000usize),
+                (0, 3),
+                (5, 6),
+                (3, 500),
+                (stride.min(999), 1000),
+                (998, 1000),
+                (400, 400),
+                (10, 500),
+                (130, 900),
+            ] {
+                let mut got = Vec::new();
+                unit_keys(&syms, stride, &groups, n_groups, shift, none, a, b, &mut got);
+                let want: Vec<u16> = (a..b)
+                    .map(|i| {
+                        if i < stride {
+                            none as u16
+                        } else {
+                            let g = if groups.is_empty() { 0 } else { groups[i % stride] as usize };
+                            ((syms[i - stride] >> shift) as usize * n_groups + g) as u16
+                        }
+                    })
+                    .collect();
+                assert_eq!(got, want, "stride {stride} groups {n_groups} window {a}..{b}");
+            }
+        }
+    }
+
+    /// `count_cells` against one counter per cell, for odd and even unit counts.
+    #[test]
+    fn cell_counts_equal_a_plain_count() {
+        for n in [0usize, 1, 2, 3, 1001] {
+            let cells: Vec<u32> = (0..n as u32).map(|i| (i * 7 % 5) << 16 | (i * 3 % 4)).collect();
+            let mut want = vec![0u32; 5 * 4];
+            for &c in &cells {
+                want[(c >> 16) as usize * 4 + (c & 0xffff) as usize] += 1;
+            }
+            assert_eq!(count_cells(&cells, 5, 4), want, "{n} units");
+        }
+    }
 
     /// `pack_low_bits` against a bit-at-a-time packer, for every unit width and low-bit count and
     /// unit counts around the 32-bit flush boundaries; `low_bits` reads every unit back.
