@@ -11,6 +11,11 @@ code widths per channel and the bound any static per-channel exponent code has:
 - page-adaptive: no calibration; each 16-token page codes each channel in the fewest bits that span
   its 16 exponents (width 0-8) above their minimum, with a 12-bit header per page and channel
   (4-bit width, 8-bit base): still fixed-width, so still tile-decodable.
+- static: the cross-entropy of the held-out exponents under each channel's distribution counted
+  on the calibration half (add-0.01 smoothing): what a static per-channel entropy code calibrated
+  once can reach, at best;
+- static + mantissa bit: the same for the exponent and the mantissa's top bit coded as one symbol
+  (7 raw bits left): whether the top mantissa bit, given the exponent, is worth coding.
 
 Every ratio is (8 raw bits + exponent bits) / 16, page headers not counted (but for page-adaptive's
 per-channel header, which is the scheme).
@@ -68,6 +73,16 @@ def entropy_bits(e: np.ndarray) -> np.ndarray:
     return out
 
 
+def static_bits(cal: np.ndarray, ev: np.ndarray, n_symbols: int) -> np.ndarray:
+    """Mean bits per held-out symbol, per channel, under the channel's calibration-half counts
+    (plus 0.01 each, so unseen symbols cost a finite amount)."""
+    out = np.empty(cal.shape[1])
+    for c in range(cal.shape[1]):
+        p = np.bincount(cal[:, c], minlength=n_symbols) + 0.01
+        out[c] = -np.log2(p[ev[:, c]] / p.sum()).mean()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv", action="append", required=True)
@@ -76,6 +91,7 @@ def main(argv=None):
     rows = []
     for model, kind, layer, x in load_sets(args.kv):
         e = (x.astype(np.int32) >> 7) & 0xFF  # [T, C] exponents
+        em = (x.astype(np.int32) >> 6) & 0x1FF  # exponent and the mantissa's top bit
         cal, ev = e[: e.shape[0] // 2], e[e.shape[0] // 2:]
         t3, t2 = best_tops(cal, 3), best_tops(cal, 2)
         b3, b2 = code_bits(ev, t3, 3), code_bits(ev, t2, 2)
@@ -86,14 +102,17 @@ def main(argv=None):
         rows.append(dict(model=model, kind=kind, layer=layer, three_bit=ratio(b3), two_bit=ratio(b2), mixed=ratio(mixed),
                          two_bit_channels=float(pick2.mean()), entropy=ratio(entropy_bits(ev)),
                          page_adaptive=float((8 + page_adaptive_bits(ev)) / 16),
-                         raw_byte_entropy_bits=float(entropy_bits(raw[raw.shape[0] // 2:]).mean())))
+                         raw_byte_entropy_bits=float(entropy_bits(raw[raw.shape[0] // 2:]).mean()),
+                         static=ratio(static_bits(cal, ev, 256)),
+                         static_mantissa_bit=float((7 + static_bits(em[: len(em) // 2], em[len(em) // 2:], 512).mean()) / 16)))
         r = rows[-1]
         print(f"{model:8s} {kind} layer {layer:2d}: 3-bit {r['three_bit']:.4f}  2-bit {r['two_bit']:.4f}  "
               f"mixed {r['mixed']:.4f} ({r['two_bit_channels']:.0%} 2-bit)  entropy {r['entropy']:.4f}  "
-              f"page-adaptive {r['page_adaptive']:.4f}  "
+              f"page-adaptive {r['page_adaptive']:.4f}  static {r['static']:.4f}  +mantissa bit {r['static_mantissa_bit']:.4f}  "
               f"raw byte {r['raw_byte_entropy_bits']:.3f} bits")
     mean = {k: float(np.mean([r[k] for r in rows]))
-            for k in ("three_bit", "two_bit", "mixed", "entropy", "page_adaptive", "raw_byte_entropy_bits")}
+            for k in ("three_bit", "two_bit", "mixed", "entropy", "page_adaptive", "static", "static_mantissa_bit",
+                      "raw_byte_entropy_bits")}
     print("mean: " + "  ".join(f"{k} {v:.4f}" for k, v in mean.items()))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(dict(rows=rows, mean=mean), indent=1) + "\n")
