@@ -371,8 +371,9 @@ def write(res, prefix):
         lines += ["", "| batch | context | exact ms | bf16 ms | bf16 same cfg ms | sdpa ms | exact vs best | exact GB/s | bit-identical |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in res["grid"]:
+            sdpa = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else "-"  # absent: not timed (out of memory, --no-sdpa)
             lines.append(f"| {r['batch']} | {r['context']} | {r['exact_ms']:.3f} | {r['bf16_ms']:.3f} | "
-                         f"{r['bf16_same_config_ms']:.3f} | {sdpa_cell(r)} | "
+                         f"{r['bf16_same_config_ms']:.3f} | {sdpa} | "
                          f"{r['exact_vs_best_bf16']:.2f}x | {r['exact_GBps']:.0f} | {r['bit_identical']} |")
         specs = res["meta"].get("gluon_configs") or []
         if specs:
@@ -385,12 +386,6 @@ def write(res, prefix):
                 lines.append(f"| {r['batch']} | {r['context']} | {cells} | {r['gluon_vs_fastest_bf16']:.2f}x |")
         plot(res, prefix.with_suffix(".png"))
     prefix.with_suffix(".md").write_text("\n".join(lines) + "\n")
-
-
-def sdpa_cell(row):
-    """SDPA's time for the table, "-" where it was not timed (out of memory, or --no-sdpa)."""
-    ms = row.get("sdpa_ms")
-    return "-" if ms is None or not math.isfinite(ms) else f"{ms:.3f}"
 
 
 def plot(res, path):

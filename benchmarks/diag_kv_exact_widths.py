@@ -90,15 +90,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rows = []
     for model, kind, layer, x in load_sets(args.kv):
-        e = (x.astype(np.int32) >> 7) & 0xFF  # [T, C] exponents
-        em = (x.astype(np.int32) >> 6) & 0x1FF  # exponent and the mantissa's top bit
+        xi = x.astype(np.int32)
+        e = (xi >> 7) & 0xFF  # [T, C] exponents
+        em = (xi >> 6) & 0x1FF  # exponent and the mantissa's top bit
         cal, ev = e[: e.shape[0] // 2], e[e.shape[0] // 2:]
         t3, t2 = best_tops(cal, 3), best_tops(cal, 2)
         b3, b2 = code_bits(ev, t3, 3), code_bits(ev, t2, 2)
         pick2 = code_bits(cal, t2, 2) < code_bits(cal, t3, 3)
         mixed = np.where(pick2, b2, b3)  # the width is calibration data per channel, like the window top
         ratio = lambda b: float((8 + b.mean()) / 16)  # noqa: E731
-        raw = ((x.astype(np.int32) >> 8) & 0x80) | (x.astype(np.int32) & 0x7F)  # sign + mantissa byte
+        raw = ((xi >> 8) & 0x80) | (xi & 0x7F)  # sign + mantissa byte
         rows.append(dict(model=model, kind=kind, layer=layer, three_bit=ratio(b3), two_bit=ratio(b2), mixed=ratio(mixed),
                          two_bit_channels=float(pick2.mean()), entropy=ratio(entropy_bits(ev)),
                          page_adaptive=float((8 + page_adaptive_bits(ev)) / 16),
