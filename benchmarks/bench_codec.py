@@ -104,9 +104,17 @@ class Codec:
 
 class Weightszip(Codec):
     name = "weightszip"
+    level = 2  # the default: candidate models searched on a sample of each chunk
 
     def compress(self, x, case):
-        return weightszip.compress(x, axis=-1, threads=self.threads)
+        return weightszip.compress(x, axis=-1, threads=self.threads, level=self.level)
+
+
+class WeightszipFast(Weightszip):
+    """level=1: one model per chunk, no search."""
+
+    name = "weightszip-1"
+    level = 1
 
     def decompress(self, blob, case):
         return weightszip.decompress(blob, threads=self.threads)
@@ -200,6 +208,7 @@ def make_codecs(threads: int, tmpdir: str, names: list[str]) -> list[Codec]:
     imported)."""
     makers = {
         "weightszip": lambda: Weightszip(threads),
+        "weightszip-1": lambda: WeightszipFast(threads),
         "weightszip-file": lambda: WeightszipFile(threads, tmpdir),
         "zstd-3": lambda: Zstd(threads, 3),
         "zstd-19": lambda: Zstd(threads, 19, ZSTD19_MAX_BYTES),

@@ -71,6 +71,22 @@ def test_safetensors_round_trip_is_byte_exact_and_tensor_aware(tmp_path, safeten
     assert filecmp.cmp(back, safetensors_file, shallow=False)
 
 
+def test_fast_level_from_the_cli_and_the_api_round_trips(tmp_path, safetensors_file):
+    """`weightszip compress --level 1` and save_file(level=1): same bytes back, a container any
+    reader takes; --level outside 1..2 is argparse's usage error."""
+    out, back = tmp_path / "m.wz", tmp_path / "back.safetensors"
+    assert run_cli("compress", safetensors_file, "-o", out, "-q", "--level", "1") == 0
+    assert run_cli("decompress", out, "-o", back, "-q") == 0
+    assert filecmp.cmp(back, safetensors_file, shallow=False)
+    with pytest.raises(SystemExit) as e:
+        run_cli("compress", safetensors_file, "-o", tmp_path / "x.wz", "--level", "3")
+    assert e.value.code == 2 and not (tmp_path / "x.wz").exists()
+    t = {"w": np.linspace(-2, 2, 64 * 96, dtype=np.float32).reshape(64, 96), "ids": np.arange(5)}
+    weightszip.save_file(t, tmp_path / "t.wz", level=1)
+    got = weightszip.load_file(tmp_path / "t.wz")
+    assert all(np.array_equal(got[k], v) for k, v in t.items())
+
+
 def test_gguf_float_tensors_are_coded_as_tensors(tmp_path, real_kv):
     k = np.ascontiguousarray(real_kv[0, 0]).view(ml_dtypes.bfloat16).astype(np.float32)
     q = bytes(range(256)) * 10  # stands in for Q4_1 blocks (20 bytes each)

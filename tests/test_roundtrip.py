@@ -66,9 +66,10 @@ def _specials(dtype) -> bytes:
 
 
 @settings(max_examples=300, deadline=None)
-@given(a=arrays(), chunk_kib=st.sampled_from([1, 3, 64, 1024]), lanes_log2=st.integers(0, 10), threads=st.sampled_from([1, 2]))
-def test_any_array_round_trips_bit_exactly(a, chunk_kib, lanes_log2, threads):
-    blob = weightszip.compress(a, chunk_bytes=chunk_kib * 1024, lanes_log2=lanes_log2, threads=threads)
+@given(a=arrays(), chunk_kib=st.sampled_from([1, 3, 64, 1024]), lanes_log2=st.integers(0, 10), threads=st.sampled_from([1, 2]),
+       level=st.sampled_from([1, 2]))
+def test_any_array_round_trips_bit_exactly(a, chunk_kib, lanes_log2, threads, level):
+    blob = weightszip.compress(a, chunk_bytes=chunk_kib * 1024, lanes_log2=lanes_log2, threads=threads, level=level)
     back = weightszip.decompress(blob, threads=threads)
     assert same_bits(back, a)
     weightszip.verify(blob)
@@ -161,3 +162,32 @@ def test_save_and_load_file(tmp_path, real_kv):
     assert same_bits(back["ids"], tensors["ids"]) and same_bits(back["empty"], tensors["empty"])
     assert back["scalar"].shape == () and back["scalar"] == np.float32(3.5)
     assert not list(tmp_path.glob("*partial*"))
+
+
+def test_fast_level_on_real_kv_round_trips_close_to_the_default(real_kv):
+    """level=1 (one model per chunk, no search) on SmolLM2's K and V: bit-exact and within 1% of
+    the default's size (the figures at scale are in BENCHMARKS.md, "Encoder levels"). The fixture's
+    192 rows of each are tiled 4x to pass the 2**17 values below which every level searches; each
+    tile's lowest mantissa bits are scrambled so that no row repeats (repeats take another path)."""
+    rng = np.random.default_rng(5)
+    for kv in (real_kv[0], real_kv[1]):
+        rows = kv.reshape(-1, 192)
+        big = np.concatenate([rows ^ rng.integers(0, 2, rows.shape, dtype=np.uint16) for _ in range(4)])
+        x = torch.from_numpy(big.astype(np.int16)).view(torch.bfloat16)
+        fast, full = weightszip.compress(x, level=1), weightszip.compress(x, level=2)
+        assert torch.equal(weightszip.decompress(fast), x)
+        assert len(fast) <= 1.01 * len(full), (len(fast), len(full))
+        assert len(fast) < 0.75 * x.numel() * 2
+        small = torch.from_numpy(rows.astype(np.int16)).view(torch.bfloat16)  # 36864 values: searched
+        assert weightszip.compress(small, level=1) == weightszip.compress(small, level=2)
+
+
+@pytest.mark.parametrize("level", [0, 3, -1, 1.0, True, "1", None])
+def test_an_encoder_level_outside_1_or_2_is_an_invalid_argument(level, tmp_path):
+    x = np.ones((4, 4), np.float32)
+    for call in (lambda: weightszip.compress(x, level=level),
+                 lambda: weightszip.save_file({"x": x}, tmp_path / "x.wz", level=level),
+                 lambda: weightszip.compress_file(__file__, tmp_path / "f.wz", level=level)):
+        with pytest.raises(InvalidArgumentError, match="level"):
+            call()
+    assert not list(tmp_path.iterdir())

@@ -92,7 +92,9 @@ fuzz_target!(|data: &[u8]| {
     let two_threads = g & 0x40 != 0;
     let kind = if g & 0x80 != 0 { KIND_FILE } else { KIND_TENSORS };
     let chunk_bytes = u16::from_le_bytes([b.u8(), b.u8()]) as u64 + 1;
-    let opts = EncodeOptions { chunk_bytes, threads: if two_threads { 2 } else { 1 }, lanes_log2 };
+    // The default level: every chunk here is under the 2^17 units below which both levels search.
+    let opts =
+        EncodeOptions { chunk_bytes, threads: if two_threads { 2 } else { 1 }, lanes_log2, ..EncodeOptions::default() };
     let headers: Vec<[u8; 6]> = (0..n_tensors).map(|_| [b.u8(), b.u8(), b.u8(), b.u8(), b.u8(), b.u8()]).collect();
     let pool = data.get(b.i.min(data.len())..).unwrap_or(&[]);
 

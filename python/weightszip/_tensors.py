@@ -104,6 +104,12 @@ def check_path(path: str | os.PathLike) -> str:
     return p
 
 
+def check_level(level: int) -> int:
+    """The encoder level: 1 (fast: one model per chunk, no search) or 2 (the default: the best of
+    the candidate models on a sample of each chunk). Readers do not care which made a container."""
+    return int_arg("level", level, _core.LEVEL_FAST, _core.DEFAULT_LEVEL)
+
+
 def check_chunk_bytes(chunk_bytes: int) -> int:
     """`chunk_bytes` as the core takes it (a u64; the core checks the rest of the range: at least 1,
     at most its limit)."""
@@ -235,12 +241,15 @@ def compress(
     threads: int | None = None,
     lanes_log2: int = _core.DEFAULT_LANES_LOG2,
     layout: int = LAYOUT_TENSOR,
+    level: int = _core.DEFAULT_LEVEL,
 ) -> bytes:
     """Compress a numpy array or CPU torch tensor losslessly; returns a weightszip container.
 
     `axis` is the channel axis: the exponent of each value is coded in the context of the value
     one step back along the axis before it (for KV laid out [..., tokens, channels], the same
     channel one token earlier). Any dtype round-trips; bf16, fp16, fp32 and fp8 are modelled.
+    `level=1` builds each chunk's model without searching the candidates: about 1.5x faster to
+    encode, for 0-0.3% more bytes on real KV and weights; decoding is the same.
 
     >>> import numpy as np, weightszip
     >>> x = np.linspace(-3, 3, 4096, dtype=np.float32).reshape(64, 64)
@@ -254,6 +263,7 @@ def compress(
         check_chunk_bytes(chunk_bytes),
         threads_default(threads),
         int_arg("lanes_log2", lanes_log2, 0, 2**32 - 1),
+        check_level(level),
     )
 
 
@@ -295,10 +305,11 @@ def save_file(
     chunk_bytes: int = _core.DEFAULT_CHUNK_BYTES,
     threads: int | None = None,
     overwrite: bool = True,
+    level: int = _core.DEFAULT_LEVEL,
 ) -> None:
     """Save a dict of named tensors to a .wz file (written atomically), like safetensors. With
     `overwrite=False` an existing `path` is left as it is and `OutputExistsError` raised, even if
-    it was created while the file was being written."""
+    it was created while the file was being written. `level`: as `compress`'s."""
     bufs = []
     for name, x in tensors.items():
         check_name(name)
@@ -311,6 +322,7 @@ def save_file(
         threads_default(threads),
         _core.DEFAULT_LANES_LOG2,
         overwrite=overwrite,
+        level=check_level(level),
     )
 
 

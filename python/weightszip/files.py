@@ -21,6 +21,7 @@ from weightszip._tensors import (
     LAYOUT_TENSOR,
     _NAME_TO_NP,
     check_chunk_bytes,
+    check_level,
     check_path,
     threads_default,
 )
@@ -315,8 +316,10 @@ def compress_file(
     threads: int | None = None,
     progress: Callable[[int, int], Any] | None = None,
     overwrite: bool = True,
+    level: int = _core.DEFAULT_LEVEL,
 ) -> dict:
-    """Compress any file to a .wz container (written atomically); returns its index. With
+    """Compress any file to a .wz container (written atomically); returns its index. `level`: 1
+    (fast) or 2 (the default), as `weightszip.compress`'s. With
     `overwrite=False` an existing `dst` is left as it is and `OutputExistsError` raised, even if it
     was created while the container was being written. `dst` naming `src` itself (or a link to it)
     is refused (InvalidArgumentError), whatever `overwrite` says. The output gets the permission
@@ -330,7 +333,7 @@ def compress_file(
     _refuse_input_as_output(src, dst)
     return _core.encode_file(
         os.fspath(src), check_path(dst), segs, check_chunk_bytes(chunk_bytes), threads_default(threads),
-        _core.DEFAULT_LANES_LOG2, progress, overwrite=overwrite, mode=_mode_of(src),
+        _core.DEFAULT_LANES_LOG2, progress, overwrite=overwrite, mode=_mode_of(src), level=check_level(level),
     )
 
 

@@ -14,11 +14,13 @@ fn main() {
     let cb: usize = args.get(3).map(|s| s.parse().unwrap()).unwrap_or(1 << 20);
     let data = &data[..data.len() / (2 * row as usize) * 2 * row as usize];
     let meta = TensorMeta::new(DType::BF16, vec![data.len() as u64 / 2 / row, row]);
-    let opts = EncodeOptions::default();
+    // WZ_LEVEL=1: the encoder's fast level (codec::LEVEL_FAST).
+    let level = std::env::var("WZ_LEVEL").ok().and_then(|v| v.parse().ok()).unwrap_or(EncodeOptions::default().level);
     let rows_per = (cb / 2 / row as usize).max(1);
     let step = rows_per * row as usize * 2;
     let t = Instant::now();
-    let enc: Vec<_> = data.chunks(step).map(|c| encode_chunk_bytes(c, &meta, opts.lanes_log2)).collect();
+    let enc: Vec<_> =
+        data.chunks(step).map(|c| encode_chunk_bytes(c, &meta, EncodeOptions::default().lanes_log2, level)).collect();
     let te = t.elapsed().as_secs_f64();
     let stored: usize = enc.iter().map(|c| c.payload.len()).sum();
     let mut out = vec![0u8; step];

@@ -119,9 +119,11 @@ fn table_bytes(freqs: &[u16]) -> usize {
     2 + 4 * freqs.iter().filter(|&&f| f > 0).count()
 }
 
+/// Chunks of fewer units than this are ranked on all their units, and searched at every level.
+const FULL_BELOW: usize = 1 << 17;
+
 /// Up to 8 evenly spread windows covering about 1/8 of `n` units (all of them when small).
 fn sample_windows(n: usize) -> Vec<(usize, usize)> {
-    const FULL_BELOW: usize = 1 << 17;
     if n < FULL_BELOW {
         return vec![(0, n)];
     }
@@ -322,10 +324,22 @@ fn build_model(
 ///
 /// With `row_bytes` > 0 the encoder also looks for rows (of that many bytes) that repeat an
 /// earlier row of the chunk exactly, and codes them as references (mode ROWS).
-pub fn encode_chunk(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32, row_bytes: usize) -> Vec<u8> {
-    let plain = encode_units(data, split, strides, lanes_log2);
+///
+/// With `search` the candidate models (symbol widths, strides, channel groupings) are ranked on a
+/// sample and the best is built; without it, the one model of the widest symbol and the first
+/// stride (with channel groups where the data are floats) is built directly, except in chunks of
+/// fewer than 2^17 units, which are searched either way.
+pub fn encode_chunk(
+    data: &[u8],
+    split: Split,
+    strides: &[usize],
+    lanes_log2: u32,
+    row_bytes: usize,
+    search: bool,
+) -> Vec<u8> {
+    let plain = encode_units(data, split, strides, lanes_log2, search);
     if row_bytes > 0 && data.len().is_multiple_of(row_bytes) && data.len() / row_bytes >= 4 {
-        if let Some(rows) = encode_rows(data, split, strides, lanes_log2, row_bytes) {
+        if let Some(rows) = encode_rows(data, split, strides, lanes_log2, row_bytes, search) {
             // Keep the smaller, and never one a reader must reject: references can restore far
             // more bytes per stored byte than coded symbols can (docs/FORMAT.md, "Limits").
             if rows.len() < plain.len() && (data.len() as u64) <= MAX_EXPANSION * rows.len() as u64 {
@@ -338,7 +352,14 @@ pub fn encode_chunk(data: &[u8], split: Split, strides: &[usize], lanes_log2: u3
 
 /// Mode ROWS, when enough rows repeat: references for the repeats, then the unique rows coded
 /// as one ordinary payload (STORED or RANS).
-fn encode_rows(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32, row_bytes: usize) -> Option<Vec<u8>> {
+fn encode_rows(
+    data: &[u8],
+    split: Split,
+    strides: &[usize],
+    lanes_log2: u32,
+    row_bytes: usize,
+    search: bool,
+) -> Option<Vec<u8>> {
     let n_rows = data.len() / row_bytes;
     let mut first: std::collections::HashMap<&[u8], u32> = std::collections::HashMap::with_capacity(n_rows);
     let mut refs: Vec<(u32, u32)> = Vec::new();
@@ -364,15 +385,15 @@ fn encode_rows(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32, ro
         put_u32(&mut out, row);
         put_u32(&mut out, src);
     }
-    out.extend_from_slice(&encode_units(&unique, split, strides, lanes_log2));
+    out.extend_from_slice(&encode_units(&unique, split, strides, lanes_log2, search));
     (out.len() <= data.len()).then_some(out)
 }
 
-fn encode_units(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32) -> Vec<u8> {
+fn encode_units(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32, search: bool) -> Vec<u8> {
     match split.unit_bits {
-        8 => encode_impl::<1>(data, split, strides, lanes_log2),
-        16 => encode_impl::<2>(data, split, strides, lanes_log2),
-        32 => encode_impl::<4>(data, split, strides, lanes_log2),
+        8 => encode_impl::<1>(data, split, strides, lanes_log2, search),
+        16 => encode_impl::<2>(data, split, strides, lanes_log2, search),
+        32 => encode_impl::<4>(data, split, strides, lanes_log2, search),
         b => panic!("unit of {b} bits"),
     }
 }
@@ -388,18 +409,38 @@ fn stored(data: &[u8]) -> Vec<u8> {
 /// stride, channel groups, symbols).
 type Finalist = (f64, u32, u32, usize, Vec<u8>, Vec<u16>);
 
-fn encode_impl<const UB: usize>(data: &[u8], split: Split, strides: &[usize], lanes_log2: u32) -> Vec<u8> {
+fn encode_impl<const UB: usize>(
+    data: &[u8],
+    split: Split,
+    strides: &[usize],
+    lanes_log2: u32,
+    search: bool,
+) -> Vec<u8> {
     assert_eq!(data.len() % UB, 0);
     assert!(split.sym_bits >= 1 && split.sym_bits <= MAX_SYM_BITS);
     assert!(lanes_log2 <= MAX_LANES_LOG2);
     let n = data.len() / UB;
+    // A small chunk is always searched: there the fixed model's tables can cost 5-10% (SmolLM2 K
+    // and V, 37k units), and the search is cheap in absolute terms.
+    let search = search || n < FULL_BELOW;
     // Symbol widths to try: the dtype's (sign and exponent for floats) and, for floats, two more
     // mantissa bits with the context still keyed on sign and exponent (ctx_shift 2): on real
-    // weights the mantissa's top bits given the exponent carry 0.05-0.09 bits.
+    // weights the mantissa's top bits given the exponent carry 0.05-0.09 bits. Without a search,
+    // only the wider one.
     let mut widths = vec![(split.sym_bits, 0u32)];
     if split.grouped && split.sym_bits + 2 <= MAX_SYM_BITS.min(split.unit_bits) {
         widths.push((split.sym_bits + 2, 2));
+        if !search {
+            widths.remove(0);
+        }
     }
+    let groups_for = |syms: &[u16], st: usize, sym_bits: u32| {
+        if split.grouped && (2 * FLOAT_GROUPS..=MAX_GROUP_STRIDE).contains(&st) {
+            Some(channel_groups(syms, st, FLOAT_GROUPS, sym_bits))
+        } else {
+            None
+        }
+    };
     // Choose on a sample (the model estimate is a sum over units, so a spread-out sample ranks
     // the candidates the same way), then build the chosen model on every unit.
     let sample = sample_windows(n);
@@ -409,15 +450,21 @@ fn encode_impl<const UB: usize>(data: &[u8], split: Split, strides: &[usize], la
         let rbits = split.unit_bits - sym_bits;
         let alphabet = 1usize << sym_bits;
         let syms: Vec<u16> = (0..n).map(|i| (load::<UB>(data, i) >> rbits) as u16).collect();
+        if !search {
+            // The first stride (the previous row, for tensors), grouped where it can be; the
+            // estimate is not needed with a single candidate.
+            let st = strides.first().copied().filter(|&st| st > 0 && st < n).unwrap_or(0);
+            let g = groups_for(&syms, st, sym_bits).unwrap_or_default();
+            finalists.push((0.0, sym_bits, shift, st, g, syms));
+            continue;
+        }
         let mut best = (build_model(&syms, alphabet, 0, &[], shift, &sample).est_bits, 0usize, Vec::new());
         for &st in strides {
             if st == 0 || st >= n {
                 continue;
             }
             let mut choices = vec![Vec::new()];
-            if split.grouped && (2 * FLOAT_GROUPS..=MAX_GROUP_STRIDE).contains(&st) {
-                choices.push(channel_groups(&syms, st, FLOAT_GROUPS, sym_bits));
-            }
+            choices.extend(groups_for(&syms, st, sym_bits));
             for g in choices {
                 let est = build_model(&syms, alphabet, st, &g, shift, &sample).est_bits;
                 if est < best.0 {

@@ -26,11 +26,23 @@ pub struct EncodeOptions {
     pub threads: usize,
     /// log2 of the rANS lanes per chunk.
     pub lanes_log2: u32,
+    /// How hard the encoder looks for each chunk's model: `LEVEL_FAST` (1) builds one model,
+    /// `LEVEL_DEFAULT` (2) ranks every candidate on a sample first. Readers do not care which.
+    pub level: u8,
 }
+
+/// Encoder level 1: each chunk gets the one model the dtype suggests (for floats the exponent
+/// with two mantissa bits, in the context of the previous row's exponent and the channel's group;
+/// for bytes the previous byte), built once, with no search. On real KV and weights about 1.5x
+/// faster than level 2 for 0-0.3% more bytes (BENCHMARKS.md, "Encoder levels").
+pub const LEVEL_FAST: u8 = 1;
+/// Encoder level 2 (the default): candidate symbol widths, context strides and channel groupings
+/// ranked on a sample of the chunk, the best built in full.
+pub const LEVEL_DEFAULT: u8 = 2;
 
 impl Default for EncodeOptions {
     fn default() -> Self {
-        EncodeOptions { chunk_bytes: 1 << 20, threads: 0, lanes_log2: DEFAULT_LANES_LOG2 }
+        EncodeOptions { chunk_bytes: 1 << 20, threads: 0, lanes_log2: DEFAULT_LANES_LOG2, level: LEVEL_DEFAULT }
     }
 }
 
@@ -41,6 +53,12 @@ impl EncodeOptions {
         }
         if self.lanes_log2 > MAX_LANES_LOG2 {
             return Err(Error::InvalidArgument(format!("2^{} lanes", self.lanes_log2)));
+        }
+        if !(LEVEL_FAST..=LEVEL_DEFAULT).contains(&self.level) {
+            return Err(Error::InvalidArgument(format!(
+                "encoder level {} outside {LEVEL_FAST}..={LEVEL_DEFAULT}",
+                self.level
+            )));
         }
         Ok(())
     }
@@ -113,11 +131,12 @@ fn strides_for(meta: &TensorMeta) -> Vec<usize> {
     }
 }
 
-pub fn encode_chunk_bytes(raw: &[u8], meta: &TensorMeta, lanes_log2: u32) -> EncodedChunk {
+pub fn encode_chunk_bytes(raw: &[u8], meta: &TensorMeta, lanes_log2: u32, level: u8) -> EncodedChunk {
     // Rows that repeat exactly (layer 0's V: one row per token id) are looked for in tensors,
     // not in opaque file bytes.
     let row_bytes = if meta.dtype == DType::U8 { 0 } else { meta.row_elems() as usize * meta.dtype.size() };
-    let payload = chunk::encode_chunk(raw, meta.dtype.split(), &strides_for(meta), lanes_log2, row_bytes);
+    let search = level >= LEVEL_DEFAULT;
+    let payload = chunk::encode_chunk(raw, meta.dtype.split(), &strides_for(meta), lanes_log2, row_bytes, search);
     EncodedChunk { payload, raw_xxh3: xxhash_rust::xxh3::xxh3_64(raw) }
 }
 
@@ -137,7 +156,7 @@ pub fn encode_tensor_chunks(data: &[u8], meta: &TensorMeta, opts: &EncodeOptions
     let ce = chunk_elems_for(meta, opts);
     let cb = (ce * meta.dtype.size() as u64) as usize;
     let chunks = with_threads(opts.threads, || {
-        data.par_chunks(cb.max(1)).map(|c| encode_chunk_bytes(c, meta, opts.lanes_log2)).collect()
+        data.par_chunks(cb.max(1)).map(|c| encode_chunk_bytes(c, meta, opts.lanes_log2, opts.level)).collect()
     });
     Ok((ce, chunks))
 }
@@ -595,7 +614,7 @@ pub fn encode_file(
                     bufs.push(b);
                 }
                 let enc: Vec<EncodedChunk> = with_threads(opts.threads, || {
-                    bufs.par_iter().map(|b| encode_chunk_bytes(b, meta, opts.lanes_log2)).collect()
+                    bufs.par_iter().map(|b| encode_chunk_bytes(b, meta, opts.lanes_log2, opts.level)).collect()
                 });
                 for (c, b) in enc.iter().zip(&bufs) {
                     wr.write_chunk(c)?;

@@ -1,5 +1,5 @@
 use proptest::prelude::*;
-use weightszip_core::codec::{compress, Container, EncodeOptions, KIND_TENSORS};
+use weightszip_core::codec::{compress, Container, EncodeOptions, KIND_TENSORS, LEVEL_DEFAULT, LEVEL_FAST};
 use weightszip_core::{DType, Error, TensorMeta};
 
 fn roundtrip(dtype: DType, shape: Vec<u64>, data: &[u8], opts: &EncodeOptions) -> Vec<u8> {
@@ -44,8 +44,40 @@ fn every_lane_count_and_thread_count() {
     let data = kv_like(64, 96, 3);
     for lanes_log2 in [0, 1, 5, 10] {
         for threads in [1, 2] {
-            let opts = EncodeOptions { chunk_bytes: 4096, threads, lanes_log2 };
-            roundtrip(DType::BF16, vec![64, 96], &data, &opts);
+            for level in [LEVEL_FAST, LEVEL_DEFAULT] {
+                let opts = EncodeOptions { chunk_bytes: 4096, threads, lanes_log2, level };
+                roundtrip(DType::BF16, vec![64, 96], &data, &opts);
+            }
+        }
+    }
+}
+
+/// The fast level builds one model without a search: it must still round-trip every dtype, and
+/// on KV-like bf16 (whose model it is meant for) cost little against the search.
+#[test]
+fn fast_level_round_trips_and_stays_close_to_the_search() {
+    let data = kv_like(2048, 192, 11);
+    // 512 KiB chunks: 1365 rows, 262080 units, past the size below which every level searches.
+    let fast = EncodeOptions { chunk_bytes: 512 << 10, threads: 1, level: LEVEL_FAST, ..Default::default() };
+    let full = EncodeOptions { level: LEVEL_DEFAULT, ..fast };
+    let a = roundtrip(DType::BF16, vec![2048, 192], &data, &fast);
+    let b = roundtrip(DType::BF16, vec![2048, 192], &data, &full);
+    assert!(a.len() < data.len() * 3 / 4, "fast level did not compress: {} of {}", a.len(), data.len());
+    assert!(a.len() as f64 <= b.len() as f64 * 1.02, "fast {} against searched {}", a.len(), b.len());
+    for dt in weightszip_core::dtype::ALL_DTYPES {
+        let bytes: Vec<u8> = (0..96 * 40 * dt.size()).map(|i| (i * 131 % 251) as u8 / 3).collect();
+        roundtrip(dt, vec![96, 40], &bytes, &fast);
+    }
+}
+
+#[test]
+fn an_encoder_level_outside_its_range_is_an_invalid_argument() {
+    for level in [0u8, 3, 255] {
+        let opts = EncodeOptions { level, ..Default::default() };
+        let meta = TensorMeta::new(DType::BF16, vec![4, 4]);
+        match compress(&[(meta, &[0u8; 32][..])], KIND_TENSORS, &opts) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("level"), "{m}"),
+            other => panic!("level {level}: {other:?}"),
         }
     }
 }
@@ -104,6 +136,7 @@ proptest! {
         cols in 1usize..40,
         chunk_kib in 1u64..8,
         lanes_log2 in 0u32..7,
+        level in 1u8..=2,
         seed in any::<u64>(),
         sparse in any::<bool>(),
     ) {
@@ -113,7 +146,7 @@ proptest! {
             if sparse { (s % 3) as u8 } else { s as u8 }
         }).collect();
         let shape = if n % cols == 0 { vec![(n / cols) as u64, cols as u64] } else { vec![n as u64] };
-        let opts = EncodeOptions { chunk_bytes: chunk_kib * 1024, threads: 1, lanes_log2 };
+        let opts = EncodeOptions { chunk_bytes: chunk_kib * 1024, threads: 1, lanes_log2, level };
         roundtrip(dt, shape, &bytes, &opts);
     }
 

@@ -77,8 +77,8 @@ pub(crate) unsafe fn slice_mut<'a>(addr: usize, len: usize) -> &'a mut [u8] {
     }
 }
 
-fn opts(chunk_bytes: u64, threads: usize, lanes_log2: u32) -> EncodeOptions {
-    EncodeOptions { chunk_bytes, threads, lanes_log2 }
+fn opts(chunk_bytes: u64, threads: usize, lanes_log2: u32, level: u8) -> EncodeOptions {
+    EncodeOptions { chunk_bytes, threads, lanes_log2, level }
 }
 
 /// `overwrite=False`: the output is published only if its name is free at that moment.
@@ -123,7 +123,7 @@ fn index_to_py(py: Python<'_>, index: &Index) -> PyResult<PyObject> {
 
 /// Compress tensors given as (meta, address, length) into an in-memory container.
 #[pyfunction]
-#[pyo3(signature = (tensors, kind, chunk_bytes, threads, lanes_log2))]
+#[pyo3(signature = (tensors, kind, chunk_bytes, threads, lanes_log2, level=codec::LEVEL_DEFAULT))]
 fn compress_buffers<'py>(
     py: Python<'py>,
     tensors: Vec<(MetaTuple, usize, usize)>,
@@ -131,10 +131,11 @@ fn compress_buffers<'py>(
     chunk_bytes: u64,
     threads: usize,
     lanes_log2: u32,
+    level: u8,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let metas: Vec<(TensorMeta, usize, usize)> =
         tensors.into_iter().map(|(m, a, l)| Ok((meta_of(m)?, a, l))).collect::<PyResult<_>>()?;
-    let o = opts(chunk_bytes, threads, lanes_log2);
+    let o = opts(chunk_bytes, threads, lanes_log2, level);
     let out = py
         .allow_threads(|| {
             let items: Vec<(TensorMeta, &[u8])> =
@@ -147,7 +148,8 @@ fn compress_buffers<'py>(
 
 /// Save tensors to a container file, written atomically.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, chunk_bytes, threads, lanes_log2, overwrite=true))]
+#[pyo3(signature = (path, tensors, chunk_bytes, threads, lanes_log2, overwrite=true, level=codec::LEVEL_DEFAULT))]
+#[allow(clippy::too_many_arguments)]
 fn save_buffers(
     py: Python<'_>,
     path: PathBuf,
@@ -156,10 +158,11 @@ fn save_buffers(
     threads: usize,
     lanes_log2: u32,
     overwrite: bool,
+    level: u8,
 ) -> PyResult<PyObject> {
     let metas: Vec<(TensorMeta, usize, usize)> =
         tensors.into_iter().map(|(m, a, l)| Ok((meta_of(m)?, a, l))).collect::<PyResult<_>>()?;
-    let o = opts(chunk_bytes, threads, lanes_log2);
+    let o = opts(chunk_bytes, threads, lanes_log2, level);
     let index = py
         .allow_threads(|| {
             let items: Vec<(TensorMeta, &[u8])> =
@@ -297,7 +300,7 @@ impl Progress {
 /// output's permission bits (`Output::mode`). An interrupt in or during `progress` stops it, with no
 /// output, and is raised.
 #[pyfunction]
-#[pyo3(signature = (input, output, segments, chunk_bytes, threads, lanes_log2, progress=None, overwrite=true, mode=None))]
+#[pyo3(signature = (input, output, segments, chunk_bytes, threads, lanes_log2, progress=None, overwrite=true, mode=None, level=codec::LEVEL_DEFAULT))]
 #[allow(clippy::too_many_arguments)]
 fn encode_file(
     py: Python<'_>,
@@ -310,9 +313,10 @@ fn encode_file(
     progress: Option<PyObject>,
     overwrite: bool,
     mode: Option<u32>,
+    level: u8,
 ) -> PyResult<PyObject> {
     let segs: Vec<TensorMeta> = segments.into_iter().map(meta_of).collect::<PyResult<_>>()?;
-    let o = opts(chunk_bytes, threads, lanes_log2);
+    let o = opts(chunk_bytes, threads, lanes_log2, level);
     let mut p = Progress::new(progress);
     let out = Output { path: &output, on_existing: on_existing(overwrite), mode };
     let index = py
@@ -371,6 +375,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FORMAT_VERSION", weightszip_core::format::VERSION)?;
     m.add("DEFAULT_CHUNK_BYTES", EncodeOptions::default().chunk_bytes)?;
     m.add("DEFAULT_LANES_LOG2", EncodeOptions::default().lanes_log2)?;
+    m.add("DEFAULT_LEVEL", codec::LEVEL_DEFAULT)?;
+    m.add("LEVEL_FAST", codec::LEVEL_FAST)?;
     m.add("WeightszipError", py.get_type::<WeightszipError>())?;
     m.add("BadMagicError", py.get_type::<BadMagicError>())?;
     m.add("UnsupportedVersionError", py.get_type::<UnsupportedVersionError>())?;

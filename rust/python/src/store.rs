@@ -135,7 +135,7 @@ impl Store {
             .collect::<PyResult<_>>()?;
         // threads 0: the codec's chunks run on the pool this closure is installed on (the store's
         // I/O pool), beside the other tensors of the batch.
-        let o = EncodeOptions { chunk_bytes, threads: 0, lanes_log2 };
+        let o = EncodeOptions { chunk_bytes, threads: 0, lanes_log2, ..EncodeOptions::default() };
         let results: Vec<weightszip_core::Result<usize>> = py
             .allow_threads(|| {
                 self.inner.install(|| {
