@@ -92,6 +92,20 @@ def test_real_kv_chunk_round_trips_exactly_and_smaller(tmp_path):
         s.get_tensor("raw")
 
 
+def test_put_tensors_at_the_fast_level_round_trip_and_bad_levels_are_refused(tmp_path):
+    """level=1 (the encoder without its search) through the store: the same bits back; a level
+    outside 1..2 is an InvalidArgumentError before anything is stored."""
+    kv = np.tile(real_kv().view(np.uint16).reshape(-1, 192), (4, 1))  # past the size where levels differ
+    kv = kv ^ np.random.default_rng(3).integers(0, 2, kv.shape, dtype=np.uint16)  # no repeated rows
+    with ChunkStore(None) as s:
+        n1, n2 = s.put_tensors({"a": kv}, level=1)[0], s.put_tensor("b", kv)
+        assert n1 <= 1.01 * n2 and (s.get_tensor("a") == kv).all()
+        for level in (0, 3, "2"):
+            with pytest.raises(weightszip.InvalidArgumentError, match="level"):
+                s.put_tensor("c", kv, level=level)
+        assert not s.contains("c")
+
+
 class HalfCodec:
     """A lossy stand-in for the compact formats: keeps the top byte of each bf16 value."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from weightszip import _core
-from weightszip._tensors import as_buffer, bytes_buffer, decompress, meta_tuple, LAYOUT_TENSOR
+from weightszip._tensors import as_buffer, bytes_buffer, check_level, decompress, meta_tuple, LAYOUT_TENSOR
 from weightszip.errors import CorruptDataError, InvalidArgumentError, WeightszipError, WeightszipIOError
 
 logger = logging.getLogger(__name__)
@@ -293,15 +293,19 @@ class ChunkStore:
         return self._s.get_many(_keys(keys))
 
     # -- tensors ------------------------------------------------------------------------------
-    def put_tensor(self, key: str | bytes, x: Any, *, codec: ChunkCodec | None = None, axis: int = -1) -> int:
+    def put_tensor(self, key: str | bytes, x: Any, *, codec: ChunkCodec | None = None, axis: int = -1,
+                   level: int = _core.DEFAULT_LEVEL) -> int:
         """Store a tensor (numpy or CPU torch); returns the bytes stored. Without `codec`, the
-        exact codec compresses it in Rust, off the GIL; with one, `codec.encode` does."""
-        return self.put_tensors({key: x}, codec=codec, axis=axis)[0]
+        exact codec compresses it in Rust, off the GIL, at encoder `level` (1 fast, 2 the default:
+        `weightszip.compress`'s); with one, `codec.encode` does."""
+        return self.put_tensors({key: x}, codec=codec, axis=axis, level=level)[0]
 
     def put_tensors(
-        self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, codec: ChunkCodec | None = None, axis: int = -1
+        self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]], *, codec: ChunkCodec | None = None, axis: int = -1,
+        level: int = _core.DEFAULT_LEVEL,
     ) -> list[int]:
         """Store many tensors, compressed in parallel on the I/O pool. Returns bytes stored each."""
+        level = check_level(level)
         pairs = _pairs(items)
         if codec is not None:
             register_codec(codec)
@@ -314,6 +318,7 @@ class ChunkStore:
             [(k, meta_tuple(b, "", axis, LAYOUT_TENSOR), b.addr, b.nbytes) for k, b in bufs],
             _core.DEFAULT_CHUNK_BYTES,
             _core.DEFAULT_LANES_LOG2,
+            level,
         )
         del bufs
         _raise_first(res)

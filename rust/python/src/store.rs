@@ -121,13 +121,15 @@ impl Store {
 
     /// Compress tensors (key, meta, addr, len) with the exact codec on the I/O pool, one chunk
     /// per tensor, and store them with tag TAG_CONTAINER. Returns the stored sizes in bytes, or
-    /// an exception object per item.
+    /// an exception object per item. `level`: the encoder's (`EncodeOptions::level`).
+    #[pyo3(signature = (items, chunk_bytes, lanes_log2, level=codec::LEVEL_DEFAULT))]
     fn put_tensors(
         &self,
         py: Python<'_>,
         items: Vec<(Bound<'_, PyBytes>, MetaTuple, usize, usize)>,
         chunk_bytes: u64,
         lanes_log2: u32,
+        level: u8,
     ) -> PyResult<Vec<PyObject>> {
         let owned: Vec<(Vec<u8>, TensorMeta, usize, usize)> = items
             .iter()
@@ -135,7 +137,7 @@ impl Store {
             .collect::<PyResult<_>>()?;
         // threads 0: the codec's chunks run on the pool this closure is installed on (the store's
         // I/O pool), beside the other tensors of the batch.
-        let o = EncodeOptions { chunk_bytes, threads: 0, lanes_log2, ..EncodeOptions::default() };
+        let o = EncodeOptions { chunk_bytes, threads: 0, lanes_log2, level };
         let results: Vec<weightszip_core::Result<usize>> = py
             .allow_threads(|| {
                 self.inner.install(|| {
