@@ -325,10 +325,10 @@ fn build_model(
 /// With `row_bytes` > 0 the encoder also looks for rows (of that many bytes) that repeat an
 /// earlier row of the chunk exactly, and codes them as references (mode ROWS).
 ///
-/// With `search` the candidate models (symbol widths, strides, channel groupings) are ranked on a
-/// sample and the best is built; without it, the one model of the widest symbol and the first
-/// stride (with channel groups where the data are floats) is built directly, except in chunks of
-/// fewer than 2^17 units, which are searched either way.
+/// With `search` the candidate models (symbol widths, no context or each stride, channel
+/// groupings) are ranked on a sample, and the best built (both widths in full when close); without
+/// it only the first stride is ranked, with and without groups, and the sample's choice is built
+/// (chunks of fewer than 2^17 units are searched either way).
 pub fn encode_chunk(
     data: &[u8],
     split: Split,
@@ -425,22 +425,16 @@ fn encode_impl<const UB: usize>(
     let search = search || n < FULL_BELOW;
     // Symbol widths to try: the dtype's (sign and exponent for floats) and, for floats, two more
     // mantissa bits with the context still keyed on sign and exponent (ctx_shift 2): on real
-    // weights the mantissa's top bits given the exponent carry 0.05-0.09 bits. Without a search,
-    // only the wider one.
+    // weights the mantissa's top bits given the exponent carry 0.05-0.09 bits.
     let mut widths = vec![(split.sym_bits, 0u32)];
     if split.grouped && split.sym_bits + 2 <= MAX_SYM_BITS.min(split.unit_bits) {
         widths.push((split.sym_bits + 2, 2));
-        if !search {
-            widths.remove(0);
-        }
     }
-    let groups_for = |syms: &[u16], st: usize, sym_bits: u32| {
-        if split.grouped && (2 * FLOAT_GROUPS..=MAX_GROUP_STRIDE).contains(&st) {
-            Some(channel_groups(syms, st, FLOAT_GROUPS, sym_bits))
-        } else {
-            None
-        }
-    };
+    // Candidate contexts: no context and every stride, each stride also with channel groups where
+    // the data are floats. Without a search, only the first stride (the previous row, for
+    // tensors), with and without groups: groups pay within one layer's rows and cost where a
+    // chunk mixes layers (an LMCache chunk [2, layers, 256, channels]).
+    let strides = if search { strides } else { &strides[..strides.len().min(1)] };
     // Choose on a sample (the model estimate is a sum over units, so a spread-out sample ranks
     // the candidates the same way), then build the chosen model on every unit.
     let sample = sample_windows(n);
@@ -450,21 +444,17 @@ fn encode_impl<const UB: usize>(
         let rbits = split.unit_bits - sym_bits;
         let alphabet = 1usize << sym_bits;
         let syms: Vec<u16> = (0..n).map(|i| (load::<UB>(data, i) >> rbits) as u16).collect();
-        if !search {
-            // The first stride (the previous row, for tensors), grouped where it can be; the
-            // estimate is not needed with a single candidate.
-            let st = strides.first().copied().filter(|&st| st > 0 && st < n).unwrap_or(0);
-            let g = groups_for(&syms, st, sym_bits).unwrap_or_default();
-            finalists.push((0.0, sym_bits, shift, st, g, syms));
-            continue;
-        }
-        let mut best = (build_model(&syms, alphabet, 0, &[], shift, &sample).est_bits, 0usize, Vec::new());
+        let no_context = || build_model(&syms, alphabet, 0, &[], shift, &sample).est_bits;
+        let usable = strides.iter().any(|&st| st != 0 && st < n);
+        let mut best = (if search || !usable { no_context() } else { f64::INFINITY }, 0usize, Vec::new());
         for &st in strides {
             if st == 0 || st >= n {
                 continue;
             }
             let mut choices = vec![Vec::new()];
-            choices.extend(groups_for(&syms, st, sym_bits));
+            if split.grouped && (2 * FLOAT_GROUPS..=MAX_GROUP_STRIDE).contains(&st) {
+                choices.push(channel_groups(&syms, st, FLOAT_GROUPS, sym_bits));
+            }
             for g in choices {
                 let est = build_model(&syms, alphabet, st, &g, shift, &sample).est_bits;
                 if est < best.0 {
@@ -475,11 +465,12 @@ fn encode_impl<const UB: usize>(
         finalists.push((best.0 + (n * rbits as usize) as f64, sym_bits, shift, best.1, best.2, syms));
     }
     // A sample sees fewer of the rare symbols, so it underestimates the tables of the wider
-    // alphabet: when the wider width looks better, build both in full and keep the smaller.
+    // alphabet: when the wider width looks better, build both in full and keep the smaller
+    // (without a search, the sample's choice stands).
     if finalists.len() == 2 {
         if finalists[1].0 >= finalists[0].0 {
             finalists.truncate(1);
-        } else if finalists[1].0 < 0.98 * finalists[0].0 {
+        } else if !search || finalists[1].0 < 0.98 * finalists[0].0 {
             // A margin of 2% is far beyond what the tables' underestimate can close.
             finalists.remove(0);
         }
