@@ -78,12 +78,20 @@ def main(argv=None) -> int:
         first = next((i for i, (x, y) in enumerate(zip(paged.tokens, ref.tokens)) if x != y), None)
         agree = len(paged.tokens) if first is None else first
         diffs = [float((x - y).abs().max()) for x, y in zip(paged.logits[:agree], ref.logits[:agree])]
-        rows.append(dict(format=fmt, equal=first is None, first_difference=first, steps=a.new,
+        # Where the paths part: the reference's gap between its two best tokens there, and how far
+        # the two paths' logits are apart at that step (a gap under it is a near tie that rounding
+        # can flip).
+        split = {}
+        if first is not None:
+            top2 = ref.logits[first].float().topk(2).values
+            split = dict(split_margin=float(top2[0] - top2[1]),
+                         split_logit_diff=float((paged.logits[first] - ref.logits[first]).abs().max()))
+        rows.append(dict(format=fmt, equal=first is None, first_difference=first, steps=a.new, **split,
                          max_logit_diff=max(diffs) if diffs else None,
                          max_logit=float(max(y.abs().max() for y in ref.logits)),
                          paged_seconds=t1 - t0, reference_seconds=t2 - t1,
                          paged_text=lm.tokenizer.decode(paged.tokens), reference_text=lm.tokenizer.decode(ref.tokens)))
-        print(f"{fmt}: equal={first is None} first_difference={first} max_logit_diff={rows[-1]['max_logit_diff']} "
+        print(f"{fmt}: equal={first is None} first_difference={first} {split} max_logit_diff={rows[-1]['max_logit_diff']} "
               f"paged {t1 - t0:.1f} s, reference {t2 - t1:.1f} s", flush=True)
     dev = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     res = dict(model=lm.name, calibration=a.calibration, rotary_offsets=not a.no_rope, force_gluon=a.force_gluon,
@@ -92,11 +100,12 @@ def main(argv=None) -> int:
     out = pathlib.Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    lines = ["| format | tokens equal | first difference | max logit diff (max logit) | paged s | reference s |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| format | tokens equal | first difference | there: reference's top-2 gap / logit diff | max logit diff (max logit) | paged s | reference s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
+        at = f"{r['split_margin']:.3g} / {r['split_logit_diff']:.3g}" if "split_margin" in r else "-"
         lines.append(f"| {r['format']} | {'yes' if r['equal'] else 'no'} | {r['first_difference'] if r['first_difference'] is not None else '-'} "
-                     f"| {r['max_logit_diff']:.3g} ({r['max_logit']:.3g}) | {r['paged_seconds']:.1f} | {r['reference_seconds']:.1f} |")
+                     f"| {at} | {r['max_logit_diff']:.3g} ({r['max_logit']:.3g}) | {r['paged_seconds']:.1f} | {r['reference_seconds']:.1f} |")
     md = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(md)
     print(md)
