@@ -26,15 +26,16 @@ pub struct EncodeOptions {
     pub threads: usize,
     /// log2 of the rANS lanes per chunk.
     pub lanes_log2: u32,
-    /// How hard the encoder looks for each chunk's model: `LEVEL_FAST` (1) builds one model,
-    /// `LEVEL_DEFAULT` (2) ranks every candidate on a sample first. Readers do not care which.
+    /// How hard the encoder looks for each chunk's model: `LEVEL_FAST` (1) or `LEVEL_DEFAULT` (2).
+    /// Readers do not care which.
     pub level: u8,
 }
 
-/// Encoder level 1: each chunk gets the one model the dtype suggests (for floats the exponent
-/// with two mantissa bits, in the context of the previous row's exponent and the channel's group;
-/// for bytes the previous byte), built once, with no search. On real KV and weights about 1.5x
-/// faster than level 2 for 0-0.3% more bytes (BENCHMARKS.md, "Encoder levels").
+/// Encoder level 1: each chunk's model is chosen among fewer candidates (the first context stride
+/// only, with and without channel groups, each symbol width) and built once. On real bf16 KV
+/// 1.2-1.3x faster to encode than level 2 (1.4-1.7x on 256-token LMCache chunks) for 0-0.16% more
+/// bytes, and as fast to decode; no faster on fp8 or on tensors under 2^17 values, which both
+/// levels search in full (BENCHMARKS.md, "Encoder levels").
 pub const LEVEL_FAST: u8 = 1;
 /// Encoder level 2 (the default): candidate symbol widths, context strides and channel groupings
 /// ranked on a sample of the chunk, the best built in full.
