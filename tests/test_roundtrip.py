@@ -165,7 +165,7 @@ def test_save_and_load_file(tmp_path, real_kv):
 
 
 def test_fast_level_on_real_kv_round_trips_close_to_the_default(real_kv):
-    """level=1 (one model per chunk, no search) on SmolLM2's K and V: bit-exact and within 1% of
+    """level=1 (fewer candidate models per chunk) on SmolLM2's K and V: bit-exact and within 1% of
     the default's size (the figures at scale are in BENCHMARKS.md, "Encoder levels"). The fixture's
     192 rows of each are tiled 4x to pass the 2**17 values below which every level searches; each
     tile's lowest mantissa bits are scrambled so that no row repeats (repeats take another path)."""

@@ -52,7 +52,7 @@ fn every_lane_count_and_thread_count() {
     }
 }
 
-/// The fast level builds one model without a search: it must still round-trip every dtype, and
+/// The fast level ranks fewer candidate models: it must still round-trip every dtype, and
 /// on KV-like bf16 (whose model it is meant for) cost little against the search.
 #[test]
 fn fast_level_round_trips_and_stays_close_to_the_search() {
