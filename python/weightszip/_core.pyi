@@ -8,6 +8,8 @@ from typing import Any
 FORMAT_VERSION: int
 DEFAULT_CHUNK_BYTES: int
 DEFAULT_LANES_LOG2: int
+DEFAULT_LEVEL: int  # the encoder's level by default (2: the model search)
+LEVEL_FAST: int  # 1: fewer candidate models, faster to encode
 MAX_THREADS: int  # the most worker threads a call uses (a larger count is taken as this)
 
 class WeightszipError(Exception): ...
@@ -29,7 +31,8 @@ Index = dict[str, Any]  # {"kind": int, "entries": [ {name, dtype, shape, channe
 Progress = Callable[[int, int], Any] | None
 
 def compress_buffers(
-    tensors: list[tuple[MetaTuple, int, int]], kind: int, chunk_bytes: int, threads: int, lanes_log2: int
+    tensors: list[tuple[MetaTuple, int, int]], kind: int, chunk_bytes: int, threads: int, lanes_log2: int,
+    level: int = ...,
 ) -> bytes: ...
 def save_buffers(
     path: str | PathLike[str],
@@ -38,6 +41,7 @@ def save_buffers(
     threads: int,
     lanes_log2: int,
     overwrite: bool = True,
+    level: int = ...,
 ) -> Index: ...
 def buffer_index(addr: int, len: int) -> Index: ...
 def decode_buffer_entry(addr: int, len: int, entry: int, out_addr: int, out_len: int, threads: int) -> None: ...
@@ -54,6 +58,7 @@ def encode_file(
     progress: Progress = None,
     overwrite: bool = True,
     mode: int | None = None,
+    level: int = ...,
 ) -> Index: ...
 def decode_file(
     input: str | PathLike[str],
@@ -99,7 +104,7 @@ class Store:
     def put_many(self, items: list[tuple[bytes, int, int, int]]) -> list[None | WeightszipError]: ...
     def get_many(self, keys: list[bytes]) -> list[Chunk | None | WeightszipError]: ...
     def put_tensors(
-        self, items: list[tuple[bytes, MetaTuple, int, int]], chunk_bytes: int, lanes_log2: int
+        self, items: list[tuple[bytes, MetaTuple, int, int]], chunk_bytes: int, lanes_log2: int, level: int = ...
     ) -> list[int | WeightszipError]: ...
     def contains(self, key: bytes) -> bool: ...
     def delete(self, key: bytes) -> bool: ...
