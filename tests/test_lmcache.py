@@ -41,6 +41,33 @@ def test_kv_chunk_format_round_trips_real_kv_exactly():
     assert torch.equal(x.view(torch.int16), y.view(torch.int16))
 
 
+def test_kv_chunk_format_writes_the_exact_codec_at_the_level_asked(monkeypatch):
+    """``level`` reaches the encoder (the core's call sees it; its bytes equal `weightszip.compress`'s
+    at that level) and the chunk decodes exactly; a bad level, or one given with a ChunkCodec, is
+    refused."""
+    from weightszip import _core
+
+    x = real_kv_torch()
+    seen = []
+    real = _core.compress_buffers
+    monkeypatch.setattr(_core, "compress_buffers", lambda *a: seen.append(a[-1]) or real(*a))
+    for level in (1, 2):
+        buf = torch.empty(kvserde.exact_bound(x.numel() * 2), dtype=torch.uint8)
+        n = kvserde.serialize_into(x, buf, level=level)
+        assert seen[-1] == level
+        assert bytes(buf[kvserde.HEADER_LEN : n].numpy()) == bytes(weightszip.compress(x, level=level))
+        y = torch.empty_like(x)
+        kvserde.deserialize_into(buf, y)
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    kvserde.serialize_into(x, buf)
+    assert seen[-1] == _core.DEFAULT_LEVEL
+    for bad in (0, 3, "1", 1.0):
+        with pytest.raises(weightszip.InvalidArgumentError, match="level"):
+            kvserde.serialize_into(x, buf, level=bad)
+    with pytest.raises(weightszip.InvalidArgumentError, match="level"):
+        kvserde.serialize_into(x, buf, codec=register_codec(HalfCodec(), replace=True), level=1)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 40), min_size=1, max_size=4),
@@ -196,6 +223,21 @@ def test_lmcache_serde_through_lmcache_factory_and_async_processor():
     proc.close()
     with pytest.raises(weightszip.InvalidArgumentError):
         wl.create_serde({"mode": "zip"})
+
+
+def test_lmcache_serde_level_option():
+    """``"level"`` in the serde's kwargs reaches the exact codec (a JSON string or number); any other
+    value, or a level with a lossy or custom codec's mode, is refused when the serde is made."""
+    wl = _lmcache()
+    for kwargs, level in (({"level": 1}, 1), ({"level": "1", "mode": "exact"}, 1), ({}, weightszip._core.DEFAULT_LEVEL)):
+        proc = wl.create_serde(kwargs)
+        assert proc._serializer.level == level  # (LMCache 0.5.6's AsyncSerdeProcessor keeps it there)
+        proc.close()
+    for bad in (0, 3, "fast", 1.5, True):
+        with pytest.raises(weightszip.InvalidArgumentError, match="level"):
+            wl.create_serde({"level": bad})
+    with pytest.raises(weightszip.InvalidArgumentError, match="level"):
+        wl.create_serde({"mode": "codec", "codec": "test_lmcache:SizedHalfCodec", "level": 1})
 
 
 def test_lmcache_serde_codec_mode_loads_a_codec_by_name():

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from weightszip import _core
-from weightszip._tensors import as_buffer, meta_tuple, threads_default, LAYOUT_TENSOR
+from weightszip._tensors import as_buffer, check_level, meta_tuple, threads_default, LAYOUT_TENSOR
 from weightszip.errors import BadMagicError, CorruptDataError, InvalidArgumentError, TruncatedError, UnsupportedVersionError
 
 MAGIC = b"WZKV"
@@ -56,10 +56,12 @@ def _u8(t):
     return t.reshape(-1).view(torch.uint8)  # (flat first: a 0-d tensor has no bytes view)
 
 
-def serialize_into(x: Any, out, *, codec=None, threads: int | None = None) -> int:
+def serialize_into(x: Any, out, *, codec=None, threads: int | None = None, level: int = _core.DEFAULT_LEVEL) -> int:
     """Encode the KV chunk `x` (torch tensor, any shape) into the uint8 buffer `out`; returns
-    the bytes written. Exact codec unless `codec` (a ChunkCodec) is given."""
+    the bytes written. Exact codec unless `codec` (a ChunkCodec) is given; `level` is the exact
+    codec's encoder level (1 fast, 2 the default: `weightszip.compress`), which a codec has none of."""
     dst = _u8(out)
+    level = check_level(level)
     if codec is None:
         buf = as_buffer(x)
         body = _core.compress_buffers(
@@ -68,9 +70,12 @@ def serialize_into(x: Any, out, *, codec=None, threads: int | None = None) -> in
             _core.DEFAULT_CHUNK_BYTES,
             threads_default(threads),
             _core.DEFAULT_LANES_LOG2,
+            level,
         )
         head = HEADER.pack(MAGIC, VERSION, MODE_EXACT, 0, len(body))
     else:
+        if level != _core.DEFAULT_LEVEL:
+            raise InvalidArgumentError(f"level {level} is the exact codec's; a ChunkCodec takes none")
         tag = int(codec.tag)
         if not 0 < tag < 2**16:  # (the header's field is a u16; the store's tags are wider)
             raise InvalidArgumentError(f"a KV chunk's codec tag is a u16: {tag} does not fit")

@@ -50,10 +50,10 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 import weightszip
 from weightszip import _core
-from weightszip._tensors import _torch_maps, bytes_buffer
+from weightszip._tensors import _torch_maps, bytes_buffer, check_level
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
-from weightszip.integrations._options import store_kwargs
+from weightszip.integrations._options import integer, store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec, tag_kind
 
 SERDE_NAME = "weightszip"
@@ -71,14 +71,16 @@ def _load_codec(spec: str):
 class WeightszipSerializer(Serializer):
     """KV chunk -> bytes: the exact codec (lossless) or a registered ChunkCodec."""
 
-    def __init__(self, codec=None, threads: int = 0):
+    def __init__(self, codec=None, threads: int = 0, level: int = _core.DEFAULT_LEVEL):
         self.codec = codec
         self.threads = threads
+        self.level = level
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: Optional[ObjectKey] = None) -> int:
         if src.tensor is None or dst.tensor is None:
             raise InvalidArgumentError("the weightszip serde needs src and dst with tensors")
-        return kvserde.serialize_into(src.tensor, dst.tensor, codec=self.codec, threads=self.threads)
+        return kvserde.serialize_into(src.tensor, dst.tensor, codec=self.codec, threads=self.threads,
+                                      level=self.level)
 
     def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
         total = 0
@@ -120,8 +122,13 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
         raise InvalidArgumentError(f"weightszip serde mode must be exact, q4, q3.5, q3 or codec, not {mode!r}")
     threads = int(kwargs.get("threads", 0))  # type: ignore[call-overload]
     max_workers = int(kwargs.get("max_workers", 2))  # type: ignore[call-overload]
+    level = _core.DEFAULT_LEVEL
+    if "level" in kwargs:  # the exact codec's encoder level: 1 encodes faster (BENCHMARKS.md, "Encoder levels")
+        if mode != "exact":
+            raise InvalidArgumentError(f"serde \"level\" is the exact mode's; mode {mode!r} takes none")
+        level = check_level(integer(kwargs["level"], "level", "weightszip serde"))
     return AsyncSerdeProcessor(
-        WeightszipSerializer(codec, threads), WeightszipDeserializer(threads), max_workers=max_workers
+        WeightszipSerializer(codec, threads, level), WeightszipDeserializer(threads), max_workers=max_workers
     )
 
 
