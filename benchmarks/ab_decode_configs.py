@@ -6,7 +6,10 @@ value), median time per variant and its ratio to the first.
 
 A variant is ``default`` (``DEFAULT_CONFIGS[PAGE_COMPACT]``) or comma-separated ``field=value``
 changes to it, ``name:`` optional in front (``bulk:gluon_bulk_copy=1,gluon_v_pad=1``); values are
-int, ``true``/``false`` or ``0``/``1`` for bools::
+int, ``true``/``false`` or ``0``/``1`` for bools. ``name@FILE`` is the default configuration run by
+another copy of the Gluon kernels' module (``paged_decode_gluon.py``, e.g. from an earlier commit:
+``git show REF:triton_kernels/paged_decode_gluon.py > FILE``), to time a change of the kernels'
+source against what it replaced::
 
     python benchmarks/ab_decode_configs.py default bulk:gluon_bulk_copy=1 \\
         --formats q4,q3 --points llama8b:8:32768,llama8b:64:131072 --rounds 3 --out ab.json
@@ -36,11 +39,45 @@ DEFAULT_POINTS = "llama8b:8:32768,llama8b:64:32768,llama8b:64:131072,llama70b-tp
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
-    """``[name:]field=value,...`` or ``default`` -> (name, changes)."""
+    """``[name:]field=value,...``, ``default`` or ``name@FILE`` -> (name, changes); a ``name@FILE``
+    variant's changes are ``{"@": FILE}``."""
+    if "@" in spec:
+        name, _, path = spec.partition("@")
+        return name, {"@": path}
     name, sep, body = spec.partition(":")
     if not sep:
         name, body = spec, spec
     return name, ({} if body in ("", "default") else BD.config_changes(body))
+
+
+def kernel_module(path: str, name: str):
+    """The Gluon kernels' module loaded from ``path`` as a module of ``weightszip.kernels`` (its
+    relative imports resolve there; Triton reads its kernels' source from the file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"weightszip.kernels._ab_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_with(mod, att, inp, kw):
+    """``att.run`` with ``mod`` as ``weightszip.kernels.paged_decode_gluon`` (the launcher imports the
+    module by that name at each call)."""
+    import importlib
+
+    import weightszip.kernels as kernels
+
+    key = "weightszip.kernels.paged_decode_gluon"
+    own = importlib.import_module(key)
+    sys.modules[key] = mod
+    kernels.paged_decode_gluon = mod
+    try:
+        return att.run(*inp, **kw)
+    finally:
+        sys.modules[key] = own
+        kernels.paged_decode_gluon = own
 
 
 def main(argv=None) -> None:
@@ -56,6 +93,8 @@ def main(argv=None) -> None:
 
     variants = dict(parse_variant(v) for v in args.variants)
     base = pd.DEFAULT_CONFIGS[pd.PAGE_COMPACT]
+    files = {n: ch.pop("@") for n, ch in variants.items() if "@" in ch}
+    modules = {n: kernel_module(f, n) for n, f in files.items()}
     configs = {n: dataclasses.replace(base, **ch) for n, ch in variants.items()}
     pd.GLUON_MAX_SMEM = 227 * 1024
     names = list(configs)
@@ -73,7 +112,8 @@ def main(argv=None) -> None:
                 att = atts[n] = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb,
                                                      device="cuda", config=cfg)
                 att.plan([L] * B, bt)
-                fns[n] = lambda att=att, inp=(q, kp, vp), kw={**tabs, **extra}: att.run(*inp, **kw)
+                fns[n] = lambda att=att, inp=(q, kp, vp), kw={**tabs, **extra}, mod=modules.get(n): (
+                    att.run(*inp, **kw) if mod is None else run_with(mod, att, inp, kw))
             key = f"{shape}:{B}x{L}:{fmt}"
             outs = {n: fns[n]().float() for n in names}
             ref = outs[names[0]]
@@ -104,7 +144,7 @@ def main(argv=None) -> None:
             g = math.exp(sum(math.log(s) for s in sp) / len(sp))
             print(f"  {n}: {g:.3f}x over {len(sp)} cases (min {min(sp):.3f}, max {max(sp):.3f}), bit-identical {same}")
     if args.out:
-        meta = dict(variants={n: variants[n] for n in names}, device=torch.cuda.get_device_name(),
+        meta = dict(variants={n: variants[n] for n in names}, kernel_files=files, device=torch.cuda.get_device_name(),
                     torch=torch.__version__)
         Path(args.out).write_text(json.dumps(dict(meta=meta, results=res), indent=1))
 

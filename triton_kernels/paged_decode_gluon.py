@@ -1037,6 +1037,18 @@ def _bitsel(even, odd):
     return (even & 0x55555555) | (odd & -1431655766)  # 0xAAAAAAAA
 
 
+# the bits of $1 where $3 is set and of $2 where it is clear: one LOP3 (written as two ands and an or,
+# with two immediate masks, ptxas makes two)
+_SELECT = gl.constexpr("lop3.b32 $0, $1, $2, $3, 0xE4;")
+
+
+@gluon.jit
+def _select(a, b, mask: gl.constexpr):
+    """``(a & mask) | (b & ~mask)`` in one instruction (``_SELECT``)."""
+    return gl.inline_asm_elementwise(_SELECT, "=r,r,r,r", [a, b, gl.full_like(a, mask)], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
 # byte i of $1 in bits 8-15 beside byte 0 of $2 in bits 0-7, bits 16-31 zero (prmt with selector
 # $3 = 0x55i4: bytes 1-3 of $2 are zero): a table row's byte address, one instruction on the ALU pipe
 _BYTE_ADDR = gl.constexpr("prmt.b32 $0, $1, $2, $3;")
@@ -1066,7 +1078,7 @@ def _k_operand(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: 
         # crumb rows: lane t's crumb word (w0) rotated by 4 (t & 1) gives four pairs' crumbs in the low
         # nibbles, the bit-2 word (w1) rotated by 4 (t & 1) - 4 + 2 (t >> 1) their bits 2 at bits 4-5
         # (``k_crumb_channel``, ``crumb_pair_codes_k``)
-        y = (_rotr(w0, 4 * (t & 1)) & 0x0F0F0F0F) | (_rotr(w1, 4 * (t & 1) - 4 + 2 * (t >> 1)) & -252645136)
+        y = _select(_rotr(w0, 4 * (t & 1)), _rotr(w1, 4 * (t & 1) - 4 + 2 * (t >> 1)), 0x0F0F0F0F)
     else:
         # plane p's bits 2 t, 2 t + 1 of each byte rotated to bits 2 p, 2 p + 1 (one funnel shift each)
         y = _rotr(w0, 2 * t) & 0x03030303
@@ -1088,16 +1100,16 @@ def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.const
         # nibble rows: the even (j even) or odd nibbles of row a's word to the low nibbles, row b's to
         # the high ones: byte k = the code pair of channel 8 q + 2 k + (j & 1) (``v_nibble_channel``)
         sh = 4 * (j & 1)
-        y = (_rotr(a0, sh) & 0x0F0F0F0F) | (_rotr(b0, sh - 4) & -252645136)  # 0xF0F0F0F0
+        y = _select(_rotr(a0, sh), _rotr(b0, sh - 4), 0x0F0F0F0F)
     elif BITS == 3:
         # crumb rows (``v_crumb_channel``, ``crumb_pair_codes_v``): channel 4 k + s (s = j & 3) of the
         # rows' crumb words (a0, b0) to bits 0-1 and 2-3 of byte k, its bit 2 from the bit-2 words
         # (a1, b1) to bits 4 and 5
         s = j & 3
         pos = s + 2 * (s >> 1) + 2 * (j >> 2)
-        t1 = (_rotr(a0, 2 * s) & 0x03030303) | (_rotr(b0, 2 * s - 2) & -50529028)  # 0xFCFCFCFC
-        u = (_rotr(a1, pos - 4) & 0x10101010) | (_rotr(b1, pos - 5) & -269488145)  # 0xEFEFEFEF
-        y = (t1 & 0x0F0F0F0F) | (u & -252645136)
+        t1 = _select(_rotr(a0, 2 * s), _rotr(b0, 2 * s - 2), 0x03030303)
+        u = _select(_rotr(a1, pos - 4), _rotr(b1, pos - 5), 0x10101010)
+        y = _select(t1, u, 0x0F0F0F0F)
     else:
         # bit j of each byte of row a's plane p to bit 2 p, of row b's to bit 2 p + 1: two funnel
         # shifts, a bit select of the even bits from a and the odd from b, and the plane's mask
