@@ -111,7 +111,10 @@ def _spare_pair(val, a, b, c, last):
 
 @gluon.jit
 def _k_probe(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
-             LK: gl.constexpr, OPA: gl.constexpr, SUB: gl.constexpr, WIDTHS: gl.constexpr):
+             LK: gl.constexpr, OPA: gl.constexpr):
+    """``_k_operand`` of a variant (``PROBE_SUB``, ``PROBE_WIDTHS``: ``probe_kernel`` binds them)."""
+    SUB: gl.constexpr = PROBE_SUB
+    WIDTHS: gl.constexpr = PROBE_WIDTHS
     if (BITS == 3 and (WIDTHS & 1) != 0) or (BITS == 4 and (WIDTHS & 2) != 0):
         t = _axis(4, 5, 7, LK)
         if BITS == 3:
@@ -133,7 +136,10 @@ def _k_probe(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl
 
 @gluon.jit
 def _v_probe(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr, SUB: gl.constexpr, WIDTHS: gl.constexpr):
+             NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr):
+    """``_v_operand`` of a variant (as ``_k_probe``)."""
+    SUB: gl.constexpr = PROBE_SUB
+    WIDTHS: gl.constexpr = PROBE_WIDTHS
     if (BITS == 3 and (WIDTHS & 1) != 0) or (BITS == 4 and (WIDTHS & 2) != 0):
         j = _axis(8, 4, 8, LV)
         sel = 0x5410 + 0x2222 * (j & 1)
@@ -153,83 +159,31 @@ def _v_probe(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constex
         return _ORIG_V(a0, a1, a2, a3, b0, b1, b2, b3, BITS, TAB, HEAD_DIM, NW, LV, OPA)
 
 
-@gluon.jit
-def _k_u0(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
-          LK: gl.constexpr, OPA: gl.constexpr):
-    return _k_probe(w0, w1, w2, w3, BITS, TAB, HEAD_DIM, NW, LK, OPA, False, 1)
-
-
-@gluon.jit
-def _v_u0(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-          NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr):
-    return _v_probe(a0, a1, a2, a3, b0, b1, b2, b3, BITS, TAB, HEAD_DIM, NW, LV, OPA, False, 1)
-
-
-@gluon.jit
-def _k_u1(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
-          LK: gl.constexpr, OPA: gl.constexpr):
-    return _k_probe(w0, w1, w2, w3, BITS, TAB, HEAD_DIM, NW, LK, OPA, True, 1)
-
-
-@gluon.jit
-def _v_u1(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-          NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr):
-    return _v_probe(a0, a1, a2, a3, b0, b1, b2, b3, BITS, TAB, HEAD_DIM, NW, LV, OPA, True, 1)
-
-
-@gluon.jit
-def _k_w0(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
-          LK: gl.constexpr, OPA: gl.constexpr):
-    return _k_probe(w0, w1, w2, w3, BITS, TAB, HEAD_DIM, NW, LK, OPA, False, 3)
-
-
-@gluon.jit
-def _v_w0(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-          NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr):
-    return _v_probe(a0, a1, a2, a3, b0, b1, b2, b3, BITS, TAB, HEAD_DIM, NW, LV, OPA, False, 3)
-
-
-@gluon.jit
-def _k_s0(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
-          LK: gl.constexpr, OPA: gl.constexpr):
-    return _k_probe(w0, w1, w2, w3, BITS, TAB, HEAD_DIM, NW, LK, OPA, False, 5)
-
-
-@gluon.jit
-def _v_s0(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-          NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr):
-    return _v_probe(a0, a1, a2, a3, b0, b1, b2, b3, BITS, TAB, HEAD_DIM, NW, LV, OPA, False, 5)
-
-
-@gluon.jit
-def _k_r0(w0, w1, w2, w3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr,
-          LK: gl.constexpr, OPA: gl.constexpr):
-    return _k_probe(w0, w1, w2, w3, BITS, TAB, HEAD_DIM, NW, LK, OPA, False, 9)
-
-
-@gluon.jit
-def _v_r0(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.constexpr, HEAD_DIM: gl.constexpr,
-          NW: gl.constexpr, LV: gl.constexpr, OPA: gl.constexpr):
-    return _v_probe(a0, a1, a2, a3, b0, b1, b2, b3, BITS, TAB, HEAD_DIM, NW, LV, OPA, False, 9)
-
-
-def probe_kernel(k_op, v_op):
-    """A second ``compact_split_kernel`` whose ``_k_operand`` / ``_v_operand`` are ``k_op`` / ``v_op``
-    (the same source compiled against a copy of its module's names)."""
-    fn = pg.compact_split_kernel.fn
-    names = dict(fn.__globals__, _k_operand=k_op, _v_operand=v_op)
-    new = types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+def _rebind(jit_fn, **names):
+    """A new Gluon function of ``jit_fn``'s source, its global ``names`` replaced."""
+    fn = jit_fn.fn
+    new = types.FunctionType(fn.__code__, dict(fn.__globals__, **names), fn.__name__, fn.__defaults__,
+                             fn.__closure__)
     new.__annotations__, new.__module__, new.__qualname__ = fn.__annotations__, fn.__module__, fn.__qualname__
     new.__kwdefaults__ = fn.__kwdefaults__
     return gluon.jit(new)
 
 
-# u0 / u1: width-3 operands without / with the subtraction; s0: u0 and the spare-bit pair (the planned
-# layout's whole decode); w0: widths 3 and 4; r0: width 3 by byte permutes from register tables (any
-# codebook) instead of the uniform codebook's arithmetic (WIDTHS bits: 1 width 3, 2 width 4, 4 the
-# spare pair, 8 register tables)
-VARIANTS = {"tree": None, "u0": (_k_u0, _v_u0), "u1": (_k_u1, _v_u1), "s0": (_k_s0, _v_s0), "w0": (_k_w0, _v_w0),
-            "r0": (_k_r0, _v_r0)}
+def probe_kernel(sub: bool, widths: int):
+    """A second ``compact_split_kernel`` whose ``_k_operand`` / ``_v_operand`` are ``_k_probe`` /
+    ``_v_probe`` with ``PROBE_SUB`` = sub and ``PROBE_WIDTHS`` = widths."""
+    consts = dict(PROBE_SUB=gl.constexpr(sub), PROBE_WIDTHS=gl.constexpr(widths))
+    return _rebind(pg.compact_split_kernel, _k_operand=_rebind(_k_probe, **consts),
+                   _v_operand=_rebind(_v_probe, **consts))
+
+
+# (PROBE_SUB, PROBE_WIDTHS) of each variant. u0 / u1: width-3 operands without / with the subtraction;
+# s0: u0 and the spare-bit pair (the planned layout's whole decode); w0: widths 3 and 4; r0: width 3 by
+# byte permutes from register tables (any codebook) instead of the uniform codebook's arithmetic.
+# PROBE_WIDTHS bits: 1 width 3, 2 width 4, 4 the spare pair, 8 register tables.
+VARIANTS = {"tree": None, "u0": (False, 1), "u1": (True, 1), "s0": (False, 5), "w0": (False, 3), "r0": (False, 9)}
+PROBE_SUB = gl.constexpr(False)  # (bound per variant by probe_kernel)
+PROBE_WIDTHS = gl.constexpr(0)
 
 
 def kernels(names):
