@@ -286,6 +286,39 @@ class _Allocator:
         return TensorMemoryObj(self.buffer(n), meta, None)
 
 
+def test_lmcache_connector_level_option_reaches_the_encoder(tmp_path, monkeypatch):
+    """``remote_storage_plugin.weightszip.level`` is the level the connector's chunks are coded at
+    (what it hands `weightszip.compress`); absent, the default; any other value is refused when the
+    connector is built."""
+    wl = _lmcache()
+
+    def connector(folder, **opts):
+        class Config:
+            extra_config = {"remote_storage_plugin.weightszip.path": str(tmp_path / folder),
+                            "remote_storage_plugin.weightszip.durable": False,
+                            **{f"remote_storage_plugin.weightszip.{k}": v for k, v in opts.items()}}
+        return wl.WeightszipConnector(loop=None, local_cpu_backend=_Allocator(), config=Config())
+
+    conn = connector("a", level=1)
+    seen = []
+    real = weightszip.compress
+    monkeypatch.setattr(weightszip, "compress", lambda x, **kw: seen.append(kw.get("level")) or real(x, **kw))
+    kv = real_kv_torch()
+    obj = _memory_obj(kv.shape, torch.bfloat16)
+    obj.tensor.copy_(kv)
+    from lmcache.utils import CacheEngineKey
+
+    key = CacheEngineKey(model_name="smollm2", world_size=1, worker_id=0, chunk_hash=7, dtype=torch.bfloat16)
+    conn._put(key, obj)
+    assert seen == [1]
+    assert torch.equal(conn.store.get_tensor(conn._key(key), out="torch").view(torch.int16), kv.view(torch.int16))
+    conn.store.close()
+    assert connector("b").level == weightszip._core.DEFAULT_LEVEL
+    for bad in (0, 3, "fast", 1.5, True):
+        with pytest.raises(weightszip.InvalidArgumentError, match="level"):
+            connector("c", level=bad)
+
+
 def test_lmcache_in_process_connector_on_the_chunk_store(tmp_path):
     wl = _lmcache()
     import asyncio

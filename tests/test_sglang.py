@@ -123,6 +123,25 @@ def test_sglang_dynamic_backend_round_trips_pages(tmp_path):
     assert b.get("one", torch.empty(10, dtype=torch.bfloat16)) is None
 
 
+def test_sglang_level_option_reaches_the_encoder(tmp_path, monkeypatch):
+    """``level`` in the extra config is the level the pages are coded at (the store's call sees it;
+    they read back exactly); absent, the default; any other value is refused when the backend is
+    built."""
+    b = _backend(tmp_path / "a", level="1")
+    seen = []
+    real = b.store.put_tensors
+    monkeypatch.setattr(b.store, "put_tensors", lambda items, **kw: seen.append(kw.get("level")) or real(items, **kw))
+    pages = _pages(2)
+    assert b.batch_set(["p0", "p1"], pages) and seen == [1]
+    got = b.batch_get(["p0", "p1"], [torch.zeros_like(p) for p in pages])
+    assert all(torch.equal(g.view(torch.int16), p.view(torch.int16)) for g, p in zip(got, pages))
+    b.close()
+    assert _backend(tmp_path / "b").level == weightszip._core.DEFAULT_LEVEL
+    for bad in (0, 3, "fast", 1.5, True):
+        with pytest.raises(weightszip.InvalidArgumentError, match="level"):
+            _backend(tmp_path / "c", level=bad)
+
+
 def test_sglang_backend_reports_a_damaged_page_as_a_miss(tmp_path):
     b = _backend(tmp_path)
     pages = _pages(2)

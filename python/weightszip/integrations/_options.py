@@ -10,6 +10,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from weightszip import _core
+from weightszip._tensors import check_level
 from weightszip.errors import InvalidArgumentError
 from weightszip.store import StoreConfig
 
@@ -68,3 +70,18 @@ def store_kwargs(options: Mapping[str, Any], where: str, *, ignore: Iterable[str
     if out.get("path") is not None and subfolder is not None:
         out["path"] = os.path.join(out["path"], subfolder)
     return out
+
+
+#: Options the integrations take beside the store's: the exact codec's encoder level.
+ENCODER_OPTIONS = ("level",)
+
+
+def encoder_level(options: Mapping[str, Any], where: str) -> int:
+    """The ``level`` option (1 fast, 2 the default: `weightszip.compress`), the default where absent;
+    an int or a string of digits, else `InvalidArgumentError`."""
+    if "level" not in options:
+        return _core.DEFAULT_LEVEL
+    try:
+        return check_level(integer(options["level"], "level", where))
+    except InvalidArgumentError as e:
+        raise InvalidArgumentError(f"{where}: {e}") from None

@@ -50,10 +50,10 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 import weightszip
 from weightszip import _core
-from weightszip._tensors import _torch_maps, bytes_buffer, check_level
+from weightszip._tensors import _torch_maps, bytes_buffer
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
-from weightszip.integrations._options import integer, store_kwargs
+from weightszip.integrations._options import ENCODER_OPTIONS, encoder_level, store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec, tag_kind
 
 SERDE_NAME = "weightszip"
@@ -122,11 +122,10 @@ def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
         raise InvalidArgumentError(f"weightszip serde mode must be exact, q4, q3.5, q3 or codec, not {mode!r}")
     threads = int(kwargs.get("threads", 0))  # type: ignore[call-overload]
     max_workers = int(kwargs.get("max_workers", 2))  # type: ignore[call-overload]
-    level = _core.DEFAULT_LEVEL
-    if "level" in kwargs:  # the exact codec's encoder level: 1 encodes faster (BENCHMARKS.md, "Encoder levels")
-        if mode != "exact":
-            raise InvalidArgumentError(f"serde \"level\" is the exact mode's; mode {mode!r} takes none")
-        level = check_level(integer(kwargs["level"], "level", "weightszip serde"))
+    # the exact codec's encoder level: 1 encodes faster (BENCHMARKS.md, "Encoder levels")
+    if "level" in kwargs and mode != "exact":
+        raise InvalidArgumentError(f"serde \"level\" is the exact mode's; mode {mode!r} takes none")
+    level = encoder_level(kwargs, "weightszip serde")
     return AsyncSerdeProcessor(
         WeightszipSerializer(codec, threads, level), WeightszipDeserializer(threads), max_workers=max_workers
     )
@@ -177,9 +176,13 @@ class WeightszipConnector(RemoteConnector):
             extra = (getattr(config, "extra_config", None) or {}) if config is not None else {}
             prefix = f"remote_storage_plugin.{self.PLUGIN}."
             mine = {k[len(prefix):]: v for k, v in extra.items() if isinstance(k, str) and k.startswith(prefix)}
-            opts = store_kwargs(mine, f"LMCache extra_config {prefix}*", ignore=("module_path", "class_name"),
+            where = f"LMCache extra_config {prefix}*"
+            opts = store_kwargs(mine, where, ignore=("module_path", "class_name", *ENCODER_OPTIONS),
                                 subfolder=worker_folder(getattr(local_cpu_backend, "metadata", None)))
+            self.level = encoder_level(mine, where)
             store = ChunkStore(**opts)
+        else:
+            self.level = _core.DEFAULT_LEVEL
         self.store = store
 
     @staticmethod
@@ -202,7 +205,7 @@ class WeightszipConnector(RemoteConnector):
         # The memory format rides in the tag's upper bits, so get() allocates the same kind; the
         # store reads the chunk as a container all the same (tag_kind: get_tensor decodes it).
         tag = TAG_CONTAINER | (int(memory_obj.meta.fmt.value) << 8)
-        self.store.put(self._key(key), weightszip.compress(t.cpu()), tag=tag)
+        self.store.put(self._key(key), weightszip.compress(t.cpu(), level=self.level), tag=tag)
 
     async def put(self, key, memory_obj: MemoryObj):
         await asyncio.to_thread(self._put, key, memory_obj)

@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from weightszip import _core
 from weightszip._tensors import as_buffer, bytes_buffer
 from weightszip.errors import InvalidArgumentError, WeightszipError
-from weightszip.integrations._options import flag, store_kwargs
+from weightszip.integrations._options import ENCODER_OPTIONS, encoder_level, flag, store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,9 @@ class WeightszipHiCacheStorage(HiCacheStorage):
             self.suffix = f"_{model}_{storage_config.tp_rank}_{storage_config.tp_size}"
         if storage_config.pp_size > 1:
             self.suffix += f"_{storage_config.pp_size}_{storage_config.pp_rank}"
+        self.level = encoder_level(extra, "HiCache extra config")  # the exact codec's, for batch_set
         if store is None:
-            opts = store_kwargs(extra, "HiCache extra config", ignore=SGLANG_KEYS,
+            opts = store_kwargs(extra, "HiCache extra config", ignore=SGLANG_KEYS + ENCODER_OPTIONS,
                                 subfolder=rank_folder(storage_config))
             if flag(extra.get("interface_v1", False), "interface_v1", "HiCache extra config"):
                 raise InvalidArgumentError("HiCache extra config: the weightszip backend has no zero-copy "
@@ -115,7 +116,7 @@ class WeightszipHiCacheStorage(HiCacheStorage):
         try:
             # (a key twice in one batch names one page by its hash: the last value is stored)
             pages = dict(zip((self._k(k) for k in keys), values))
-            self.store.put_tensors([(k, self._encode(v)) for k, v in pages.items()])
+            self.store.put_tensors([(k, self._encode(v)) for k, v in pages.items()], level=self.level)
             return True
         except WeightszipError as e:
             logger.error("weightszip HiCache: storing %d pages failed: %s", len(keys), e)
