@@ -81,7 +81,8 @@ def encoder_level(options: Mapping[str, Any], where: str) -> int:
     an int or a string of digits, else `InvalidArgumentError`."""
     if "level" not in options:
         return _core.DEFAULT_LEVEL
+    value = integer(options["level"], "level", where)  # (its error names `where` already)
     try:
-        return check_level(integer(options["level"], "level", where))
+        return check_level(value)
     except InvalidArgumentError as e:
         raise InvalidArgumentError(f"{where}: {e}") from None
