@@ -193,19 +193,11 @@ def kernels(names):
 def sass(names) -> None:
     """Compile each variant at the 8B q3 / q3.5 launch (staged pages, vote) for sm_90 offline and print
     its main loop's instructions by pipe (``scripts/ptx_fingerprint.py``)."""
-    from ptx_fingerprint import loop_mix
+    from ptx_fingerprint import compact_launch, loop_mix
 
-    ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8",
-            "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32",
-            "v_grid_ptr": "*fp32", "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32",
-            "v_cb_ptr": "*fp32"}
     for n, kern in kernels(names).items():
         for kb, vb in ((3, 3), (4, 3), (4, 4)):
-            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, 128, 8, 2)
-            const = dict(GROUP=4, BLOCK_G=8, HEAD_DIM=128, BLOCK_SIZE=16, BITS_K=kb, BITS_V=vb, HAS_BIAS=False,
-                         V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=0, STAGES=2, TAB_OFF=tab_off,
-                         STAGE_OFF=stage_off, VOTE=True)
-            k, spills = pg.compile_for_hopper(kern, const, ptrs, 8, 128)
+            k, spills = pg.compile_for_hopper(kern, *compact_launch(kb, vb))
             print(f"{n:5} k{kb}v{vb} spills={spills} {loop_mix(k.asm['cubin'])}", flush=True)
 
 

@@ -73,15 +73,31 @@ def loop_mix(cubin: bytes) -> str:
     return f"loop={sum(ops.values())} " + " ".join(f"{p}={n}" for p, n in pipes.items())
 
 
+_COMPACT_PTRS = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8",
+                 "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32",
+                 "v_grid_ptr": "*fp32", "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32",
+                 "v_cb_ptr": "*fp32"}
+
+
+def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=("VOTE",)):
+    """``compile_for_hopper``'s arguments after the kernel for ``compact_split_kernel`` at a launch:
+    (constexprs, pointer types, warps, register cap). ``opts``: the constexpr flags set (VOTE,
+    V_PAD, COPY_ALIGN, BULK_COPY); the defaults are the 8B launch with the vote."""
+    from weightszip.kernels import paged_decode_gluon as pg
+
+    warps = 16 if chunks else 8
+    tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts)
+    const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
+                 BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
+                 STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
+    return const, _COMPACT_PTRS, warps, None if chunks else 128
+
+
 def configurations():
     """(name, build) pairs; build() returns (kernel, constexprs, pointers, warps, maxnreg)."""
     from weightszip.kernels import kv_exact4_gluon as xg
     from weightszip.kernels import paged_decode_gluon as pg
 
-    compact_ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8",
-                    "ws_m_ptr": "*fp32", "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32",
-                    "v_grid_ptr": "*fp32", "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32",
-                    "v_cb_ptr": "*fp32"}
     # (bits_k, bits_v, head_dim, group, rope chunks, stages, logit bias): the compile tests' cases, then
     # the benchmarks' launches (Llama-3.1-8B and 70B TP8 in q4, q3.5 and q3, no bias)
     cases = [(4, 4, 128, 4, 0, 0), (4, 3, 128, 8, 0, 0), (3, 3, 64, 3, 0, 0), (2, 3, 64, 3, 0, 0), (4, 4, 64, 16, 0, 0),
@@ -99,12 +115,7 @@ def configurations():
     suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align"}
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
-            warps = 16 if chunks else 8
-            tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts)
-            const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
-                         BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
-                         STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
-            return pg.compact_split_kernel, const, compact_ptrs, warps, None if chunks else 128
+            return (pg.compact_split_kernel, *compact_launch(kb, vb, d, group, chunks, stages, bias, opts))
         name = f"compact k{kb}v{vb} d{d} g{group} rope{chunks} stages{stages}{' bias' if bias else ''}"
         yield name + "".join(suffix[o] for o in opts), build
 

@@ -38,16 +38,10 @@ import sys
 root = sys.argv[1]
 sys.path[:0] = [root + "/benchmarks", root + "/scripts"]
 import probe_uniform3 as P
-from ptx_fingerprint import loop_mix
+from ptx_fingerprint import compact_launch, loop_mix
 import weightszip.kernels.paged_decode_gluon as pg
-ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
-        "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
-        "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
-tab_off, stage_off, _ = pg.smem_offsets(3, 3, 128, 8, 2)
-const = dict(GROUP=4, BLOCK_G=8, HEAD_DIM=128, BLOCK_SIZE=16, BITS_K=3, BITS_V=3, HAS_BIAS=False, V_EARLY=True,
-             K_AHEAD=False, ROPE_CHUNKS=0, STAGES=2, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=True)
 for name, kern in P.kernels(["tree", "s0", "r0"]).items():
-    k, spills = pg.compile_for_hopper(kern, const, ptrs, 8, 128)
+    k, spills = pg.compile_for_hopper(kern, *compact_launch(3, 3))
     print("mix", name, spills, loop_mix(k.asm["cubin"]))
 """
 
