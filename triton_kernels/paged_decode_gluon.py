@@ -1031,12 +1031,6 @@ def _rotr(w, n):
     return gl.inline_asm_elementwise(_ROTR, "=r,r,r", [w, n & 31], dtype=gl.int32, is_pure=True, pack=1)
 
 
-@gluon.jit
-def _bitsel(even, odd):
-    """The even bits of ``even`` and the odd bits of ``odd`` (one LOP3)."""
-    return (even & 0x55555555) | (odd & -1431655766)  # 0xAAAAAAAA
-
-
 # the bits of $1 where $3 is set and of $2 where it is clear: one LOP3 (written as two ands and an or,
 # with two immediate masks, ptxas makes two)
 _SELECT = gl.constexpr("lop3.b32 $0, $1, $2, $3, 0xE4;")
@@ -1113,10 +1107,10 @@ def _v_operand(a0, a1, a2, a3, b0, b1, b2, b3, BITS: gl.constexpr, TAB: gl.const
     else:
         # bit j of each byte of row a's plane p to bit 2 p, of row b's to bit 2 p + 1: two funnel
         # shifts, a bit select of the even bits from a and the odd from b, and the plane's mask
-        y = _bitsel(_rotr(a0, j), _rotr(b0, j - 1)) & 0x03030303
-        y |= _bitsel(_rotr(a1, j - 2), _rotr(b1, j - 3)) & 0x0C0C0C0C
+        y = _select(_rotr(a0, j), _rotr(b0, j - 1), 0x55555555) & 0x03030303
+        y |= _select(_rotr(a1, j - 2), _rotr(b1, j - 3), 0x55555555) & 0x0C0C0C0C
         if BITS > 2:
-            y |= _bitsel(_rotr(a2, j - 4), _rotr(b2, j - 5)) & 0x30303030
+            y |= _select(_rotr(a2, j - 4), _rotr(b2, j - 5), 0x55555555) & 0x30303030
     i = 2 * _axis(2, 2, 8, LV) + _axis(2, 3, 8, LV)
     val = _lookup(y, i, (_axis(4, 6, 8, LV) + 4 * j) * 4, TAB)  # lane tl + 4 j reads copy tl + 4 j
     half = ((val >> (16 * _axis(2, 7, 8, LV))) & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True)
