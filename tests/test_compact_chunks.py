@@ -90,6 +90,28 @@ def test_compact_chunks_reject_bad_input(cal):
     assert torch.equal(codec.decode(memoryview(bytearray(blob))), codec.decode(blob))
 
 
+def test_compact_chunks_take_bf16_only(cal):
+    """A chunk decodes to bf16, so only bf16 goes in: fp16 or int16 bits read as bf16 were other
+    numbers (an fp16 chunk of max 4.4 came back with max 848), and an fp16 or fp32 chunk would come
+    back as bf16. numpy's bf16 (ml_dtypes) codes as torch's does."""
+    import ml_dtypes
+
+    codec = CompactChunkCodec(cal, "q4")
+    kv = _kv()
+    blob = codec.encode(kv)
+    assert codec.encode(kv.view(torch.int16).numpy().view(ml_dtypes.bfloat16)) == blob
+    for other in (kv.to(torch.float16), kv.float(), kv.view(torch.int16), kv.to(torch.float16).numpy(),
+                  kv.view(torch.int16).numpy(), kv.float().numpy(), kv.tolist()):
+        with pytest.raises(weightszip.InvalidArgumentError, match="bf16"):
+            codec.encode(other)
+    assert codec.max_encoded_size(kv.shape, torch.bfloat16) == len(blob)
+    for dtype in (torch.float16, torch.float32):
+        with pytest.raises(weightszip.InvalidArgumentError, match="bf16"):
+            codec.max_encoded_size(kv.shape, dtype)
+    with ChunkStore(None) as s, pytest.raises(weightszip.InvalidArgumentError, match="bf16"):
+        s.put_tensor("k", kv.to(torch.float16).numpy(), codec=codec)
+
+
 def test_lmcache_serde_in_a_compact_mode(cal, tmp_path):
     from test_lmcache import _lmcache, _memory_obj, _wait
 
@@ -112,6 +134,9 @@ def test_lmcache_serde_in_a_compact_mode(cal, tmp_path):
     dst = _memory_obj(kv.shape, torch.bfloat16)
     assert _wait(proc.query_deserialize_result, proc.submit_deserialize([tmp], [dst], [None])) is True
     assert torch.equal(dst.tensor.view(torch.int16), _expected(kv, cal, "q3.5").view(torch.int16))
+    # an fp16 model's chunks: refused when LMCache sizes their buffers (coded, they would never load)
+    with pytest.raises(weightszip.InvalidArgumentError, match="bf16"):
+        proc.estimate_serialized_size(MemoryLayoutDesc(shapes=[kv.shape], dtypes=[torch.float16]))
     proc.close()
 
 

@@ -271,6 +271,92 @@ class SizedHalfCodec(HalfCodec):
         return 32 + int(np.prod(shape))
 
 
+class LowHalfCodec(SizedHalfCodec):
+    """SizedHalfCodec's tag, other bytes: keeps the low byte of each value instead of the top."""
+
+    def encode(self, x):
+        return super().encode(x.view(torch.int16).bitwise_left_shift(8) if isinstance(x, torch.Tensor) else x)
+
+    def decode(self, data):
+        return super().decode(data).view(torch.int16).bitwise_right_shift(8).bitwise_and(0xFF).view(torch.bfloat16)
+
+
+def _serde_round_trip(proc, kv):
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    src = _memory_obj(kv.shape, torch.bfloat16)
+    src.tensor.copy_(kv)
+    tmp = _memory_obj((proc.estimate_serialized_size(MemoryLayoutDesc(shapes=[kv.shape], dtypes=[kv.dtype])),),
+                      torch.uint8)
+    assert _wait(proc.query_serialize_result, proc.submit_serialize([src], [tmp], [None])) is True
+    dst = _memory_obj(kv.shape, torch.bfloat16)
+    assert _wait(proc.query_deserialize_result, proc.submit_deserialize([tmp], [dst], [None])) is True
+    return dst.tensor
+
+
+def test_lmcache_serdes_of_two_codecs_with_one_tag_each_decode_their_own():
+    """A serde in codec mode decodes its chunks with its own codec: a second serde whose codec has
+    the same tag (another format) made afterwards in the process does not change what the first
+    one's chunks decode to (the process-wide registry used to take the last one)."""
+    wl = _lmcache()
+    kv = real_kv_torch()
+    high = wl.create_serde({"mode": "codec", "codec": "test_lmcache:SizedHalfCodec"})
+    low = wl.create_serde({"mode": "codec", "codec": "test_lmcache:LowHalfCodec"})
+    try:
+        assert torch.equal(_serde_round_trip(high, kv).view(torch.int16), kv.view(torch.int16) & ~0xFF)
+        assert torch.equal(_serde_round_trip(low, kv).view(torch.int16), kv.view(torch.int16) & 0xFF)
+    finally:
+        high.close()
+        low.close()
+
+
+def test_lmcache_serde_options_are_checked_when_it_is_made():
+    """Every serde option is checked by the factory (when LMCache builds the L2 adapter), as an
+    InvalidArgumentError naming it: unknown or misspelt keys, options of another mode, values of the
+    wrong kind or range, codecs that do not import or are no codec. They used to pass (``"levle"``,
+    ``"calibration"`` in exact mode), be truncated (``"threads": 2.7``), fail untyped (ValueError,
+    ModuleNotFoundError, AttributeError) or fail at every serialize (``"threads": -1``)."""
+    wl = _lmcache()
+    for kwargs, match in (
+        ({"levle": 1}, "unknown option 'levle'"),
+        ({"max_worker": 8, "x": 1}, "unknown options 'max_worker', 'x'"),
+        ({"calibration": "m.wzcal"}, "calibration"),
+        ({"mode": "exact", "codec": "test_lmcache:SizedHalfCodec"}, "codec"),
+        ({"mode": "q4", "calibration": 5}, "calibration"),
+        ({"mode": "codec", "codec": None}, "codec"),
+        ({"mode": "codec", "codec": "no_such_module_here:X"}, "no_such_module_here"),
+        ({"mode": "codec", "codec": "weightszip:no_such_thing"}, "no_such_thing"),
+        ({"mode": "codec", "codec": "weightszip:compress"}, "no ChunkCodec"),
+        ({"mode": 4}, "mode"),
+    ) + tuple(({name: bad}, name) for name in ("threads", "max_workers") for bad in ("abc", 2.7, True, -1, "\u00b2")) + (
+        ({"max_workers": 0}, "max_workers"),
+    ):
+        with pytest.raises(weightszip.InvalidArgumentError, match=match):
+            wl.create_serde(kwargs)
+    proc = wl.create_serde({"threads": "2", "max_workers": 3})
+    assert proc._serializer.threads == 2  # (LMCache 0.5.6's AsyncSerdeProcessor keeps it there)
+    proc.close()
+
+
+def test_store_options_refuse_digits_that_are_no_number():
+    """``str.isdigit`` accepts "²", which ``int`` refuses, and ``int`` refuses strings past 4300
+    digits: both were a ValueError out of the connector's constructor."""
+    from weightszip.integrations._options import store_kwargs
+
+    for bad in ("\u00b2", "9" * 5000, "1_000", " ", "-1", "0x10"):
+        with pytest.raises(weightszip.InvalidArgumentError, match="ram_bytes"):
+            store_kwargs({"ram_bytes": bad}, "cfg")
+    assert store_kwargs({"ram_bytes": " 4096 "}, "cfg") == {"ram_bytes": 4096}
+
+
+def test_kv_chunk_into_a_destination_it_cannot_fill_says_why():
+    x = real_kv_torch()
+    buf = torch.empty(kvserde.exact_bound(x.numel() * 2), dtype=torch.uint8)
+    kvserde.serialize_into(x, buf)
+    with pytest.raises(weightszip.InvalidArgumentError, match="not contiguous"):
+        kvserde.deserialize_into(buf, torch.empty(x.shape[::-1], dtype=x.dtype).permute(3, 2, 1, 0))
+
+
 class _Allocator:
     """Stands in for LMCache's LocalCPUBackend.allocate (which needs a running engine); ``buffer``
     makes the raw bytes for n bytes."""

@@ -145,6 +145,9 @@ def as_buffer(x: Any) -> _Buffer:
         to_name, _ = _torch_maps()
         if x.dtype not in to_name:
             raise InvalidArgumentError(f"unsupported torch dtype {x.dtype}")
+        if x.layout != torch.strided or x.device.type == "meta":
+            # (a sparse or meta tensor has no dense bytes here: torch would raise its own error)
+            raise InvalidArgumentError(f"expected a dense tensor with data, got layout {x.layout} on {x.device}")
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()

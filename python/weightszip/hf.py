@@ -428,6 +428,10 @@ class WeightszipCache(Cache):
     with its own first tokens kept; without it, those rows' sinks are quantized and their keys
     coded at the wrong positions. (Exact mode does not need it.)
 
+    ``namespace`` prefixes the store keys of the cache's pages (default: a fresh ``hf-<uuid>`` per
+    cache). Two caches on one store must not share one while both hold pages: they would write and
+    read the same keys, each getting the other's pages (the store cannot tell them apart).
+
     ``release()`` deletes the pages from the store, and the cache then refuses further updates
     (InvalidArgumentError) until ``reset()``; without a store it does nothing. A cache with a store
     cannot be deep-copied (InvalidArgumentError); without one it can.

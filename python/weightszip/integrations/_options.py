@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from weightszip.store import StoreConfig
 #: The options a config may give, as `ChunkStore` names them (new StoreConfig fields come along).
 STORE_OPTIONS = tuple(f.name for f in dataclasses.fields(StoreConfig))
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
+_DIGITS = re.compile(r"[0-9]{1,30}")
 
 
 def flag(x: Any, name: str, where: str) -> bool:
@@ -31,11 +33,12 @@ def flag(x: Any, name: str, where: str) -> bool:
 
 
 def integer(x: Any, name: str, where: str) -> int:
-    """A count option: an int or a string of decimal digits (not a float, which would be truncated,
-    nor a bool)."""
+    """A count option: an int or a string of ASCII decimal digits, at most 30 of them (not a float,
+    which would be truncated, nor a bool; ``str.isdigit`` also accepts digits such as "²" that
+    ``int`` refuses, and ``int`` refuses strings past 4300 digits)."""
     if isinstance(x, int) and not isinstance(x, bool):
         return x
-    if isinstance(x, str) and x.strip().isdigit():
+    if isinstance(x, str) and _DIGITS.fullmatch(x.strip()):
         return int(x.strip())
     raise InvalidArgumentError(f"{where}: {name} must be a whole number, not {x!r}")
 

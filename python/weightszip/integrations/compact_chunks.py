@@ -96,12 +96,17 @@ def calibration_id(calibration, fmt: str) -> int:
 
 
 def _as_bf16_torch(x: Any) -> torch.Tensor:
+    """A bf16 chunk as a CPU torch tensor: a torch bf16 tensor, or a numpy array of ml_dtypes'
+    bfloat16. Anything else is refused, not converted: a chunk decodes to bf16, so an fp16 or fp32
+    chunk would come back as another dtype (and fp16 or int16 bits read as bf16 are other numbers)."""
     if isinstance(x, torch.Tensor):
+        if x.dtype != torch.bfloat16:
+            raise InvalidArgumentError(f"compact chunks take bf16 KV, got {x.dtype}")
         return x.detach().cpu()
-    a = np.ascontiguousarray(x)
-    if a.dtype.itemsize != 2:
-        raise InvalidArgumentError(f"compact chunks take bf16 KV, got {a.dtype}")
-    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if not isinstance(x, np.ndarray) or x.dtype.name != "bfloat16":
+        raise InvalidArgumentError(f"compact chunks take bf16 KV (a torch tensor, or numpy with ml_dtypes' bfloat16), "
+                                   f"got {getattr(x, 'dtype', type(x).__name__)}")
+    return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
 
 
 class CompactChunkCodec:
@@ -165,6 +170,10 @@ class CompactChunkCodec:
         return tokens // cc.PAGE_TOKENS
 
     def max_encoded_size(self, shape, dtype=None) -> int:
+        """The bytes of a chunk of ``shape``; ``dtype`` (a torch dtype, where given) must be bf16, so
+        that a serde sizing its buffers refuses a chunk it could store but never load back."""
+        if dtype is not None and dtype != torch.bfloat16 and getattr(dtype, "name", None) != "bfloat16":
+            raise InvalidArgumentError(f"compact chunks take bf16 KV, got {dtype}")
         kinds, layers, tokens, hidden = (int(s) for s in shape)
         pages = self._check(kinds, layers, tokens, hidden)
         heads, d = self.cal.kv_heads, self.cal.head_dim

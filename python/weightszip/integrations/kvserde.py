@@ -90,9 +90,11 @@ def serialize_into(x: Any, out, *, codec=None, threads: int | None = None, level
     return n
 
 
-def deserialize_into(src, dst, *, threads: int | None = None) -> None:
+def deserialize_into(src, dst, *, threads: int | None = None, codec=None) -> None:
     """Decode bytes written by `serialize_into` (at the start of the uint8 buffer `src`, which may
-    be longer) into the tensor `dst`, whose dtype and shape must be the chunk's."""
+    be longer) into the tensor `dst`, whose dtype and shape must be the chunk's. A codec-mode chunk
+    is decoded by `codec` where its tag is the chunk's (and, for a codec with ``owns``, it does not
+    disown the chunk), else by the codec registered for the tag (`weightszip.store.codec_for`)."""
     import torch
 
     if not isinstance(dst, torch.Tensor):
@@ -114,7 +116,9 @@ def deserialize_into(src, dst, *, threads: int | None = None) -> None:
         from weightszip.store import codec_for
 
         data = body.numpy().tobytes()
-        codec = codec_for(tag, data)
+        owns = getattr(codec, "owns", None)
+        if codec is None or int(codec.tag) != tag or (callable(owns) and owns(data) is False):
+            codec = codec_for(tag, data)
         if codec is None:
             raise InvalidArgumentError(f"KV chunk made by codec tag {tag}, which is not registered")
         out = codec.decode(data)
@@ -135,8 +139,11 @@ def deserialize_into(src, dst, *, threads: int | None = None) -> None:
     if len(index["entries"]) != 1:
         raise InvalidArgumentError(f"KV chunk holds {len(index['entries'])} tensors")
     e = index["entries"][0]
-    want = as_buffer(dst) if dst.is_contiguous() and dst.device.type == "cpu" else None
-    if want is None or e["dtype"] != want.dtype or tuple(e["shape"]) != tuple(dst.shape):
+    if not dst.is_contiguous() or dst.device.type != "cpu":
+        raise InvalidArgumentError(f"the destination must be a contiguous CPU tensor (it is {dst.device}, "
+                                   f"{'' if dst.is_contiguous() else 'not '}contiguous)")
+    want = as_buffer(dst)
+    if e["dtype"] != want.dtype or tuple(e["shape"]) != tuple(dst.shape):
         shape = tuple(e["shape"])
         raise InvalidArgumentError(
             f"chunk is {e['dtype']} {shape}; the destination is {dst.dtype} {tuple(dst.shape)} on {dst.device}"

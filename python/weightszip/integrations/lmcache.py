@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -53,19 +54,28 @@ from weightszip import _core
 from weightszip._tensors import _torch_maps, bytes_buffer
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 from weightszip.integrations import kvserde
-from weightszip.integrations._options import ENCODER_OPTIONS, encoder_level, store_kwargs
+from weightszip.integrations._options import ENCODER_OPTIONS, encoder_level, integer, store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore, register_codec, tag_kind
 
 SERDE_NAME = "weightszip"
 
 
 def _load_codec(spec: str):
-    """'pkg.module:OBJECT' -> the object (a ChunkCodec instance, or a class to instantiate)."""
+    """'pkg.module:OBJECT' -> the object (a ChunkCodec instance, or a class to instantiate); a name
+    that does not import, or an object that is no codec, is an `InvalidArgumentError`."""
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
         raise InvalidArgumentError(f"codec must be 'module:object', got {spec!r}")
-    obj = getattr(importlib.import_module(mod), attr)
-    return obj() if isinstance(obj, type) else obj
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise InvalidArgumentError(f"serde codec {spec!r}: {type(e).__name__}: {e}") from e
+    codec = obj() if isinstance(obj, type) else obj
+    missing = [m for m in ("tag", "encode", "decode", "max_encoded_size") if not hasattr(codec, m)]
+    if missing:
+        raise InvalidArgumentError(f"serde codec {spec!r} is no ChunkCodec with max_encoded_size: "
+                                   f"it lacks {', '.join(missing)}")
+    return codec
 
 
 class WeightszipSerializer(Serializer):
@@ -93,41 +103,62 @@ class WeightszipSerializer(Serializer):
 
 
 class WeightszipDeserializer(Deserializer):
-    def __init__(self, threads: int = 0):
+    """Bytes -> KV chunk. Chunks of its serde's codec's tag are decoded by that codec, not by whatever
+    the process registered last under the tag (another serde's codec may share it)."""
+
+    def __init__(self, threads: int = 0, codec=None):
         self.threads = threads
+        self.codec = codec
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: Optional[ObjectKey] = None) -> None:
         if src.tensor is None or dst.tensor is None:
             raise InvalidArgumentError("the weightszip serde needs src and dst with tensors")
-        kvserde.deserialize_into(src.tensor, dst.tensor, threads=self.threads)
+        kvserde.deserialize_into(src.tensor, dst.tensor, threads=self.threads, codec=self.codec)
+
+
+#: The serde's options (the ``"serde"`` dict of an L2 adapter, less its ``type``), and the modes.
+SERDE_OPTIONS = ("mode", "calibration", "codec", "threads", "max_workers", *ENCODER_OPTIONS)
+_COMPACT_MODES = ("q4", "q3.5", "q3")
 
 
 def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:
-    """LMCache serde factory: the ``"serde"`` dict of an L2 adapter, less its ``type``."""
-    mode = str(kwargs.get("mode", "exact"))
+    """LMCache serde factory: the ``"serde"`` dict of an L2 adapter, less its ``type``. Every option
+    is checked here, when the adapter is built: an unknown key, an option the mode does not take, or
+    a value of the wrong kind is an `InvalidArgumentError` naming it."""
+    where = "weightszip serde"
+    unknown = sorted(str(k) for k in kwargs if k not in SERDE_OPTIONS)
+    if unknown:
+        raise InvalidArgumentError(f"{where}: unknown option{'s' if len(unknown) > 1 else ''} "
+                                   f"{', '.join(map(repr, unknown))}; accepted: {', '.join(SERDE_OPTIONS)}")
+    mode = kwargs.get("mode", "exact")
+    if mode not in ("exact", "codec", *_COMPACT_MODES):
+        raise InvalidArgumentError(f"{where}: mode must be exact, q4, q3.5, q3 or codec, not {mode!r}")
+    for name, modes in (("calibration", _COMPACT_MODES), ("codec", ("codec",)), ("level", ("exact",))):
+        if name in kwargs and mode not in modes:
+            raise InvalidArgumentError(f"{where}: \"{name}\" is the {' / '.join(modes)} mode's; mode {mode!r} takes none")
+        if mode in modes and name != "level" and not isinstance(kwargs.get(name), (str, os.PathLike)):
+            what = "the model's .wzcal file" if name == "calibration" else "\"module:object\""
+            raise InvalidArgumentError(f"{where}: mode {mode!r} needs \"{name}\": {what}, not {kwargs.get(name)!r}")
+    threads = integer(kwargs.get("threads", 0), "threads", where)
+    max_workers = integer(kwargs.get("max_workers", 2), "max_workers", where)
+    if threads < 0 or max_workers < 1:
+        raise InvalidArgumentError(f"{where}: threads must be at least 0 (0: all cores) and max_workers at least 1, "
+                                   f"not {threads} and {max_workers}")
+    # the exact codec's encoder level: 1 encodes faster (BENCHMARKS.md, "Encoder levels")
+    level = encoder_level(kwargs, where)
     codec = None
-    if mode in ("q4", "q3.5", "q3"):
-        if "calibration" not in kwargs:
-            raise InvalidArgumentError(f"serde mode {mode!r} needs \"calibration\": the model's .wzcal file")
+    if mode in _COMPACT_MODES:
         from weightszip.integrations.compact_chunks import CompactChunkCodec
 
         # (not replace=True: chunks say which calibration coded them, so several models' codecs
         # share the format's tag in one process)
-        codec = register_codec(CompactChunkCodec(str(kwargs["calibration"]), mode))
+        codec = register_codec(CompactChunkCodec(os.fspath(kwargs["calibration"]), str(mode)))
     elif mode == "codec":
-        if "codec" not in kwargs:
-            raise InvalidArgumentError("serde mode 'codec' needs \"codec\": \"module:object\"")
-        codec = register_codec(_load_codec(str(kwargs["codec"])), replace=True)
-    elif mode != "exact":
-        raise InvalidArgumentError(f"weightszip serde mode must be exact, q4, q3.5, q3 or codec, not {mode!r}")
-    threads = int(kwargs.get("threads", 0))  # type: ignore[call-overload]
-    max_workers = int(kwargs.get("max_workers", 2))  # type: ignore[call-overload]
-    # the exact codec's encoder level: 1 encodes faster (BENCHMARKS.md, "Encoder levels")
-    if "level" in kwargs and mode != "exact":
-        raise InvalidArgumentError(f"serde \"level\" is the exact mode's; mode {mode!r} takes none")
-    level = encoder_level(kwargs, "weightszip serde")
+        # Not registered: the serde's own deserializer decodes its chunks with it, and another
+        # serde's codec of the same tag (registered or not) does not change that.
+        codec = _load_codec(os.fspath(kwargs["codec"]))
     return AsyncSerdeProcessor(
-        WeightszipSerializer(codec, threads, level), WeightszipDeserializer(threads), max_workers=max_workers
+        WeightszipSerializer(codec, threads, level), WeightszipDeserializer(threads, codec), max_workers=max_workers
     )
 
 
