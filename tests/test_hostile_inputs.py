@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import weightszip  # noqa: E402
-from weightszip import errors, kv_exact, pages  # noqa: E402
+from weightszip import errors, kv_exact, pages, store  # noqa: E402
 from weightszip.kernels import kv_exact4_ref as ref4  # noqa: E402
 from weightszip.kernels import kv_exact_ref as ref  # noqa: E402
 
@@ -437,3 +437,101 @@ def test_a_tensor_too_large_for_memory_is_a_limit_error(tmp_path, small_address_
         weightszip.load_file(src, out=out)
     with pytest.raises(errors.LimitExceededError, match="do not fit in memory"):
         weightszip.decompress(src.read_bytes(), out=out)
+
+
+# -- session 37's audit of the public API (arguments of the wrong kind, views, outputs) ----------
+
+
+def test_arguments_of_the_wrong_kind_are_typed_errors(tmp_path):
+    """Each was a TypeError or OverflowError out of the Rust conversion (or, for ``layout``, a
+    container no reader accepts: tags 3-255 were written, then refused by every decoder)."""
+    x = np.zeros((4, 4), np.float32)
+    calls = [lambda v=v: weightszip.compress(x, layout=v) for v in (3, 255, 256, -1, "x", True)]
+    calls += [lambda v=v: weightszip.compress(x, axis=v) for v in (None, "0", 1.5, True)]
+    calls += [lambda v=v: weightszip.compress(x, threads=v) for v in ("2", 1.5, -1, True)]
+    blob = weightszip.compress(x)
+    calls += [lambda v=v: weightszip.decompress(blob, threads=v) for v in ("2", 1.5)]
+    calls += [lambda v=v: weightszip.save_file({"a": x}, tmp_path / "o.wz", overwrite=v) for v in ("no", 0, None)]
+    calls += [lambda: weightszip.save_file({"a": x}, tmp_path / "o.wz", axis="0")]
+    calls += [lambda: store.ChunkStore(None, redis_url=5), lambda: store.ChunkStore(None, redis_prefix=None)]
+    for call in calls:
+        with pytest.raises(errors.InvalidArgumentError):
+            call()
+    assert not (tmp_path / "o.wz").exists()
+    for layout in (0, 1, 2):  # the defined tags still write, and read back
+        assert (weightszip.decompress(weightszip.compress(x, layout=layout)) == x).all()
+    with store.ChunkStore(os.fsencode(tmp_path / "st")) as s:  # bytes, as its check says
+        s.put("k", b"v")
+        assert s.get("k") == b"v"
+
+
+def test_page_codec_arguments_of_the_wrong_kind_are_typed_errors():
+    v = np.arange(1, 64 * 64 + 1, dtype=np.uint16).reshape(4, 16, 2, 32)
+    buf, offs = kv_exact.cpu_encode_exact4_pages(v)
+    cb = pages.calibrate(v.reshape(64, 64))
+    pbuf, poffs = pages.encode_pages(cb, v.reshape(4, 16, 64))
+    for call in (lambda: kv_exact.cpu_decode_exact4_pages(buf, offs, 1.5, 32),
+                 lambda: kv_exact.cpu_decode_exact4_pages(buf, offs, "2", 32),
+                 lambda: kv_exact.cpu_decode_exact4_pages(buf, offs, 2, None),
+                 lambda: pages.decode_pages(None, pbuf, poffs), lambda: pages.decode_pages("abc", pbuf, poffs)):
+        with pytest.raises(errors.InvalidArgumentError):
+            call()
+
+
+def test_page_codecs_take_16_bit_values_in_either_byte_order():
+    """``>u2`` holds the same numbers as ``u2`` in the other byte order: the page codecs read its
+    bytes as native before, so every value came back byte-swapped, silently."""
+    v = np.arange(1, 64 * 64 + 1, dtype=np.uint16).reshape(4, 16, 2, 32)
+    big = v.astype(">u2")
+    cb = pages.calibrate(v.reshape(64, 64))
+    assert pages.calibrate(big.reshape(64, 64)) == cb
+    pbuf, poffs = pages.encode_pages(cb, big.reshape(4, 16, 64))
+    assert (pages.decode_pages(cb, pbuf, poffs) == v.reshape(4, 16, 64)).all()
+    assert (kv_exact.cpu_decode_exact4_pages(*kv_exact.cpu_encode_exact4_pages(big), 2, 32) == v).all()
+    bases = kv_exact.cpu_calibrate_bases(v.reshape(64, 64).view(np.int16))
+    assert (kv_exact.cpu_decode_pages(*kv_exact.cpu_encode_pages(big, bases), bases, 2, 32) == v).all()
+
+
+def test_views_larger_than_the_format_are_limit_errors_before_any_copy():
+    """A broadcast or expanded view is copied to contiguous memory before coding: one of 4 PiB was
+    numpy's MemoryError or torch's RuntimeError from the attempt."""
+    with pytest.raises(errors.LimitExceededError, match="limit"):
+        weightszip.compress(np.broadcast_to(np.float32(1), (2**25, 2**25)))
+    with pytest.raises(errors.LimitExceededError, match="limit"):
+        weightszip.compress(torch.ones(1, 1).expand(2**25, 2**25))
+
+
+def test_a_view_that_does_not_fit_in_memory_is_a_limit_error(small_address_space):
+    """Under the format's limit but over the memory there is (2 GiB more address space here)."""
+    with pytest.raises(errors.LimitExceededError, match="memory"):
+        weightszip.compress(np.broadcast_to(np.float32(1), (2**16, 2**16)))  # 16 GiB contiguous
+    with pytest.raises(errors.LimitExceededError, match="memory"):
+        weightszip.compress(torch.ones(1, 1).expand(2**16, 2**16))
+
+
+def test_meta_and_sparse_tensors_are_typed_errors():
+    for t in (torch.empty(4, device="meta"), torch.eye(3).to_sparse()):
+        with pytest.raises(errors.InvalidArgumentError, match="dense"):
+            weightszip.compress(t)
+
+
+def test_an_output_that_is_a_fifo_is_refused_not_replaced(tmp_path):
+    """The writers put a new file in place by a rename: a FIFO or device (``-o /dev/null`` as root)
+    was replaced by a regular file. Now refused, with overwrite and with --force."""
+    import stat
+
+    from weightszip.cli import main as cli
+
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"abc" * 100)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for call in (lambda: weightszip.compress_file(src, fifo),
+                 lambda: weightszip.save_file({"a": np.zeros(3)}, fifo),
+                 lambda: weightszip.decompress_file(tmp_path / "a.wz", fifo)):
+        if not (tmp_path / "a.wz").exists():
+            weightszip.compress_file(src, tmp_path / "a.wz")
+        with pytest.raises(errors.InvalidArgumentError, match="not a regular file"):
+            call()
+    assert cli(["compress", str(src), "-o", str(fifo), "--force", "-q"]) == 1
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +18,8 @@ FLAG_TORCH = 1
 LAYOUT_TENSOR = 0
 LAYOUT_FILE_BYTES = 1
 LAYOUT_KV = 2
+# the most bytes one tensor may hold (docs/FORMAT.md; rust/core/src/format.rs MAX_TENSOR_BYTES)
+_MAX_TENSOR_BYTES = 1 << 50
 
 # numpy dtype -> container dtype name (the names numpy / torch users know).
 _NP_TO_NAME: dict[np.dtype, str] = {
@@ -85,9 +89,9 @@ def threads_default(threads: int | None) -> int:
             threads = int(text)
         except ValueError:
             raise InvalidArgumentError(f"WEIGHTSZIP_THREADS={text!r} is not an integer") from None
-    if threads < 0:
-        raise InvalidArgumentError(f"threads must be >= 0, got {threads}")
-    return min(threads, _core.MAX_THREADS)
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 0:
+        raise InvalidArgumentError(f"threads must be an integer >= 0 (0: one per core), got {threads!r}")
+    return min(int(threads), _core.MAX_THREADS)
 
 
 def check_path(path: str | os.PathLike) -> str:
@@ -101,6 +105,23 @@ def check_path(path: str | os.PathLike) -> str:
         raise InvalidArgumentError(f"{p!r}: not a usable file name (a lone surrogate)") from None
     if b"\0" in b:
         raise InvalidArgumentError(f"{p!r}: a file name cannot hold a NUL byte")
+    return p
+
+
+def check_output(path: str | os.PathLike, overwrite: Any) -> str:
+    """An output path (`check_path`) and the ``overwrite`` flag (a bool). The writers put a new file
+    in place of the old by a rename, so an existing output that is no regular file (a device such as
+    /dev/null, a FIFO, a socket) is refused: it would be replaced, not written into."""
+    if not isinstance(overwrite, bool):
+        raise InvalidArgumentError(f"overwrite must be a bool, got {overwrite!r}")
+    p = check_path(path)
+    try:
+        st = os.stat(p)
+    except OSError:
+        return p  # (absent, or not reachable: the core's own open says why)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # (a directory: the core's error)
+        raise InvalidArgumentError(f"{p}: the output exists and is not a regular file (a device, FIFO or "
+                                   "socket): it would be replaced by a file, not written into")
     return p
 
 
@@ -137,6 +158,33 @@ class _Buffer:
         self.dtype, self.shape, self.flags = dtype, shape, flags
 
 
+def _check_size(shape: tuple, itemsize: int) -> None:
+    """A view (broadcast, expanded, strided) is copied to contiguous memory before coding: its
+    contiguous size is checked against the format's limit first, so that a view of petabytes is
+    LimitExceededError, not an attempt to allocate them."""
+    n = itemsize
+    for d in shape:
+        n *= int(d)
+    if n > _MAX_TENSOR_BYTES:
+        raise LimitExceededError(f"a tensor of shape {tuple(shape)} is {n} bytes (limit {_MAX_TENSOR_BYTES})")
+
+
+@contextlib.contextmanager
+def _copy_in_memory(shape, dtype):
+    """The contiguous copy of a view that does not fit in memory: LimitExceededError, not numpy's
+    MemoryError or torch's RuntimeError."""
+    try:
+        yield
+    except MemoryError:
+        raise LimitExceededError(f"a contiguous copy of the {dtype} view of shape {tuple(shape)} does not fit "
+                                 "in memory") from None
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e) and "out of memory" not in str(e):
+            raise
+        raise LimitExceededError(f"a contiguous copy of the {dtype} view of shape {tuple(shape)} does not fit "
+                                 f"in memory: {e}") from None
+
+
 def as_buffer(x: Any) -> _Buffer:
     """Zero-copy view of a numpy array or torch tensor (copied only when not contiguous or not on
     the CPU)."""
@@ -148,19 +196,23 @@ def as_buffer(x: Any) -> _Buffer:
         if x.layout != torch.strided or x.device.type == "meta":
             # (a sparse or meta tensor has no dense bytes here: torch would raise its own error)
             raise InvalidArgumentError(f"expected a dense tensor with data, got layout {x.layout} on {x.device}")
+        _check_size(tuple(x.shape), x.element_size())
         t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        # a lazy negation or conjugation (``c.conj().imag``) is a flag beside the storage: applied
-        # here, or the stored bytes would be the un-negated values (contiguous() keeps the flag)
-        t = t.resolve_neg().resolve_conj().contiguous()
+        with _copy_in_memory(x.shape, x.dtype):
+            if t.device.type != "cpu":
+                t = t.cpu()
+            # a lazy negation or conjugation (``c.conj().imag``) is a flag beside the storage: applied
+            # here, or the stored bytes would be the un-negated values (contiguous() keeps the flag)
+            t = t.resolve_neg().resolve_conj().contiguous()
         return _Buffer(t.data_ptr(), t.numel() * t.element_size(), t, to_name[x.dtype], tuple(t.shape), FLAG_TORCH)
     if isinstance(x, (np.ndarray, np.generic)):
         a = np.asarray(x)
-        if not a.flags.c_contiguous:
-            a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into 1-d
         if a.dtype not in _NP_TO_NAME:
             raise InvalidArgumentError(f"unsupported numpy dtype {a.dtype}")
+        if not a.flags.c_contiguous:
+            _check_size(a.shape, a.dtype.itemsize)
+            with _copy_in_memory(a.shape, a.dtype):
+                a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into 1-d
         return _Buffer(a.ctypes.data, a.nbytes, a, _NP_TO_NAME[a.dtype], tuple(a.shape), 0)
     raise InvalidArgumentError(f"expected a numpy array or a torch tensor, got {type(x).__name__}")
 
@@ -188,6 +240,8 @@ def int_arg(name: str, value: Any, lo: int, hi: int) -> int:
 
 
 def normalize_axis(axis: int, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise InvalidArgumentError(f"axis must be an integer, got {axis!r}")
     if ndim == 0:
         return 0
     if not -ndim <= axis < ndim:
@@ -195,7 +249,13 @@ def normalize_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
+#: The layout tags a writer may put in an entry (docs/FORMAT.md): a reader refuses any other.
+LAYOUTS = (LAYOUT_TENSOR, LAYOUT_FILE_BYTES, LAYOUT_KV)
+
+
 def meta_tuple(buf: _Buffer, name: str, axis: int, layout: int) -> tuple:
+    if isinstance(layout, bool) or layout not in LAYOUTS:
+        raise InvalidArgumentError(f"layout must be one of {LAYOUTS} (tensor, file bytes, KV), got {layout!r}")
     return (name, buf.dtype, list(buf.shape), normalize_axis(axis, len(buf.shape)), layout, buf.flags)
 
 
@@ -313,14 +373,15 @@ def save_file(
 ) -> None:
     """Save a dict of named tensors to a .wz file (written atomically), like safetensors. With
     `overwrite=False` an existing `path` is left as it is and `OutputExistsError` raised, even if
-    it was created while the file was being written. `level`: as `compress`'s."""
+    it was created while the file was being written; an existing `path` that is no regular file (a
+    device, a FIFO) is refused (InvalidArgumentError). `level`: as `compress`'s."""
     bufs = []
     for name, x in tensors.items():
         check_name(name)
         ax = axis.get(name, -1) if isinstance(axis, Mapping) else axis
         bufs.append((name, as_buffer(x), ax))
     _core.save_buffers(
-        check_path(path),
+        check_output(path, overwrite),
         [(meta_tuple(b, name, ax, LAYOUT_TENSOR), b.addr, b.nbytes) for name, b, ax in bufs],
         check_chunk_bytes(chunk_bytes),
         threads_default(threads),

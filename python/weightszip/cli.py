@@ -11,7 +11,7 @@ import time
 from weightszip import files
 from weightszip.cli_args import nonnegative_int as _nonnegative_int
 from weightszip.cli_args import thread_count
-from weightszip.errors import OutputExistsError, WeightszipError
+from weightszip.errors import InvalidArgumentError, OutputExistsError, WeightszipError
 
 # Files at least this large get a progress bar (smaller ones finish before a bar is useful).
 PROGRESS_MIN_BYTES = 32 << 20
@@ -72,6 +72,10 @@ def refuse_output(output: str, inputs: list[str], force: bool) -> str | None:
             return f"{output}: is the input file {i}; not overwritten (not even with --force)"
     if not force:
         return f"{output}: already exists; not overwritten (use -f/--force to overwrite it)"
+    try:
+        files.check_output(output, True)  # (a device or FIFO would be replaced, not written into)
+    except InvalidArgumentError as e:
+        return f"{e} (not even with --force)"
     return None
 
 

@@ -22,6 +22,7 @@ from weightszip._tensors import (
     _NAME_TO_NP,
     check_chunk_bytes,
     check_level,
+    check_output,
     check_path,
     threads_default,
 )
@@ -322,7 +323,9 @@ def compress_file(
     (fast) or 2 (the default), as `weightszip.compress`'s. With
     `overwrite=False` an existing `dst` is left as it is and `OutputExistsError` raised, even if it
     was created while the container was being written. `dst` naming `src` itself (or a link to it)
-    is refused (InvalidArgumentError), whatever `overwrite` says. The output gets the permission
+    is refused (InvalidArgumentError), whatever `overwrite` says, and so is a `dst` that exists and is
+    no regular file (a device such as /dev/null, a FIFO: the new file would replace it, not be
+    written into it). The output gets the permission
     bits of `src` (as gzip and zstd do), or with `overwrite` those of the file it replaces.
 
     `progress(done, total)` is called as the work goes; an ordinary exception it raises is printed
@@ -332,7 +335,7 @@ def compress_file(
     _, segs = file_segments(src)
     _refuse_input_as_output(src, dst)
     return _core.encode_file(
-        os.fspath(src), check_path(dst), segs, check_chunk_bytes(chunk_bytes), threads_default(threads),
+        os.fspath(src), check_output(dst, overwrite), segs, check_chunk_bytes(chunk_bytes), threads_default(threads),
         _core.DEFAULT_LANES_LOG2, progress, overwrite=overwrite, mode=_mode_of(src), level=check_level(level),
     )
 
@@ -353,7 +356,7 @@ def decompress_file(
     _refuse_input_as_output(src, dst)
     # (the header from the index the core read through the file it decodes: one read earlier could
     # describe another version of a file replaced meanwhile)
-    return _core.decode_file(os.fspath(src), check_path(dst), threads_default(threads), progress, overwrite=overwrite,
+    return _core.decode_file(os.fspath(src), check_output(dst, overwrite), threads_default(threads), progress, overwrite=overwrite,
                              prefix=_safetensors_header, mode=_mode_of(src))
 
 

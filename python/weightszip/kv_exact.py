@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from weightszip import _core
+from weightszip._tensors import int_arg
 from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, TruncatedError
 from weightszip.kernels import kv_exact4_ref as ref4
 from weightszip.kernels import kv_exact_ref as ref
@@ -133,6 +134,7 @@ def cpu_decode_pages(buf, offsets, bases, heads: int, head_dim: int) -> np.ndarr
     """Validate and decode KV Exact pages stored back to back (page i = ``buf[offsets[i]:offsets[i +
     1]]``) by the Rust codec: uint16 ``[n, 16, heads, head_dim]``. Damaged or hostile bytes raise
     TruncatedError / CorruptDataError naming the page."""
+    heads, head_dim = int_arg("heads", heads, 0, 2**31), int_arg("head_dim", head_dim, 0, 2**31)
     src = _bytes(buf)
     offs = _offsets_u64(offsets)
     _check(heads > 0 and head_dim > 0 and head_dim % 32 == 0,
@@ -161,6 +163,7 @@ def cpu_decode_exact4_pages(buf, offsets, heads: int, head_dim: int) -> np.ndarr
     1]]``) by the Rust codec: uint16 ``[n, 16, heads, head_dim]``. Damaged or hostile bytes raise
     TruncatedError / CorruptDataError naming the page, the same class as ``kv_exact4_ref.decode_pages``
     raises for the same input."""
+    heads, head_dim = int_arg("heads", heads, 0, 2**31), int_arg("head_dim", head_dim, 0, 2**31)
     src = _bytes(buf)
     offs = _offsets_u64(offsets)
     _check(0 < heads <= ref4.MAX_HEADS, f"KV Exact4 pages hold 1 to {ref4.MAX_HEADS} KV heads, not {heads}")

@@ -37,10 +37,12 @@ def _u16(x) -> np.ndarray:
             # (viewed as int16 first, float32 became twice the channels)
             raise InvalidArgumentError(f"expected 16-bit values (uint16 bit patterns), got {x.dtype}")
         x = x.detach().cpu().resolve_neg().contiguous().view(torch.int16).numpy()
-    a = np.ascontiguousarray(np.asarray(x))
+    a = np.asarray(x)
     if a.dtype.itemsize != 2 or a.dtype.kind not in "uif":
         raise InvalidArgumentError(f"expected 16-bit values (uint16 bit patterns), got {a.dtype}")
-    return a.view(np.uint16)
+    if not a.dtype.isnative:  # ('>u2': the same numbers in the other byte order; their bytes would be swapped)
+        a = a.astype(a.dtype.newbyteorder("="))
+    return np.ascontiguousarray(a).view(np.uint16)
 
 
 def _bytes(buf) -> np.ndarray:
@@ -73,6 +75,8 @@ def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8) -> bytes:
 
 def codebook_info(codebook: bytes) -> tuple[str, int, int, np.ndarray]:
     """(dtype, max_len, channels, lengths [channels, 257] uint8) of a checked codebook."""
+    if not isinstance(codebook, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"a codebook is bytes (from calibrate), not {type(codebook).__name__}")
     code, max_len, channels, lengths = _core.page_codebook_info(bytes(codebook))
     dtype = {v: k for k, v in DTYPE_CODES.items()}[code]
     return dtype, max_len, channels, np.frombuffer(lengths, np.uint8).reshape(channels, NSYM)

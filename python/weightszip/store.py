@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from weightszip import _core
-from weightszip._tensors import as_buffer, bytes_buffer, check_level, decompress, meta_tuple, LAYOUT_TENSOR
+from weightszip._tensors import as_buffer, bytes_buffer, check_level, check_path, decompress, meta_tuple, LAYOUT_TENSOR
 from weightszip.errors import CorruptDataError, InvalidArgumentError, WeightszipError, WeightszipIOError
 
 logger = logging.getLogger(__name__)
@@ -220,6 +220,12 @@ class ChunkStore:
             raise InvalidArgumentError(f"path is a str, bytes or os.PathLike, not {type(cfg.path).__name__}")
         if cfg.path is not None and not os.fspath(cfg.path):
             raise InvalidArgumentError("path is empty (None keeps the store in RAM only)")
+        if cfg.path is not None:
+            check_path(os.fsdecode(cfg.path))  # (bytes as the file system encodes them; no NUL)
+        if cfg.redis_url is not None and not isinstance(cfg.redis_url, str):
+            raise InvalidArgumentError(f"redis_url must be a str or None, got {cfg.redis_url!r}")
+        if not isinstance(cfg.redis_prefix, str):
+            raise InvalidArgumentError(f"redis_prefix must be a str, got {cfg.redis_prefix!r}")
         for name in ("durable", "write_through", "promote"):
             if not isinstance(getattr(cfg, name), bool):
                 raise InvalidArgumentError(f"{name} must be a bool, got {getattr(cfg, name)!r}")
@@ -229,7 +235,7 @@ class ChunkStore:
                 raise InvalidArgumentError(f"{name} must be an int in [0, 2**63), got {v!r}")
         self.config = cfg
         self._inner: _core.Store | None = _core.Store(
-            None if cfg.path is None else os.fspath(cfg.path),
+            None if cfg.path is None else os.fsdecode(cfg.path),
             cfg.ram_bytes,
             cfg.disk_bytes,
             cfg.io_threads,
