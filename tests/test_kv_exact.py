@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from weightszip.errors import (  # noqa: E402
+    ChecksumMismatchError,
     CorruptDataError,
     InvalidArgumentError,
     LimitExceededError,
@@ -890,6 +891,22 @@ def test_restore_refuses_damaged_sequences(real):
     s2 = cache.restore_sequence(off, verify=True)  # the intact sequence passes every check
     for layer in range(3):
         assert all(torch.equal(a, b) for a, b in zip(cache.dense(layer, s2), cache.dense(layer, s0)))
+    cache.free_sequence(s2)
+    # A raw sign/mantissa byte flipped breaks no rule of the format: only a digest sees it.
+    state = (cache.heap.used, cache.heap.top, sorted(cache._live), cache._calibrated.copy())
+    signed = cache.offload_sequence(s0, free=False, digest=True)
+    assert signed.digest is not None and off.digest is None and torch.equal(signed.data, off.data)
+    raw = signed.data.clone()
+    raw[first + 6 * D] ^= 0x01  # layer 0 K page 0: head 0's first raw byte (after its 3 code planes)
+    s3 = cache.restore_sequence(dc.replace(off, data=raw), verify=True)  # no digest: taken, damaged
+    assert not torch.equal(cache.dense(0, s3)[0], cache.dense(0, s0)[0])
+    cache.free_sequence(s3)
+    refused(dc.replace(signed, data=raw), ChecksumMismatchError, verify=True)
+    ring = signed.ring.clone()
+    ring.view(torch.int16)[0, 0, 0, 0, 0] ^= 1
+    refused(dc.replace(signed, ring=ring), ChecksumMismatchError, verify=True)
+    s4 = cache.restore_sequence(signed, verify=True)
+    assert all(torch.equal(a, b) for a, b in zip(cache.dense(0, s4), cache.dense(0, s0)))
 
 
 def test_cache_beyond_the_write_kernels_and_failed_copies_leave_no_trace(real, monkeypatch):

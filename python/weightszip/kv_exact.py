@@ -50,7 +50,13 @@ import torch
 
 from weightszip import _core
 from weightszip._tensors import int_arg
-from weightszip.errors import CorruptDataError, InvalidArgumentError, LimitExceededError, TruncatedError
+from weightszip.errors import (
+    ChecksumMismatchError,
+    CorruptDataError,
+    InvalidArgumentError,
+    LimitExceededError,
+    TruncatedError,
+)
 from weightszip.kernels import kv_exact4_ref as ref4
 from weightszip.kernels import kv_exact_ref as ref
 from weightszip.pages import _bytes, _offsets_u64, _u16
@@ -181,7 +187,9 @@ class OffloadedSequence:
     (uint8, pinned when the cache is on a GPU) holds every page in (layer, K/V, page) order,
     ``sizes`` int64 [layers, 2, pages] their lengths; ``ring`` the bf16 ring [layers, 2, 16, H, D];
     ``lengths`` the tokens per layer; ``bases`` the window tops the pages were coded with (KV Exact
-    pages); ``page_format`` the cache's ("exact" or "exact4")."""
+    pages); ``page_format`` the cache's ("exact" or "exact4"); ``digest`` (with
+    ``offload_sequence(digest=True)``, else None) the XXH3-64 of ``data`` and of the ring's bytes,
+    which ``restore_sequence(verify=True)`` checks: the pages carry no checksum of their own."""
 
     data: torch.Tensor
     sizes: np.ndarray
@@ -189,6 +197,14 @@ class OffloadedSequence:
     lengths: np.ndarray
     bases: torch.Tensor
     page_format: str = "exact"
+    digest: int | None = None
+
+
+def _sequence_digest(data: torch.Tensor, ring: torch.Tensor) -> int:
+    """XXH3-64 of an offloaded sequence's page bytes, then of its ring's (host tensors), combined."""
+    parts = np.asarray([_core.xxh3_64(t.data_ptr(), t.numel() * t.element_size())
+                        for t in (data.contiguous(), ring.contiguous())], dtype=np.uint64)
+    return _core.xxh3_64(parts.ctypes.data, parts.nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -897,14 +913,17 @@ class KVExactCache:
 
     # -- offload ---------------------------------------------------------------------------------------
     def offload_sequence(self, seq: int, *, free: bool = True, chunk_bytes: int = 64 << 20,
-                         host=None) -> OffloadedSequence:
+                         host=None, digest: bool = False) -> OffloadedSequence:
         """Copy a sequence's pages (their compressed bytes: no decoding) and ring to host memory,
         in chunks of about ``chunk_bytes``; ``free``: then free it in the cache. ``host``: a
         ``weightszip.offload.HostArena`` (pinned) to take the bytes from, so that nothing is
         allocated per call (LimitExceededError when it has too little room left, the cache as before);
         else a pinned allocation (when the cache is on a GPU) per call. On a GPU the chunks are
         gathered into two staging buffers and copied on a side stream, and with ``free`` the free's
-        bookkeeping is prepared while they move."""
+        bookkeeping is prepared while they move. ``digest``: also the XXH3-64 of the bytes on the host
+        (about 15 GB/s on one core, so several times the copy's time over PCIe), which
+        ``restore_sequence(verify=True)`` checks: without it, damage to a page's raw bytes is not
+        detectable (the page formats have no checksum)."""
         self._check_seq(seq)
         pages = int(self.length[:, seq].max()) // PAGE
         blocks = self._bt[seq, :pages]
@@ -957,7 +976,7 @@ class KVExactCache:
                 host.used = arena_used
             raise
         out = OffloadedSequence(data, sizes, ring, self.length[:, seq].copy(), self.bases.cpu().clone(),
-                                self.page_format)
+                                self.page_format, _sequence_digest(data, ring) if digest else None)
         if free:
             self._free(plan)
         return out
@@ -970,8 +989,11 @@ class KVExactCache:
 
         Checked always: shapes, sizes against lengths and data, and every page's header (its
         exception offsets inside the page), so attention never reads outside the heap. ``verify``:
-        every page through the validating decoder too (CorruptDataError / TruncatedError on damage).
-        A failed check leaves the cache as before.
+        the sequence's digest where it has one (``offload_sequence(digest=True)``;
+        ChecksumMismatchError on any changed byte), and every page through the validating decoder
+        (CorruptDataError / TruncatedError where a page breaks the format's rules). Without a digest,
+        damage to a page's raw sign and mantissa bytes breaks no rule and is not detected. A failed
+        check leaves the cache as before.
 
         On a GPU from host memory: into a heap with no free region listed, one copy straight to the
         top of the heap, with the allocation and checks done while it moves; otherwise chunks of
@@ -1007,6 +1029,11 @@ class KVExactCache:
         _check(isinstance(off.data, torch.Tensor) and off.data.dtype == torch.uint8 and off.data.dim() == 1
                and off.data.numel() == int(sizes.sum()),
                f"data must be uint8 [{int(sizes.sum())}] (the pages' bytes), not {getattr(off.data, 'shape', None)}")
+        if verify and getattr(off, "digest", None) is not None:
+            if off.data.device.type != "cpu" or off.ring.device.type != "cpu":
+                raise InvalidArgumentError("a digest is checked on host memory: data and ring must be CPU tensors")
+            if _sequence_digest(off.data, off.ring) != off.digest:
+                raise ChecksumMismatchError("the offloaded sequence's bytes do not match its digest")
         has = sizes.any(axis=2)  # (layer, kind) with pages
         mine = self.bases.cpu()
         for layer, kind in zip(*np.nonzero(has & self._calibrated & (not self._exact4))):
