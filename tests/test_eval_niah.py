@@ -380,6 +380,20 @@ def test_unknown_format_is_refused_before_loading(capsys):
     assert "unknown KV format 'nope'" in capsys.readouterr().err
 
 
+def test_output_that_is_an_input_or_a_folder_is_refused_before_loading(tmp_path, capsys):
+    """``-o`` naming the haystack replaced the text with the JSON report (exit 0); a folder at -o
+    failed only after the model had run. Both are refused before the model is loaded (a model that
+    does not exist shows it: its error would come first otherwise)."""
+    hay = tmp_path / "hay.txt"
+    hay.write_text("The quick brown fox jumps over the lazy dog. " * 50)
+    before = hay.read_bytes()
+    for out, why in ((hay, "input file"), (tmp_path, "directory")):
+        argv = ["--model", "no-such-model", "--length", "512", "--text", str(hay), "-o", str(out), "--allow-calibration-text"]
+        assert niah.main(argv) == 2
+        assert why in capsys.readouterr().err
+    assert hay.read_bytes() == before
+
+
 @pytest.mark.parametrize("argv", [["--length", "99999999k"], ["--length", str(niah.MAX_LENGTH + 1)],
                                   ["--length", "512", "--device", "nonsense"]])
 def test_bad_length_or_device_is_a_usage_error(argv, fake_lm, capsys):

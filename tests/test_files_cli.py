@@ -330,6 +330,26 @@ def test_kv_dump_and_calibrate_refuse_an_existing_output_before_any_work(tmp_pat
     assert "already exists" not in capsys.readouterr().err
 
 
+def test_calibrate_and_capacity_refuse_bad_outputs_before_any_work(tmp_path, capsys):
+    """Found by session 37's review: calibrate's --seed -1 was numpy's traceback, -o "" and -o into a
+    file-as-folder failed only after calibrating; capacity's --plot x.xyz was matplotlib's traceback
+    after the work (and a path without a suffix was written as PATH.png, reported as PATH)."""
+    text = tmp_path / "book.txt"
+    text.write_text("call me Ishmael. " * 10)
+    (tmp_path / "file").write_text("x")
+    cal = ["calibrate", "--model", "no-such-model", "--text", text]
+    for extra, why in ((["--seed", "-1", "-o", tmp_path / "c.wzcal"], "--seed"), (["-o", ""], "empty"),
+                       (["-o", tmp_path / "file" / "c.wzcal"], "not a folder")):
+        assert run_cli(*cal, *extra) == 2
+        assert why in capsys.readouterr().err
+    assert run_cli(*cal, "-o", tmp_path / "new" / "c.wzcal") == 2  # a missing folder is made: the model's error
+    assert "no-such-model" in capsys.readouterr().err and (tmp_path / "new").is_dir()
+    for plot in ("x.xyz", "x.json", "noext"):
+        assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100", "--plot", tmp_path / plot) == 1
+        assert ".png" in capsys.readouterr().err
+        assert not list(tmp_path.glob(plot + "*"))
+
+
 def test_temporary_files_never_touch_a_file_of_a_fixed_name(tmp_path):
     """The writers (the Rust core's, and a Python one for tensor archives until session 28) used fixed
     temporary names (.NAME.wz-partial, NAME.wz-partial), truncating and renaming away a user's file

@@ -159,6 +159,41 @@ def test_bad_arguments():
         WeightszipCache(cfg)
 
 
+def test_updates_and_batch_edits_of_the_wrong_shape_or_kind_are_refused():
+    """A K and V that disagree were taken (the next step handed back K of 41 tokens and V of 21), a
+    0-d or 2-d index changed the rank of the cache's tensors, and float sizes failed later with a
+    TypeError. Each is an InvalidArgumentError now, the cache unchanged."""
+    from transformers import LlamaConfig
+
+    from weightszip.errors import InvalidArgumentError
+
+    def kv(t, b=1, h=2, d=8):
+        return torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(t))
+
+    for kw in ({"page_tokens": 1.5}, {"recent_tokens": float("nan")}, {"page_tokens": True}):
+        with pytest.raises(InvalidArgumentError, match="page_tokens"):
+            WeightszipCache(LlamaConfig(num_hidden_layers=1), **kw)
+    c = WeightszipCache(LlamaConfig(num_hidden_layers=1), page_tokens=16, recent_tokens=8)
+    for k, v in ((kv(40), kv(20)), (kv(4, h=3), kv(4)), (kv(4, b=2), kv(4)), (kv(4), kv(4).half()), (kv(4)[0], kv(4)[0])):
+        with pytest.raises(InvalidArgumentError, match="states"):
+            c.update(k, v, 0)
+    k, v = c.update(kv(40, b=2), kv(40, b=2), 0)
+    for k2, v2 in ((kv(1, h=3, b=2), kv(1, h=3, b=2)), (kv(1), kv(1)), (kv(1, b=2, d=4), kv(1, b=2, d=4))):
+        with pytest.raises(InvalidArgumentError, match="continue"):
+            c.update(k2, v2, 0)
+    for idx in (torch.tensor(1), torch.tensor([[0]]), torch.tensor([]), torch.tensor([2]), torch.tensor([0.0])):
+        with pytest.raises(InvalidArgumentError, match="ind"):
+            c.batch_select_indices(idx)
+    for n in (1.5, True):
+        with pytest.raises(InvalidArgumentError, match="crop"):
+            c.crop(n)
+    assert c.get_seq_length() == 40
+    k3, v3 = c.update(kv(1, b=2), kv(1, b=2), 0)
+    assert k3.shape == v3.shape == (2, 2, 41, 8) and torch.equal(k3[:, :, :40], k)
+    c.batch_select_indices(torch.tensor([1]))
+    assert c.update(kv(1), kv(1), 0)[0].shape == (1, 2, 42, 8)
+
+
 def test_transformers_example_runs(smollm2):
     import runpy
 

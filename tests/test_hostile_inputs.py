@@ -162,6 +162,36 @@ def test_calibration_files_with_malformed_metadata_or_tables(tmp_path):
         with pytest.raises(CalibrationError):
             load_with(raw, **tables)
     assert load_with().allocation == cal.allocation
+    # session 37: metadata nested past Python's recursion limit (RecursionError), allocation widths
+    # that int() took ("44" read as [4, 4], 4.9 as 4, an object as its keys), meta stored as another
+    # dtype (cast to bytes silently)
+    widths = meta["allocation"]["q4"]
+    for alloc in ({"q4": ["44"] * len(widths)}, {"q4": [[4.9, 3.2]] * len(widths)}, {"q4": [{"4": 1, "3": 1}] * len(widths)},
+                  {"q4": "44"}):
+        with pytest.raises(CalibrationError, match="allocation"):
+            load_with(json.dumps({**meta, "allocation": alloc}))
+    with pytest.raises(CalibrationError, match="metadata"):
+        load_with("[" * 100000 + "]" * 100000)
+    for dtype in (np.int64, np.float32):
+        with pytest.raises(CalibrationError, match="metadata"):
+            load_with(None, meta=t0["meta"].astype(dtype))
+
+
+def test_a_calibration_that_load_would_refuse_is_not_saved(tmp_path):
+    import copy
+
+    from weightszip.compact.calibrate import CalibrationError
+
+    cal = _calibration()
+    for spoil in (lambda c: c.mult.zero_(), lambda c: setattr(c, "sink_tokens", -5),
+                  lambda c: setattr(c, "mu", c.mu.to(torch.int32))):
+        bad = copy.deepcopy(cal)
+        spoil(bad)
+        with pytest.raises(CalibrationError):
+            bad.save(tmp_path / "bad.wzcal")
+        assert not (tmp_path / "bad.wzcal").exists()
+    cal.allocation = {k: [[np.int64(b) for b in lk] for lk in v] for k, v in cal.allocation.items()}
+    cal.save(tmp_path / "ok.wzcal")  # numpy widths are written as the numbers they are
 
 
 def test_compact_codec_needs_the_format_in_the_calibration():
@@ -535,3 +565,63 @@ def test_an_output_that_is_a_fifo_is_refused_not_replaced(tmp_path):
             call()
     assert cli(["compress", str(src), "-o", str(fifo), "--force", "-q"]) == 1
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_model_config_nested_past_the_recursion_limit_is_a_capacity_error(tmp_path):
+    from weightszip.eval.capacity import CapacityError, load_config
+
+    (tmp_path / "config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(CapacityError, match="not valid JSON"):
+        load_config(str(tmp_path))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
+def test_cuda_objects_without_a_gpu_are_typed_errors():
+    """A page heap or KV Exact cache on "cuda" (their default) and a pinned arena were torch's
+    RuntimeError ("Found no NVIDIA driver") on a machine without a GPU."""
+    from weightszip.offload import HostArena
+
+    for make in (lambda: kv_exact.PageHeap(64), lambda: HostArena(8, pin=True),
+                 lambda: kv_exact.KVExactCache(layers=1, kv_heads=1, head_dim=32, num_q_heads=1, heap_bytes=1 << 16,
+                                               max_seqs=1, max_tokens=64)):
+        with pytest.raises(errors.UnsupportedFeatureError, match="CUDA"):
+            make()
+
+
+def test_unknown_or_unavailable_kv_formats_are_weightszip_errors():
+    from weightszip.eval.formats import FormatUnavailable, get_format
+
+    with pytest.raises(errors.InvalidArgumentError, match="unknown KV format 'nope'") as e:
+        get_format("nope")
+    assert isinstance(e.value, KeyError)  # (as before: callers catching KeyError still do)
+    assert issubclass(FormatUnavailable, errors.WeightszipError) and issubclass(FormatUnavailable, RuntimeError)
+
+
+def test_compact_codec_inputs_out_of_range_are_refused_not_coded():
+    """Zero tokens crashed the decoder (numpy's ``max(initial=)`` on a torch tensor), ``block < 1``
+    handed back unwritten memory as codes, and pack_page stored codes -12 and scale index 300 as 4
+    and 44, and widths or head_dims no page has as bytes unpack_page refuses."""
+    from weightszip.compact import codec as cc
+
+    cal = _calibration()
+    tabs = cal.tables(0, "v", 4)
+    h, d = cal.kv_heads, cal.head_dim
+    assert cc.roundtrip(torch.zeros(0, h, d), tabs).shape == (0, h, d)
+    x = torch.randn(32, h, d, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for block in (0, -1, 1.5, True):
+        with pytest.raises(cc.CompactCodecError, match="block"):
+            cc.encode_tokens(x, tabs, block=block)
+    assert all(torch.equal(a, b) for a, b in zip(cc.encode_tokens(x, tabs, block=7), cc.encode_tokens(x, tabs)))
+    codes, sidx = cc.encode_tokens(x[:16], tabs)
+    c0, s0 = codes[:, 0], sidx[:, 0]
+    for c, s, bits in ((c0.to(torch.int64) - 12, s0, 4), (c0, s0.to(torch.int64) + 300, 4), (c0.float(), s0, 4),
+                       (c0, s0, 7), (c0[:, :12], s0, 4)):
+        with pytest.raises(cc.CompactCodecError):
+            cc.pack_page(c, s, bits)
+    neg_c, neg_s = codes.to(torch.int64), sidx.to(torch.int64)
+    neg_c[0, 0, 0], neg_s[0, 0] = -1, -1
+    for c, s in ((neg_c, sidx), (codes, neg_s)):
+        with pytest.raises(cc.CompactCodecError, match="lie in"):
+            cc.dequantize(c, s, tabs)
+    page = cc.pack_page(c0, s0, 4)
+    assert all(torch.equal(a, b) for a, b in zip(cc.unpack_page(page, 4, d), (c0, s0)))

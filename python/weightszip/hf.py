@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -127,8 +128,10 @@ class WeightszipLayer(DynamicLayer):
         pad_lengths: Any = None,
     ):
         super().__init__()
-        if page_tokens < 1 or recent_tokens < 0:
-            raise InvalidArgumentError(f"page_tokens must be >= 1 and recent_tokens >= 0, got {page_tokens}, {recent_tokens}")
+        if (any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (page_tokens, recent_tokens))
+                or page_tokens < 1 or recent_tokens < 0):
+            raise InvalidArgumentError(f"page_tokens must be an int >= 1 and recent_tokens an int >= 0, got "
+                                       f"{page_tokens!r}, {recent_tokens!r}")
         self.layer_idx = layer_idx
         self.fmt = fmt
         self.store = store
@@ -250,6 +253,7 @@ class WeightszipLayer(DynamicLayer):
     # -- the cache layer API ----------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self._check_usable()
+        _check_states(key_states, value_states, (self.keys, self.values) if self.is_initialized else None)
         if not self.is_initialized:
             if self._pads is not None and self._pads.numel() != key_states.shape[0]:
                 raise InvalidArgumentError(
@@ -291,6 +295,8 @@ class WeightszipLayer(DynamicLayer):
         the recent window. With a format the tokens that come back stay as the format coded them
         (where the format's own cache would again hold them in bf16): not croppable for
         transformers (`is_croppable`) then."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
+            raise InvalidArgumentError(f"crop takes a whole number of tokens, got {tokens_to_remove!r}")
         n = self.get_seq_length()
         if tokens_to_remove > 0:
             target = min(tokens_to_remove, n)
@@ -397,7 +403,36 @@ def _repeat_fn(repeats: int) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _select_fn(indices: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     idx = torch.as_tensor(indices)
-    return lambda x: x[idx.to(x.device)]
+    if idx.dim() != 1 or idx.numel() == 0 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+        # (a 0-d or 2-d index would change the rank of every tensor of the cache)
+        raise InvalidArgumentError(f"indices must be a non-empty 1-D tensor of row numbers, got {tuple(idx.shape)} "
+                                   f"{idx.dtype}")
+    return lambda x: x[_rows(idx, x.shape[0]).to(x.device)]
+
+
+def _rows(idx: torch.Tensor, n: int) -> torch.Tensor:
+    if bool(((idx < -n) | (idx >= n)).any()):
+        raise InvalidArgumentError(f"row indices {idx.tolist()} out of range for a batch of {n}")
+    return idx
+
+
+def _check_states(k: Any, v: Any, held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """K and V of one update: 4-D tensors [batch, heads, tokens, head_dim] of one dtype that agree on
+    batch, heads and tokens (head_dim may differ), and, after the first update, with the batch,
+    heads, head_dims and dtype the layer holds (a K and V that disagreed were taken, and later steps
+    handed back K and V of different lengths)."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or k.dim() != 4 or v.dim() != 4 \
+            or k.shape[:3] != v.shape[:3] or k.dtype != v.dtype:
+        raise InvalidArgumentError(
+            f"key and value states must be tensors [batch, heads, tokens, head_dim] of one dtype that agree on "
+            f"batch, heads and tokens, got {tuple(getattr(k, 'shape', ()))} {getattr(k, 'dtype', type(k).__name__)} "
+            f"and {tuple(getattr(v, 'shape', ()))} {getattr(v, 'dtype', type(v).__name__)}")
+    if held is None or held[0].dim() != 4:  # (a layer rolled back or reset holds empty 1-D tensors)
+        return
+    for new, old in zip((k, v), held):
+        if (new.shape[0], new.shape[1], new.shape[3], new.dtype) != (old.shape[0], old.shape[1], old.shape[3], old.dtype):
+            raise InvalidArgumentError(f"states {tuple(new.shape)} {new.dtype} do not continue the layer's "
+                                       f"[{old.shape[0]}, {old.shape[1]}, T, {old.shape[3]}] {old.dtype}")
 
 
 def _deepcopy_without_store(obj: Any, memo: dict) -> Any:

@@ -56,6 +56,7 @@ from weightszip.errors import (
     InvalidArgumentError,
     LimitExceededError,
     TruncatedError,
+    UnsupportedFeatureError,
 )
 from weightszip.kernels import kv_exact4_ref as ref4
 from weightszip.kernels import kv_exact_ref as ref
@@ -199,6 +200,10 @@ class OffloadedSequence:
     page_format: str = "exact"
     digest: int | None = None
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel() + self.ring.numel() * 2)
+
 
 def _sequence_digest(data: torch.Tensor, ring: torch.Tensor) -> int:
     """XXH3-64 of an offloaded sequence's page bytes, then of its ring's (host tensors), combined."""
@@ -206,9 +211,18 @@ def _sequence_digest(data: torch.Tensor, ring: torch.Tensor) -> int:
                         for t in (data.contiguous(), ring.contiguous())], dtype=np.uint64)
     return _core.xxh3_64(parts.ctypes.data, parts.nbytes)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.numel() + self.ring.numel() * 2)
+
+def usable_device(device, what: str = "the cache") -> torch.device:
+    """``torch.device(device)``, where torch can use it: a CUDA device without a GPU (or a CUDA build of
+    torch) is UnsupportedFeatureError, not torch's RuntimeError from the first allocation."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"{what}: not a device: {device!r} ({e})") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedFeatureError(f"{what} on {d} needs a CUDA GPU, and torch sees none (device='cpu' runs it "
+                                      "on the CPU)")
+    return d
 
 
 def _kernels_run(device: torch.device) -> bool:
@@ -355,7 +369,7 @@ class PageHeap:
         self.capacity = int(capacity) // ref.ALIGN * ref.ALIGN
         # ``guard`` zero bytes after the last allocatable one: reads that a damaged page could send
         # past its end (at most 16 * head_dim bytes, see KVExactCache) stay inside the buffer
-        self.buf = torch.zeros(self.capacity + int(guard), dtype=torch.uint8, device=device)
+        self.buf = torch.zeros(self.capacity + int(guard), dtype=torch.uint8, device=usable_device(device, "a page heap"))
         self.top = 0
         self.used = 0
         self._by_size: dict[int, set[int]] = {}
@@ -663,7 +677,7 @@ class KVExactCache:
         self.page_format = page_format
         self._exact4 = page_format == "exact4"
         self.L, self.H, self.D, self.hq = layers, kv_heads, head_dim, num_q_heads
-        self.device = torch.device(device)
+        self.device = usable_device(device, "a KV Exact cache")
         self.write_kernels = bool(write_kernels)
         self.heap = PageHeap(heap_bytes, self.device, guard=PAGE * head_dim)
         self.max_seqs = max_seqs

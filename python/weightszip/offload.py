@@ -61,6 +61,7 @@ from weightszip.errors import (
     CorruptDataError,
     InvalidArgumentError,
     TruncatedError,
+    UnsupportedFeatureError,
 )
 
 PAGE_TOKENS = _pages.PAGE_TOKENS
@@ -167,6 +168,10 @@ class HostArena:
         device = torch.device(device)
         if pin is None:
             pin = device.type == "cpu" and torch.cuda.is_available()
+        if pin and not torch.cuda.is_available():
+            raise UnsupportedFeatureError("a pinned host arena needs a CUDA GPU, and torch sees none (pin=False)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedFeatureError(f"a host arena on {device} needs a CUDA GPU, and torch sees none")
         self.buffer = torch.empty(int(nbytes), dtype=torch.uint8, device=device, pin_memory=bool(pin))
         self.used = 0
 
@@ -388,6 +393,12 @@ def _backend(backend: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "rust"
     if backend not in ("triton", "rust"):
         raise InvalidArgumentError(f"backend must be 'auto', 'triton' or 'rust', got {backend!r}")
+    if backend == "triton":
+        from weightszip.kernels._interpreter_compat import interpreting
+
+        if not ((device.type == "cuda" and torch.cuda.is_available()) or interpreting()):
+            raise UnsupportedFeatureError(f"backend 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1) for pages on "
+                                          f"{device}; backend 'rust' runs on the CPU")
     return backend
 
 

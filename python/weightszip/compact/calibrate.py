@@ -164,6 +164,7 @@ class Calibration:
         ``overwrite=False`` an existing file is left as it is (``OutputExistsError``)."""
         import weightszip
 
+        self.validate()  # (a calibration that load would refuse is not written)
         meta = dict(self.meta)
         meta.update(
             kind=CALIBRATION_KIND,
@@ -173,7 +174,7 @@ class Calibration:
             head_dim=self.head_dim,
             sink_tokens=self.sink_tokens,
             recent_window=self.recent_window,
-            allocation=self.allocation,
+            allocation={k: [[int(b) for b in lk] for lk in v] for k, v in self.allocation.items()},  # (numpy ints)
         )
         tensors = {
             "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8).copy(),
@@ -195,9 +196,12 @@ class Calibration:
 
         t = weightszip.load_file(path)
         try:
-            meta = json.loads(bytes(np.asarray(t["meta"], dtype=np.uint8)).decode())
-        except (KeyError, ValueError, UnicodeDecodeError) as e:
-            raise CalibrationError(f"{path}: no readable calibration metadata ({e})") from e
+            raw = np.asarray(t["meta"])
+            if raw.dtype != np.uint8 or raw.ndim != 1:  # (an int64 or float array would be cast silently)
+                raise ValueError(f"meta is {raw.dtype} {raw.shape}, not uint8 bytes")
+            meta = json.loads(raw.tobytes().decode())
+        except (KeyError, ValueError, UnicodeDecodeError, RecursionError) as e:  # (JSON nested 100000 deep)
+            raise CalibrationError(f"{path}: no readable calibration metadata ({e!r:.200})") from e
         if not isinstance(meta, dict):
             raise CalibrationError(f"{path}: calibration metadata must be a JSON object")
         if meta.get("kind") != CALIBRATION_KIND:
@@ -210,6 +214,16 @@ class Calibration:
             if a.dtype != dtype:
                 raise TypeError(f"calibration tensor {name} is {a.dtype}, not {np.dtype(dtype)}")
             return torch.from_numpy(a)
+
+        def _list(x):  # a JSON array (a string or object would iterate as characters or keys)
+            if not isinstance(x, list):
+                raise TypeError(f"allocation entry {x!r:.60} is not a list")
+            return x
+
+        def _width(b):  # a JSON integer ("44" or 4.9 were read as [4, 4] and 4)
+            if not isinstance(b, int) or isinstance(b, bool):
+                raise TypeError(f"allocation width {b!r:.60} is not an integer")
+            return b
 
         def count(name):  # a JSON integer (not a float, string or bool that int() would take)
             x = meta[name]
@@ -230,7 +244,7 @@ class Calibration:
                 signs=table("signs", np.int64),
                 e0=table("e0", np.int64),
                 codebooks={b: table(f"codebook_{b}", np.float32) for b in BITS_CHOICES},
-                allocation={k: [[int(b) for b in lk] for lk in v] for k, v in meta["allocation"].items()},
+                allocation={k: [[_width(b) for b in _list(lk)] for lk in _list(v)] for k, v in meta["allocation"].items()},
                 rope_m=table("rope_m", np.int64) if "rope_m" in t else None,
                 rope_phase=table("rope_phase", np.int64) if "rope_phase" in t else None,
                 sink_tokens=count("sink_tokens"),

@@ -30,7 +30,14 @@ def _cmd_calibrate(a) -> int:
             return fail(f"{t}: no such file or folder")
     from weightszip.cli import refuse_output
 
-    why = refuse_output(a.output, [*a.text, a.model], a.force)
+    if a.seed < 0:
+        return fail(f"--seed must be >= 0, not {a.seed}")
+    if not a.output:
+        return fail("-o/--output is empty")
+    from weightszip.eval.cli import _make_folder_for
+
+    # before the calibration runs: never an input, a directory or a file where its folder should be
+    why = refuse_output(a.output, [*a.text, a.model], a.force) or _make_folder_for(Path(a.output))
     if why is not None:
         return fail(why)
     if a.threads:

@@ -346,6 +346,8 @@ def encode_tokens(x: torch.Tensor, tables: list[HeadTables], positions=None, *, 
     rotary offsets (``HeadTables.has_rope_offset``), ignored otherwise (``offsets``: as for ``rotate``)."""
     if x.ndim != 3:
         raise CompactCodecError(f"expected [tokens, heads, head_dim], got {tuple(x.shape)}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:  # (block < 1 left codes unwritten)
+        raise CompactCodecError(f"block must be an int >= 1, got {block!r}")
     mu, mult, signs, grid, cb, bits = _stack(tables)
     thr = torch.stack([thresholds(c) for c in cb])  # [H, 2**b - 1]
     t = x.shape[0]
@@ -373,8 +375,12 @@ def dequantize(codes: torch.Tensor, sidx: torch.Tensor, tables: list[HeadTables]
     _, _, _, grid, cb, bits = _stack(tables)
     if codes.ndim != 3 or sidx.shape != codes.shape[:2] or codes.shape[1:] != (grid.shape[0], tables[0].head_dim):
         raise CompactCodecError("codes must be [T, H, d] and scale indices [T, H] for these tables")
-    if int(codes.max(initial=0) if codes.numel() == 0 else codes.max()) >= 2**bits:
-        raise CompactCodecError(f"a code exceeds {bits} bits")
+    if codes.dtype.is_floating_point or sidx.dtype.is_floating_point:
+        raise CompactCodecError(f"codes and scale indices are integers, got {codes.dtype} and {sidx.dtype}")
+    if codes.numel() and not 0 <= int(codes.min()) <= int(codes.max()) < 2**bits:
+        raise CompactCodecError(f"codes must lie in [0, {2**bits}): {bits} bits")
+    if sidx.numel() and not 0 <= int(sidx.min()) <= int(sidx.max()) < grid.shape[1]:  # (-1 read as the last)
+        raise CompactCodecError(f"scale indices must lie in [0, {grid.shape[1]})")
     h = torch.arange(grid.shape[0])
     g = grid[h.unsqueeze(0), sidx.long()]  # [T, H]
     vals = cb[h.view(1, -1, 1), codes.long()]  # [T, H, d]
@@ -483,9 +489,14 @@ def pack_page(codes: torch.Tensor, sidx: torch.Tensor, bits: int, version: int =
     if codes.ndim != 2 or codes.shape[0] != PAGE_TOKENS or sidx.shape != (PAGE_TOKENS,):
         raise CompactCodecError("a page packs codes [16, head_dim] and 16 scale indices")
     d = codes.shape[1]
+    page_bytes(bits, d)  # (a width or head_dim no page has: CompactCodecError, as unpack_page says)
+    if codes.dtype.is_floating_point or sidx.dtype.is_floating_point:
+        raise CompactCodecError(f"codes and scale indices are integers, got {codes.dtype} and {sidx.dtype}")
     c = codes.to(torch.int64)
-    if int(c.max()) >= 2**bits:
-        raise CompactCodecError(f"a code exceeds {bits} bits")
+    if not 0 <= int(c.min()) <= int(c.max()) < 2**bits:  # (-12 was packed as 4)
+        raise CompactCodecError(f"codes must lie in [0, {2**bits}): {bits} bits")
+    if not 0 <= int(sidx.min()) <= int(sidx.max()) <= 255:  # (300 was packed as 44)
+        raise CompactCodecError("scale indices must lie in [0, 256)")
     if nibble_rows(bits, version):
         body = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8).reshape(-1)  # [16, d/2]
     elif crumb_rows(bits, d, version):

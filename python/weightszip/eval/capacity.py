@@ -378,8 +378,8 @@ def load_config(path: str, params=None) -> ModelSpec:
             cfg = json.load(f)
     except OSError as e:
         raise CapacityError(f"cannot read model config {path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CapacityError(f"{path} is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # (arrays nested 100000 deep)
+        raise CapacityError(f"{path} is not valid JSON: {e!r:.200}") from None
     if not isinstance(cfg, dict):
         raise CapacityError(f"{path}: expected a JSON object")
     notes = []
@@ -936,6 +936,9 @@ def run(args) -> int:
         for name, bits in measure_exact_formats(load_kv_sample(args.kv_sample)).items():
             register_format(name, bits, f"{EXACT_FORMATS[name]}, at the size its pages take on {args.kv_sample} "
                             f"({float(bits / 16):.3f} of bf16)")
+    if args.plot and os.path.splitext(args.plot)[1].lower() not in (".png", ".pdf", ".svg"):
+        # (matplotlib refuses other suffixes after the work, and adds .png to a path without one)
+        raise CapacityError(f"--plot {args.plot}: give a .png (or .pdf, .svg) file")
     r = compute(
         args.model, args.gpu, gpus=args.gpus, context=args.context, formats=formats, sessions=args.sessions,
         gpu_memory_gb=args.gpu_memory_gb, params=args.params, weights_gb=args.weights_gb,

@@ -35,12 +35,21 @@ from typing import Callable
 
 import torch
 
+from weightszip.errors import InvalidArgumentError, UnsupportedFeatureError
+
 KINDS = ("k", "v")
 BF16_BITS = 16
 
 
-class FormatUnavailable(RuntimeError):
-    """A registered format that cannot run here (its package is missing or fails), with the reason."""
+class FormatUnavailable(UnsupportedFeatureError, RuntimeError):
+    """A registered format that cannot run here (its package is missing or fails), with the reason:
+    a `weightszip.WeightszipError` (UnsupportedFeatureError), and a RuntimeError as it always was."""
+
+
+class UnknownFormatError(InvalidArgumentError, KeyError):
+    """A format name that is not registered: an InvalidArgumentError, and a KeyError as it always was."""
+
+    __str__ = Exception.__str__  # (KeyError's would quote the message)
 
 
 class KVFormat:
@@ -374,11 +383,11 @@ def register_format(fmt: KVFormat, *, replace: bool = False) -> KVFormat:
 
 def get_format(name: str) -> KVFormat:
     """The registered format ``name``; raises ``FormatUnavailable`` (with the reason) for one that
-    cannot run here, ``KeyError`` for an unknown name."""
+    cannot run here, ``UnknownFormatError`` (an InvalidArgumentError and a KeyError) for an unknown name."""
     try:
         fmt = FORMATS[name]
     except KeyError:
-        raise KeyError(f"unknown KV format {name!r}; registered: {', '.join(FORMATS)}") from None
+        raise UnknownFormatError(f"unknown KV format {name!r}; registered: {', '.join(FORMATS)}") from None
     check: Callable[[], None] | None = getattr(fmt, "check_available", None)
     if check is not None:
         check()

@@ -821,6 +821,14 @@ def run_cli(args) -> int:
         haystack = text_files(Path(args.text) if args.text else default_text())
     except FileNotFoundError:
         haystack = []  # (said once the haystack is read)
+    if args.output:  # before the model runs: never an input (the text, a haystack file, the model), a folder
+        from weightszip.cli import refuse_output
+        from weightszip.eval.cli import _make_folder_for
+
+        inputs = [str(f) for f in haystack] + [t for t in (args.text, args.model) if t]
+        why = refuse_output(args.output, inputs, force=True) or _make_folder_for(Path(args.output))
+        if why is not None:
+            return fail(f"-o {why}")
     overlap, why = provenance.held_out(cal, args.calibration, haystack, args.allow_calibration_text)
     if why is not None:
         return fail(why)
