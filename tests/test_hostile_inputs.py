@@ -625,3 +625,24 @@ def test_compact_codec_inputs_out_of_range_are_refused_not_coded():
             cc.dequantize(c, s, tabs)
     page = cc.pack_page(c0, s0, 4)
     assert all(torch.equal(a, b) for a, b in zip(cc.unpack_page(page, 4, d), (c0, s0)))
+
+
+def test_compact_tables_and_formats_refuse_bad_layers_kinds_and_widths():
+    """``tables(0, "x", 4)`` was a ValueError, ``tables(0, "k", 7)`` and ``table_bits("zz")`` a
+    KeyError, a compact format's roundtrip at layer 5 of 1 an IndexError."""
+    from weightszip.compact.calibrate import CalibrationError
+    from weightszip.compact.codec import CompactCodecError
+    from weightszip.compact.formats import CompactFormat
+
+    cal = _calibration()
+    for call in (lambda: cal.tables(0, "x", 4), lambda: cal.tables(0, "k", 7), lambda: cal.tables(1, "k", 4),
+                 lambda: cal.tables(0.0, "k", 4), lambda: cal.table_bits("zz")):
+        with pytest.raises(CalibrationError):
+            call()
+    fmt = CompactFormat("q4", cal)
+    x = torch.zeros(1, cal.kv_heads, 16, cal.head_dim)
+    for call in (lambda: fmt.roundtrip(x, "k", 5), lambda: fmt.roundtrip(x, "x", 0), lambda: fmt.roundtrip(x[0], "k", 0),
+                 lambda: fmt.roundtrip(x[:, :, :, :8], "k", 0)):
+        with pytest.raises(CompactCodecError):
+            call()
+    assert issubclass(CompactCodecError, errors.WeightszipError) and issubclass(CompactCodecError, ValueError)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -91,8 +92,11 @@ class Calibration:
     meta: dict = field(default_factory=dict)
 
     def tables(self, layer: int, kind: str, bits: int) -> list[HeadTables]:
-        if not 0 <= layer < self.layers:
-            raise CalibrationError(f"layer {layer} is outside the calibration's {self.layers} layers")
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < self.layers:
+            raise CalibrationError(f"layer {layer!r} is outside the calibration's {self.layers} layers")
+        if kind not in KINDS or bits not in self.codebooks:
+            raise CalibrationError(f"tables are of kind {' or '.join(KINDS)} and widths {sorted(self.codebooks)}, "
+                                   f"not {kind!r} and {bits!r}")
         ki = KINDS.index(kind)
         return [
             HeadTables(
@@ -116,6 +120,8 @@ class Calibration:
         """Bits of the tables a format reads (mu, mult, e0, signs, its codebooks), for the
         bits-per-value count: mu int64, mult u32, e0 one byte, signs one bit, codebooks float32;
         rotary offsets: rope_m 32 bits per K channel, rope_phase 48 bits per pair."""
+        if fmt not in self.allocation:
+            raise CalibrationError(f"the calibration has no allocation for {fmt!r} ({', '.join(self.allocation)})")
         alloc = self.allocation[fmt]
         per_head = self.head_dim * (64 + 32) + 8
         total = self.head_dim

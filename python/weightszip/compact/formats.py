@@ -24,7 +24,7 @@ class CompactFormat(KVFormat):
 
     def __init__(self, name: str, calibration: Calibration | None = None):
         if name not in TARGETS:
-            raise ValueError(f"unknown compact format {name!r}; one of {', '.join(TARGETS)}")
+            raise codec.CompactCodecError(f"unknown compact format {name!r}; one of {', '.join(TARGETS)}")
         self.name = name
         self.calibration = calibration
         if calibration is not None:
@@ -57,20 +57,27 @@ class CompactFormat(KVFormat):
         return self.calibration
 
     def widths(self, layer: int) -> tuple[int, int]:
-        a = self._cal().allocation[self.name][layer]
+        cal = self._cal()
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cal.layers:
+            raise codec.CompactCodecError(f"layer {layer!r} is outside the calibration's {cal.layers} layers")
+        a = cal.allocation[self.name][layer]
         return a[0], a[1]
 
     def roundtrip(self, x, kind, layer=None, start: int = 0):
         """x [batch, kv_heads, tokens, head_dim] -> what the cache hands back; the tokens sit at
         positions start, start + 1, ... (the evaluation harness's windows start at 0)."""
         if kind not in KINDS:
-            raise ValueError(f"kind must be 'k' or 'v', not {kind!r}")
+            raise codec.CompactCodecError(f"kind must be 'k' or 'v', not {kind!r}")
         if layer is None:
-            raise ValueError("compact formats need the layer index (their tables are per layer)")
+            raise codec.CompactCodecError("compact formats need the layer index (their tables are per layer)")
         cal = self._cal()
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise codec.CompactCodecError(f"K/V must be a tensor [batch, kv_heads, tokens, head_dim], got "
+                                          f"{tuple(getattr(x, 'shape', ()))}")
         b, h, t, d = x.shape
         if (h, d) != (cal.kv_heads, cal.head_dim):
-            raise ValueError(f"K/V of {h} heads x {d} does not fit the calibration ({cal.kv_heads} x {cal.head_dim})")
+            raise codec.CompactCodecError(f"K/V of {h} heads x {d} does not fit the calibration "
+                                          f"({cal.kv_heads} x {cal.head_dim})")
         bits = self.widths(layer)[KINDS.index(kind)]
         tables = cal.tables(layer, kind, bits)
         if b == 1 and start == 0:
