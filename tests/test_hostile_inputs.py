@@ -646,3 +646,35 @@ def test_compact_tables_and_formats_refuse_bad_layers_kinds_and_widths():
         with pytest.raises(CompactCodecError):
             call()
     assert issubclass(CompactCodecError, errors.WeightszipError) and issubclass(CompactCodecError, ValueError)
+
+
+def test_positions_sequence_numbers_and_chunk_plans_of_the_wrong_kind():
+    """Float positions were truncated (0.5 coded as 0), ``append(0, [0.7], ...)`` appended to
+    sequence 0, a plan of 10**9 one-page chunks ran for minutes, and a format of a calibration
+    without its allocation was a KeyError."""
+    from weightszip.compact import codec as cc
+    from weightszip.compact.formats import CompactFormat
+    from weightszip.offload import plan_chunks
+
+    cal = _calibration()
+    x = torch.randn(16, cal.kv_heads, cal.head_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    tabs = cal.tables(0, "k", 4)
+    with pytest.raises(cc.CompactCodecError, match="integers"):
+        cc.encode_tokens(x, tabs, positions=torch.arange(16) + 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(cc.encode_tokens(x, tabs, positions=list(range(16))),
+                                                 cc.encode_tokens(x, tabs, positions=torch.arange(16, dtype=torch.int32))))
+    with pytest.raises(errors.LimitExceededError, match="chunks"):
+        plan_chunks(10**9, 1)
+    assert plan_chunks(524288, 8192)[-1][1] == 524288
+    cache = kv_exact.KVExactCache(layers=1, kv_heads=1, head_dim=32, num_q_heads=1, heap_bytes=1 << 16, max_seqs=1,
+                                  max_tokens=64, device="cpu")
+    s = cache.add_sequence()
+    kv = torch.zeros(1, 16, 1, 32, dtype=torch.bfloat16)
+    for seqs in ([0.7], [True], ["0"]):
+        with pytest.raises(errors.InvalidArgumentError, match="seqs"):
+            cache.append(0, seqs, kv, kv)
+    cache.append(0, [s], kv, kv)
+    empty = _calibration()
+    empty.allocation = {}
+    with pytest.raises(cc.CompactCodecError, match="allocation"):
+        CompactFormat("q4", empty).widths(0)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import numbers
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -754,6 +755,8 @@ class KVExactCache:
         fill are coded and stored (all sequences' pages in one coding pass); the last 16 tokens of each
         sequence go to its bf16 ring. No sequences (or T = 0): nothing to append."""
         self._check_layer(layer)
+        _check(all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in seqs),
+               f"seqs must be sequence numbers (integers), got {list(seqs)!r:.80}")  # (0.7 was sequence 0)
         seqs = [int(s) for s in seqs]
         for s in seqs:
             self._check_seq(s)

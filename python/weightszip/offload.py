@@ -60,6 +60,7 @@ from weightszip.errors import (
     ChecksumMismatchError,
     CorruptDataError,
     InvalidArgumentError,
+    LimitExceededError,
     TruncatedError,
     UnsupportedFeatureError,
 )
@@ -208,7 +209,13 @@ def plan_chunks(n_pages: int, chunk_pages: int) -> list[tuple[int, int]]:
         raise InvalidArgumentError(f"n_pages and chunk_pages must be integers, got {n_pages!r}, {chunk_pages!r}") from None
     if chunk_pages < 1:
         raise InvalidArgumentError("chunk_pages must be >= 1")
+    if n_pages > chunk_pages * _MAX_CHUNKS:  # (a plan of a billion one-page chunks took minutes and GBs)
+        raise LimitExceededError(f"{n_pages} pages in chunks of {chunk_pages}: more than {_MAX_CHUNKS} chunks")
     return list(_plan(n_pages, chunk_pages))
+
+
+#: The most chunks a plan may have (a 128k-token session is 74 chunks at the default size).
+_MAX_CHUNKS = 1 << 16
 
 
 @functools.lru_cache(maxsize=64)

@@ -259,8 +259,16 @@ def rope_cos_sin(positions: torch.Tensor, rope_phase: torch.Tensor) -> tuple[tor
     return cos, sin
 
 
+def _int_positions(positions) -> torch.Tensor:
+    """Token positions as int64; floats (0.5 was taken as 0), complex and bool are refused."""
+    given = torch.as_tensor(positions)
+    if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+        raise CompactCodecError(f"positions are integers, got {given.dtype}")
+    return given.to(torch.int64)
+
+
 def _checked_positions(positions) -> torch.Tensor:
-    positions = torch.as_tensor(positions, dtype=torch.int64)
+    positions = _int_positions(positions)
     if positions.ndim != 1:
         raise CompactCodecError("positions must be a 1-D tensor of token positions")
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= POSITION_MAX):
@@ -309,7 +317,7 @@ def _offsets_for(x: torch.Tensor, tables: list[HeadTables], positions) -> torch.
         return None
     if positions is None:
         raise CompactCodecError("these K tables carry rotary offsets: give the tokens' positions")
-    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    positions = _int_positions(positions).reshape(-1)
     if x.ndim != 3 or positions.shape[0] != x.shape[0]:
         raise CompactCodecError(f"positions [{positions.shape[0]}] do not match tokens {tuple(x.shape)}")
     return rope_offset(positions, tables)
@@ -354,7 +362,7 @@ def encode_tokens(x: torch.Tensor, tables: list[HeadTables], positions=None, *, 
     codes = torch.empty(x.shape, dtype=torch.uint8)
     sidx = torch.empty(x.shape[:2], dtype=torch.uint8)
     if positions is not None:
-        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        positions = _int_positions(positions).reshape(-1)
         if positions.shape[0] != t:
             raise CompactCodecError(f"{positions.shape[0]} positions for {t} tokens")
     for a in range(0, t, block):
@@ -413,7 +421,7 @@ def key_offset_logits(q: torch.Tensor, positions, tables: list[HeadTables]) -> t
     """q . r(p) * 2**-16 for attention in the rotated domain with rotary offsets: q [H, G, d],
     positions [T] -> float32 [H, G, T] (zeros when the tables carry no rotary offsets), so that
     q . inverse(yhat, p) == q' . yhat + bias + key_offset_logits up to rounding."""
-    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    positions = _int_positions(positions).reshape(-1)
     r = rope_offset(positions, tables).double() * 2.0**-FIXED_SHIFT  # [T, H, d]
     return torch.einsum("hgd,thd->hgt", q.double(), r).float()
 

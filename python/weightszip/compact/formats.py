@@ -60,6 +60,8 @@ class CompactFormat(KVFormat):
         cal = self._cal()
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < cal.layers:
             raise codec.CompactCodecError(f"layer {layer!r} is outside the calibration's {cal.layers} layers")
+        if self.name not in cal.allocation:  # (a calibration with "allocation": {} loads)
+            raise codec.CompactCodecError(f"the calibration has no allocation for {self.name!r}")
         a = cal.allocation[self.name][layer]
         return a[0], a[1]
 
