@@ -170,19 +170,17 @@ def _check_size(shape: tuple, itemsize: int) -> None:
 
 
 @contextlib.contextmanager
-def _copy_in_memory(shape, dtype):
-    """The contiguous copy of a view that does not fit in memory: LimitExceededError, not numpy's
-    MemoryError or torch's RuntimeError."""
+def _fits_in_memory(message: str):
+    """An allocation that does not fit in memory: LimitExceededError(``message``), not numpy's
+    MemoryError or torch's RuntimeError (its allocator says so with one)."""
     try:
         yield
     except MemoryError:
-        raise LimitExceededError(f"a contiguous copy of the {dtype} view of shape {tuple(shape)} does not fit "
-                                 "in memory") from None
+        raise LimitExceededError(message) from None
     except RuntimeError as e:
         if "can't allocate memory" not in str(e) and "out of memory" not in str(e):
             raise
-        raise LimitExceededError(f"a contiguous copy of the {dtype} view of shape {tuple(shape)} does not fit "
-                                 f"in memory: {e}") from None
+        raise LimitExceededError(f"{message}: {e}") from None
 
 
 def as_buffer(x: Any) -> _Buffer:
@@ -198,7 +196,7 @@ def as_buffer(x: Any) -> _Buffer:
             raise InvalidArgumentError(f"expected a dense tensor with data, got layout {x.layout} on {x.device}")
         _check_size(tuple(x.shape), x.element_size())
         t = x.detach()
-        with _copy_in_memory(x.shape, x.dtype):
+        with _fits_in_memory(f"a contiguous copy of the {x.dtype} view of shape {tuple(x.shape)} does not fit in memory"):
             if t.device.type != "cpu":
                 t = t.cpu()
             # a lazy negation or conjugation (``c.conj().imag``) is a flag beside the storage: applied
@@ -211,7 +209,7 @@ def as_buffer(x: Any) -> _Buffer:
             raise InvalidArgumentError(f"unsupported numpy dtype {a.dtype}")
         if not a.flags.c_contiguous:
             _check_size(a.shape, a.dtype.itemsize)
-            with _copy_in_memory(a.shape, a.dtype):
+            with _fits_in_memory(f"a contiguous copy of the {a.dtype} view of shape {a.shape} does not fit in memory"):
                 a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into 1-d
         return _Buffer(a.ctypes.data, a.nbytes, a, _NP_TO_NAME[a.dtype], tuple(a.shape), 0)
     raise InvalidArgumentError(f"expected a numpy array or a torch tensor, got {type(x).__name__}")
@@ -264,13 +262,9 @@ def empty_like_entry(entry: Mapping[str, Any], out: str | None):
     numpy otherwise. Returns (array, address). A tensor that does not fit in memory (a container's
     declared size can be far larger than its bytes: zeros compress very well) is LimitExceededError,
     not MemoryError."""
-    try:
+    with _fits_in_memory(f"tensor {entry['name']!r}: {entry['raw_bytes']} bytes do not fit in memory "
+                         "(`weightszip decompress` writes a container to a file with bounded memory)"):
         return _empty_like_entry(entry, out)
-    except MemoryError:
-        raise LimitExceededError(
-            f"tensor {entry['name']!r}: {entry['raw_bytes']} bytes do not fit in memory "
-            "(`weightszip decompress` writes a container to a file with bounded memory)"
-        ) from None
 
 
 def _empty_like_entry(entry: Mapping[str, Any], out: str | None):
@@ -285,12 +279,7 @@ def _empty_like_entry(entry: Mapping[str, Any], out: str | None):
         _, from_name = _torch_maps()
         if entry["dtype"] not in from_name:
             raise InvalidArgumentError(f"torch has no dtype {entry['dtype']}")
-        try:
-            t = torch.empty(shape, dtype=from_name[entry["dtype"]])
-        except RuntimeError as e:  # (torch's allocator says so with a RuntimeError, not MemoryError)
-            if "can't allocate memory" in str(e):
-                raise MemoryError(str(e)) from None
-            raise
+        t = torch.empty(shape, dtype=from_name[entry["dtype"]])
         return t, t.data_ptr()
     a = np.empty(shape, dtype=_NAME_TO_NP[entry["dtype"]])
     return a, a.ctypes.data
