@@ -53,6 +53,20 @@ def test_registry_lists_baselines_and_accepts_new_formats():
         F.FORMATS.pop("test-int3-g16", None)
 
 
+def test_channel_groups_must_tile_head_dim(capsys):
+    """int4-g32 and KIVI's V groups at a head_dim they do not tile: their roundtrip refuses it, so
+    their size is FormatUnavailable too (`eval formats --head-dim 7` printed 8.57 bits for int4-g32)."""
+    for name, d in (("int4-g32", 7), ("int4-g32", 48), ("int4-g64", 96), ("kivi-2", 7)):
+        with pytest.raises(F.FormatUnavailable, match=f"multiple of (32|64), not {d}"):
+            F.get_format(name).bits_per_value(8192, d, 3)
+    assert F.get_format("kivi-2").stored_bits(100, 7, 3, "k") > 0  # K groups run along tokens
+    from weightszip.cli import main
+
+    assert main(["eval", "formats", "--head-dim", "7"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["int4-g32"] == rows["kivi-2"] == "-" and rows["fp8"] != "-"
+
+
 def test_bf16_is_the_identity():
     x = _kv()
     assert F.get_format("bf16").roundtrip(x, "k") is x

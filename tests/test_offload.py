@@ -455,3 +455,10 @@ def test_restore_refuses_chunks_that_do_not_tile_the_session(small_session, back
         odd.copy_(c.host)
         c.host = odd
     assert torch.equal(ol.restore(moved, torch.zeros_like(x), backend=backend).view(torch.int16), x.view(torch.int16))
+    # and chunks whose host bytes are a strided view (every other byte of a larger buffer)
+    for c in moved.chunks:
+        wide = torch.zeros(2 * c.host.numel(), dtype=torch.uint8)
+        wide[::2] = c.host
+        c.host = wide[::2]
+        assert not c.host.is_contiguous()
+    assert torch.equal(ol.restore(moved, torch.zeros_like(x), backend=backend).view(torch.int16), x.view(torch.int16))

@@ -620,10 +620,11 @@ def _chunk_parts(c: Chunk):
     """(page bytes, offsets int64, table ids int32) of a chunk region (on its device; views where
     the region is aligned)."""
     _check_region(c)
+    host = c.host if c.host.is_contiguous() else c.host.contiguous()  # a strided view of the bytes
     o = c.nbytes
-    offs = _words(c.host[o : o + 8 * (c.n_pages + 1)], torch.int64)
+    offs = _words(host[o : o + 8 * (c.n_pages + 1)], torch.int64)
     t = o + 8 * (c.n_pages + 1)
-    return c.host[:o], offs, _words(c.host[t : t + 4 * c.n_pages], torch.int32)
+    return host[:o], offs, _words(host[t : t + 4 * c.n_pages], torch.int32)
 
 
 def _check_chunks(session: CompressedSession) -> None:

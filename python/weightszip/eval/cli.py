@@ -415,11 +415,12 @@ def _cmd_eval_formats(a) -> int:
     status = F.available_formats()
     print(f"{'format':10s} {'bits/value':>10s}  {'kept bf16':>9s}  description (bits at {a.context} tokens, head_dim {a.head_dim})")
     for name, fmt in F.FORMATS.items():
+        why = "" if status[name] is None else f"  [unavailable: {status[name]}]"
         try:
             bits = f"{fmt.bits_per_value(a.context, a.head_dim, a.kv_heads):10.4f}"
-        except F.FormatUnavailable:
+        except F.FormatUnavailable as e:
             bits = f"{'-':>10s}"
+            why = why or f"  [unavailable: {e}]"
         kept = f"{fmt.sink_tokens}+{fmt.recent_window}" if fmt.keeps_bf16 else "-"
-        why = "" if status[name] is None else f"  [unavailable: {status[name]}]"
         print(f"{name:10s} {bits}  {kept:>9s}  {fmt.description}{why}")
     return 0

@@ -162,6 +162,13 @@ def _affine_roundtrip(xf: torch.Tensor, dim: int, bits: int, param_dtype: torch.
     return torch.where(scale > 0, codes * scale + zero, zero.expand_as(xf))
 
 
+def _whole_groups(name: str, head_dim: int, group: int) -> None:
+    """Formats that group channels along head_dim run only where the groups tile it (their
+    roundtrip refuses the rest), so they have no size there either."""
+    if head_dim % group:
+        raise FormatUnavailable(f"{name} needs head_dim a multiple of {group}, not {head_dim}")
+
+
 @dataclass(frozen=True, repr=False)
 class IntGroupHeadDim(KVFormat):
     """Asymmetric integer codes in groups of ``group`` consecutive channels of one token and head
@@ -190,7 +197,8 @@ class IntGroupHeadDim(KVFormat):
         return _affine_roundtrip(xf, -1, self.bits, self.param_dtype).reshape(b, h, t, d).to(x.dtype)
 
     def stored_bits(self, n_quantized, head_dim, kv_heads, kind):
-        groups = math.ceil(head_dim / self.group)
+        _whole_groups(self.name, head_dim, self.group)
+        groups = head_dim // self.group
         pb = torch.finfo(self.param_dtype).bits
         return n_quantized * kv_heads * (head_dim * self.bits + groups * 2 * pb)
 
@@ -247,7 +255,8 @@ class KIVI(KVFormat):
     def stored_bits(self, n_quantized, head_dim, kv_heads, kind):
         pb = torch.finfo(self.param_dtype).bits
         if kind == "v":
-            groups_per_token = math.ceil(head_dim / self.group)
+            _whole_groups(self.name, head_dim, self.group)
+            groups_per_token = head_dim // self.group
             return n_quantized * kv_heads * (head_dim * self.bits + groups_per_token * 2 * pb)
         # Keys: whole token groups are stored once a group leaves the window (the group's later
         # tokens are then held twice, bf16 in the window and quantized, for up to group-1 steps;
