@@ -311,12 +311,7 @@ def test_lossless_formats_measured_on_a_kv_sample(tmp_path, capsys):
     assert 8 < got["kv-exact"] < got["kv-exact4"] < 16
     p = tmp_path / "kv.npy"
     np.save(p, real.astype(np.uint16))
-    saved = dict(capacity.FORMATS)
-    try:  # (--kv-sample registers the measured sizes: put the stated ones back for the other tests)
-        assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", p, "--json") == 0
-    finally:
-        capacity.FORMATS.clear()
-        capacity.FORMATS.update(saved)
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--kv-sample", p, "--json") == 0
     d = {f["name"]: f for f in json.loads(capsys.readouterr().out)["formats"]}
     assert d["kv-exact"]["bits_per_value"] == float(got["kv-exact"]) and "kv.npy" in d["kv-exact4"]["description"]
     # an all-zero cache: no plain rows, so a KV Exact4 page is its 16-byte header and 25 bytes per
@@ -417,13 +412,101 @@ def test_capacity_calibration_honours_params(tmp_path, capsys):
            "head_dim": 64, "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, "num_local_experts": 8}
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
-    saved = dict(capacity.FORMATS)
-    try:
-        assert run_cli("capacity", "--model", p, "--params", "1B", "--gpu", "l4", "--context", "8k", "--formats",
-                       "bf16,q4", "--calibration", SMOLLM2_CAL, "--json") == 0
-        d = json.loads(capsys.readouterr().out)
-        assert d["model"]["params"] == 1e9
-        assert "budget_bits_per_value" not in d["formats"][1] and 4.18 < d["formats"][1]["bits_per_value"] < 4.19
-    finally:
-        capacity.FORMATS.clear()
-        capacity.FORMATS.update(saved)
+    assert run_cli("capacity", "--model", p, "--params", "1B", "--gpu", "l4", "--context", "8k", "--formats",
+                   "bf16,q4", "--calibration", SMOLLM2_CAL, "--json") == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["model"]["params"] == 1e9
+    assert "budget_bits_per_value" not in d["formats"][1] and 4.18 < d["formats"][1]["bits_per_value"] < 4.19
+
+
+def test_calibration_and_kv_sample_change_only_their_formats_and_only_this_run(tmp_path, capsys):
+    """--calibration registered every allocation the file held (one for "bf16" and "fp8" replaced the
+    baselines: bf16 at 3.2 bits, 1.00x itself), and both options changed the process-wide table (a
+    later run without them printed their figures); at a short context the calibration's exact bits
+    (tables over few tokens) were refused as over 64 bits."""
+    pytest.importorskip("torch")
+    import numpy as np
+
+    from weightszip.compact.calibrate import Calibration
+
+    cal = Calibration.load(SMOLLM2_CAL)
+    cal.allocation = dict(cal.allocation, bf16=cal.allocation["q3"], fp8=cal.allocation["q3"])
+    evil = tmp_path / "evil.wzcal"
+    cal.save(evil)
+    kv = tmp_path / "kv.npy"
+    np.save(kv, np.load(DATA / "kv_smollm2_64tok.npy").reshape(2, 3, 64, 3, 64).astype(np.uint16))
+    smol = tmp_path / "config.json"  # SmolLM2-135M's shape, the calibration's model
+    smol.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
+                                "num_key_value_heads": 3, "head_dim": 64, "hidden_size": 576, "intermediate_size": 1536,
+                                "vocab_size": 49152, "tie_word_embeddings": True}))
+    before = dict(capacity.FORMATS)
+    base = ["capacity", "--model", smol, "--gpu", "l4", "--context", "8k", "--json"]
+
+    def rows(*extra):
+        assert run_cli(*base, *extra) == 0
+        return {f["name"]: f["bits_per_value"] for f in json.loads(capsys.readouterr().out)["formats"]}
+
+    plain = rows()
+    got = rows("--calibration", evil, "--kv-sample", kv)
+    assert got["bf16"] == 16 and got["fp8"] == plain["fp8"]
+    assert got["q3"] != plain["q3"] and got["kv-exact"] != plain["kv-exact"]
+    assert rows() == plain and capacity.FORMATS == before
+    # a context so short that the tables outweigh the tokens: counted, as the budget is without it
+    short = rows("--calibration", SMOLLM2_CAL, "--context", "1")
+    assert short["q3"] > 64 and capacity.FORMATS == before
+
+
+def test_plot_never_replaces_an_input(tmp_path, capsys):
+    """--plot naming the model's config, the K/V sample or the calibration replaced it with the chart."""
+    pytest.importorskip("matplotlib")
+    cfg = tmp_path / "cfg.png"
+    cfg.write_text(json.dumps(LLAMA_8B_CONFIG))
+    text = cfg.read_text()
+    assert run_cli("capacity", "--model", cfg, "--gpu", "h200", "--plot", cfg) == 1
+    assert "is the input file" in capsys.readouterr().err and cfg.read_text() == text
+    link = tmp_path / "link.svg"
+    link.symlink_to(cfg)
+    assert run_cli("capacity", "--model", cfg, "--gpu", "h200", "--plot", link) == 1
+    assert cfg.read_text() == text
+    (tmp_path / "d.png").mkdir()
+    assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h200", "--plot", tmp_path / "d.png") == 1
+    assert "directory" in capsys.readouterr().err
+
+
+def test_hostile_configs_samples_and_counts(tmp_path, capsys):
+    """Each was a traceback (OverflowError, ValueError, ZeroDivisionError, TypeError), a read of
+    /dev/zero until memory ran out, or a hang on a FIFO: CapacityError now."""
+    import os
+
+    import numpy as np
+
+    big = tmp_path / "big.json"
+    big.write_text('{"num_parameters": ' + "9" * 5000 + "}")
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({k: v for k, v in LLAMA_8B_CONFIG.items()} | {"hidden_size": 10**400}))
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, match in ((big, "not valid JSON"), (huge, "hidden_size"), (fifo, "not a regular file"),
+                        ("/dev/zero", "not a regular file"), ("a\0/b.json", "cannot read")):
+        with pytest.raises(CapacityError, match=match):
+            compute(str(path), "h200")
+    assert run_cli("capacity", "--model", big, "--gpu", "h200") == 1
+    too_big = tmp_path / "too_big.json"
+    with open(too_big, "wb") as f:
+        f.truncate(capacity.CONFIG_MAX_BYTES + 1)
+    with pytest.raises(CapacityError, match="larger than"):
+        compute(str(too_big), "h200")
+    empty = tmp_path / "empty.npy"
+    np.save(empty, np.zeros((0, 64, 1, 32), np.int16))
+    for sample in (empty, fifo):
+        with pytest.raises(CapacityError):
+            capacity.measure_exact_formats(capacity.load_kv_sample(str(sample)))
+    nines = "9" * 320
+    for flag in ("--context", "--sessions", "--gpus", "--gpus-per-node"):
+        assert run_cli("capacity", "--model", "llama-3.1-8b", "--gpu", "h200", flag, nines) == 1
+        assert "at most 1e15" in capsys.readouterr().err
+    for kwargs in (dict(model=123), dict(gpu=["x"]), dict(formats=5), dict(formats="bf16"), dict(formats=[None]),
+                   dict(params=10**5000), dict(extra_formats={"x": 3})):
+        args = dict(model="llama-3.1-8b", gpu="h200") | kwargs
+        with pytest.raises(CapacityError):
+            compute(args.pop("model"), args.pop("gpu"), **args)

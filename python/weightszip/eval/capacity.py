@@ -55,6 +55,25 @@ class CapacityError(InvalidArgumentError, ValueError):
 # Numbers are taken up to 1e30 in magnitude, and 0 or at least 1e-30: far past any real figure,
 # and the floats the report prints stay finite (1e400 was an OverflowError; 1e99999999 hung in parsing).
 NUMBER_EXPONENT_LIMIT = 30
+# Counts (--context, --sessions, --gpus, --gpus-per-node) up to 1e15 and a config's sizes up to 2**31:
+# past any real figure, and the report's floats stay finite (a 320-digit --context was an OverflowError).
+COUNT_LIMIT = 10**15
+CONFIG_INT_LIMIT = 2**31
+CONFIG_MAX_BYTES = 16 * 2**20  # a config.json is kilobytes; /dev/zero was read until memory ran out
+
+
+def _regular_file(path: str, what: str, max_bytes: int | None = None) -> None:
+    """CapacityError unless ``path`` is a regular file (a FIFO hung the read, a device was read without end)."""
+    import stat
+
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError) as e:
+        raise CapacityError(f"cannot read {what} {path!r:.300}: {getattr(e, 'strerror', None) or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CapacityError(f"{what} {path!r:.300} is not a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise CapacityError(f"{what} {path!r:.300}: larger than {max_bytes} bytes")
 
 
 def _parse_frac(x) -> Fraction:
@@ -155,14 +174,22 @@ def register_format(name: str, bits_per_value, description: str = "", *, budget:
     measures (e.g. `register_format("q3.5", Fraction(7219, 2048))`) over the stated figure.
     ``budget=True``: the bits are a compact format's budget at ``compact_budget.BUDGET_CONTEXT`` tokens
     (q4, q3.5, q3 without a calibration), counted at each context by ``compact_budget.budget_bits``."""
+    fmt = make_format(name, bits_per_value, description, budget=budget)
+    FORMATS[name] = fmt
+    return fmt
+
+
+def make_format(name: str, bits_per_value, description: str = "", *, budget: bool = False,
+                max_bits: int | None = 64) -> KVFormat:
+    """A KVFormat checked as `register_format` checks it, not registered (for ``compute``'s
+    ``extra_formats``). ``max_bits=None``: no upper bound (a calibration's exact bits at a short
+    context, where its tables outweigh the tokens)."""
     if not isinstance(name, str) or not name or "," in name or name != name.strip():
         raise CapacityError(f"format name {name!r}: give a non-empty name without commas or spaces around it")
     bits = _frac(bits_per_value, f"format {name!r} bits per value")
-    if not 0 < bits <= 64:
-        raise CapacityError(f"format {name!r}: bits per value must be in (0, 64], got {float(bits)}")
-    fmt = KVFormat(name, bits, description, compact_budget.BUDGET_CONTEXT if budget else None)
-    FORMATS[name] = fmt
-    return fmt
+    if bits <= 0 or (max_bits is not None and bits > max_bits):
+        raise CapacityError(f"format {name!r}: bits per value must be in (0, {max_bits}], got {float(bits)}")
+    return KVFormat(name, bits, description, compact_budget.BUDGET_CONTEXT if budget else None)
 
 
 def register_gpu(name: str, memory_gb, note: str = "") -> GPU:
@@ -272,7 +299,7 @@ def measure_exact_formats(sample) -> dict[str, Fraction]:
         a = kv_exact._bf16_bits(sample)
     except Exception as e:  # noqa: BLE001 - any unusable input is the user's to fix
         raise CapacityError(f"K/V sample: {e}") from None
-    if a.ndim < 3 or min(a.shape[-3:]) < 1:
+    if a.ndim < 3 or a.size == 0:
         raise CapacityError(f"K/V sample must be [..., tokens, kv_heads, head_dim], got shape {list(a.shape)}")
     t, h, d = a.shape[-3:]
     half = t // 2
@@ -300,6 +327,7 @@ def load_kv_sample(path: str):
     ``.pt`` file holding one tensor (bf16, or int16 patterns)."""
     import numpy as np
 
+    _regular_file(path, "--kv-sample")
     try:
         if path.endswith(".pt"):
             import torch
@@ -328,7 +356,10 @@ _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_inte
 
 def parse_count(text) -> Fraction:
     """'8.03e9', '8.03B', '70.6b', '135M', '1.5T' -> a parameter count."""
-    s = str(text).strip().replace("_", "")
+    try:
+        s = str(text).strip().replace("_", "")
+    except ValueError as e:  # (an int past Python's 4300-digit conversion limit)
+        raise CapacityError(f"parameter count: {str(e)[:100]}") from None
     mult = 1
     if s and s[-1].lower() in "kmbt":
         mult = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[s[-1].lower()]
@@ -341,8 +372,8 @@ def parse_count(text) -> Fraction:
 
 def _int_field(cfg: dict, key: str, path: str) -> int:
     v = cfg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise CapacityError(f"{path}: {key} must be a positive integer, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= CONFIG_INT_LIMIT:
+        raise CapacityError(f"{path}: {key} must be a positive integer of at most {CONFIG_INT_LIMIT}, got {v!r:.60}")
     return v
 
 
@@ -371,14 +402,19 @@ def estimate_params(cfg: dict, head_dim: int, path: str = "config.json") -> int:
 
 def load_config(path: str, params=None) -> ModelSpec:
     """A ModelSpec from a Hugging Face config.json (or a directory holding one)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
     try:
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        _regular_file(path, "model config", CONFIG_MAX_BYTES)
         with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise CapacityError(f"cannot read model config {path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # (arrays nested 100000 deep)
+            text = f.read(CONFIG_MAX_BYTES + 1)
+    except (OSError, ValueError) as e:  # (ValueError: a NUL in the path)
+        raise CapacityError(f"cannot read model config {path!r:.300}: {getattr(e, 'strerror', None) or e}") from None
+    if len(text) > CONFIG_MAX_BYTES:
+        raise CapacityError(f"{path}: larger than {CONFIG_MAX_BYTES} bytes; not a model config")
+    try:
+        cfg = json.loads(text)
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError, 5000-digit ints, arrays nested 100000 deep)
         raise CapacityError(f"{path} is not valid JSON: {e!r:.200}") from None
     if not isinstance(cfg, dict):
         raise CapacityError(f"{path}: expected a JSON object")
@@ -433,8 +469,12 @@ def load_config(path: str, params=None) -> ModelSpec:
 
 
 def resolve_model(model: str | ModelSpec, params=None) -> ModelSpec:
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if isinstance(model, ModelSpec):
         spec = model
+    elif not isinstance(model, str):
+        raise CapacityError(f"model must be a name, a config path or a ModelSpec, not {type(model).__name__}")
     elif model in MODELS:
         spec = MODELS[model]
     elif model.endswith(".json") or os.path.isdir(model) or os.path.sep in model:
@@ -525,9 +565,19 @@ def compute(
     activations_gb=ACTIVATIONS_GB_PER_GPU,
     price_reserved=PRICE_RESERVED,
     price_on_demand=PRICE_ON_DEMAND,
+    extra_formats=None,
 ) -> Report:
-    """Sessions per GPU (or node) and the fleet for `sessions` concurrent sessions, per format."""
+    """Sessions per GPU (or node) and the fleet for `sessions` concurrent sessions, per format.
+    ``extra_formats``: KVFormats (``make_format``) that add to or replace the registered ones for
+    this call only (the CLI's --calibration and --kv-sample)."""
     spec = resolve_model(model, params)
+    table = dict(FORMATS)
+    if extra_formats is not None:
+        if not (isinstance(extra_formats, dict) and all(isinstance(f, KVFormat) for f in extra_formats.values())):
+            raise CapacityError("extra_formats must map names to KVFormat (make_format)")
+        table.update({f.name: f for f in extra_formats.values()})
+    if not isinstance(gpu, str):
+        raise CapacityError(f"gpu must be a name, not {type(gpu).__name__}")
     if gpu in GPUS:
         g = GPUS[gpu]
     elif gpu_memory_gb is not None:
@@ -535,8 +585,8 @@ def compute(
     else:
         raise CapacityError(f"unknown GPU {gpu!r}: known are {', '.join(GPUS)}; or name any GPU with --gpu-memory-gb")
     for what, v in (("--gpus", gpus), ("--context", context), ("--sessions", sessions), ("--gpus-per-node", gpus_per_node)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise CapacityError(f"{what} must be a positive integer, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= COUNT_LIMIT:
+            raise CapacityError(f"{what} must be a positive integer of at most 1e15, got {v!r:.60}")
     if gpus > 1:
         if gpus <= gpus_per_node and gpus_per_node % gpus:
             raise CapacityError(f"--gpus {gpus} does not divide a {gpus_per_node}-GPU node; use 1, 2, 4 or 8 (or a multiple of the node)")
@@ -565,12 +615,14 @@ def compute(
     pr, pod = _frac(price_reserved, "--price-reserved"), _frac(price_on_demand, "--price-on-demand")
     if pr < 0 or pod < 0:
         raise CapacityError("prices must not be negative")
-    names = list(FORMATS) if formats is None else list(formats)
+    if isinstance(formats, str) or not (formats is None or hasattr(formats, "__iter__")):
+        raise CapacityError(f"formats must be a list of format names, not {type(formats).__name__}")
+    names = list(table) if formats is None else list(formats)
     if not names:
         raise CapacityError("--formats is empty")
     for n in names:
-        if n not in FORMATS:
-            raise CapacityError(f"unknown format {n!r}: known are {', '.join(FORMATS)}")
+        if not isinstance(n, str) or n not in table:
+            raise CapacityError(f"unknown format {n!r:.60}: known are {', '.join(table)}")
 
     budget_gpu = frac * mem * GB - wbytes / gpus - act * GB
     if budget_gpu <= 0:
@@ -598,7 +650,7 @@ def compute(
         tok = Fraction(spec.kv_values_per_token) * b / 8 * repl
         return tok, tok * context
 
-    ref = {n: _sessions(budget_total, per_session(bits(FORMATS[n]))[1]) for n in ("bf16", "fp8") if n in FORMATS}
+    ref = {n: _sessions(budget_total, per_session(bits(table[n]))[1]) for n in ("bf16", "fp8") if n in table}
     rep = Report(
         model=spec, gpu=g, memory_gb=mem, memory_source=mem_src, gpus=gpus, gpus_per_node=gpus_per_node,
         context=context, weight_bytes=wbytes, weights_source=wsrc, memory_fraction=frac, activations_gb=act,
@@ -606,7 +658,7 @@ def compute(
         replicas_per_unit=replicas_per_unit, sessions_target=sessions, price_reserved=pr, price_on_demand=pod,
     )
     for n in names:
-        f = FORMATS[n]
+        f = table[n]
         tok, sess = per_session(bits(f))
         s_rep = _sessions(budget_total, sess)
         s_unit = s_rep * replicas_per_unit
@@ -907,9 +959,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _use_calibration(path: str, model: str, context: int, params=None) -> None:
-    """Register q4, q3.5 and q3 at the exact bits the calibration gives them for ``model``
-    (``params``: --params, for a config the estimator cannot count)."""
+def _calibration_formats(path: str, model: str, context: int, params=None) -> dict[str, KVFormat]:
+    """q4, q3.5 and q3 at the exact bits the calibration gives them for ``model`` (``params``:
+    --params, for a config the estimator cannot count). Only those names: an allocation the file
+    holds for another name (bf16, fp8) is not a format of ours and changes nothing."""
     from weightszip.compact.calibrate import Calibration, CalibrationError
     from weightszip.errors import WeightszipError
 
@@ -919,31 +972,51 @@ def _use_calibration(path: str, model: str, context: int, params=None) -> None:
         cal.check_model(spec.layers, spec.kv_heads, spec.head_dim)
     except (CalibrationError, WeightszipError, OSError) as e:
         raise CapacityError(f"--calibration {path}: {e}") from e
-    for name in cal.allocation:
-        register_format(name, cal.bits_fraction(name, context),
-                        f"weightszip compact format, exact bits per value at {context} tokens from {path}")
+    return {name: make_format(name, cal.bits_fraction(name, context),
+                              f"weightszip compact format, exact bits per value at {context} tokens from {path}",
+                              max_bits=None)
+            for name in compact_budget.TARGETS if name in cal.allocation}
+
+
+def _check_plot(path: str, inputs: list[str]) -> None:
+    """--plot: a .png/.pdf/.svg path that is none of the command's inputs and no directory, FIFO or device."""
+    from weightszip.files import check_output, same_file
+
+    if os.path.splitext(path)[1].lower() not in (".png", ".pdf", ".svg"):
+        # (matplotlib refuses other suffixes after the work, and adds .png to a path without one)
+        raise CapacityError(f"--plot {path}: give a .png (or .pdf, .svg) file")
+    for i in inputs:
+        if same_file(i, path):
+            raise CapacityError(f"--plot {path}: is the input file {i}; not overwritten")
+    if os.path.isdir(path):
+        raise CapacityError(f"--plot {path}: is a directory")
+    try:
+        check_output(path, True)
+    except WeightszipError as e:
+        raise CapacityError(f"--plot {e}") from None
 
 
 def run(args) -> int:
     formats = None
     if args.formats is not None:
         formats = [s.strip() for s in args.formats.split(",") if s.strip()]
+    calibration, kv_sample = getattr(args, "calibration", None), getattr(args, "kv_sample", None)
     if args.plot:
         _import_pyplot()  # fail before printing anything
-    if getattr(args, "calibration", None):
-        _use_calibration(args.calibration, args.model, args.context, args.params)
-    if getattr(args, "kv_sample", None):
-        for name, bits in measure_exact_formats(load_kv_sample(args.kv_sample)).items():
-            register_format(name, bits, f"{EXACT_FORMATS[name]}, at the size its pages take on {args.kv_sample} "
-                            f"({float(bits / 16):.3f} of bf16)")
-    if args.plot and os.path.splitext(args.plot)[1].lower() not in (".png", ".pdf", ".svg"):
-        # (matplotlib refuses other suffixes after the work, and adds .png to a path without one)
-        raise CapacityError(f"--plot {args.plot}: give a .png (or .pdf, .svg) file")
+        inputs = [args.model, os.path.join(args.model, "config.json")] + [p for p in (calibration, kv_sample) if p]
+        _check_plot(args.plot, inputs)
+    extra: dict[str, KVFormat] = {}
+    if calibration:
+        extra.update(_calibration_formats(calibration, args.model, args.context, args.params))
+    if kv_sample:
+        for name, bits in measure_exact_formats(load_kv_sample(kv_sample)).items():
+            extra[name] = make_format(name, bits, f"{EXACT_FORMATS[name]}, at the size its pages take on {kv_sample} "
+                                      f"({float(bits / 16):.3f} of bf16)")
     r = compute(
         args.model, args.gpu, gpus=args.gpus, context=args.context, formats=formats, sessions=args.sessions,
         gpu_memory_gb=args.gpu_memory_gb, params=args.params, weights_gb=args.weights_gb,
         gpus_per_node=args.gpus_per_node, memory_fraction=args.memory_fraction, activations_gb=args.activations_gb,
-        price_reserved=args.price_reserved, price_on_demand=args.price_on_demand,
+        price_reserved=args.price_reserved, price_on_demand=args.price_on_demand, extra_formats=extra,
     )
     if args.plot:
         plot(r, args.plot)
