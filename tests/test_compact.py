@@ -484,21 +484,18 @@ def test_capacity_counts_the_exact_bits_of_a_calibration(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"num_hidden_layers": 3, "num_attention_heads": 9, "num_key_value_heads": 3,
                                "head_dim": 64, "hidden_size": 576, "num_parameters": 135_000_000}))
-    saved = dict(capacity.FORMATS)
-    try:
-        assert main(["capacity", "--model", str(cfg), "--gpu", "h100-80gb", "--calibration", str(p), "--json"]) == 0
-        out = json.loads(capsys.readouterr().out)
-        rows = {f["name"]: f for f in out["formats"]}
-        want = cal.bits_fraction("q3", 131072)
-        assert want < 3 and rows["q3"]["bits_per_value"] == float(want)
-        assert capacity.FORMATS["q3"].bits_per_value == Fraction(want)
-        other = tmp_path / "other.json"
-        other.write_text(cfg.read_text().replace('"num_hidden_layers": 3', '"num_hidden_layers": 30'))
-        assert main(["capacity", "--model", str(other), "--gpu", "h100-80gb", "--calibration", str(p)]) != 0
-        assert "3 layers" in capsys.readouterr().err
-    finally:
-        capacity.FORMATS.clear()
-        capacity.FORMATS.update(saved)
+    assert main(["capacity", "--model", str(cfg), "--gpu", "h100-80gb", "--calibration", str(p), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {f["name"]: f for f in out["formats"]}
+    want = cal.bits_fraction("q3", 131072)
+    assert want < 3 and rows["q3"]["bits_per_value"] == float(want)
+    fmts = capacity._calibration_formats(str(p), str(cfg), 131072)
+    assert fmts["q3"].bits_per_value == Fraction(want) and set(fmts) == {"q4", "q3.5", "q3"}
+    assert capacity.FORMATS["q3"].budget_context is not None, "the registered q3 is still the budget"
+    other = tmp_path / "other.json"
+    other.write_text(cfg.read_text().replace('"num_hidden_layers": 3', '"num_hidden_layers": 30'))
+    assert main(["capacity", "--model", str(other), "--gpu", "h100-80gb", "--calibration", str(p)]) != 0
+    assert "3 layers" in capsys.readouterr().err
 
 
 def test_format_memo_codes_only_new_tokens_and_matches_a_fresh_run():

@@ -184,7 +184,7 @@ def test_updates_and_batch_edits_of_the_wrong_shape_or_kind_are_refused():
     for idx in (torch.tensor(1), torch.tensor([[0]]), torch.tensor([]), torch.tensor([2]), torch.tensor([0.0])):
         with pytest.raises(InvalidArgumentError, match="ind"):
             c.batch_select_indices(idx)
-    for n in (1.5, True):
+    for n in (1.5, True, torch.tensor(1.5), torch.tensor([-1]), torch.tensor(True)):
         with pytest.raises(InvalidArgumentError, match="crop"):
             c.crop(n)
     assert c.get_seq_length() == 40
@@ -431,6 +431,22 @@ def test_assisted_decoding_runs_on_a_croppable_cache(tiny):
             outs.append(tiny.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
                                       max_new_tokens=30, do_sample=False, pad_token_id=0, **_cache_kw(cache)))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_crop_takes_a_0d_integer_tensor():
+    """transformers' assisted decoding passes the amount as a 0-d tensor in some versions (the
+    GPU box's): crop took it before session 37's integer check and must again."""
+    import numpy as np
+
+    from weightszip.hf import WeightszipLayer
+
+    layer = WeightszipLayer(0, page_tokens=16, recent_tokens=8)
+    k = torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(0))
+    layer.update(k, k)
+    layer.crop(torch.tensor(-3))
+    layer.crop(np.int64(-2))
+    layer.crop(torch.tensor(-1, dtype=torch.int32))
+    assert layer.get_seq_length() == 34
 
 
 def test_crop_into_a_format_s_page_keeps_its_coded_tokens_and_codes_them_once():

@@ -295,6 +295,10 @@ class WeightszipLayer(DynamicLayer):
         the recent window. With a format the tokens that come back stay as the format coded them
         (where the format's own cache would again hold them in bf16): not croppable for
         transformers (`is_croppable`) then."""
+        if (isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0
+                and not (tokens_to_remove.dtype.is_floating_point or tokens_to_remove.dtype.is_complex
+                         or tokens_to_remove.dtype == torch.bool)):
+            tokens_to_remove = int(tokens_to_remove)  # (some transformers versions pass a 0-d tensor)
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, numbers.Integral):
             raise InvalidArgumentError(f"crop takes a whole number of tokens, got {tokens_to_remove!r}")
         n = self.get_seq_length()
