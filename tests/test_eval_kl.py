@@ -396,6 +396,10 @@ def test_cli_bad_arguments_are_usage_errors(argv, fake_lm, tmp_path, monkeypatch
      "fewer than"),
     ([*_DUMP, "--tokens", "100000", "-o", "x.wz"], "fewer than"),
     ([*_DUMP, "--tokens", "8", "-o", "x.wz", "--layers", "0,99"], "out of range"),
+    # (a device or a FIFO as the text: read until memory ran out, or forever)
+    (["eval", "kl", "--model", "fake", "--format", "bf16", "--text", "/dev/null", "--window", "8"], "not a regular file"),
+    (["kv", "dump", "--model", "fake", "--text", "/dev/null", "--tokens", "8", "-o", "x.wz"], "not a regular file"),
+    (["eval", "kl", "--model", "fake", "--format", "bf16", "--text", "fifo.txt", "--window", "8"], "not a regular file"),
 ])
 def test_cli_arguments_the_model_or_text_cannot_meet_are_one_line_errors(argv, match, fake_lm, tmp_path, monkeypatch,
                                                                         capsys):
@@ -403,10 +407,22 @@ def test_cli_arguments_the_model_or_text_cannot_meet_are_one_line_errors(argv, m
     from weightszip.cli import main
 
     monkeypatch.chdir(tmp_path)
+    __import__("os").mkfifo("fifo.txt")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("weightszip: error:") and match in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.wz").exists()
+
+
+def test_cli_a_model_path_of_an_unknown_home_is_a_one_line_error(capsys):
+    # (Path.expanduser's RuntimeError: a traceback)
+    pytest.importorskip("transformers")
+    from weightszip.cli import main
+
+    assert main(["eval", "kl", "--model", "~nosuchuser-weightszip/m.gguf", "--format", "bf16", "--text", str(TEXT),
+                 "--window", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weightszip: error: no model") and len(err.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------- --save and --plot
@@ -595,6 +611,31 @@ def test_cli_eval_kl_refuses_calibration_text_and_records_the_calibration(fake_l
     c = json.loads(report.read_text())["calibration"]
     assert c["text_overlap"] == [] and [Path(t["text"]).name for t in c["texts"]] == [
         "melville-moby_dick.txt", "chesterton-thursday.txt"]
+
+
+def test_calibration_texts_a_hand_edited_meta_holds_are_left_out(tmp_path, monkeypatch):
+    """The calibration's meta "texts" was used unchecked: not a list (TypeError), a hash that is a
+    list (unhashable), a path too long for the system (OSError from exists(), refusing the run), a
+    hash without a path (Path("") is the current folder: every text in it was "calibration text").
+    Such entries are left out; well-formed ones still count."""
+    from weightszip.compact.calibrate import Calibration
+    from weightszip.eval import provenance
+
+    monkeypatch.chdir(tmp_path)
+    text = Path("held_out.txt")
+    text.write_text("It is a truth universally acknowledged. " * 20)
+    cal = Calibration.load(SMOLLM2_CAL)
+    digest = provenance.file_sha256(text)
+    for texts, kept in ((5, []), ("abc", []), ([{"sha256": ["x"], "text": "a"}], []), ([{"text": 7}], []), (None, []),
+                        ([{"text": "a" * 5000}], [{"text": "a" * 5000}]), ([{"sha256": "0" * 64}], [{"sha256": "0" * 64}])):
+        cal.meta["texts"] = texts
+        assert provenance.overlap(cal, [text]) == [], texts
+        assert provenance.held_out(cal, "c.wzcal", [text], False) == ([], None)
+        assert provenance.describe(SMOLLM2_CAL, cal, [])["texts"] == kept
+    good = {"text": "elsewhere/held_out.txt", "tokens": 300, "sha256": digest}
+    cal.meta["texts"] = [5, {"sha256": ["x"]}, good]
+    assert len(provenance.overlap(cal, [text])) == 1
+    assert provenance.describe(SMOLLM2_CAL, cal, [])["texts"] == [good]
 
 
 @pytest.mark.parametrize("argv", [["eval", "formats"], ["eval", "kl", "--model", "x", "--format", "q4", "--text", str(TEXT),

