@@ -188,7 +188,8 @@ def make_format(name: str, bits_per_value, description: str = "", *, budget: boo
         raise CapacityError(f"format name {name!r}: give a non-empty name without commas or spaces around it")
     bits = _frac(bits_per_value, f"format {name!r} bits per value")
     if bits <= 0 or (max_bits is not None and bits > max_bits):
-        raise CapacityError(f"format {name!r}: bits per value must be in (0, {max_bits}], got {float(bits)}")
+        within = "positive" if max_bits is None else f"in (0, {max_bits}]"
+        raise CapacityError(f"format {name!r}: bits per value must be {within}, got {float(bits)}")
     return KVFormat(name, bits, description, compact_budget.BUDGET_CONTEXT if budget else None)
 
 
