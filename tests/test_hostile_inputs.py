@@ -678,3 +678,17 @@ def test_positions_sequence_numbers_and_chunk_plans_of_the_wrong_kind():
     empty.allocation = {}
     with pytest.raises(cc.CompactCodecError, match="allocation"):
         CompactFormat("q4", empty).widths(0)
+
+
+def test_page_profile_takes_byte_buffers_and_dtype_names_only():
+    """decode_pages(cb, None, offs) and calibrate(x, ["bfloat16"]) were TypeErrors; a float32 array
+    as the page bytes was read as its raw bytes."""
+    x = np.arange(16 * 32, dtype=np.uint16).reshape(16, 32)
+    cb = pages.calibrate(x)
+    buf, offs = pages.encode_pages(cb, x.reshape(1, 16, 32))
+    assert (pages.decode_pages(cb, buf, offs) == x.reshape(1, 16, 32)).all()
+    for bad in (None, np.frombuffer(bytes(buf), np.uint8).astype(np.float32), [1, 2, 3]):
+        with pytest.raises(errors.InvalidArgumentError, match="page bytes"):
+            pages.decode_pages(cb, bad, offs)
+    with pytest.raises(errors.InvalidArgumentError, match="dtype"):
+        pages.calibrate(x, ["bfloat16"])

@@ -230,6 +230,13 @@ def test_write_kernel_bad_input():
         compact_write(x, ok, pages, {**t, "bits": 6})
     with pytest.raises(InvalidArgumentError, match="head_dim"):
         compact_write(x[:, :, :48], ok, pages, t)
+    # (from a review) a pool whose blocks or heads share memory: the tokens overwrote each other
+    for aliased in (pool(1, 3, 16, 4, 64).expand(4, -1, -1, -1), pool(2, 1, 16, 4, 64).expand(-1, 3, -1, -1)):
+        with pytest.raises(InvalidArgumentError, match="share memory"):
+            compact_write(x, ok, aliased, t)
+    for tables in (None, [t]):
+        with pytest.raises(InvalidArgumentError, match="tables"):
+            compact_write(x, ok, pages, tables)
 
 
 def test_write_kernel_refuses_strided_slots_and_positions():

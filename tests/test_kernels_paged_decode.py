@@ -269,6 +269,45 @@ def test_bad_plan_and_run():
         attn.plan([20, 40], bad)
 
 
+def test_plan_and_run_refuse_what_used_to_pass_unchecked():
+    """From a review: block ids written into the table after plan() were read unchecked (a segfault in
+    the interpreter, an illegal address on a GPU); integer q_transformed gave NaN; split_tokens=0.5
+    planned no page tokens; an expanded `out` aliased its rows; fractional lengths were truncated;
+    a NaN sm_scale, float sizes, non-tensor options and tensors elsewhere were accepted or raised
+    TypeError/AttributeError/NotImplementedError."""
+    c = make_case(B=2, Hq=4, Hkv=2, D=32, lens=[20, 40], S=2, W=4)
+    attn = _attn(sink_tokens=2, window=4, config=SMALL)
+    want = run_ref(c)
+    bt = c["bt"].clone()
+    attn.plan(c["lens"], bt)
+    bt[1, 1] = 10**6  # (after plan: not what run reads)
+    side = dict(k_side=c["k_side"], v_side=c["v_side"])
+    out = attn.run(c["q"], c["k"], c["v"], **side)
+    assert (out.double() - want).abs().max().item() <= TOL * vmax(c)
+    for bad in ([20.9, 40.5], [20, None], ["a", "b"], [2**70, 1]):
+        with pytest.raises(InvalidArgumentError, match="seq_lens"):
+            attn.plan(bad, c["bt"])
+    for split in (0.5, float("inf"), "64", True):
+        with pytest.raises(InvalidArgumentError, match="split_tokens"):
+            attn.plan(c["lens"], c["bt"], split_tokens=split)
+    attn.plan(c["lens"], c["bt"])
+    for dt in (torch.int32, torch.float64, torch.uint8):
+        with pytest.raises(InvalidArgumentError, match="q_transformed"):
+            attn.run(c["q"], c["k"], c["v"], q_transformed=c["q"].to(dt), **side)
+    with pytest.raises(InvalidArgumentError, match="share memory"):
+        attn.run(c["q"], c["k"], c["v"], out=torch.empty(1, 4, 32, device=DEVICE).expand(2, 4, 32), **side)
+    for name in ("q_transformed", "logit_bias", "v_inv_transform", "v_mean"):
+        with pytest.raises(InvalidArgumentError, match=name):
+            attn.run(c["q"], c["k"], c["v"], **{name: "x"}, **side)
+    with pytest.raises(InvalidArgumentError, match="k_side must be a tensor on q's device"):
+        attn.run(c["q"], c["k"], c["v"], k_side=c["k_side"].to("meta"), v_side=c["v_side"])
+    for kw in (dict(sm_scale=float("nan")), dict(sm_scale="x"), dict(sm_scale=-1.0), dict(num_q_heads=4.0),
+               dict(head_dim=32.0), dict(block_size=16.0), dict(sink_tokens=1.5), dict(config="x"),
+               dict(device="nowhere")):
+        with pytest.raises(InvalidArgumentError):
+            _attn(**kw)
+
+
 def test_plan_refuses_block_tables_with_strided_rows():
     """The kernels read a row's entries at row + j: a table whose columns are not adjacent in memory is
     refused (a transposed view of valid ids read block 0 twice; a column slice read the ids between)."""

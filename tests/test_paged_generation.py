@@ -121,3 +121,33 @@ def test_paged_cache_checks_layer_and_shapes_before_writing():
     for layer, qq in ((-1, q), (LAYERS, q), (0, q[:8]), (0, q[None])):
         with pytest.raises(InvalidArgumentError):
             c.attend(layer, qq)
+
+
+def test_paged_compact_cache_refuses_bad_arguments_before_any_write():
+    """From a review: block_size 0 was ZeroDivisionError, max_tokens -5 or 1.5 a 16-token cache,
+    10**12 tokens an attempt to allocate the pool; an fp32 V after a bf16 K wrote K's side buffer,
+    then failed with torch's RuntimeError; a float layer or a list as the format was a TypeError."""
+    from weightszip.compact.paged_cache import PagedCompactCache
+    from weightszip.errors import InvalidArgumentError, LimitExceededError
+
+    cal = first_layers_calibration()
+    dev = "cpu"
+    args = dict(num_q_heads=9, max_tokens=64, device=dev)
+    for kw in (dict(block_size=0), dict(block_size=24), dict(max_tokens=-5), dict(max_tokens=1.5),
+               dict(max_tokens=None), dict(num_q_heads="9"), dict(device="nowhere")):
+        with pytest.raises(InvalidArgumentError):
+            PagedCompactCache(cal, "q4", **(args | kw))
+    with pytest.raises(InvalidArgumentError, match="no format"):
+        PagedCompactCache(cal, ["q4"], **args)
+    with pytest.raises(LimitExceededError):
+        PagedCompactCache(cal, "q4", **(args | dict(max_tokens=10**15)))
+    cache = PagedCompactCache(cal, "q4", **args)
+    k = torch.randn(3, cal.kv_heads, cal.head_dim).to(torch.bfloat16)
+    side = cache.layers[0]["k_side"].clone()
+    for kk, vv in ((k, k.float()), (k.half(), k.half()), (k.int(), k.int())):
+        with pytest.raises(InvalidArgumentError, match="bf16"):
+            cache.append(0, kk, vv)
+    assert torch.equal(cache.layers[0]["k_side"], side) and cache.length[0] == 0
+    for layer in (0.5, "0", True):
+        with pytest.raises(InvalidArgumentError, match="layer"):
+            cache.append(layer, k, k)

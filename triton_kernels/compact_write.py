@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weightszip._tensors import no_overlap
 from weightszip.errors import InvalidArgumentError
 
 from ._interpreter_compat import apply as _interpreter_compat
@@ -194,6 +195,7 @@ def compact_write_tables(tables, device="cpu") -> dict:
 
 
 def _check_args(x, slot_mapping, pages, tables):
+    _check(isinstance(tables, dict), "tables must be the dict compact_write_tables makes")
     _check(isinstance(x, torch.Tensor) and x.dim() == 3 and x.dtype in (torch.bfloat16, torch.float16, torch.float32),
            "x must be [num_tokens, kv_heads, head_dim] bf16, fp16 or fp32")
     n, h, d = x.shape
@@ -214,6 +216,7 @@ def _check_args(x, slot_mapping, pages, tables):
            and tuple(pages.shape[1:]) == (h, pages.shape[2], nbytes) and pages.shape[2] >= 1
            and pages.stride(3) == 1 and pages.stride(2) == nbytes and pages.device == x.device,
            f"pages must be uint8 [num_blocks, {h}, block_size / 16, {nbytes}] with each block's pages contiguous")
+    _check(no_overlap(pages), "pages: no two blocks or heads may share memory (an expanded view)")
     return n, h, d, bits, pages.shape[2] * PAGE_TOKENS, nbytes
 
 

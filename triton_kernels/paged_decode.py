@@ -53,6 +53,7 @@ Read me first:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weightszip._tensors import no_overlap
 from weightszip.errors import InvalidArgumentError
 
 from ._interpreter_compat import apply as _interpreter_compat
@@ -1202,6 +1204,11 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (int(n) - 1).bit_length()))
 
 
+def _int(x) -> bool:
+    """A whole number (a Python or numpy integer; not a bool, a float or a string)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidArgumentError(msg)
@@ -1285,6 +1292,9 @@ class PagedDecodeAttention:
         else:
             _check(k_bits is None and v_bits is None, "k_bits/v_bits are for page_type 'compact' only")
         self.k_bits, self.v_bits = k_bits, v_bits
+        _check(all(_int(x) for x in (num_q_heads, num_kv_heads, head_dim, block_size, sink_tokens, window)),
+               "num_q_heads, num_kv_heads, head_dim, block_size, sink_tokens and window must be integers")
+        _check(config is None or isinstance(config, KernelConfig), "config must be a KernelConfig")
         _check(num_q_heads > 0 and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         _check(head_dim in (16, 32, 64, 128, 256), f"head_dim must be 16, 32, 64, 128 or 256, not {head_dim}")
@@ -1304,11 +1314,17 @@ class PagedDecodeAttention:
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.group = num_q_heads // num_kv_heads
         self.block_size, self.sink_tokens, self.window = block_size, sink_tokens, window
+        _check(sm_scale is None or (isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
+                                    and math.isfinite(sm_scale) and sm_scale > 0),
+               f"sm_scale must be a positive finite number, not {sm_scale!r:.40}")
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
         self.config = config or DEFAULT_CONFIGS[self.page_type]
         _check(self.config.block_n % PAGE_TOKENS == 0 and self.config.block_n & (self.config.block_n - 1) == 0,
                f"config.block_n must be a power of two and a multiple of {PAGE_TOKENS}")
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidArgumentError(f"device {device!r:.40}: {e}") from None
         self._plan = None
         self._pairs_cache: dict = {}
         self.last_split_kernel: str | None = None
@@ -1380,9 +1396,17 @@ class PagedDecodeAttention:
         (a list, numpy array or tensor). block_tables: int32 [num_seqs, max_blocks] on the device.
         split_tokens: tokens per split (a multiple of ``config.block_n``); default: enough splits to
         fill the GPU with at most ``config.waves`` programs per multiprocessor (``_fit_split``). Returns a
-        summary (items, split size).
+        summary (items, split size). The block tables are copied: changing the tensor after plan()
+        changes nothing that run() reads (plan again for a new step).
         """
-        lens = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens, dtype=np.int64)
+        try:
+            raw = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InvalidArgumentError(f"seq_lens must be a 1-D sequence of integers: {e}") from None
+        _check(raw.dtype.kind in "iu" or (raw.size == 0 and raw.dtype.kind == "f"),
+               f"seq_lens must be integers, not {raw.dtype}")
+        _check(raw.size == 0 or int(raw.max()) < 2**31, "seq_lens must be below 2**31")
+        lens = raw.astype(np.int64)
         _check(lens.ndim == 1 and lens.size > 0, "seq_lens must be a non-empty 1-D sequence")
         _check(bool((lens >= 1).all()), "every sequence needs at least one token")
         _check(isinstance(block_tables, torch.Tensor) and block_tables.dtype == torch.int32
@@ -1393,6 +1417,9 @@ class PagedDecodeAttention:
         # (the kernels read entry j of a row at row + j: a strided view's other entries were never checked)
         _check(block_tables.shape[1] <= 1 or block_tables.stride(1) == 1,
                "block_tables must have contiguous rows (stride(1) == 1)")
+        # (a copy: ids checked here cannot change before run(); ids written into the caller's
+        # tensor after plan() were read unchecked, an illegal address past the pool)
+        block_tables = block_tables.clone()
         bn = self.config.block_n
         S, W = self.sink_tokens, self.window
         lo = S
@@ -1406,7 +1433,7 @@ class PagedDecodeAttention:
         spans = np.where(n_paged > 0, hi - a0, 0)  # tokens from each sequence's first step (0: none)
         if split_tokens is None:
             split_tokens = self._fit_split(spans, bn)
-        _check(split_tokens > 0, "split_tokens must be positive")
+        _check(_int(split_tokens) and 0 < split_tokens < 2**31, f"split_tokens must be a positive integer, not {split_tokens!r:.40}")
         split_tokens = -(-int(split_tokens) // bn) * bn
         n_items = -(-spans // split_tokens)
         seq_of = np.repeat(np.arange(lens.size), n_items)
@@ -1630,8 +1657,22 @@ class PagedDecodeAttention:
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
                        and tuple(t.shape) == (B, side, Hkv, D) and t.is_contiguous(),
                        f"{name} must be contiguous bf16 [{B}, {side}, {Hkv}, {D}]")
+        named = dict(k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, k_side=k_side, v_side=v_side,
+                     q_transformed=q_transformed, logit_bias=logit_bias, v_inv_transform=v_inv_transform,
+                     v_mean=v_mean, k_codebook=k_codebook, v_codebook=v_codebook, k_grid=k_grid, v_grid=v_grid,
+                     rope_coef=rope_coef, rope_phase=rope_phase, rope_pairs=rope_pairs, k_offsets=k_offsets,
+                     v_offsets=v_offsets, k_bases=k_bases, v_bases=v_bases, out=out)
+        here = self._device_key(q.device)
+        _check(here == self._device_key(self.device) or q.device.type == self.device.type == "cpu",
+               f"q is on {q.device}, the plan on {self.device}")
+        for name, t in named.items():  # (a tensor elsewhere: Triton's error, or an illegal address on another GPU)
+            _check(t is None or (isinstance(t, torch.Tensor) and self._device_key(t.device) == here),
+                   f"{name} must be a tensor on q's device ({q.device}), not "
+                   f"{getattr(t, 'device', type(t).__name__)}")
         qp = q if q_transformed is None else q_transformed
         _check(tuple(qp.shape) == (B, Hq, D) and qp.stride(2) == 1, f"q_transformed must be [{B}, {Hq}, {D}]")
+        _check(qp.dtype in (torch.bfloat16, torch.float16, torch.float32),
+               f"q_transformed must be bf16, fp16 or fp32, not {qp.dtype}")
         if logit_bias is not None:
             _check(tuple(logit_bias.shape) == (B, Hq), f"logit_bias must be [{B}, {Hq}]")
             logit_bias = logit_bias.float().contiguous()
@@ -1647,6 +1688,7 @@ class PagedDecodeAttention:
                f"out must be [{B}, {Hq}, {D}]")
         _check(out.dtype in (torch.bfloat16, torch.float16, torch.float32) and out.device == q.device,
                f"out must be bf16, fp16 or fp32 on q's device ({q.device}), not {out.dtype} on {out.device}")
+        _check(no_overlap(out), "out's elements must not share memory (an expanded view)")
 
         block_g = _pow2_at_least(G, 16)
         split_block_g = _pow2_at_least(G, 1) if cuda_dot else block_g

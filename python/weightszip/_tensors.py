@@ -183,6 +183,18 @@ def _fits_in_memory(message: str):
         raise LimitExceededError(f"{message}: {e}") from None
 
 
+def no_overlap(t: Any) -> bool:
+    """Whether no two elements of the tensor ``t`` share memory (each dimension's stride, smallest
+    first, at least the extent of the ones below it): an expanded or otherwise aliased view fails.
+    (Sufficient, not necessary: an interleaved layout that does not alias can fail too.)"""
+    extent = 1
+    for stride, size in sorted((t.stride(i), t.size(i)) for i in range(t.dim()) if t.size(i) > 1):
+        if stride < extent:
+            return False
+        extent = stride * size
+    return True
+
+
 def check_dense(x: Any) -> None:
     """A torch tensor with dense bytes to read, or InvalidArgumentError: a sparse or meta tensor has
     none (torch would raise its own error, a RuntimeError or NotImplementedError, on reading one)."""

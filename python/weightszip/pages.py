@@ -49,7 +49,13 @@ def _bytes(buf) -> np.ndarray:
     """A byte buffer (bytes, bytearray, memoryview or an array) as contiguous numpy uint8."""
     if isinstance(buf, (bytes, bytearray, memoryview)):
         return bytes_buffer(buf)[2]  # (a memoryview with strides: InvalidArgumentError)
-    return np.ascontiguousarray(buf).view(np.uint8)
+    try:
+        a = np.asarray(buf)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InvalidArgumentError(f"page bytes must be a byte buffer or a uint8 array: {e}") from None
+    if a.dtype not in (np.uint8, np.int8):  # (a float array's bytes are not pages; None is an object array)
+        raise InvalidArgumentError(f"page bytes must be a byte buffer or a uint8 array, not {a.dtype}")
+    return np.ascontiguousarray(a).view(np.uint8)
 
 
 def _offsets_u64(offsets) -> list[int]:
@@ -64,8 +70,8 @@ def _offsets_u64(offsets) -> list[int]:
 
 def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8) -> bytes:
     """A codebook (bytes) from ``[tokens, channels]`` sample values of one (layer, K or V)."""
-    if dtype not in DTYPE_CODES:
-        raise InvalidArgumentError(f"page profile dtype {dtype!r}: only {sorted(DTYPE_CODES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
+        raise InvalidArgumentError(f"page profile dtype {dtype!r:.40}: only {sorted(DTYPE_CODES)}")
     a = _u16(samples)
     if a.ndim != 2:
         raise InvalidArgumentError(f"samples must be [tokens, channels], got shape {a.shape}")

@@ -22,8 +22,11 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numbers
+
 import torch
 
+from weightszip._tensors import _check_size, _fits_in_memory
 from weightszip.compact import codec
 from weightszip.compact.calibrate import Calibration
 from weightszip.errors import InvalidArgumentError
@@ -39,44 +42,56 @@ class PagedCompactCache:
                  device="cuda", block_size: int = 16, sm_scale: float | None = None):
         from weightszip.kernels import PagedDecodeAttention, compact_tables, compact_write_tables
 
-        if fmt not in calibration.allocation:
-            raise InvalidArgumentError(f"the calibration has no format {fmt!r}")
+        if not isinstance(fmt, str) or fmt not in calibration.allocation:
+            raise InvalidArgumentError(f"the calibration has no format {fmt!r:.40}")
+        for name, x in (("max_tokens", max_tokens), ("block_size", block_size), ("num_q_heads", num_q_heads)):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
+                raise InvalidArgumentError(f"{name} must be a positive integer, not {x!r:.40}")
+        if block_size % 16:
+            raise InvalidArgumentError(f"block_size must be a multiple of 16, not {block_size}")
         cal = calibration
         self.cal, self.fmt = cal, fmt
         self.L, self.H, self.d = cal.layers, cal.kv_heads, cal.head_dim
         self.S, self.W = cal.sink_tokens, cal.recent_window
         self.hq = num_q_heads
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InvalidArgumentError(f"device {device!r:.40}: {e}") from None
         self.block_size = block_size
         nblocks = max(1, -(-max_tokens // block_size))
         self.max_tokens = nblocks * block_size
-        self.block_table = torch.arange(nblocks, dtype=torch.int32, device=self.device).view(1, -1)
+        pool = nblocks * self.H * (block_size // 16) * sum(codec.page_bytes(b, self.d) for lk in cal.allocation[fmt]
+                                                           for b in lk)
+        _check_size((pool,), 1)  # (before any allocation: 10**12 tokens asked for a pool of exabytes)
         self.length = [0] * self.L
         self.layers = []
         attns = {}
-        for layer in range(self.L):
-            kb, vb = cal.allocation[fmt][layer]
-            kt, vt = cal.tables(layer, "k", kb), cal.tables(layer, "v", vb)
-            if (kb, vb) not in attns:
-                attns[(kb, vb)] = PagedDecodeAttention(
-                    num_q_heads, self.H, self.d, page_type="compact", block_size=block_size, sink_tokens=self.S,
-                    window=self.W, sm_scale=sm_scale, device=self.device, k_bits=kb, v_bits=vb)
-            self.layers.append(dict(
-                attn=attns[(kb, vb)],
-                k_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(kb, self.d), dtype=torch.uint8,
-                                    device=self.device),
-                v_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(vb, self.d), dtype=torch.uint8,
-                                    device=self.device),
-                k_side=torch.zeros(1, self.S + self.W, self.H, self.d, dtype=torch.bfloat16, device=self.device),
-                v_side=torch.zeros(1, self.S + self.W, self.H, self.d, dtype=torch.bfloat16, device=self.device),
-                k_write=compact_write_tables(kt, self.device),
-                v_write=compact_write_tables(vt, self.device),
-                read=compact_tables(kt, vt, self.device),
-            ))
+        with _fits_in_memory(f"the {fmt} pages of {self.max_tokens} tokens ({pool} bytes) do not fit in memory"):
+            self.block_table = torch.arange(nblocks, dtype=torch.int32, device=self.device).view(1, -1)
+            for layer in range(self.L):
+                kb, vb = cal.allocation[fmt][layer]
+                kt, vt = cal.tables(layer, "k", kb), cal.tables(layer, "v", vb)
+                if (kb, vb) not in attns:
+                    attns[(kb, vb)] = PagedDecodeAttention(
+                        num_q_heads, self.H, self.d, page_type="compact", block_size=block_size, sink_tokens=self.S,
+                        window=self.W, sm_scale=sm_scale, device=self.device, k_bits=kb, v_bits=vb)
+                self.layers.append(dict(
+                    attn=attns[(kb, vb)],
+                    k_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(kb, self.d),
+                                        dtype=torch.uint8, device=self.device),
+                    v_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(vb, self.d),
+                                        dtype=torch.uint8, device=self.device),
+                    k_side=torch.zeros(1, self.S + self.W, self.H, self.d, dtype=torch.bfloat16, device=self.device),
+                    v_side=torch.zeros(1, self.S + self.W, self.H, self.d, dtype=torch.bfloat16, device=self.device),
+                    k_write=compact_write_tables(kt, self.device),
+                    v_write=compact_write_tables(vt, self.device),
+                    read=compact_tables(kt, vt, self.device),
+                ))
         self._planned: dict[int, int] = {}
 
     def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.L:
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < self.L:
             raise InvalidArgumentError(f"layer {layer} out of range (the cache has {self.L} layers)")
 
     def _slot(self, p: int) -> int:
@@ -93,6 +108,8 @@ class PagedCompactCache:
             if not (isinstance(x, torch.Tensor) and x.dim() == 3 and tuple(x.shape[1:]) == (self.H, self.d)):
                 raise InvalidArgumentError(f"{name} must be [n, {self.H}, {self.d}], not "
                                            f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if x.dtype != torch.bfloat16 or x.device.type != self.device.type:  # (checked before any write)
+                raise InvalidArgumentError(f"{name} must be bf16 on {self.device}, not {x.dtype} on {x.device}")
         if k.shape != v.shape:
             raise InvalidArgumentError(f"k and v must have the same shape, not {list(k.shape)} and {list(v.shape)}")
         st = self.layers[layer]
@@ -131,9 +148,11 @@ class PagedCompactCache:
         from weightszip.kernels import rope_logit_coef, transform_query
 
         self._check_layer(layer)
-        if not (isinstance(q, torch.Tensor) and tuple(q.shape) == (self.hq, self.d)):
-            raise InvalidArgumentError(f"q must be [{self.hq}, {self.d}], not "
-                                       f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if not (isinstance(q, torch.Tensor) and tuple(q.shape) == (self.hq, self.d)
+                and q.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+            raise InvalidArgumentError(f"q must be bf16, fp16 or fp32 [{self.hq}, {self.d}], not "
+                                       f"{list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
+                                       f"{' ' + str(q.dtype) if isinstance(q, torch.Tensor) else ''}")
         st, L = self.layers[layer], self.length[layer]
         attn, t = st["attn"], st["read"]
         if self._planned.get(id(attn)) != L:
