@@ -20,9 +20,8 @@ greedy decoding with every forward inside ``weightszip.eval.kl.kv_format`` and t
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
-
 import numbers
+from dataclasses import dataclass, field
 
 import torch
 
