@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weightszip._tensors import no_overlap
+from weightszip._tensors import int_arg, no_overlap
 from weightszip.errors import InvalidArgumentError
 
 from ._interpreter_compat import apply as _interpreter_compat
@@ -1204,11 +1204,6 @@ def _pow2_at_least(n: int, floor: int) -> int:
     return max(floor, 1 << max(0, (int(n) - 1).bit_length()))
 
 
-def _int(x) -> bool:
-    """A whole number (a Python or numpy integer; not a bool, a float or a string)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise InvalidArgumentError(msg)
@@ -1292,8 +1287,9 @@ class PagedDecodeAttention:
         else:
             _check(k_bits is None and v_bits is None, "k_bits/v_bits are for page_type 'compact' only")
         self.k_bits, self.v_bits = k_bits, v_bits
-        _check(all(_int(x) for x in (num_q_heads, num_kv_heads, head_dim, block_size, sink_tokens, window)),
-               "num_q_heads, num_kv_heads, head_dim, block_size, sink_tokens and window must be integers")
+        for name, x in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("block_size", block_size), ("sink_tokens", sink_tokens), ("window", window)):
+            int_arg(name, x, -2**31, 2**31 - 1)  # (an integer; the ranges are checked below)
         _check(config is None or isinstance(config, KernelConfig), "config must be a KernelConfig")
         _check(num_q_heads > 0 and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0,
                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
@@ -1433,8 +1429,7 @@ class PagedDecodeAttention:
         spans = np.where(n_paged > 0, hi - a0, 0)  # tokens from each sequence's first step (0: none)
         if split_tokens is None:
             split_tokens = self._fit_split(spans, bn)
-        _check(_int(split_tokens) and 0 < split_tokens < 2**31, f"split_tokens must be a positive integer, not {split_tokens!r:.40}")
-        split_tokens = -(-int(split_tokens) // bn) * bn
+        split_tokens = -(-int_arg("split_tokens", split_tokens, 1, 2**31 - 1) // bn) * bn
         n_items = -(-spans // split_tokens)
         seq_of = np.repeat(np.arange(lens.size), n_items)
         first = np.repeat(np.cumsum(n_items) - n_items, n_items)
@@ -1455,6 +1450,7 @@ class PagedDecodeAttention:
         g = self.group
         self._plan = dict(
             num_seqs=int(lens.size),
+            device=torch.device(self._device_key(dev)),  # (what run() compares q's device with)
             seq_lens=torch.as_tensor(lens, dtype=torch.int32, device=dev),
             block_tables=block_tables,
             work_seq=torch.as_tensor(seq_of, dtype=torch.int32, device=dev),
@@ -1662,13 +1658,12 @@ class PagedDecodeAttention:
                      v_mean=v_mean, k_codebook=k_codebook, v_codebook=v_codebook, k_grid=k_grid, v_grid=v_grid,
                      rope_coef=rope_coef, rope_phase=rope_phase, rope_pairs=rope_pairs, k_offsets=k_offsets,
                      v_offsets=v_offsets, k_bases=k_bases, v_bases=v_bases, out=out)
-        here = self._device_key(q.device)
-        _check(here == self._device_key(self.device) or q.device.type == self.device.type == "cpu",
-               f"q is on {q.device}, the plan on {self.device}")
+        here = q.device  # (compared, not made into keys: this runs once per layer and step)
+        _check(here == pl["device"], f"q is on {here}, the plan on {pl['device']}")
         for name, t in named.items():  # (a tensor elsewhere: Triton's error, or an illegal address on another GPU)
-            _check(t is None or (isinstance(t, torch.Tensor) and self._device_key(t.device) == here),
-                   f"{name} must be a tensor on q's device ({q.device}), not "
-                   f"{getattr(t, 'device', type(t).__name__)}")
+            if t is not None and not (isinstance(t, torch.Tensor) and t.device == here):
+                raise InvalidArgumentError(f"{name} must be a tensor on q's device ({here}), not "
+                                           f"{getattr(t, 'device', type(t).__name__)}")
         qp = q if q_transformed is None else q_transformed
         _check(tuple(qp.shape) == (B, Hq, D) and qp.stride(2) == 1, f"q_transformed must be [{B}, {Hq}, {D}]")
         _check(qp.dtype in (torch.bfloat16, torch.float16, torch.float32),

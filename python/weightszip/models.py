@@ -16,7 +16,6 @@ import importlib.metadata
 import os
 import re
 import shutil
-import stat
 import struct
 import subprocess
 import sys
@@ -209,9 +208,12 @@ def _read_file_text(p: Path, max_chars: int | None = None) -> str:
     """The text of the regular file ``p`` (UTF-8, bad bytes replaced), at most ``max_chars``
     characters of it. Anything but a regular file (a FIFO would block, a device never end) is
     ModelInputError."""
-    if not stat.S_ISREG(p.stat().st_mode):
-        raise ModelInputError(f"{p} is not a regular file (a FIFO, device or socket); give a text file or a folder "
-                              "of *.txt files")
+    from weightszip.files import check_regular_file
+
+    try:
+        check_regular_file(p)
+    except InvalidArgumentError as e:  # (as a ValueError, which the CLIs report)
+        raise ModelInputError(f"{e} (a FIFO, device or socket); give a text file or a folder of *.txt files") from None
     with open(p, encoding="utf-8", errors="replace") as f:
         return f.read() if max_chars is None else f.read(max(max_chars, 0))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightszip._tensors import _check_size, _fits_in_memory
+from weightszip._tensors import _check_size, _fits_in_memory, int_arg
 from weightszip.compact import codec
 from weightszip.compact.calibrate import Calibration
 from weightszip.errors import InvalidArgumentError
@@ -44,8 +44,7 @@ class PagedCompactCache:
         if not isinstance(fmt, str) or fmt not in calibration.allocation:
             raise InvalidArgumentError(f"the calibration has no format {fmt!r:.40}")
         for name, x in (("max_tokens", max_tokens), ("block_size", block_size), ("num_q_heads", num_q_heads)):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < 1:
-                raise InvalidArgumentError(f"{name} must be a positive integer, not {x!r:.40}")
+            int_arg(name, x, 1, 2**62)
         if block_size % 16:
             raise InvalidArgumentError(f"block_size must be a multiple of 16, not {block_size}")
         cal = calibration

@@ -62,18 +62,15 @@ CONFIG_INT_LIMIT = 2**31
 CONFIG_MAX_BYTES = 16 * 2**20  # a config.json is kilobytes; /dev/zero was read until memory ran out
 
 
-def _regular_file(path: str, what: str, max_bytes: int | None = None) -> None:
-    """CapacityError unless ``path`` is a regular file (a FIFO hung the read, a device was read without end)."""
-    import stat
+def _regular_file(path: str, what: str) -> None:
+    """``files.check_regular_file`` as a CapacityError (a FIFO hung the read, a device was read
+    without end; a NUL in the name); a missing file is left to the reader."""
+    from weightszip.files import check_regular_file
 
     try:
-        st = os.stat(path)
-    except (OSError, ValueError) as e:
-        raise CapacityError(f"cannot read {what} {path!r:.300}: {getattr(e, 'strerror', None) or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CapacityError(f"{what} {path!r:.300} is not a regular file")
-    if max_bytes is not None and st.st_size > max_bytes:
-        raise CapacityError(f"{what} {path!r:.300}: larger than {max_bytes} bytes")
+        check_regular_file(path)
+    except InvalidArgumentError as e:
+        raise CapacityError(f"cannot read {what}: {e}") from None
 
 
 def _parse_frac(x) -> Fraction:
@@ -406,11 +403,11 @@ def load_config(path: str, params=None) -> ModelSpec:
     try:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        _regular_file(path, "model config", CONFIG_MAX_BYTES)
+        _regular_file(path, "model config")
         with open(path, encoding="utf-8") as f:
             text = f.read(CONFIG_MAX_BYTES + 1)
-    except (OSError, ValueError) as e:  # (ValueError: a NUL in the path)
-        raise CapacityError(f"cannot read model config {path!r:.300}: {getattr(e, 'strerror', None) or e}") from None
+    except OSError as e:
+        raise CapacityError(f"cannot read model config {path!r:.300}: {e.strerror or e}") from None
     if len(text) > CONFIG_MAX_BYTES:
         raise CapacityError(f"{path}: larger than {CONFIG_MAX_BYTES} bytes; not a model config")
     try:
@@ -980,21 +977,18 @@ def _calibration_formats(path: str, model: str, context: int, params=None) -> di
 
 
 def _check_plot(path: str, inputs: list[str]) -> None:
-    """--plot: a .png/.pdf/.svg path that is none of the command's inputs and no directory, FIFO or device."""
-    from weightszip.files import check_output, same_file
+    """--plot: a .png/.pdf/.svg path that is none of the command's inputs and no directory, FIFO or
+    device (``cli.refuse_output``, as `eval kl --plot`; an existing chart is replaced)."""
+    from weightszip.cli import refuse_output
 
     if os.path.splitext(path)[1].lower() not in (".png", ".pdf", ".svg"):
         # (matplotlib refuses other suffixes after the work, and adds .png to a path without one)
         raise CapacityError(f"--plot {path}: give a .png (or .pdf, .svg) file")
-    for i in inputs:
-        if same_file(i, path):
-            raise CapacityError(f"--plot {path}: is the input file {i}; not overwritten")
-    if os.path.isdir(path):
-        raise CapacityError(f"--plot {path}: is a directory")
-    try:
-        check_output(path, True)
-    except WeightszipError as e:
-        raise CapacityError(f"--plot {e}") from None
+    why = refuse_output(path, inputs, force=True)
+    if why is None and os.path.isdir(path):
+        why = f"{path}: is a directory"
+    if why is not None:
+        raise CapacityError(f"--plot {why}")
 
 
 def run(args) -> int:
