@@ -14,7 +14,7 @@ A ratio is (8 raw bits + exponent bits) / 16, side data not counted.
 
 Entropy bounds flatter the contexts: a prefix code spends at least one bit a symbol, and a context
 concentrates its channel's exponents on fewer symbols. So the same two models are also priced as
-the page profile would code them: length-limited Huffman codes (max_len 8, the rarest symbols
+the page profile would code them: length-limited Huffman codes (max_len 8 or --max-len, the rarest symbols
 escaped, as `PageCodebook::calibrate` in rust/core/src/page.rs builds them), calibrated on the
 first half and charged on the second. The static code is the Rust calibrator's own codebook
 (`pages.calibrate`); the per-context codes come from this script's copy of its length rule, which
@@ -114,14 +114,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv", action="append", required=True, help=".npy from capture_kv.py or .npz subset")
     ap.add_argument("--layers-per-model", type=int, default=4,
                     help="layers of each .npy capture, evenly spaced (default 4; a .npz subset keeps its own)")
+    ap.add_argument("--max-len", type=int, default=MAX_LEN,
+                    help=f"longest code of the Huffman pricing, 1..12 (default {MAX_LEN}, the calibrator's default)")
     ap.add_argument("--out", default=None, help="a JSON file for the results")
     args = ap.parse_args(argv)
+    if not 1 <= args.max_len <= 12:
+        ap.error("--max-len must be 1..12")
     rows = []
     for model, kind, layer, x in load_sets(args.kv, args.layers_per_model):
         e = (np.asarray(x, dtype=np.uint16) >> 7 & 0xFF).astype(np.int64)
         half = e.shape[0] // 2 // PAGE * PAGE
         static, prev, huff_static, huff_prev = [], [], [], []
-        rust_costs = codebook_costs(pages.calibrate(np.asarray(x[:half], np.uint16), "bfloat16", MAX_LEN)) \
+        rust_costs = codebook_costs(pages.calibrate(np.asarray(x[:half], np.uint16), "bfloat16", args.max_len)) \
             if e.shape[1] % 32 == 0 else None
         for ch in range(e.shape[1]):
             tr, te = e[:half, ch], e[half:, ch]
@@ -130,12 +134,12 @@ def main(argv=None) -> dict:
             mode = int(np.bincount(tr).argmax())
             ctx_tr, ctx_te = context(tr, mode), context(te, mode)
             prev.append(cross_entropy(tr, te, ctx_tr, ctx_te, 5))
-            mine = limited_lengths(np.bincount(tr, minlength=256))
+            mine = limited_lengths(np.bincount(tr, minlength=256), args.max_len)
             if rust_costs is not None:
                 # Huffman's ties may give other lengths of the same total on the calibration half.
                 assert (mine[tr].sum() == rust_costs[ch][tr].sum()), "the copy of the length rule disagrees with Rust"
             huff_static.append((mine if rust_costs is None else rust_costs[ch])[te].mean())
-            bits = sum(limited_lengths(np.bincount(tr[ctx_tr == c], minlength=256))[te[ctx_te == c]].sum()
+            bits = sum(limited_lengths(np.bincount(tr[ctx_tr == c], minlength=256), args.max_len)[te[ctx_te == c]].sum()
                        for c in range(5) if (ctx_te == c).any())
             huff_prev.append(bits / te.size)
         s, p = float(np.mean(static)), float(np.mean(prev))
@@ -154,10 +158,10 @@ def main(argv=None) -> dict:
     mean = {k: float(np.mean([r[k] for r in rows])) for k in keys}
     print(f"mean over sets, entropy bounds: ratio {mean['static_ratio']:.4f} -> {mean['prev_token_ratio']:.4f} "
           f"({mean['gain_bits']:.3f} bits per value)")
-    print(f"mean over sets, Huffman codes (max_len {MAX_LEN}): ratio {mean['huffman_static_ratio']:.4f} -> "
+    print(f"mean over sets, Huffman codes (max_len {args.max_len}): ratio {mean['huffman_static_ratio']:.4f} -> "
           f"{mean['huffman_prev_token_ratio']:.4f} ({mean['huffman_gain_bits']:.3f} bits per value)")
     out = dict(command=" ".join(["python", "benchmarks/diag_exponent_context.py", *(argv or sys.argv[1:])]),
-               rows=rows, mean=mean)
+               max_len=args.max_len, rows=rows, mean=mean)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
     return out

@@ -40,10 +40,12 @@ def normalise(ptx: str) -> str:
     return ptx if cut < 0 else ptx[:cut]
 
 
-# SASS opcodes by the pipe that runs them on sm_90 (the rest: control, uniform datapath, shuffles)
+# SASS opcodes by the pipe that runs them on sm_90 (the rest: control, uniform datapath, shuffles);
+# lmem: local-memory loads and stores (ptxas' spills) inside the loop
 _PIPES = {"alu": "LOP3 SHF IADD3 ISETP SEL PRMT LEA IMNMX VIMNMX FLO POPC BMSK SGXT PLOP3 FSEL FSETP FMNMX".split(),
           "fma": "IMAD FFMA FMUL FADD HFMA2 HADD2 HMUL2 VIADD".split(),
-          "lds": "LDS LDSM".split(), "mma": ["HMMA"], "xu": "MUFU F2F I2F F2I F2FP I2FP".split()}
+          "lds": "LDS LDSM".split(), "mma": ["HMMA"], "xu": "MUFU F2F I2F F2I F2FP I2FP".split(),
+          "lmem": "LDL STL".split()}
 
 
 def loop_mix(cubin: bytes) -> str:
@@ -112,6 +114,10 @@ def configurations():
         (4, 4, ("VOTE",)), (3, 3, ("VOTE",)), (4, 4, ("VOTE", "V_PAD")), (4, 4, ("VOTE", "V_PAD", "COPY_ALIGN")),
         (4, 4, ("VOTE", "BULK_COPY")), (4, 4, ("VOTE", "V_PAD", "BULK_COPY")), (3, 3, ("VOTE", "BULK_COPY")),
         (4, 4, ("VOTE", "COPY_ALIGN")), (3, 3, ("VOTE", "COPY_ALIGN")))]
+    # the rotary term at its launches (16 warps, staged, the vote): 24-32 listed pairs (2 chunks) and all
+    # 64 (4) at the 8B shape, and the shipped SmolLM2 calibration's shape (head_dim 64, 3 query heads a KV head)
+    cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE",)) for kb, vb, d, g, chunks in (
+        (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (4, 3, 64, 3, 2), (3, 3, 64, 3, 2))]
     suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align"}
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
