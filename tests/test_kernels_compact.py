@@ -410,6 +410,11 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     _, vmax = true_attention(c)
     err = (out - reference(c).cpu()).abs().max().item()
     assert err <= 2.0**-6 * vmax, f"max error {err:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
+    # the coefficients made before the page loop (``gluon_rope_hoist``; staged pages only) for both
+    # chunks or one: the same products, so the same output bit for bit
+    for hoist in (1, 4):
+        other = run(c, False, config=dataclasses.replace(cfg, gluon_rope_hoist=hoist)).double().cpu()
+        assert torch.equal(other, out), f"gluon_rope_hoist={hoist} differs from {cfg.gluon_rope_hoist}"
 
 
 @pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-small-step", "wide-group",
@@ -446,11 +451,12 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         assert glu.calls[0]["num_warps"] == (cfg.gluon_rope_warps if rope else cfg.gluon_warps)
         assert ("maxnreg" in glu.calls[0]) == (not rope)
         assert glu.calls[0]["STAGES"] == cfg.gluon_stages
+        assert glu.calls[0]["ROPE_HOIST"] == cfg.gluon_rope_hoist
 
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
                                  dict(block_n=24), dict(num_warps=0), dict(gluon_ahead=4), dict(gluon_maxnreg=8),
-                                 dict(gluon_min_work=-1)])
+                                 dict(gluon_min_work=-1), dict(gluon_rope_hoist=5), dict(gluon_rope_hoist=-1)])
 def test_kernel_config_refuses_what_would_not_compile(bad):
     """A KernelConfig outside what was built and measured (staging of 2 or 4 slots per warp: 8 slots of
     q4 at 16 warps overflow shared memory, other counts were never run on a GPU), that Triton could
@@ -461,7 +467,8 @@ def test_kernel_config_refuses_what_would_not_compile(bad):
     with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
         KernelConfig(**bad)
     KernelConfig(**{k: {"gluon_stages": 4, "gluon_warps": 16, "gluon_rope_warps": 8, "block_n": 32, "num_warps": 8,
-                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0}[k] for k in bad})  # a valid value
+                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_rope_hoist": 4}[k]
+                    for k in bad})  # a valid value
 
 
 def test_rotary_term_over_listed_pairs_only():
@@ -1396,6 +1403,7 @@ vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
 pad = sys.argv[8:9] == ["1"]  # KernelConfig.gluon_v_pad
 align = sys.argv[9:10] == ["1"]  # KernelConfig.gluon_copy_align
 bulk = sys.argv[10:11] == ["1"]  # KernelConfig.gluon_bulk_copy
+hoist = int((sys.argv[11:12] or ["0"])[0])  # KernelConfig.gluon_rope_hoist
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
@@ -1404,7 +1412,7 @@ ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_pt
 const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_PAD=pad, COPY_ALIGN=align,
-             BULK_COPY=bulk)
+             BULK_COPY=bulk, ROPE_HOIST=hoist)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1432,7 +1440,8 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (2, 3, 64, 3, 0, 2, 1, 0, 1), (4, 4, 32, 4, 0, 2, 1, 1, 1),
                                   (4, 4, 128, 4, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 0, 2, 1, 1, 0, 1),
                                   (3, 3, 128, 4, 0, 2, 1, 0, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 0, 1),
-                                  (3, 3, 64, 3, 0, 2, 1, 0, 0, 1)],
+                                  (3, 3, 64, 3, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 4),
+                                  (4, 4, 128, 4, 4, 2, 1, 0, 0, 0, 2), (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 4)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1441,7 +1450,9 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                               "q3-8b-staged-vote-align", "q3.5-70b-staged4-vote-align", "k2v3-smollm2-staged-vote-align",
                               "q4-d32-staged-vote-vpad-align",
                               "q4-8b-staged-vote-bulk", "q4-8b-staged-vote-vpad-bulk", "q3-8b-staged-vote-bulk",
-                              "q3.5-70b-staged4-vote-bulk", "q3-smollm2-staged-vote-bulk"])
+                              "q3.5-70b-staged4-vote-bulk", "q3-smollm2-staged-vote-bulk",
+                              "q4-8b-rope-staged-vote-hoist", "q4-8b-rope64-staged-vote-hoist2",
+                              "q3-smollm2-rope-staged-vote-hoist"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1454,7 +1465,8 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     scratch may lie in their bytes). The ``-vote`` cases: the lazy max by a warp vote
     (``KernelConfig.gluon_vote``); ``-vpad``: V's staged row pairs padded (``KernelConfig.gluon_v_pad``);
     ``-bulk``: the staged copies by the copy engine (``KernelConfig.gluon_bulk_copy``);
-    ``-align``: the copies in whole 128-byte lines (``KernelConfig.gluon_copy_align``)."""
+    ``-align``: the copies in whole 128-byte lines (``KernelConfig.gluon_copy_align``); ``-hoist``: the
+    rotary term's coefficients made before the page loop (``KernelConfig.gluon_rope_hoist``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()

@@ -159,6 +159,14 @@ class KernelConfig:
     # ... and from this step size (2**22; at batch 8 x 32k x 8 heads and 70B TP8 64 x 32k the Triton
     # kernel was as fast or faster with the rotary term, from 8 x 128k x 8 heads up the Gluon kernel)
     gluon_rope_min_work: int = 1 << 22
+    # staged pages (gluon_stages > 0): the rotary term's query coefficients of the first
+    # gluon_rope_hoist chunks of 16 pairs (0 to 4) loaded and split into hi/lo bf16 once per program,
+    # before the page loop, instead of on every page (``paged_decode_gluon._rope_coefs``; the same
+    # products, so the same output bit for bit; the register path keeps them in the loop).
+    # Offline (sm_90a SASS, 16 warps, staged, the vote), the loop's instructions per page and warp at
+    # 0 -> 4: q4 at the 8B shape with 24-32 pairs 950 -> 802 (2 local-memory accesses), with all 64
+    # 1454 -> 1189 (17); SmolLM2's shape (head_dim 64) q3 900 -> 734 (none). Off (0) until timed on a GPU
+    gluon_rope_hoist: int = 0
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
@@ -207,6 +215,7 @@ class KernelConfig:
             ("gluon_maxnreg", self.gluon_maxnreg, self.gluon_maxnreg == 0 or 24 <= self.gluon_maxnreg <= 255,
              "0 or 24 to 255"),
             ("gluon_ahead", self.gluon_ahead, self.gluon_ahead in (0, 1, 2, 3), "0 to 3"),
+            ("gluon_rope_hoist", self.gluon_rope_hoist, self.gluon_rope_hoist in (0, 1, 2, 3, 4), "0 to 4"),
             # 2 or 4 slots per warp, as built and measured (8 would not fit beside q4's tables at 16
             # warps; 1 and 3 compile but never ran on a GPU)
             ("gluon_stages", self.gluon_stages, self.gluon_stages in (0, 2, 4), "0, 2 or 4"),
@@ -1735,8 +1744,8 @@ class PagedDecodeAttention:
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
-                ROPE_CHUNKS=rope_chunks, BITS_K=self.k_bits, BITS_V=self.v_bits, HAS_BIAS=logit_bias is not None,
-                V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
+                ROPE_CHUNKS=rope_chunks, ROPE_HOIST=cfg.gluon_rope_hoist, BITS_K=self.k_bits, BITS_V=self.v_bits,
+                HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
                 V_PAD=cfg.gluon_v_pad, COPY_ALIGN=cfg.gluon_copy_align, BULK_COPY=cfg.gluon_bulk_copy,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32

@@ -1130,38 +1130,61 @@ def _split_bf16(x):
 
 
 @gluon.jit
-def _rope_logits(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, first, GROUP: gl.constexpr,
-                 BLOCK_G: gl.constexpr, HALF: gl.constexpr, NCHUNK: gl.constexpr, NW: gl.constexpr,
-                 MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
+def _rope_coefs(coef_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, c: gl.constexpr, GROUP: gl.constexpr,
+                BLOCK_G: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr):
+    """Chunk ``c``'s query coefficients A and B of the rotary-offset logits (16 listed pairs x the
+    query heads, 0 past the list and the group) as hi/lo bf16 B operands (ah, al, bh, bl): the same for
+    every page, so made once per program, before the page loop (``_rope_logits``)."""
+    jb = _axis(16, 1, 3, OPB)  # pair within the chunk (B operand rows)
+    gb = _axis(BLOCK_G, 2, 3, OPB)
+    rows = (seq * (num_kv_heads * GROUP) + head * GROUP + gb).to(gl.int64) * (2 * HALF) + 0 * _axis(NW, 0, 3, OPB)
+    jj = c * 16 + jb
+    ib = gl.minimum(gl.maximum(gl.load(pairs_ptr + jj, mask=jj < n_pairs, other=0), 0), HALF - 1)
+    m = (jj < n_pairs) & (gb < GROUP)
+    ah, al = _split_bf16(gl.load(coef_ptr + rows + ib, mask=m, other=0.0))
+    bh, bl = _split_bf16(gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0))
+    return ah, al, bh, bl
+
+
+@gluon.jit
+def _rope_chunk(acc, coefs, phase_ptr, pairs_ptr, n_pairs, s64, nf, c: gl.constexpr, HALF: gl.constexpr,
+                OPA: gl.constexpr):
+    """``acc`` plus chunk ``c``'s rotary-offset logits of a page (``_rope_logits``)."""
+    ah, al, bh, bl = coefs
+    ja = c * 16 + _axis(16, 2, 3, OPA)
+    ia = gl.minimum(gl.maximum(gl.load(pairs_ptr + ja, mask=ja < n_pairs, other=0), 0), HALF - 1)
+    f = gl.load(phase_ptr + ia)
+    ph = ((((s64 * (f >> 16)) & 0xFFFFFFFF) << 16) + s64 * (f & 0xFFFF)) & 0xFFFFFFFFFFFF
+    base = (ph >> 16).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
+    theta = f.to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
+    ang = base + nf * theta
+    ch, cl = _split_bf16(gl.inline_asm_elementwise(_COS, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
+    sh, sl = _split_bf16(gl.inline_asm_elementwise(_SIN, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
+    acc = mma_v2(ch, ah, mma_v2(ch, al, mma_v2(cl, ah, acc)))
+    return mma_v2(sh, bh, mma_v2(sh, bl, mma_v2(sl, bh, acc)))
+
+
+@gluon.jit
+def _rope_logits(r0, r1, r2, r3, coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, first,
+                 GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HALF: gl.constexpr, NCHUNK: gl.constexpr,
+                 HOIST: gl.constexpr, NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
     """The rotary-offset logits q . r(p) of a page's 16 keys, transposed [NW, 16 rows, BLOCK_G], as
     ``paged_decode._rope_logits`` computes them: per listed RoPE pair i (16 per chunk), the exact
     48-bit phase of the page's first position ``first`` ([NW, 1, 1], OPA), the angle of row n by one
     fp32 multiply-add, cos/sin on the SFU, and the sums over pairs as hi/lo-split bf16 products on
     the tensor cores (``cos [16 rows, 16 pairs]`` the A operand, the query's A / B coefficients
-    [16 pairs, BLOCK_G] the B operands)."""
+    [16 pairs, BLOCK_G] the B operands). The first ``HOIST`` chunks' coefficients are ``r0`` ..
+    ``r3`` (``_rope_coefs``, made before the page loop); later chunks load theirs here."""
     acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
     s64 = first.to(gl.int64)
     nf = _axis(16, 1, 3, OPA).to(gl.float32)  # row within the page
-    jb = _axis(16, 1, 3, OPB)  # pair within the chunk (B operand rows)
-    gb = _axis(BLOCK_G, 2, 3, OPB)
-    rows = (seq * (num_kv_heads * GROUP) + head * GROUP + gb).to(gl.int64) * (2 * HALF) + 0 * _axis(NW, 0, 3, OPB)
     for c in gl.static_range(NCHUNK):
-        ja = c * 16 + _axis(16, 2, 3, OPA)
-        ia = gl.minimum(gl.maximum(gl.load(pairs_ptr + ja, mask=ja < n_pairs, other=0), 0), HALF - 1)
-        f = gl.load(phase_ptr + ia)
-        ph = ((((s64 * (f >> 16)) & 0xFFFFFFFF) << 16) + s64 * (f & 0xFFFF)) & 0xFFFFFFFFFFFF
-        base = (ph >> 16).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
-        theta = f.to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
-        ang = base + nf * theta
-        ch, cl = _split_bf16(gl.inline_asm_elementwise(_COS, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
-        sh, sl = _split_bf16(gl.inline_asm_elementwise(_SIN, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
-        jj = c * 16 + jb
-        ib = gl.minimum(gl.maximum(gl.load(pairs_ptr + jj, mask=jj < n_pairs, other=0), 0), HALF - 1)
-        m = (jj < n_pairs) & (gb < GROUP)
-        ah, al = _split_bf16(gl.load(coef_ptr + rows + ib, mask=m, other=0.0))
-        bh, bl = _split_bf16(gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0))
-        acc = mma_v2(ch, ah, mma_v2(ch, al, mma_v2(cl, ah, acc)))
-        acc = mma_v2(sh, bh, mma_v2(sh, bl, mma_v2(sl, bh, acc)))
+        if c < HOIST:
+            coefs = (r0, r1, r2, r3)[c]
+        else:
+            coefs = _rope_coefs(coef_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, c, GROUP, BLOCK_G, HALF, NW,
+                                OPB)
+        acc = _rope_chunk(acc, coefs, phase_ptr, pairs_ptr, n_pairs, s64, nf, c, HALF, OPA)
     return acc
 
 
@@ -1394,6 +1417,7 @@ def compact_split_kernel(
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
+    ROPE_HOIST: gl.constexpr = 0,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
@@ -1497,6 +1521,27 @@ def compact_split_kernel(
                         bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
+    # the rotary term's query coefficients, the same for every page: those of the first ROPE_HOIST
+    # chunks made here, staged (on the register path, where the pages' words are live across the
+    # loop too, ptxas spilled 132 bytes for q4 at the 8B shape with them: they stay in the loop)
+    RH: gl.constexpr = ROPE_HOIST if STAGES > 0 else 0
+    if ROPE_CHUNKS > 0:
+        gl.static_assert(ROPE_CHUNKS <= 4, "the rotary term takes at most 64 pairs (head_dim 128)")
+        HALF: gl.constexpr = HEAD_DIM // 2
+        r0 = _rope_coefs(rope_coef_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads, 0, GROUP, BLOCK_G,
+                         HALF, NW, OPB)
+        r1 = r0
+        r2 = r0
+        r3 = r0
+        if RH > 1 and ROPE_CHUNKS > 1:
+            r1 = _rope_coefs(rope_coef_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads, 1, GROUP, BLOCK_G,
+                             HALF, NW, OPB)
+        if RH > 2 and ROPE_CHUNKS > 2:
+            r2 = _rope_coefs(rope_coef_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads, 2, GROUP, BLOCK_G,
+                             HALF, NW, OPB)
+        if RH > 3 and ROPE_CHUNKS > 3:
+            r3 = _rope_coefs(rope_coef_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads, 3, GROUP, BLOCK_G,
+                             HALF, NW, OPB)
     for j in range(0, n_iter):
         if STAGES > 0:
             # page j + STAGES - 1 into the slot page j - 1 used (which carried its block); page j landed
@@ -1536,9 +1581,9 @@ def compact_split_kernel(
         s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA)
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
         if ROPE_CHUNKS > 0:
-            s += _rope_logits(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
-                              _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2, ROPE_CHUNKS, NW,
-                              MMA, OPA, OPB) * qk_scale
+            s += _rope_logits(r0, r1, r2, r3, rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head,
+                              num_kv_heads, _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2,
+                              ROPE_CHUNKS, RH, NW, MMA, OPA, OPB) * qk_scale
         if VOTE:  # KernelConfig.gluon_vote: the lazy max by a warp vote
             p, alpha, m_new, l_t, need = _vote_softmax_step(s, valid, m_i, l_t)
         else:
