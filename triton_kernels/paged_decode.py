@@ -1745,7 +1745,8 @@ class PagedDecodeAttention:
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 ROPE_CHUNKS=rope_chunks, ROPE_HOIST=cfg.gluon_rope_hoist, BITS_K=self.k_bits, BITS_V=self.v_bits,
-                HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2), num_warps=warps,
+                HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
+                num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
                 V_PAD=cfg.gluon_v_pad, COPY_ALIGN=cfg.gluon_copy_align, BULK_COPY=cfg.gluon_bulk_copy,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
