@@ -159,14 +159,14 @@ class KernelConfig:
     # ... and from this step size (2**22; at batch 8 x 32k x 8 heads and 70B TP8 64 x 32k the Triton
     # kernel was as fast or faster with the rotary term, from 8 x 128k x 8 heads up the Gluon kernel)
     gluon_rope_min_work: int = 1 << 22
-    # staged pages (gluon_stages > 0): the rotary term's query coefficients of the first
-    # gluon_rope_hoist chunks of 16 pairs (0 to 4) loaded and split into hi/lo bf16 once per program,
-    # before the page loop, instead of on every page (``paged_decode_gluon._rope_coefs``; the same
-    # products, so the same output bit for bit; the register path keeps them in the loop).
-    # Offline (sm_90a SASS, 16 warps, staged, the vote), the loop's instructions per page and warp at
-    # 0 -> 4: q4 at the 8B shape with 24-32 pairs 950 -> 802 (2 local-memory accesses), with all 64
-    # 1454 -> 1189 (17); SmolLM2's shape (head_dim 64) q3 900 -> 734 (none). Off (0) until timed on a GPU
-    gluon_rope_hoist: int = 0
+    # staged pages (gluon_stages > 0), a rotary term of at most gluon_rope_hoist chunks of 16 pairs (0 to
+    # 4; 0: never): its query coefficients loaded and split into hi/lo bf16 once per program, before
+    # the page loop, instead of on every page (``paged_decode_gluon._rope_coefs``; the same products,
+    # so the same output bit for bit). H200, session 39 (against the kernel before, 3 rounds): up to
+    # 32 pairs (2 chunks) q4 1.16-1.19x and q3 1.13-1.16x at the 8B and 70B TP8 shapes; with all 64
+    # pairs (4 chunks, 17 local-memory accesses a page in the loop) q4 0.92-0.94x and q3.5 0.97-0.98x,
+    # so 4 chunks keep them in the loop; the register path always does (ptxas spilled 132 bytes)
+    gluon_rope_hoist: int = 2
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
@@ -1744,7 +1744,8 @@ class PagedDecodeAttention:
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
-                ROPE_CHUNKS=rope_chunks, ROPE_HOIST=cfg.gluon_rope_hoist, BITS_K=self.k_bits, BITS_V=self.v_bits,
+                ROPE_CHUNKS=rope_chunks, ROPE_HOIST=rope_chunks if rope_chunks <= cfg.gluon_rope_hoist else 0,
+                BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,

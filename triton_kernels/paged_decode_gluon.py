@@ -1522,8 +1522,8 @@ def compact_split_kernel(
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     # the rotary term's query coefficients, the same for every page: those of the first ROPE_HOIST
-    # chunks made here, staged (on the register path, where the pages' words are live across the
-    # loop too, ptxas spilled 132 bytes for q4 at the 8B shape with them: they stay in the loop)
+    # chunks made here, staged (KernelConfig.gluon_rope_hoist; on the register path, where the pages'
+    # words are live across the loop too, ptxas spilled 132 bytes for q4 at the 8B shape with them)
     RH: gl.constexpr = ROPE_HOIST if STAGES > 0 else 0
     if ROPE_CHUNKS > 0:
         gl.static_assert(ROPE_CHUNKS <= 4, "the rotary term takes at most 64 pairs (head_dim 128)")
