@@ -85,13 +85,15 @@ def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=
     """``compile_for_hopper``'s arguments after the kernel for ``compact_split_kernel`` at a launch:
     (constexprs, pointer types, warps, register cap). ``opts``: the constexpr flags set (VOTE,
     V_PAD, COPY_ALIGN, BULK_COPY); the defaults are the 8B launch with the vote."""
+    from weightszip.kernels import KernelConfig
     from weightszip.kernels import paged_decode_gluon as pg
 
     warps = 16 if chunks else 8
+    hoist = chunks if chunks <= KernelConfig().gluon_rope_hoist else 0  # as PagedDecodeAttention launches it
     tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts)
     const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
                  BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
-                 STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
+                 ROPE_HOIST=hoist, STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
     return const, _COMPACT_PTRS, warps, None if chunks else 128
 
 
