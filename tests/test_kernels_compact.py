@@ -417,8 +417,8 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
         assert torch.equal(other, out), f"gluon_rope_hoist={hoist} differs from {cfg.gluon_rope_hoist}"
 
 
-@pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-small-step", "wide-group",
-                                  "rope-group-16", "config-off", "smem-fits", "smem-over"])
+@pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-on-hoist-1", "rope-small-step",
+                                  "wide-group", "rope-group-16", "config-off", "smem-fits", "smem-over"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
@@ -436,23 +436,25 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     kb, rope = (5 if what == "5-bit" else 4), what.startswith("rope")
     group = {"wide-group": 32, "rope-group-16": 16}.get(what, 2)  # head_dim 64: 16 fits GLUON_MAX_ACC
     c = make_case(lens=[200, 90], group=group, kb=kb, vb=3, S=0, W=0, rope=rope)
-    cfg = KernelConfig(gluon=what != "config-off", gluon_rope=what in ("rope-on", "rope-small-step", "rope-group-16"),
+    cfg = KernelConfig(gluon=what != "config-off",
+                       gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16"),
                        gluon_min_work=10**9 if what == "small-step" else 0,
-                       gluon_rope_min_work=10**9 if what == "rope-small-step" else 0)
+                       gluon_rope_min_work=10**9 if what == "rope-small-step" else 0,
+                       gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist)
     if what.startswith("smem"):  # the config's shared memory against the cap: exactly at it, one byte over
         need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, False)
         assert need > 0
         monkeypatch.setattr(pd, "GLUON_MAX_SMEM", need - (what == "smem-over"))
     run(c, False, config=cfg)
-    want_gluon = what in ("gluon", "rope-on", "smem-fits")
+    want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
         assert glu.calls[0]["num_warps"] == (cfg.gluon_rope_warps if rope else cfg.gluon_warps)
         assert ("maxnreg" in glu.calls[0]) == (not rope)
         assert glu.calls[0]["STAGES"] == cfg.gluon_stages
-        chunks = glu.calls[0]["ROPE_CHUNKS"]
-        assert glu.calls[0]["ROPE_HOIST"] == (chunks if chunks <= cfg.gluon_rope_hoist else 0)
+        # the rotary term's coefficients hoisted whole (its 2 chunks here) or, past gluon_rope_hoist, not at all
+        assert glu.calls[0]["ROPE_HOIST"] == ({"rope-on": 2, "rope-on-hoist-1": 0}[what] if rope else 0)
 
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
