@@ -163,7 +163,7 @@ class KernelConfig:
     # 4; 0: never): its query coefficients loaded and split into hi/lo bf16 once per program, before
     # the page loop, instead of on every page (``paged_decode_gluon._rope_coefs``; the same products,
     # so the same output bit for bit). H200, session 39 (against the kernel before, 3 rounds): up to
-    # 32 pairs (2 chunks) q4 1.16-1.19x and q3 1.13-1.16x at the 8B and 70B TP8 shapes; with all 64
+    # 32 pairs (2 chunks) q4 1.16-1.19x and q3 1.12-1.16x at the 8B and 70B TP8 shapes; with all 64
     # pairs (4 chunks, 17 local-memory accesses a page in the loop) q4 0.92-0.94x and q3.5 0.97-0.98x,
     # so 4 chunks keep them in the loop; the register path always does (ptxas spilled 132 bytes)
     gluon_rope_hoist: int = 2
