@@ -89,7 +89,7 @@ def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=
     from weightszip.kernels import paged_decode_gluon as pg
 
     warps = 16 if chunks else 8
-    hoist = chunks if chunks <= KernelConfig().gluon_rope_hoist else 0  # as PagedDecodeAttention launches it
+    hoist = 0 < chunks <= KernelConfig().gluon_rope_hoist  # as PagedDecodeAttention launches it
     tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts)
     const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
                  BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,

@@ -454,7 +454,7 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         assert ("maxnreg" in glu.calls[0]) == (not rope)
         assert glu.calls[0]["STAGES"] == cfg.gluon_stages
         # the rotary term's coefficients hoisted whole (its 2 chunks here) or, past gluon_rope_hoist, not at all
-        assert glu.calls[0]["ROPE_HOIST"] == ({"rope-on": 2, "rope-on-hoist-1": 0}[what] if rope else 0)
+        assert glu.calls[0]["ROPE_HOIST"] == (what == "rope-on")
 
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
@@ -1406,7 +1406,7 @@ vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
 pad = sys.argv[8:9] == ["1"]  # KernelConfig.gluon_v_pad
 align = sys.argv[9:10] == ["1"]  # KernelConfig.gluon_copy_align
 bulk = sys.argv[10:11] == ["1"]  # KernelConfig.gluon_bulk_copy
-hoist = int((sys.argv[11:12] or ["0"])[0])  # KernelConfig.gluon_rope_hoist
+hoist = sys.argv[11:12] == ["1"]  # KernelConfig.gluon_rope_hoist (the term's chunks within it)
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
@@ -1443,8 +1443,8 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (2, 3, 64, 3, 0, 2, 1, 0, 1), (4, 4, 32, 4, 0, 2, 1, 1, 1),
                                   (4, 4, 128, 4, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 0, 2, 1, 1, 0, 1),
                                   (3, 3, 128, 4, 0, 2, 1, 0, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 0, 1),
-                                  (3, 3, 64, 3, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 2),
-                                  (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 2)],
+                                  (3, 3, 64, 3, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 1),
+                                  (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",

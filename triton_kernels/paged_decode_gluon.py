@@ -1173,13 +1173,13 @@ def _rope_logits(r0, r1, r2, r3, coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, h
     48-bit phase of the page's first position ``first`` ([NW, 1, 1], OPA), the angle of row n by one
     fp32 multiply-add, cos/sin on the SFU, and the sums over pairs as hi/lo-split bf16 products on
     the tensor cores (``cos [16 rows, 16 pairs]`` the A operand, the query's A / B coefficients
-    [16 pairs, BLOCK_G] the B operands). The first ``HOIST`` chunks' coefficients are ``r0`` ..
-    ``r3`` (``_rope_coefs``, made before the page loop); later chunks load theirs here."""
+    [16 pairs, BLOCK_G] the B operands). With ``HOIST`` the chunks' coefficients are ``r0`` .. ``r3``
+    (``_rope_coefs``, made before the page loop); without, each chunk loads its own here."""
     acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
     s64 = first.to(gl.int64)
     nf = _axis(16, 1, 3, OPA).to(gl.float32)  # row within the page
     for c in gl.static_range(NCHUNK):
-        if c < HOIST:
+        if HOIST:
             coefs = (r0, r1, r2, r3)[c]
         else:
             coefs = _rope_coefs(coef_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, c, GROUP, BLOCK_G, HALF, NW,
@@ -1417,7 +1417,7 @@ def compact_split_kernel(
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
-    ROPE_HOIST: gl.constexpr = 0,
+    ROPE_HOIST: gl.constexpr = False,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
@@ -1521,10 +1521,10 @@ def compact_split_kernel(
                         bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
-    # the rotary term's query coefficients, the same for every page: those of the first ROPE_HOIST
-    # chunks made here, staged (KernelConfig.gluon_rope_hoist; on the register path, where the pages'
-    # words are live across the loop too, ptxas spilled 132 bytes for q4 at the 8B shape with them)
-    RH: gl.constexpr = ROPE_HOIST if STAGES > 0 else 0
+    # the rotary term's query coefficients, the same for every page: made here with ROPE_HOIST, staged
+    # (KernelConfig.gluon_rope_hoist; on the register path, where the pages' words are live across the
+    # loop too, ptxas spilled 132 bytes for q4 at the 8B shape with them)
+    RH: gl.constexpr = ROPE_HOIST and STAGES > 0
     if ROPE_CHUNKS > 0:
         gl.static_assert(ROPE_CHUNKS <= 4, "the rotary term takes at most 64 pairs (head_dim 128)")
         HALF: gl.constexpr = HEAD_DIM // 2
@@ -1533,13 +1533,13 @@ def compact_split_kernel(
         r1 = r0
         r2 = r0
         r3 = r0
-        if RH > 1 and ROPE_CHUNKS > 1:
+        if RH and ROPE_CHUNKS > 1:
             r1 = _rope_coefs(rope_coef_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads, 1, GROUP, BLOCK_G,
                              HALF, NW, OPB)
-        if RH > 2 and ROPE_CHUNKS > 2:
+        if RH and ROPE_CHUNKS > 2:
             r2 = _rope_coefs(rope_coef_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads, 2, GROUP, BLOCK_G,
                              HALF, NW, OPB)
-        if RH > 3 and ROPE_CHUNKS > 3:
+        if RH and ROPE_CHUNKS > 3:
             r3 = _rope_coefs(rope_coef_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads, 3, GROUP, BLOCK_G,
                              HALF, NW, OPB)
     for j in range(0, n_iter):

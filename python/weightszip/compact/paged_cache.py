@@ -20,7 +20,6 @@ greedy decoding with every forward inside ``weightszip.eval.kl.kv_format`` and t
 from __future__ import annotations
 
 import contextlib
-import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -89,8 +88,7 @@ class PagedCompactCache:
         self._planned: dict[int, int] = {}
 
     def _check_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < self.L:
-            raise InvalidArgumentError(f"layer {layer} out of range (the cache has {self.L} layers)")
+        int_arg("layer", layer, 0, self.L - 1)
 
     def _slot(self, p: int) -> int:
         return p if p < self.S else self.S + p % self.W
