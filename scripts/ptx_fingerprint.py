@@ -90,8 +90,11 @@ def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=
 
     warps = 16 if chunks else 8
     hoist = 0 < chunks <= KernelConfig().gluon_rope_hoist  # as PagedDecodeAttention launches it
-    tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts)
-    const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16,
+    block_g = max(8, 1 << (group - 1).bit_length())
+    rope_words = pg.rope_table_words(chunks, block_g) if "ROPE_TABLE" in opts and chunks else 0
+    tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts,
+                                            rope_words)
+    const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16,
                  BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
                  ROPE_HOIST=hoist, STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
     return const, _COMPACT_PTRS, warps, None if chunks else 128
@@ -120,7 +123,12 @@ def configurations():
     # 64 (4) at the 8B shape, and the shipped SmolLM2 calibration's shape (head_dim 64, 3 query heads a KV head)
     cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE",)) for kb, vb, d, g, chunks in (
         (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (4, 3, 64, 3, 2), (3, 3, 64, 3, 2))]
-    suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align"}
+    # ... and from tables (KernelConfig.gluon_rope_table), staged and on the register path
+    cases += [(kb, vb, d, g, chunks, stages, False, ("VOTE", "ROPE_TABLE")) for kb, vb, d, g, chunks, stages in (
+        (4, 4, 128, 4, 2, 2), (3, 3, 128, 4, 2, 2), (4, 4, 128, 4, 4, 2), (3, 3, 128, 4, 4, 2), (4, 3, 64, 3, 2, 2),
+        (3, 3, 64, 3, 2, 2), (4, 4, 128, 4, 2, 0), (2, 3, 64, 3, 2, 0))]
+    suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align",
+              "ROPE_TABLE": " table"}
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
             return (pg.compact_split_kernel, *compact_launch(kb, vb, d, group, chunks, stages, bias, opts))

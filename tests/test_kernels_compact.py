@@ -415,17 +415,25 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     for hoist in (0, 1):
         other = run(c, False, config=dataclasses.replace(cfg, gluon_rope_hoist=hoist)).double().cpu()
         assert torch.equal(other, out), f"gluon_rope_hoist={hoist} differs from {cfg.gluon_rope_hoist}"
+    # the term from tables (``gluon_rope_table``, the angle sum): another rounding of the same sum,
+    # within the same tolerance of the reference and close to the direct form
+    table = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=not cfg.gluon_rope_table)).double().cpu()
+    err_t = (table - reference(c).cpu()).abs().max().item()
+    assert err_t <= 2.0**-6 * vmax, f"table form: max error {err_t:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
+    assert (table - out).abs().max().item() <= 2.0**-10 * vmax
 
 
 @pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-on-hoist-1", "rope-small-step",
-                                  "wide-group", "rope-group-16", "config-off", "smem-fits", "smem-over"])
+                                  "wide-group", "rope-group-16", "config-off", "smem-fits", "smem-over", "rope-table",
+                                  "rope-table-smem-fits", "rope-table-smem-over"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
     group <= GLUON_MAX_ACC) and the step is large enough (``gluon_min_work``; with the rotary term
     ``gluon_rope_min_work``) and the config's shared memory fits ``GLUON_MAX_SMEM``, on a GPU; the
-    Triton kernel otherwise. (Both kernels replaced by
-    recorders; the GPU is simulated by turning the interpreter flag off.)"""
+    Triton kernel otherwise; with ``gluon_rope_table`` the rotary term's tables count in the shared
+    memory (all head_dim / 32 chunks a head could list) and lie between the grids and the staging
+    slots. (Both kernels replaced by recorders; the GPU is simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -436,17 +444,22 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     kb, rope = (5 if what == "5-bit" else 4), what.startswith("rope")
     group = {"wide-group": 32, "rope-group-16": 16}.get(what, 2)  # head_dim 64: 16 fits GLUON_MAX_ACC
     c = make_case(lens=[200, 90], group=group, kb=kb, vb=3, S=0, W=0, rope=rope)
+    table = what.startswith("rope-table")
     cfg = KernelConfig(gluon=what != "config-off",
-                       gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16"),
+                       gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16") or table,
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0,
-                       gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist)
-    if what.startswith("smem"):  # the config's shared memory against the cap: exactly at it, one byte over
-        need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, False)
+                       gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist,
+                       gluon_rope_table=table)
+    if "smem" in what:  # the config's shared memory against the cap: exactly at it, one byte over
+        need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, rope, group)
         assert need > 0
-        monkeypatch.setattr(pd, "GLUON_MAX_SMEM", need - (what == "smem-over"))
+        if table:  # the tables of all 2 chunks a head_dim-64 head could list, at the padded group of 8
+            plain = dataclasses.replace(cfg, gluon_rope_table=False)
+            assert need - pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], plain, True, group) == 4 * 2 * (512 + 64 * 8)
+        monkeypatch.setattr(pd, "GLUON_MAX_SMEM", need - what.endswith("smem-over"))
     run(c, False, config=cfg)
-    want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits")
+    want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits", "rope-table", "rope-table-smem-fits")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
@@ -455,6 +468,11 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         assert glu.calls[0]["STAGES"] == cfg.gluon_stages
         # the rotary term's coefficients hoisted whole (its 2 chunks here) or, past gluon_rope_hoist, not at all
         assert glu.calls[0]["ROPE_HOIST"] == (what == "rope-on")
+        assert glu.calls[0]["ROPE_TABLE"] == table
+        chunks = glu.calls[0]["ROPE_CHUNKS"]
+        rope_words = pg.rope_table_words(chunks, 8) if table else 0
+        assert (glu.calls[0]["TAB_OFF"], glu.calls[0]["STAGE_OFF"]) == pg.smem_offsets(
+            kb, 3, c["q"].shape[-1], glu.calls[0]["num_warps"], cfg.gluon_stages, False, False, rope_words)[:2]
 
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
@@ -1399,7 +1417,7 @@ def test_gluon_pair_codes_give_the_codebook_values(bits):
 
 _COMPILE_GLUON = """
 import sys
-from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_for_hopper, smem_offsets
+from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_for_hopper, rope_table_words, smem_offsets
 
 kb, vb, d, group, chunks, stages = (int(x) for x in sys.argv[1:7])
 vote = sys.argv[7:8] == ["1"]  # KernelConfig.gluon_vote
@@ -1407,15 +1425,18 @@ pad = sys.argv[8:9] == ["1"]  # KernelConfig.gluon_v_pad
 align = sys.argv[9:10] == ["1"]  # KernelConfig.gluon_copy_align
 bulk = sys.argv[10:11] == ["1"]  # KernelConfig.gluon_bulk_copy
 hoist = sys.argv[11:12] == ["1"]  # KernelConfig.gluon_rope_hoist (the term's chunks within it)
+table = sys.argv[12:13] == ["1"]  # KernelConfig.gluon_rope_table
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
-tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad)
+block_g = max(8, 1 << (group - 1).bit_length())
+tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad,
+                                            rope_table_words(chunks, block_g) if table else 0)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
-const = dict(GROUP=group, BLOCK_G=max(8, 1 << (group - 1).bit_length()), HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
+const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_PAD=pad, COPY_ALIGN=align,
-             BULK_COPY=bulk, ROPE_HOIST=hoist)
+             BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1444,7 +1465,9 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (4, 4, 128, 4, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 0, 2, 1, 1, 0, 1),
                                   (3, 3, 128, 4, 0, 2, 1, 0, 0, 1), (4, 3, 128, 8, 0, 4, 1, 0, 0, 1),
                                   (3, 3, 64, 3, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 1),
-                                  (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 1)],
+                                  (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1),
+                                  (4, 4, 128, 4, 4, 2, 1, 0, 0, 0, 0, 1), (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 0, 1),
+                                  (4, 4, 128, 4, 2, 0, 1, 0, 0, 0, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1454,7 +1477,9 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                               "q4-d32-staged-vote-vpad-align",
                               "q4-8b-staged-vote-bulk", "q4-8b-staged-vote-vpad-bulk", "q3-8b-staged-vote-bulk",
                               "q3.5-70b-staged4-vote-bulk", "q3-smollm2-staged-vote-bulk",
-                              "q4-8b-rope-staged-vote-hoist", "q3-smollm2-rope-staged-vote-hoist"])
+                              "q4-8b-rope-staged-vote-hoist", "q3-smollm2-rope-staged-vote-hoist",
+                              "q4-8b-rope-staged-vote-table", "q4-8b-rope4-staged-vote-table",
+                              "q3-smollm2-rope-staged-vote-table", "q4-8b-rope-vote-table"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1468,12 +1493,14 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     (``KernelConfig.gluon_vote``); ``-vpad``: V's staged row pairs padded (``KernelConfig.gluon_v_pad``);
     ``-bulk``: the staged copies by the copy engine (``KernelConfig.gluon_bulk_copy``);
     ``-align``: the copies in whole 128-byte lines (``KernelConfig.gluon_copy_align``); ``-hoist``: the
-    rotary term's coefficients made before the page loop (``KernelConfig.gluon_rope_hoist``)."""
+    rotary term's coefficients made before the page loop (``KernelConfig.gluon_rope_hoist``); ``-table``:
+    the rotary term from tables in shared memory (``KernelConfig.gluon_rope_table``, 16-byte records and
+    fragments: ld.shared.v4 on every path), counted in the kernel's shared memory."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()
     # staged words of a 128-wide head are read four at a time (ld.shared.v4)
-    v4 = str(case[5] > 0 and case[2] >= 128)
+    v4 = str((case[5] > 0 and case[2] >= 128) or case[11:12] == (1,))
     assert out[-14:-1] == ["cp.async", str(case[5] > 0), "shared", "True",
                            "lds", "True", "mma", "True", "cos", rope, "v4", v4, "spills"], stdout
     # with the rotary term ptxas spills a few words at 16 warps (4-32 bytes; 80 for q4 on the register

@@ -92,13 +92,18 @@ GLUON_MAX_ACC = 1024
 GLUON_MAX_SMEM = 200 * 1024
 
 
-def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: bool) -> int:
-    """Shared memory of the compact Gluon kernel at a config (pair tables, grids, staging slots)."""
-    from .paged_decode_gluon import smem_offsets
+def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: bool, group: int = 1,
+                        rope_chunks: int | None = None) -> int:
+    """Shared memory of the compact Gluon kernel at a config (pair tables, grids, staging slots; with
+    ``gluon_rope_table`` the rotary term's tables for ``rope_chunks`` chunks, default all head_dim / 32
+    a head can list, at GQA ``group``)."""
+    from .paged_decode_gluon import rope_table_words, smem_offsets
 
     warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
+    chunks = head_dim // 32 if rope_chunks is None else rope_chunks
+    rope_words = rope_table_words(chunks, _pow2_at_least(group, 8)) if has_rope and cfg.gluon_rope_table else 0
     return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align,
-                        cfg.gluon_v_pad)[2]
+                        cfg.gluon_v_pad, rope_words)[2]
 
 
 LOG2E = 1.4426950408889634
@@ -167,6 +172,12 @@ class KernelConfig:
     # pairs (4 chunks, 17 local-memory accesses a page in the loop) q4 0.92-0.94x and q3.5 0.97-0.98x,
     # so 4 chunks keep them in the loop; the register path always does (ptxas spilled 132 bytes)
     gluon_rope_hoist: int = 2
+    # the rotary term from tables made once per program in shared memory (``paged_decode_gluon.
+    # _rope_table_logits``): per page cos and sin of the listed pairs' phases only, the rows' rotations
+    # cos / sin (n theta) a constant operand, by the angle sum; not bit-identical to the direct form
+    # (both within the fp32 tolerance of the reference). Offline (sm_90a SASS per page and warp, q4 at
+    # the 8B shape): 802 -> 613 instructions with 2 chunks, 1454 -> 842 with 4
+    gluon_rope_table: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
@@ -1612,7 +1623,7 @@ class PagedDecodeAttention:
                     # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
                     # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
                     and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2
-                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope) <= GLUON_MAX_SMEM):
+                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G) <= GLUON_MAX_SMEM):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
                 gluon_cbs = (k_codebook, v_codebook)
@@ -1733,8 +1744,10 @@ class PagedDecodeAttention:
 
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
-            tab_off, stage_off, _ = pg.smem_offsets(self.k_bits, self.v_bits, D, warps, cfg.gluon_stages,
-                                                    cfg.gluon_copy_align, cfg.gluon_v_pad)
+            rope_table = has_rope and cfg.gluon_rope_table
+            tab_off, stage_off, _ = pg.smem_offsets(
+                self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, cfg.gluon_v_pad,
+                pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1744,7 +1757,8 @@ class PagedDecodeAttention:
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
-                ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist,
+                ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist and not rope_table,
+                ROPE_TABLE=rope_table,
                 BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,

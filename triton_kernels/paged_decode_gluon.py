@@ -441,16 +441,25 @@ def _slot_words(bits_k, bits_v, head_dim, align=False, vpad=False):
     return (b + 127) // 128 * 32
 
 
+@constexpr_function
+def rope_table_words(chunks, block_g):
+    """Shared words of the rotary term's tables (``_rope_table_fill``), after the scale grids: per
+    chunk of 16 pairs the rows' rotations (4 A-operand fragments of 32 lanes x 4 words) and the
+    pairs' records (16 pairs x ``block_g`` heads, 4 words each)."""
+    return chunks * (512 + 64 * block_g)
+
+
 @functools.lru_cache(maxsize=None)  # asked at every launch of PagedDecodeAttention.run
 def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int,
-                 align: bool = False, vpad: bool = False) -> tuple[int, int, int]:
+                 align: bool = False, vpad: bool = False, rope_words: int = 0) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
     the end of both (``align``: ``KernelConfig.gluon_copy_align``'s slots; ``vpad``:
-    ``KernelConfig.gluon_v_pad``'s). Only inline PTX reads and
+    ``KernelConfig.gluon_v_pad``'s; ``rope_words``: the rotary term's tables after the grids,
+    ``rope_table_words``). Only inline PTX reads and
     writes them (from ``global_smem``), so their order is ours: the kernel's two allocations, made
     first and live through the loop, reserve [0, end) in whichever order Triton places them (the
     compile test checks that the kernel's shared memory is exactly that: no Triton scratch lies in it)."""
-    tab = (_table_words(table_entries(bits_k), table_entries(bits_v)) + _GRID_WORDS.value) * 4
+    tab = (_table_words(table_entries(bits_k), table_entries(bits_v)) + _GRID_WORDS.value + rope_words) * 4
     stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim, align, vpad) * 4
     return 0, tab, tab + stg
 
@@ -1188,6 +1197,134 @@ def _rope_logits(r0, r1, r2, r3, coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, h
     return acc
 
 
+# the rotary term from tables (``KernelConfig.gluon_rope_table``): 16-byte records and fragments in
+# shared memory at byte $n (the first of the pack's addresses; the others are not read)
+_LDS4 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; ld.shared.v4.b32 {$0, $1, $2, $3}, [a]; }")
+_LDS4_PACKED = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; "
+                            "ld.shared.v4.b32 {$0, $1, $2, $3}, [a]; }")
+_STS4 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
+                     "st.shared.v4.b32 [a], {$2, $3, $4, $5}; mov.u32 $0, 0; }")
+_STS4_PACKED = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; "
+                            "st.shared.v4.b32 [a], {$12, $13, $14, $15}; mov.b32 $0, 0; mov.b32 $1, 0; "
+                            "mov.b32 $2, 0; mov.b32 $3, 0; }")
+
+_STS4_PACKED_C = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
+_LDS4_PACKED_C = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 8))
+
+
+@gluon.jit
+def _sts_frag(addr, x):
+    """A bf16 A-operand fragment ``x`` [NW, 16, 16] to shared memory, a thread's 8 values as 16 bytes
+    at its ``addr`` (``_rope_frag_addr``), in its register order (``_lds_frag`` reads them back)."""
+    gl.inline_asm_elementwise(_STS4_PACKED, _STS4_PACKED_C, [addr, x], dtype=gl.bfloat16,
+                              is_pure=False, pack=8)
+
+
+@gluon.jit
+def _lds_frag(addr):
+    """``_sts_frag``'s fragment back from ``addr``: one ``ld.shared.v4`` per thread."""
+    return gl.inline_asm_elementwise(_LDS4_PACKED, _LDS4_PACKED_C, [addr], dtype=gl.bfloat16,
+                                     is_pure=True, pack=8)
+
+
+@gluon.jit
+def _rope_frag_addr(OFF, NW: gl.constexpr, OPA: gl.constexpr):
+    """[NW, 16, 16] byte offsets in the A-operand layout of a lane's 16 bytes in a fragment at OFF:
+    lane 4 (n % 8) + (i % 8) / 2 holds rows n, n + 8 and columns i, i + 1, i + 8, i + 9 (mma.sync's
+    fragment), so the 8 values of a thread are one ``ld.shared.v4`` (pack 8: every element of the
+    thread in one call, so the order of its registers is the same for the store and the load)."""
+    n = _axis(16, 1, 3, OPA)
+    i = _axis(16, 2, 3, OPA)
+    return OFF + ((n % 8) * 4 + (i % 8) // 2) * 16 + 0 * _axis(NW, 0, 3, OPA)
+
+
+@gluon.jit
+def _rope_rec_addr(OFF, BLOCK_G: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr):
+    """[NW, 16, BLOCK_G] byte offsets in the B-operand layout of the records (pair k, head g) of a
+    chunk at OFF: record (r, lane) of 16 bytes, r = k % 2 + 2 (k // 8) + 4 (g // 8) and lane
+    4 (g % 8) + (k % 8) / 2 (mma.sync's B fragment: one ``ld.shared.v4`` per record, 32 lanes on 512
+    consecutive bytes)."""
+    k = _axis(16, 1, 3, OPB)
+    g = _axis(BLOCK_G, 2, 3, OPB)
+    r = k % 2 + 2 * (k // 8) + 4 * (g // 8)
+    return OFF + (r * 32 + (g % 8) * 4 + (k % 8) // 2) * 16 + 0 * _axis(NW, 0, 3, OPB)
+
+
+@gluon.jit
+def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, OFF: gl.constexpr,
+                     c: gl.constexpr, NCHUNK: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: gl.constexpr,
+                     HALF: gl.constexpr, NW: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
+    """Chunk ``c``'s tables of the rotary term at shared byte OFF (``rope_table_words``; every warp
+    writes the same bytes), for ``_rope_table_logits``:
+
+    - the rows' rotations: cos(n theta_i) and sin(n theta_i) for row n of a page and listed pair i,
+      split into hi/lo bf16 (4 A-operand fragments, ``_rope_frag_addr``): the same for every page;
+    - per (pair i, query head g) the query's coefficients A and B (0 past the list and the group) and
+      the pair's phase step f as two 32-bit words, f >> 16 and (f & 0xFFFF) << 16 (``_rope_rec_addr``)."""
+    n = _axis(16, 1, 3, OPA).to(gl.float32)
+    ja = c * 16 + _axis(16, 2, 3, OPA)
+    ia = gl.minimum(gl.maximum(gl.load(pairs_ptr + ja, mask=ja < n_pairs, other=0), 0), HALF - 1)
+    theta = gl.load(phase_ptr + ia).to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
+    ang = n * theta + 0.0 * _axis(NW, 0, 3, OPA).to(gl.float32)
+    ch, cl = _split_bf16(gl.inline_asm_elementwise(_COS, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
+    sh, sl = _split_bf16(gl.inline_asm_elementwise(_SIN, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
+    fa = _rope_frag_addr(OFF + c * 2048, NW, OPA)
+    _sts_frag(fa, ch)
+    _sts_frag(fa + 512, cl)
+    _sts_frag(fa + 1024, sh)
+    _sts_frag(fa + 1536, sl)
+    k = _axis(16, 1, 3, OPB)
+    g = _axis(BLOCK_G, 2, 3, OPB)
+    jb = c * 16 + k
+    ib = gl.minimum(gl.maximum(gl.load(pairs_ptr + jb, mask=jb < n_pairs, other=0), 0), HALF - 1)
+    m = (jb < n_pairs) & (g < GROUP) & (_axis(NW, 0, 3, OPB) >= 0)
+    rows = (seq * (num_kv_heads * GROUP) + head * GROUP + g).to(gl.int64) * (2 * HALF)
+    a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
+    b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
+    f = gl.load(phase_ptr + ib)
+    fh = ((f >> 16) & 0xFFFFFFFF).to(gl.int32)
+    fl = ((f & 0xFFFF) << 16).to(gl.int32)
+    ra = _rope_rec_addr(OFF + NCHUNK * 2048 + c * (64 * BLOCK_G * 4), BLOCK_G, NW, OPB)
+    gl.inline_asm_elementwise(_STS4, "=r,r,r,r,r,r", [ra, a, b, fh, fl], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _rope_table_logits(first, OFF: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: gl.constexpr,
+                       NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
+    """``_rope_logits`` from the tables at OFF (``_rope_table_fill``), by the angle sum: with phase
+    b_i of the page's first position ``first`` ([NW, 1, 1], OPB) and row n's angle b_i + n theta_i,
+
+        A_i cos(b_i + n theta_i) + B_i sin(b_i + n theta_i) = cos(n theta_i) P_i + sin(n theta_i) Q_i,
+        P_i = A_i cos b_i + B_i sin b_i,  Q_i = B_i cos b_i - A_i sin b_i,
+
+    so a page takes cos and sin of its 16 listed pairs' phases only (not of 16 rows x 16 pairs), and
+    the rows' rotations are a constant A operand. The phase is the same 32 bits as ``_rope_chunk``'s
+    48-bit product's top (``first * (f >> 16) + (first * (f & 0xFFFF)) >> 16`` mod 2**32, the latter
+    as the high word of ``first * ((f & 0xFFFF) << 16)``); P and Q are split hi/lo as the cosines are."""
+    acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
+    fa = _rope_frag_addr(OFF, NW, OPA)
+    ra = _rope_rec_addr(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
+    for c in gl.static_range(NCHUNK):
+        a, b, fh, fl = gl.inline_asm_elementwise(_LDS4, "=r,=r,=r,=r,r", [ra + c * (64 * BLOCK_G * 4)],
+                                                 dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                 pack=1)
+        top = first * fh + gl.umulhi(first, fl)
+        base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
+        cb = gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+        sb = gl.inline_asm_elementwise(_SIN, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+        a = a.to(gl.float32, bitcast=True)
+        b = b.to(gl.float32, bitcast=True)
+        ph, pl = _split_bf16(a * cb + b * sb)
+        qh, ql = _split_bf16(b * cb - a * sb)
+        ch = _lds_frag(fa + c * 2048)
+        cl = _lds_frag(fa + c * 2048 + 512)
+        sh = _lds_frag(fa + c * 2048 + 1024)
+        sl = _lds_frag(fa + c * 2048 + 1536)
+        acc = mma_v2(ch, ph, mma_v2(ch, pl, mma_v2(cl, ph, acc)))
+        acc = mma_v2(sh, qh, mma_v2(sh, ql, mma_v2(sl, qh, acc)))
+    return acc
+
+
 @gluon.jit
 def _q_operand(q_ptr, seq, head, stride_qb, stride_qh, dtype: gl.constexpr, GROUP: gl.constexpr,
                BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr,
@@ -1417,7 +1554,7 @@ def compact_split_kernel(
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
-    ROPE_HOIST: gl.constexpr = False,
+    ROPE_HOIST: gl.constexpr = False, ROPE_TABLE: gl.constexpr = False,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
@@ -1456,7 +1593,10 @@ def compact_split_kernel(
     # registers held) at STAGE_OFF. Both allocations are made first and live to the end of the loop,
     # so Triton places no scratch of its own in them (the compile test checks that the kernel's
     # shared memory is exactly theirs).
-    tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS],
+    # (with ROPE_TABLE the rotary term's tables after the grids, at ROPE_OFF: ``rope_table_words``)
+    RT: gl.constexpr = ROPE_TABLE and ROPE_CHUNKS > 0
+    ROPE_WORDS: gl.constexpr = rope_table_words(ROPE_CHUNKS, BLOCK_G) if RT else 0
+    tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS + ROPE_WORDS],
                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
     SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD)
     if STAGES > 0:
@@ -1466,6 +1606,11 @@ def compact_split_kernel(
     GRID_OFF: gl.constexpr = TAB_OFF + 4 * _table_words(EK, EV)
     if STAGES > 0:
         _fill_grids(k_grid_ptr + head * 256, v_grid_ptr + head * 256, GRID_OFF, NW)
+    ROPE_OFF: gl.constexpr = GRID_OFF + 4 * _GRID_WORDS
+    if RT:
+        for c in gl.static_range(ROPE_CHUNKS):
+            _rope_table_fill(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
+                             ROPE_OFF, c, ROPE_CHUNKS, GROUP, BLOCK_G, HEAD_DIM // 2, NW, OPA, OPB)
     NK: gl.constexpr = BITS_K * HEAD_DIM // 8
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
     NCH: gl.constexpr = copy_steps(NK, NV, COPY_ALIGN)
@@ -1524,7 +1669,7 @@ def compact_split_kernel(
     # the rotary term's query coefficients, the same for every page: made here with ROPE_HOIST, staged
     # (KernelConfig.gluon_rope_hoist; on the register path, where the pages' words are live across the
     # loop too, ptxas spilled 132 bytes for q4 at the 8B shape with them)
-    RH: gl.constexpr = ROPE_HOIST and STAGES > 0
+    RH: gl.constexpr = ROPE_HOIST and STAGES > 0 and not RT
     if ROPE_CHUNKS > 0:
         gl.static_assert(ROPE_CHUNKS <= 4, "the rotary term takes at most 64 pairs (head_dim 128)")
         HALF: gl.constexpr = HEAD_DIM // 2
@@ -1580,7 +1725,10 @@ def compact_split_kernel(
         k_lo, k_hi = _k_operand(k0, k1, k2, k3, BITS_K, TAB_OFF, HEAD_DIM, NW, LK, OPA)
         s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA)
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
-        if ROPE_CHUNKS > 0:
+        if RT:
+            s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, GROUP, BLOCK_G, ROPE_CHUNKS, NW, MMA,
+                                    OPA, OPB) * qk_scale
+        elif ROPE_CHUNKS > 0:
             s += _rope_logits(r0, r1, r2, r3, rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head,
                               num_kv_heads, _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2,
                               ROPE_CHUNKS, RH, NW, MMA, OPA, OPB) * qk_scale
