@@ -73,6 +73,11 @@ def main():
                     "restore: the median of each round's speedup against its own raw copy")
     ap.add_argument("--host-profile", action="store_true", help="then one offload under cProfile: the host's time "
                     "by function (restore_host_profile.txt)")
+    ap.add_argument("--align-sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="then rounds of offload and restore into the pinned arena at each of these slice "
+                         "alignments (HostArena(align=); e.g. 16,4096,2097152), each round against its own raw copies")
+    ap.add_argument("--align-rounds", type=int, default=5)
+    ap.add_argument("--max-len", type=int, default=8, help="the codebooks' longest code (pages.calibrate; 2 to 12)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
@@ -107,7 +112,7 @@ def main():
         return statistics.median(ts), ts
 
     # Real sets -> codebooks (one per set) and the session's pages on the device.
-    by_kind = calibrated_sets(args.kv, C)
+    by_kind = calibrated_sets(args.kv, C, args.max_len)
     sets = {kind: [(name, cb, x) for name, k, cb, x in by_kind if k == kind] for kind in "KV"}
     names = [name for kind in "KV" for name, _, _ in sets[kind]]
     cbs = [cb for kind in "KV" for _, cb, _ in sets[kind]]
@@ -185,8 +190,8 @@ def main():
     size = max(c.region_bytes for c in s.chunks)
     ring = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(args.depth)]
 
-    def h2d_only():
-        for i, c in enumerate(s.chunks):
+    def h2d_only(sess=s):
+        for i, c in enumerate(sess.chunks):
             ring[i % len(ring)][: c.region_bytes].copy_(c.host[: c.region_bytes], non_blocking=True)
 
     res["h2d_compressed_only_s"], _ = timed(h2d_only)
@@ -251,6 +256,36 @@ def main():
                          "offload_speedup": statistics.median(r["raw_d2h"] / r["offload"] for r in rounds)}
         res["checks"]["paired_restore_bit_exact"] = bool(torch.equal(out, x))
         print("paired", json.dumps({k: v for k, v in res["paired"].items() if k != "rounds"}), flush=True)
+
+    if args.align_sweep:
+        # Rounds of (raw H2D, raw D2H, then for each alignment, in an order rotated each round: offload
+        # into the pinned buffer with slices at that alignment, restore, the restore's copies alone),
+        # each speedup against its own round's raw copy (the bus drifts by about 1% between medians).
+        aligns, rounds = list(args.align_sweep), []
+        for i in range(args.align_rounds):
+            r = {"raw_h2d": timed(lambda: ob.copy_(host_raw, non_blocking=True), 1)[0],
+                 "raw_d2h": timed(lambda: host_raw.copy_(xb, non_blocking=True), 1)[0]}
+            for a in aligns[i % len(aligns):] + aligns[: i % len(aligns)]:
+                ar = ol.HostArena(0, buffer=host_raw, align=a)
+                r[f"offload_{a}"], _ = timed(lambda: (ar.reset(), holder.update(a=ol.offload(
+                    x, codec, tids, chunk_pages=args.chunk_pages, host=ar, **kw))), 1)
+                sa = holder.pop("a")
+                if sa.pinned_fallbacks or any(c.host.data_ptr() % a for c in sa.chunks):
+                    raise RuntimeError(f"align {a}: {sa.pinned_fallbacks} chunks outside the arena or misaligned")
+                out.zero_()
+                r[f"restore_{a}"], _ = timed(lambda: ol.restore(sa, out, verify=True, **rkw), 1)
+                res["checks"][f"align_{a}_restore_bit_exact"] = bool(torch.equal(out, x))
+                r[f"h2d_only_{a}"], _ = timed(lambda: h2d_only(sa), 1)
+                del sa
+            rounds.append(r)
+        med = statistics.median
+        res["align_sweep"] = {"rounds": rounds, "by_align": {a: {
+            "restore_speedup": med(r["raw_h2d"] / r[f"restore_{a}"] for r in rounds),
+            "offload_speedup": med(r["raw_d2h"] / r[f"offload_{a}"] for r in rounds),
+            "restore_s": med(r[f"restore_{a}"] for r in rounds), "offload_s": med(r[f"offload_{a}"] for r in rounds),
+            "h2d_only_s": med(r[f"h2d_only_{a}"] for r in rounds)} for a in aligns},
+            "raw_h2d_s": med(r["raw_h2d"] for r in rounds), "raw_d2h_s": med(r["raw_d2h"] for r in rounds)}
+        print("align_sweep", json.dumps({k: v for k, v in res["align_sweep"].items() if k != "rounds"}), flush=True)
 
     if args.host_profile:
         import cProfile

@@ -164,6 +164,32 @@ def test_host_arena_and_fallback(real_kv):
     assert torch.equal(ol.restore(s2, backend="rust", device="cpu"), x)
 
 
+@pytest.mark.parametrize("align", [16, 4096, 1 << 21])
+def test_host_arena_aligns_slice_addresses(real_kv, align):
+    # HostArena(align=): every slice starts at an address that is a multiple of align (not of an
+    # offset into the buffer, whose own start need not be aligned), slices do not overlap, and a
+    # session offloaded into it restores as before
+    x, tids, codec = _session_kv(real_kv)
+    n = len(ol.offload(x, codec, tids, chunk_pages=5, backend="rust").chunks)
+    buf = torch.zeros((n + 1) * align + (1 << 20) + 7, dtype=torch.uint8)[7:]  # its start off any alignment
+    arena = ol.HostArena(0, buffer=buf, align=align)
+    s = ol.offload(x, codec, tids, chunk_pages=5, host=arena, backend="rust")
+    assert s.pinned_fallbacks == 0 and len(s.chunks) > 2
+    ptrs = [c.host.data_ptr() for c in s.chunks]
+    assert all(p % align == 0 for p in ptrs)
+    assert all(a.data_ptr() + a.numel() <= b.data_ptr() for a, b in zip((c.host for c in s.chunks),
+                                                                        (c.host for c in s.chunks[1:])))
+    assert torch.equal(ol.restore(s, backend="rust", device="cpu"), x)
+    # the slices' waste is bounded by align - 1 each
+    assert arena.used <= buf.numel() and arena.used - sum(c.host.numel() for c in s.chunks) < len(s.chunks) * align
+
+
+@pytest.mark.parametrize("align", [0, 8, 24, 4097, True, 2.0, -16])
+def test_host_arena_refuses_bad_alignments(align):
+    with pytest.raises(InvalidArgumentError, match="align"):
+        ol.HostArena(64, device="cpu", pin=False, align=align)
+
+
 def test_digest_matches_big_integer_reference():
     rng = np.random.default_rng(3)
     v = torch.from_numpy(rng.integers(-(1 << 15), 1 << 15, (3, 16, 32), dtype=np.int16))

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from weightszip import pages as _pages
+from weightszip._tensors import int_arg
 from weightszip.errors import (
     ChecksumMismatchError,
     CorruptDataError,
@@ -151,14 +152,21 @@ class CompressedSession:
 
 
 class HostArena:
-    """One allocation of host memory (pinned when CUDA is present) handed out in 16-byte aligned
-    slices, so offloading allocates nothing per chunk; ``reset()`` makes it reusable (sessions
-    that point into it are then invalid). ``device`` other than cpu makes a GPU-resident arena
-    (benchmarks use it to time the codec without the bus). Threads may share one arena (sessions
-    offloaded concurrently): ``take`` and ``reset`` hold its lock."""
+    """One allocation of host memory (pinned when CUDA is present) handed out in slices whose
+    addresses are multiples of ``align`` bytes (a power of two, 16 or more), so offloading allocates
+    nothing per chunk; ``reset()`` makes it reusable (sessions that point into it are then invalid).
+    ``device`` other than cpu makes a GPU-resident arena (benchmarks use it to time the codec without
+    the bus). Threads may share one arena (sessions offloaded concurrently): ``take`` and ``reset``
+    hold its lock. Each slice wastes up to ``align - 1`` bytes, so size an arena with room for that
+    (a session's chunks: ``len(plan_chunks(...))`` slices)."""
 
-    def __init__(self, nbytes: int, device="cpu", pin: bool | None = None, buffer: torch.Tensor | None = None):
+    def __init__(self, nbytes: int, device="cpu", pin: bool | None = None, buffer: torch.Tensor | None = None,
+                 align: int = 16):
         self._lock = threading.Lock()
+        align = int_arg("align", align, 16, 1 << 30)
+        if align & (align - 1):
+            raise InvalidArgumentError(f"align must be a power of two, not {align}")
+        self.align = align
         if buffer is not None:  # an existing uint8 buffer (e.g. pinned memory the caller already holds)
             if buffer.dtype != torch.uint8 or buffer.dim() != 1:
                 raise InvalidArgumentError("an arena buffer must be a 1-D uint8 tensor")
@@ -177,8 +185,9 @@ class HostArena:
         self.used = 0
 
     def take(self, nbytes: int) -> torch.Tensor | None:
+        base = self.buffer.data_ptr()
         with self._lock:
-            start = (self.used + 15) // 16 * 16
+            start = -(-(base + self.used) // self.align) * self.align - base
             if start + nbytes > self.buffer.numel():
                 return None
             self.used = start + nbytes
