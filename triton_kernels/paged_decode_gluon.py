@@ -1197,57 +1197,81 @@ def _rope_logits(r0, r1, r2, r3, coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, h
     return acc
 
 
-# the rotary term from tables (``KernelConfig.gluon_rope_table``): 16-byte records and fragments in
-# shared memory at byte $n (the first of the pack's addresses; the others are not read)
-_LDS4 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; ld.shared.v4.b32 {$0, $1, $2, $3}, [a]; }")
-_LDS4_PACKED = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; "
-                            "ld.shared.v4.b32 {$0, $1, $2, $3}, [a]; }")
-_STS4 = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; "
-                     "st.shared.v4.b32 [a], {$2, $3, $4, $5}; mov.u32 $0, 0; }")
-_STS4_PACKED = gl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; "
-                            "st.shared.v4.b32 [a], {$12, $13, $14, $15}; mov.b32 $0, 0; mov.b32 $1, 0; "
-                            "mov.b32 $2, 0; mov.b32 $3, 0; }")
-
-_STS4_PACKED_C = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
-_LDS4_PACKED_C = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 8))
+# the rotary term from tables (``KernelConfig.gluon_rope_table``): every value of a thread in one
+# inline-PTX call (pack = the thread's elements), so the order of its registers is the same for the
+# store and the load whatever it is, at one address per thread plus constant offsets
+@constexpr_function
+def _thread_lds_asm(words, elems, off):
+    """Load ``words`` 32-bit words (a multiple of 4) into $0.. from the shared byte offset in the
+    first of ``elems`` packed addresses plus ``off``, 16 bytes per ``ld.shared.v4``."""
+    loads = " ".join(f"ld.shared.v4.b32 {{{', '.join(f'${4 * v + i}' for i in range(4))}}}, [a+{off + 16 * v}];"
+                     for v in range(words // 4))
+    return f"{{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, ${words}; {loads} }}"
 
 
-@gluon.jit
-def _sts_frag(addr, x):
-    """A bf16 A-operand fragment ``x`` [NW, 16, 16] to shared memory, a thread's 8 values as 16 bytes
-    at its ``addr`` (``_rope_frag_addr``), in its register order (``_lds_frag`` reads them back)."""
-    gl.inline_asm_elementwise(_STS4_PACKED, _STS4_PACKED_C, [addr, x], dtype=gl.bfloat16,
-                              is_pure=False, pack=8)
+@constexpr_function
+def _thread_sts_asm(words, elems, off):
+    """Store the ``words`` 32-bit words after ``elems`` packed addresses at the first address plus
+    ``off``; the ``words`` outputs are dummies (0)."""
+    d = words + elems
+    stores = " ".join(f"st.shared.v4.b32 [a+{off + 16 * v}], {{{', '.join(f'${d + 4 * v + i}' for i in range(4))}}};"
+                      for v in range(words // 4))
+    zeros = " ".join(f"mov.b32 ${i}, 0;" for i in range(words))
+    return f"{{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, ${words}; {stores} {zeros} }}"
 
 
-@gluon.jit
-def _lds_frag(addr):
-    """``_sts_frag``'s fragment back from ``addr``: one ``ld.shared.v4`` per thread."""
-    return gl.inline_asm_elementwise(_LDS4_PACKED, _LDS4_PACKED_C, [addr], dtype=gl.bfloat16,
-                                     is_pure=True, pack=8)
+@constexpr_function
+def _thread_constraints(words, elems, stored):
+    return ",".join(["=r"] * words + ["r"] * (elems + stored))
 
 
 @gluon.jit
-def _rope_frag_addr(OFF, NW: gl.constexpr, OPA: gl.constexpr):
-    """[NW, 16, 16] byte offsets in the A-operand layout of a lane's 16 bytes in a fragment at OFF:
-    lane 4 (n % 8) + (i % 8) / 2 holds rows n, n + 8 and columns i, i + 1, i + 8, i + 9 (mma.sync's
-    fragment), so the 8 values of a thread are one ``ld.shared.v4`` (pack 8: every element of the
-    thread in one call, so the order of its registers is the same for the store and the load)."""
+def _lds_thread(addr, OFF: gl.constexpr, W: gl.constexpr):
+    """An int32 tensor whose W values in each thread lie at the thread's ``addr`` (the same for all its
+    elements) + OFF, in the thread's register order (``_sts_thread``)."""
+    return gl.inline_asm_elementwise(_thread_lds_asm(W, W, OFF), _thread_constraints(W, W, 0), [addr],
+                                     dtype=gl.int32, is_pure=True, pack=W)
+
+
+@gluon.jit
+def _lds_thread_bf16(addr, OFF: gl.constexpr, W: gl.constexpr):
+    """``_lds_thread`` of a bf16 tensor: 2 W values a thread."""
+    return gl.inline_asm_elementwise(_thread_lds_asm(W, 2 * W, OFF), _thread_constraints(W, 2 * W, 0), [addr],
+                                     dtype=gl.bfloat16, is_pure=True, pack=2 * W)
+
+
+@gluon.jit
+def _sts_thread(addr, x, OFF: gl.constexpr, W: gl.constexpr):
+    """``_lds_thread``'s inverse: a thread's W int32 values of ``x`` to its ``addr`` + OFF."""
+    gl.inline_asm_elementwise(_thread_sts_asm(W, W, OFF), _thread_constraints(W, W, W), [addr, x], dtype=gl.int32,
+                              is_pure=False, pack=W)
+
+
+@gluon.jit
+def _sts_thread_bf16(addr, x, OFF: gl.constexpr, W: gl.constexpr):
+    """``_sts_thread`` of a bf16 tensor: 2 W values a thread."""
+    gl.inline_asm_elementwise(_thread_sts_asm(W, 2 * W, OFF), _thread_constraints(W, 2 * W, W), [addr, x],
+                              dtype=gl.bfloat16, is_pure=False, pack=2 * W)
+
+
+@gluon.jit
+def _rope_frag_base(OFF, NW: gl.constexpr, OPA: gl.constexpr):
+    """[NW, 16, 16] shared byte offsets in the A-operand layout: the thread's 16 bytes of a fragment
+    at OFF. Lane 4 (n % 8) + (i % 8) / 2 holds rows n, n + 8 and columns i, i + 1, i + 8, i + 9 of
+    a 16 x 16 operand (mma.sync's fragment): its 8 bf16 values, one ``ld.shared.v4``."""
     n = _axis(16, 1, 3, OPA)
     i = _axis(16, 2, 3, OPA)
     return OFF + ((n % 8) * 4 + (i % 8) // 2) * 16 + 0 * _axis(NW, 0, 3, OPA)
 
 
 @gluon.jit
-def _rope_rec_addr(OFF, BLOCK_G: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr):
-    """[NW, 16, BLOCK_G] byte offsets in the B-operand layout of the records (pair k, head g) of a
-    chunk at OFF: record (r, lane) of 16 bytes, r = k % 2 + 2 (k // 8) + 4 (g // 8) and lane
-    4 (g % 8) + (k % 8) / 2 (mma.sync's B fragment: one ``ld.shared.v4`` per record, 32 lanes on 512
-    consecutive bytes)."""
+def _rope_rec_base(OFF, BLOCK_G: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr):
+    """[NW, 16, BLOCK_G] shared byte offsets in the B-operand layout: the thread's BLOCK_G / 2 words
+    of a record array at OFF (pair k, head g: lane 4 (g % 8) + (k % 8) / 2 holds pairs k, k + 1,
+    k + 8, k + 9 of heads g, g + 8, .., mma.sync's B fragment), one ``ld.shared.v4`` per 4 words."""
     k = _axis(16, 1, 3, OPB)
     g = _axis(BLOCK_G, 2, 3, OPB)
-    r = k % 2 + 2 * (k // 8) + 4 * (g // 8)
-    return OFF + (r * 32 + (g % 8) * 4 + (k % 8) // 2) * 16 + 0 * _axis(NW, 0, 3, OPB)
+    return OFF + ((g % 8) * 4 + (k % 8) // 2) * (2 * BLOCK_G) + 0 * _axis(NW, 0, 3, OPB)
 
 
 @gluon.jit
@@ -1258,9 +1282,10 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
     writes the same bytes), for ``_rope_table_logits``:
 
     - the rows' rotations: cos(n theta_i) and sin(n theta_i) for row n of a page and listed pair i,
-      split into hi/lo bf16 (4 A-operand fragments, ``_rope_frag_addr``): the same for every page;
-    - per (pair i, query head g) the query's coefficients A and B (0 past the list and the group) and
-      the pair's phase step f as two 32-bit words, f >> 16 and (f & 0xFFFF) << 16 (``_rope_rec_addr``)."""
+      split into hi/lo bf16 (4 A-operand fragments of 512 bytes at OFF + 2048 c);
+    - per (pair i, query head g), 4 arrays after all chunks' fragments: the query's coefficients A and
+      B (0 past the list and the group) and the pair's phase step f as two 32-bit words, f >> 16 and
+      (f & 0xFFFF) << 16."""
     n = _axis(16, 1, 3, OPA).to(gl.float32)
     ja = c * 16 + _axis(16, 2, 3, OPA)
     ia = gl.minimum(gl.maximum(gl.load(pairs_ptr + ja, mask=ja < n_pairs, other=0), 0), HALF - 1)
@@ -1268,24 +1293,30 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
     ang = n * theta + 0.0 * _axis(NW, 0, 3, OPA).to(gl.float32)
     ch, cl = _split_bf16(gl.inline_asm_elementwise(_COS, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
     sh, sl = _split_bf16(gl.inline_asm_elementwise(_SIN, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
-    fa = _rope_frag_addr(OFF + c * 2048, NW, OPA)
-    _sts_frag(fa, ch)
-    _sts_frag(fa + 512, cl)
-    _sts_frag(fa + 1024, sh)
-    _sts_frag(fa + 1536, sl)
+    fa = _rope_frag_base(OFF, NW, OPA)
+    _sts_thread_bf16(fa, ch, c * 2048, 4)
+    _sts_thread_bf16(fa, cl, c * 2048 + 512, 4)
+    _sts_thread_bf16(fa, sh, c * 2048 + 1024, 4)
+    _sts_thread_bf16(fa, sl, c * 2048 + 1536, 4)
     k = _axis(16, 1, 3, OPB)
     g = _axis(BLOCK_G, 2, 3, OPB)
+    z = 0 * g + 0 * k + 0 * _axis(NW, 0, 3, OPB)  # [NW, 16, BLOCK_G]
     jb = c * 16 + k
     ib = gl.minimum(gl.maximum(gl.load(pairs_ptr + jb, mask=jb < n_pairs, other=0), 0), HALF - 1)
-    m = (jb < n_pairs) & (g < GROUP) & (_axis(NW, 0, 3, OPB) >= 0)
+    m = (jb < n_pairs) & (g < GROUP) & (z == 0)
     rows = (seq * (num_kv_heads * GROUP) + head * GROUP + g).to(gl.int64) * (2 * HALF)
     a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
     b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
     f = gl.load(phase_ptr + ib)
-    fh = ((f >> 16) & 0xFFFFFFFF).to(gl.int32)
-    fl = ((f & 0xFFFF) << 16).to(gl.int32)
-    ra = _rope_rec_addr(OFF + NCHUNK * 2048 + c * (64 * BLOCK_G * 4), BLOCK_G, NW, OPB)
-    gl.inline_asm_elementwise(_STS4, "=r,r,r,r,r,r", [ra, a, b, fh, fl], dtype=gl.int32, is_pure=False, pack=1)
+    fh = ((f >> 16) & 0xFFFFFFFF).to(gl.int32) + z
+    fl = ((f & 0xFFFF) << 16).to(gl.int32) + z
+    W: gl.constexpr = BLOCK_G // 2  # words of a thread in one array
+    ARR: gl.constexpr = 128 * W  # bytes of one array (32 lanes)
+    ra = _rope_rec_base(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
+    _sts_thread(ra, a, 4 * c * ARR, W)
+    _sts_thread(ra, b, (4 * c + 1) * ARR, W)
+    _sts_thread(ra, fh, (4 * c + 2) * ARR, W)
+    _sts_thread(ra, fl, (4 * c + 3) * ARR, W)
 
 
 @gluon.jit
@@ -1302,12 +1333,15 @@ def _rope_table_logits(first, OFF: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: g
     48-bit product's top (``first * (f >> 16) + (first * (f & 0xFFFF)) >> 16`` mod 2**32, the latter
     as the high word of ``first * ((f & 0xFFFF) << 16)``); P and Q are split hi/lo as the cosines are."""
     acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
-    fa = _rope_frag_addr(OFF, NW, OPA)
-    ra = _rope_rec_addr(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
+    fa = _rope_frag_base(OFF, NW, OPA)
+    ra = _rope_rec_base(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
+    W: gl.constexpr = BLOCK_G // 2
+    ARR: gl.constexpr = 128 * W
     for c in gl.static_range(NCHUNK):
-        a, b, fh, fl = gl.inline_asm_elementwise(_LDS4, "=r,=r,=r,=r,r", [ra + c * (64 * BLOCK_G * 4)],
-                                                 dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
-                                                 pack=1)
+        a = _lds_thread(ra, 4 * c * ARR, W)
+        b = _lds_thread(ra, (4 * c + 1) * ARR, W)
+        fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
+        fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
         top = first * fh + gl.umulhi(first, fl)
         base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
         cb = gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
@@ -1316,10 +1350,10 @@ def _rope_table_logits(first, OFF: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: g
         b = b.to(gl.float32, bitcast=True)
         ph, pl = _split_bf16(a * cb + b * sb)
         qh, ql = _split_bf16(b * cb - a * sb)
-        ch = _lds_frag(fa + c * 2048)
-        cl = _lds_frag(fa + c * 2048 + 512)
-        sh = _lds_frag(fa + c * 2048 + 1024)
-        sl = _lds_frag(fa + c * 2048 + 1536)
+        ch = _lds_thread_bf16(fa, c * 2048, 4)
+        cl = _lds_thread_bf16(fa, c * 2048 + 512, 4)
+        sh = _lds_thread_bf16(fa, c * 2048 + 1024, 4)
+        sl = _lds_thread_bf16(fa, c * 2048 + 1536, 4)
         acc = mma_v2(ch, ph, mma_v2(ch, pl, mma_v2(cl, ph, acc)))
         acc = mma_v2(sh, qh, mma_v2(sh, ql, mma_v2(sl, qh, acc)))
     return acc
