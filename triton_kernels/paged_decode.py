@@ -92,16 +92,15 @@ GLUON_MAX_ACC = 1024
 GLUON_MAX_SMEM = 200 * 1024
 
 
-def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: bool, group: int = 1,
-                        rope_chunks: int | None = None) -> int:
+def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: bool, group: int = 1) -> int:
     """Shared memory of the compact Gluon kernel at a config (pair tables, grids, staging slots; with
-    ``gluon_rope_table`` the rotary term's tables for ``rope_chunks`` chunks, default all head_dim / 32
-    a head can list, at GQA ``group``)."""
+    ``gluon_rope_table`` the rotary term's tables for all head_dim / 32 chunks a head can list, at
+    GQA ``group``)."""
     from .paged_decode_gluon import rope_table_words, smem_offsets
 
     warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
-    chunks = head_dim // 32 if rope_chunks is None else rope_chunks
-    rope_words = rope_table_words(chunks, _pow2_at_least(group, 8)) if has_rope and cfg.gluon_rope_table else 0
+    use = has_rope and cfg.gluon_rope_table
+    rope_words = rope_table_words(head_dim // 32, _pow2_at_least(group, 8)) if use else 0
     return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align,
                         cfg.gluon_v_pad, rope_words)[2]
 
@@ -176,7 +175,7 @@ class KernelConfig:
     # _rope_table_logits``): per page cos and sin of the listed pairs' phases only, the rows' rotations
     # cos / sin (n theta) a constant operand, by the angle sum; not bit-identical to the direct form
     # (both within the fp32 tolerance of the reference). Offline (sm_90a SASS per page and warp, q4 at
-    # the 8B shape): 802 -> 613 instructions with 2 chunks, 1454 -> 842 with 4
+    # the 8B shape): 802 -> 605 instructions with 2 chunks, 1454 -> 794 with 4. Not yet run on a GPU
     gluon_rope_table: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
