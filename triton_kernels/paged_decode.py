@@ -175,7 +175,8 @@ class KernelConfig:
     # _rope_table_logits``): per page cos and sin of the listed pairs' phases only, the rows' rotations
     # cos / sin (n theta) a constant operand, by the angle sum; not bit-identical to the direct form
     # (both within the fp32 tolerance of the reference). Offline (sm_90a SASS per page and warp, q4 at
-    # the 8B shape): 802 -> 605 instructions with 2 chunks, 1454 -> 794 with 4. Not yet run on a GPU
+    # the 8B shape): 802 -> 605 instructions with 2 chunks, 1454 -> 794 with 4. On for compact pages
+    # (``DEFAULT_CONFIGS``) since session 40's A/B on an H100 (BENCHMARKS.md)
     gluon_rope_table: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
@@ -269,9 +270,11 @@ DEFAULT_CONFIGS = {
     # tokens (fewer paged tokens) had put 70B TP8 batch 8 x 32k on the Triton kernel. At 2**18 and up
     # (session 13, `box/s13_run01/dec_small.json`) 6-18% faster, 1.33-1.36x at 70B TP8 8 x 128k.
     # The lazy max by a warp vote (session 30, H100 A/B, bit-identical output): 0.995-1.13x for q4, q3.5, q3
-    # (BENCHMARKS.md).
+    # (BENCHMARKS.md). The rotary term from tables, at any step size (session 40, H100 A/B against the
+    # direct form: 1.26-1.78x where the Gluon kernel ran, 1.84-2.88x below the old 2**22 of work, where
+    # the Triton kernel ran; GPU tests against the reference passed).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
-                               gluon_min_work=0, gluon_vote=True),
+                               gluon_min_work=0, gluon_vote=True, gluon_rope_table=True, gluon_rope_min_work=0),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
