@@ -1139,6 +1139,19 @@ def _split_bf16(x):
 
 
 @gluon.jit
+def _rope_pair(pairs_ptr, j, n_pairs, HALF: gl.constexpr):
+    """The RoPE pair listed at ``j`` (0 past the list), clamped into [0, HALF)."""
+    return gl.minimum(gl.maximum(gl.load(pairs_ptr + j, mask=j < n_pairs, other=0), 0), HALF - 1)
+
+
+@gluon.jit
+def _rope_query_row(seq, head, num_kv_heads, g, GROUP: gl.constexpr, HALF: gl.constexpr):
+    """Where query head ``g`` of KV head ``head`` keeps its rotary coefficients in ``coef_ptr`` (int64
+    elements): A of pair i at + i, B at + HALF + i."""
+    return (seq * (num_kv_heads * GROUP) + head * GROUP + g).to(gl.int64) * (2 * HALF)
+
+
+@gluon.jit
 def _rope_coefs(coef_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, c: gl.constexpr, GROUP: gl.constexpr,
                 BLOCK_G: gl.constexpr, HALF: gl.constexpr, NW: gl.constexpr, OPB: gl.constexpr):
     """Chunk ``c``'s query coefficients A and B of the rotary-offset logits (16 listed pairs x the
@@ -1146,9 +1159,9 @@ def _rope_coefs(coef_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, c: gl.con
     every page, so made once per program, before the page loop (``_rope_logits``)."""
     jb = _axis(16, 1, 3, OPB)  # pair within the chunk (B operand rows)
     gb = _axis(BLOCK_G, 2, 3, OPB)
-    rows = (seq * (num_kv_heads * GROUP) + head * GROUP + gb).to(gl.int64) * (2 * HALF) + 0 * _axis(NW, 0, 3, OPB)
     jj = c * 16 + jb
-    ib = gl.minimum(gl.maximum(gl.load(pairs_ptr + jj, mask=jj < n_pairs, other=0), 0), HALF - 1)
+    rows = _rope_query_row(seq, head, num_kv_heads, gb, GROUP, HALF) + 0 * _axis(NW, 0, 3, OPB)
+    ib = _rope_pair(pairs_ptr, jj, n_pairs, HALF)
     m = (jj < n_pairs) & (gb < GROUP)
     ah, al = _split_bf16(gl.load(coef_ptr + rows + ib, mask=m, other=0.0))
     bh, bl = _split_bf16(gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0))
@@ -1161,8 +1174,7 @@ def _rope_chunk(acc, coefs, phase_ptr, pairs_ptr, n_pairs, s64, nf, c: gl.conste
     """``acc`` plus chunk ``c``'s rotary-offset logits of a page (``_rope_logits``)."""
     ah, al, bh, bl = coefs
     ja = c * 16 + _axis(16, 2, 3, OPA)
-    ia = gl.minimum(gl.maximum(gl.load(pairs_ptr + ja, mask=ja < n_pairs, other=0), 0), HALF - 1)
-    f = gl.load(phase_ptr + ia)
+    f = gl.load(phase_ptr + _rope_pair(pairs_ptr, ja, n_pairs, HALF))
     ph = ((((s64 * (f >> 16)) & 0xFFFFFFFF) << 16) + s64 * (f & 0xFFFF)) & 0xFFFFFFFFFFFF
     base = (ph >> 16).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
     theta = f.to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
@@ -1201,9 +1213,10 @@ def _rope_logits(r0, r1, r2, r3, coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, h
 # inline-PTX call (pack = the thread's elements), so the order of its registers is the same for the
 # store and the load whatever it is, at one address per thread plus constant offsets
 @constexpr_function
-def _thread_lds_asm(words, elems, off):
+def _thread_lds_asm(words, off):
     """Load ``words`` 32-bit words (a multiple of 4) into $0.. from the shared byte offset in the
-    first of ``elems`` packed addresses plus ``off``, 16 bytes per ``ld.shared.v4``."""
+    first packed address (``$words``, the same for all of them) plus ``off``, 16 bytes per
+    ``ld.shared.v4``."""
     loads = " ".join(f"ld.shared.v4.b32 {{{', '.join(f'${4 * v + i}' for i in range(4))}}}, [a+{off + 16 * v}];"
                      for v in range(words // 4))
     return f"{{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, ${words}; {loads} }}"
@@ -1229,14 +1242,14 @@ def _thread_constraints(words, elems, stored):
 def _lds_thread(addr, OFF: gl.constexpr, W: gl.constexpr):
     """An int32 tensor whose W values in each thread lie at the thread's ``addr`` (the same for all its
     elements) + OFF, in the thread's register order (``_sts_thread``)."""
-    return gl.inline_asm_elementwise(_thread_lds_asm(W, W, OFF), _thread_constraints(W, W, 0), [addr],
+    return gl.inline_asm_elementwise(_thread_lds_asm(W, OFF), _thread_constraints(W, W, 0), [addr],
                                      dtype=gl.int32, is_pure=True, pack=W)
 
 
 @gluon.jit
 def _lds_thread_bf16(addr, OFF: gl.constexpr, W: gl.constexpr):
     """``_lds_thread`` of a bf16 tensor: 2 W values a thread."""
-    return gl.inline_asm_elementwise(_thread_lds_asm(W, 2 * W, OFF), _thread_constraints(W, 2 * W, 0), [addr],
+    return gl.inline_asm_elementwise(_thread_lds_asm(W, OFF), _thread_constraints(W, 2 * W, 0), [addr],
                                      dtype=gl.bfloat16, is_pure=True, pack=2 * W)
 
 
@@ -1288,8 +1301,7 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
       (f & 0xFFFF) << 16."""
     n = _axis(16, 1, 3, OPA).to(gl.float32)
     ja = c * 16 + _axis(16, 2, 3, OPA)
-    ia = gl.minimum(gl.maximum(gl.load(pairs_ptr + ja, mask=ja < n_pairs, other=0), 0), HALF - 1)
-    theta = gl.load(phase_ptr + ia).to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
+    theta = gl.load(phase_ptr + _rope_pair(pairs_ptr, ja, n_pairs, HALF)).to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
     ang = n * theta + 0.0 * _axis(NW, 0, 3, OPA).to(gl.float32)
     ch, cl = _split_bf16(gl.inline_asm_elementwise(_COS, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
     sh, sl = _split_bf16(gl.inline_asm_elementwise(_SIN, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
@@ -1302,9 +1314,9 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
     g = _axis(BLOCK_G, 2, 3, OPB)
     z = 0 * g + 0 * k + 0 * _axis(NW, 0, 3, OPB)  # [NW, 16, BLOCK_G]
     jb = c * 16 + k
-    ib = gl.minimum(gl.maximum(gl.load(pairs_ptr + jb, mask=jb < n_pairs, other=0), 0), HALF - 1)
+    ib = _rope_pair(pairs_ptr, jb, n_pairs, HALF)
     m = (jb < n_pairs) & (g < GROUP) & (z == 0)
-    rows = (seq * (num_kv_heads * GROUP) + head * GROUP + g).to(gl.int64) * (2 * HALF)
+    rows = _rope_query_row(seq, head, num_kv_heads, g, GROUP, HALF)
     a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
     b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
     f = gl.load(phase_ptr + ib)
@@ -1320,7 +1332,7 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
 
 
 @gluon.jit
-def _rope_table_logits(first, OFF: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: gl.constexpr,
+def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: gl.constexpr,
                        NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
     """``_rope_logits`` from the tables at OFF (``_rope_table_fill``), by the angle sum: with phase
     b_i of the page's first position ``first`` ([NW, 1, 1], OPB) and row n's angle b_i + n theta_i,
@@ -1760,7 +1772,7 @@ def compact_split_kernel(
         s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA)
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
         if RT:
-            s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, GROUP, BLOCK_G, ROPE_CHUNKS, NW, MMA,
+            s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
                                     OPA, OPB) * qk_scale
         elif ROPE_CHUNKS > 0:
             s += _rope_logits(r0, r1, r2, r3, rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head,
