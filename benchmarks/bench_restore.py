@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 import platform
 import statistics
@@ -65,7 +66,7 @@ def main():
     ap.add_argument("--sweep", type=lambda v: [int(x) for x in v.split(",") if x], default=[2048, 4096, 16384])
     ap.add_argument("--in-sample", action="store_true", help="tile the session from all tokens (half of them calibrated the codebooks)")
     ap.add_argument("--trace", action="store_true", help="then one offload and one restore under torch.profiler: "
-                    "where the copy engine sits idle (restore_trace_*.json and a summary in restore.json)")
+                    "where the copy engine sits idle (restore_trace_*.json.gz and a summary in restore.json)")
     ap.add_argument("--timeline", action="store_true", help="then one offload and one restore without the profiler, "
                     "timed by CUDA events: when each chunk's copy ends against the same copy alone (restore.json's "
                     "timeline and restore_timeline)")
@@ -432,7 +433,11 @@ def copy_gaps(fn, path, direction):
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     prof.export_chrome_trace(str(path))
-    ev = json.loads(Path(path).read_text())["traceEvents"]
+    text = Path(path).read_text()
+    # kept gzipped (1-2 MB of JSON a trace, about 15x smaller; Perfetto opens it as it is)
+    Path(f"{path}.gz").write_bytes(gzip.compress(text.encode(), mtime=0))
+    Path(path).unlink()
+    ev = json.loads(text)["traceEvents"]
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     cp = sorted((e for e in gpu if e["cat"] == "gpu_memcpy" and direction in e.get("name", "") and e["dur"] > 50),
                 key=lambda e: e["ts"])
