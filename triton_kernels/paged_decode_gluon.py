@@ -1301,7 +1301,8 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
       (f & 0xFFFF) << 16."""
     n = _axis(16, 1, 3, OPA).to(gl.float32)
     ja = c * 16 + _axis(16, 2, 3, OPA)
-    theta = gl.load(phase_ptr + _rope_pair(pairs_ptr, ja, n_pairs, HALF)).to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
+    step = gl.load(phase_ptr + _rope_pair(pairs_ptr, ja, n_pairs, HALF))  # the pair's phase step
+    theta = step.to(gl.float32) * 2.2321073814882276e-14  # 2 pi / 2**48
     ang = n * theta + 0.0 * _axis(NW, 0, 3, OPA).to(gl.float32)
     ch, cl = _split_bf16(gl.inline_asm_elementwise(_COS, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
     sh, sl = _split_bf16(gl.inline_asm_elementwise(_SIN, "=r,r", [ang], dtype=gl.float32, is_pure=True, pack=1))
