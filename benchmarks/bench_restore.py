@@ -223,8 +223,8 @@ def main():
 
     if args.trace and is_cuda:
         try:
-            res["trace"] = {"offload": copy_gaps(lambda: do_offload(), outdir / "restore_trace_offload.json", "DtoH"),
-                            "restore": copy_gaps(lambda: ol.restore(holder["s"], out, verify=True, **rkw), outdir / "restore_trace_restore.json", "HtoD")}
+            res["trace"] = {"offload": copy_gaps(lambda: do_offload(), outdir / "restore_trace_offload.json.gz", "DtoH"),
+                            "restore": copy_gaps(lambda: ol.restore(holder["s"], out, verify=True, **rkw), outdir / "restore_trace_restore.json.gz", "HtoD")}
         except Exception as e:  # report, never hide
             res["trace"] = {"error": f"{type(e).__name__}: {e}"}
         print("trace", json.dumps(res["trace"]), flush=True)
@@ -432,12 +432,9 @@ def copy_gaps(fn, path, direction):
         fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    prof.export_chrome_trace(str(path))
-    text = Path(path).read_text()
-    # kept gzipped (1-2 MB of JSON a trace, about 15x smaller; Perfetto opens it as it is)
-    Path(f"{path}.gz").write_bytes(gzip.compress(text.encode(), mtime=0))
-    Path(path).unlink()
-    ev = json.loads(text)["traceEvents"]
+    prof.export_chrome_trace(str(path))  # a ".gz" path: torch gzips it (Perfetto opens it as it is)
+    with gzip.open(path, "rt") as f:
+        ev = json.load(f)["traceEvents"]
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     cp = sorted((e for e in gpu if e["cat"] == "gpu_memcpy" and direction in e.get("name", "") and e["dur"] > 50),
                 key=lambda e: e["ts"])
