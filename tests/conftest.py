@@ -27,13 +27,14 @@ def _single_thread_default(monkeypatch):
 
 
 class _Launches:
-    """Stands in for a kernel: records each launch's keyword arguments (``kernel[grid](...)``)."""
+    """Stands in for a kernel: records each launch's keyword arguments (``kernel[grid](...)``), its
+    positional ones under ``"args"``."""
 
     def __init__(self):
         self.calls = []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append(kwargs)
+        return lambda *args, **kwargs: self.calls.append({**kwargs, "args": args})
 
 
 @pytest.fixture

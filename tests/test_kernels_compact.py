@@ -13,6 +13,7 @@ pages, |error| / max|v| with v the true-domain values, decoded pages and side to
 
 import collections
 import dataclasses
+import math
 import os
 import re
 
@@ -35,6 +36,7 @@ from weightszip.kernels import (  # noqa: E402
     PagedDecodeAttention,
     paged_decode_ref,
     rope_logit_coef,
+    rope_page_table,
     transform_query,
 )
 from weightszip.kernels.compact_write import compact_write, compact_write_tables  # noqa: E402
@@ -298,9 +300,11 @@ def make_case(*, lens, group, kb, vb, S, W, block_size=32, seed=0, rope=False):
     qt, bias = transform_query(q, ct["k_inv_transform"], ct["k_mean"], h)
     assert rope == ("rope_phase" in ct)
     rc = rope_logit_coef(q, ct["k_rope_m"], h) if rope else None
+    # the pages' cos and sin (KernelConfig.gluon_rope_pos), exactly as many rows as the pages need
+    pos_table = rope_page_table(ct["rope_phase"], max(lens) - W) if rope else None
     return dict(q=q, kp=kp, vp=vp, bt=bt.to(DEVICE), lens=lens, S=S, W=W, bs=block_size, kb=kb, vb=vb,
                 ks=ks, vs=vs, ct=ct, qt=qt, bias=bias, ktab=ktab, vtab=vtab, rope_coef=rc,
-                rope_phase=ct.get("rope_phase"), rope_pairs=ct.get("rope_pairs"))
+                rope_phase=ct.get("rope_phase"), rope_pairs=ct.get("rope_pairs"), rope_pos_table=pos_table)
 
 
 def run(c, cuda_dot, split_tokens=64, block_n=32, config=None):
@@ -314,7 +318,8 @@ def run(c, cuda_dot, split_tokens=64, block_n=32, config=None):
                     logit_bias=c["bias"], v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"],
                     k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"],
                     v_grid=ct["v_grid"], rope_coef=c["rope_coef"], rope_phase=c["rope_phase"],
-                    rope_pairs=c["rope_pairs"], out=torch.empty(B, Hq, D, device=DEVICE))
+                    rope_pairs=c["rope_pairs"], rope_pos_table=c["rope_pos_table"],
+                    out=torch.empty(B, Hq, D, device=DEVICE))
 
 
 def reference(c):
@@ -421,11 +426,27 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     err_t = (table - reference(c).cpu()).abs().max().item()
     assert err_t <= 2.0**-6 * vmax, f"table form: max error {err_t:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
     assert (table - out).abs().max().item() <= 2.0**-10 * vmax
+    # ... with the pages' cos and sin copied into their slots (``gluon_rope_pos``; staged only: on the
+    # register path the same kernel as the table form, bit for bit): the phases' cos and sin from the
+    # exact phase in float64, not the SFU's, so close to the table form, not equal
+    pos = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_pos=True)).double().cpu()
+    if stages == 0:
+        assert torch.equal(pos, table)
+    else:
+        err_p = (pos - reference(c).cpu()).abs().max().item()
+        assert err_p <= 2.0**-6 * vmax, f"pos form: max error {err_p:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
+        assert (pos - table).abs().max().item() <= 2.0**-10 * vmax
+        # the table is read: a table of another model's phases moves the output past the tolerance
+        wrong = dict(c, rope_pos_table=rope_page_table(c["rope_phase"] // 3, max(c["lens"]) - c["W"]))
+        bad = run(wrong, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_pos=True))
+        assert (bad.double().cpu() - reference(c).cpu()).abs().max().item() > 2.0**-6 * vmax
 
 
 @pytest.mark.parametrize("what", ["gluon", "small-step", "5-bit", "rope-off", "rope-on", "rope-on-hoist-1", "rope-small-step",
                                   "wide-group", "rope-group-16", "config-off", "smem-fits", "smem-over", "rope-table",
-                                  "rope-table-smem-fits", "rope-table-smem-over"])
+                                  "rope-table-smem-fits", "rope-table-smem-over", "rope-table-pos",
+                                  "rope-table-pos-smem-fits", "rope-table-pos-smem-over", "rope-table-pos-unstaged",
+                                  "rope-table-pos-no-table"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
@@ -433,7 +454,9 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     ``gluon_rope_min_work``) and the config's shared memory fits ``GLUON_MAX_SMEM``, on a GPU; the
     Triton kernel otherwise; with ``gluon_rope_table`` the rotary term's tables count in the shared
     memory (all head_dim / 32 chunks a head could list) and lie between the grids and the staging
-    slots. (Both kernels replaced by recorders; the GPU is simulated by turning the interpreter flag off.)"""
+    slots; with ``gluon_rope_pos`` too, staged and given ``rope_pos_table``, the slots hold the pages'
+    cos and sin (as many chunks) and the kernel copies them. (Both kernels replaced by recorders; the
+    GPU is simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -445,21 +468,29 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     group = {"wide-group": 32, "rope-group-16": 16}.get(what, 2)  # head_dim 64: 16 fits GLUON_MAX_ACC
     c = make_case(lens=[200, 90], group=group, kb=kb, vb=3, S=0, W=0, rope=rope)
     table = what.startswith("rope-table")
+    pos = what.startswith("rope-table-pos")
+    if what.endswith("no-table"):
+        c = dict(c, rope_pos_table=None)
     cfg = KernelConfig(gluon=what != "config-off",
                        gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16") or table,
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0,
                        gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist,
-                       gluon_rope_table=table)
+                       gluon_rope_table=table, gluon_rope_pos=pos,
+                       gluon_stages=0 if what.endswith("unstaged") else KernelConfig.gluon_stages)
     if "smem" in what:  # the config's shared memory against the cap: exactly at it, one byte over
-        need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, rope, group)
+        need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, rope, group, pos)
         assert need > 0
         if table:  # the tables of all 2 chunks a head_dim-64 head could list, at the padded group of 8
             plain = dataclasses.replace(cfg, gluon_rope_table=False)
-            assert need - pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], plain, True, group) == 4 * 2 * (512 + 64 * 8)
+            slots = cfg.gluon_rope_warps * cfg.gluon_stages  # (with pos each holds 2 chunks of cos and sin)
+            assert need - pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], plain, True, group) == (
+                4 * 2 * (512 + 64 * 8) + pos * slots * 2 * 128)
         monkeypatch.setattr(pd, "GLUON_MAX_SMEM", need - what.endswith("smem-over"))
     run(c, False, config=cfg)
-    want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits", "rope-table", "rope-table-smem-fits")
+    want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits", "rope-table", "rope-table-smem-fits",
+                          "rope-table-pos", "rope-table-pos-smem-fits", "rope-table-pos-unstaged",
+                          "rope-table-pos-no-table")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
@@ -469,10 +500,18 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         # the rotary term's coefficients hoisted whole (its 2 chunks here) or, past gluon_rope_hoist, not at all
         assert glu.calls[0]["ROPE_HOIST"] == (what == "rope-on")
         assert glu.calls[0]["ROPE_TABLE"] == table
+        pos_on = what in ("rope-table-pos", "rope-table-pos-smem-fits")
+        assert glu.calls[0]["ROPE_POS"] == pos_on
         chunks = glu.calls[0]["ROPE_CHUNKS"]
         rope_words = pg.rope_table_words(chunks, 8) if table else 0
         assert (glu.calls[0]["TAB_OFF"], glu.calls[0]["STAGE_OFF"]) == pg.smem_offsets(
-            kb, 3, c["q"].shape[-1], glu.calls[0]["num_warps"], cfg.gluon_stages, False, False, rope_words)[:2]
+            kb, 3, c["q"].shape[-1], glu.calls[0]["num_warps"], cfg.gluon_stages, False, False, rope_words,
+            chunks if pos_on else 0)[:2]
+        # the table and its rows (the kernel clamps to the last row: it must cover the pages)
+        args = glu.calls[0]["args"]
+        if pos_on:
+            i = next(i for i, a in enumerate(args) if a is c["rope_pos_table"])
+            assert args[i + 1] == c["rope_pos_table"].shape[0]  # n_pos_rows
 
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
@@ -521,6 +560,46 @@ def test_rotary_term_over_listed_pairs_only():
     pairs = compact_tables(tabs, c["vtab"], "cpu")["rope_pairs"].tolist()
     assert {0, 7, 9} <= set(listed.tolist())
     assert 0 not in pairs and 7 not in pairs and 9 in pairs and len(pairs) == listed.numel() - 2
+
+
+def test_rope_page_table_holds_each_pages_phase():
+    """``rope_page_table``'s row r: cos and sin of each pair's phase at position 16 r, from the exact
+    48-bit phase (here in Python integers) in float64, rounded to fp32; the codec's integer cos and
+    sin of the same positions (which turn the keys' offsets: ``codec.rope_cos_sin``) agree within
+    their tables' resolution, so the table is the rotation the pages were written with."""
+    inv = 5e5 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)  # Llama-3's RoPE base
+    phase = C.rope_phase_steps(inv)
+    t = rope_page_table(phase, 131072 + 5)
+    assert t.shape == (8193, 64, 2) and t.dtype == torch.float32 and t.is_contiguous()
+    rows = [0, 1, 2, 777, 8191, 8192]
+    for r in rows:
+        for i in (0, 1, 17, 40, 63):
+            a = 2 * math.pi * ((16 * r * int(phase[i])) % 2**48) / 2**48
+            assert abs(t[r, i, 0].item() - math.cos(a)) <= 1e-7 and abs(t[r, i, 1].item() - math.sin(a)) <= 1e-7
+    cos, sin = codec.rope_cos_sin(torch.tensor(rows) * 16, phase)
+    assert (t[rows, :, 0].double() - cos.double() * 2.0**-30).abs().max().item() < 2.0**-18
+    assert (t[rows, :, 1].double() - sin.double() * 2.0**-30).abs().max().item() < 2.0**-18
+    assert rope_page_table(phase, 16).shape[0] == 1 and rope_page_table(phase, 17).shape[0] == 2
+    for bad_phase, tokens in ((phase.int(), 16), (phase[:0], 16), (phase, 0), (phase, 2**31), (phase, 1.5)):
+        with pytest.raises(InvalidArgumentError):
+            rope_page_table(bad_phase, tokens)
+
+
+def test_rope_pos_table_checked_at_run():
+    """``run``'s ``rope_pos_table`` must be fp32 [rows, head_dim / 2, 2] on the phase's device with
+    rows for every planned page (the kernel clamps to its last row, so a short table would give
+    wrong logits, not an error), and only comes with the rotary term."""
+    c = make_case(lens=[70, 130], group=2, kb=4, vb=4, S=0, W=0, seed=3, rope=True)
+    tab = c["rope_pos_table"]
+    assert tab.shape[0] == -(-130 // 16)
+    for bad, match in ((tab[:-1], "rows"), (tab.double(), "fp32"), (tab[:, :16], "fp32"),
+                       (tab.transpose(1, 2).contiguous().transpose(1, 2), "contiguous"),
+                       (torch.zeros(tab.numel() + 1, device=tab.device)[1:].view(tab.shape), "aligned")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            run(dict(c, rope_pos_table=bad), False)
+    plain = make_case(lens=[70, 130], group=2, kb=4, vb=4, S=0, W=0, seed=3)
+    with pytest.raises(InvalidArgumentError, match="rope_pos_table need"):
+        run(dict(plain, rope_pos_table=tab), False)
 
 
 def test_split_schedule_does_not_matter():
@@ -1416,6 +1495,7 @@ def test_gluon_pair_codes_give_the_codebook_values(bits):
 
 
 _COMPILE_GLUON = """
+import re
 import sys
 from weightszip.kernels.paged_decode_gluon import compact_split_kernel, compile_for_hopper, rope_table_words, smem_offsets
 
@@ -1426,17 +1506,19 @@ align = sys.argv[9:10] == ["1"]  # KernelConfig.gluon_copy_align
 bulk = sys.argv[10:11] == ["1"]  # KernelConfig.gluon_bulk_copy
 hoist = sys.argv[11:12] == ["1"]  # KernelConfig.gluon_rope_hoist (the term's chunks within it)
 table = sys.argv[12:13] == ["1"]  # KernelConfig.gluon_rope_table
+pos = sys.argv[13:14] == ["1"]  # KernelConfig.gluon_rope_pos (staged: the slots hold the pages' cos and sin)
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 block_g = max(8, 1 << (group - 1).bit_length())
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad,
-                                            rope_table_words(chunks, block_g) if table else 0)
+                                            rope_table_words(chunks, block_g) if table else 0, chunks if pos else 0)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
-        "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32"}
+        "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32",
+        "rope_pos_ptr": "*fp32"}
 const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_PAD=pad, COPY_ALIGN=align,
-             BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table)
+             BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table, ROPE_POS=pos)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1451,6 +1533,10 @@ copies = ("cp.async.bulk.shared::cluster.global.mbarrier" in ptx and "mbarrier.t
 print("cp.async", copies, "shared", k.metadata.shared == smem_end)
 print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, "cos", "cos.approx" in ptx,
       "v4", "ld.shared.v4.b32" in ptx, "spills", spills)
+# the pages' cos and sin: 8-byte cp.async of the table's rows, and no phase computed in the loop
+# (the 32-bit product's high word, ``mul.hi.u32``, appears only with the phase)
+print("cp8", bool(re.search("cp[.]async[.]ca[.]shared[.]global [[]a[]], [[]%rd[0-9]+[]], 8;", ptx)),
+      "mulhi", "mul.hi.u32" in ptx)
 """
 
 
@@ -1467,7 +1553,9 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                                   (3, 3, 64, 3, 0, 2, 1, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 1),
                                   (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1),
                                   (4, 4, 128, 4, 4, 2, 1, 0, 0, 0, 0, 1), (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 0, 1),
-                                  (4, 4, 128, 4, 2, 0, 1, 0, 0, 0, 0, 1)],
+                                  (4, 4, 128, 4, 2, 0, 1, 0, 0, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 1),
+                                  (4, 4, 128, 4, 4, 2, 1, 0, 0, 0, 0, 1, 1), (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 1),
+                                  (4, 4, 128, 4, 4, 2, 1, 0, 0, 1, 0, 1, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1479,7 +1567,10 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
                               "q3.5-70b-staged4-vote-bulk", "q3-smollm2-staged-vote-bulk",
                               "q4-8b-rope-staged-vote-hoist", "q3-smollm2-rope-staged-vote-hoist",
                               "q4-8b-rope-staged-vote-table", "q4-8b-rope4-staged-vote-table",
-                              "q3-smollm2-rope-staged-vote-table", "q4-8b-rope-vote-table"])
+                              "q3-smollm2-rope-staged-vote-table", "q4-8b-rope-vote-table",
+                              "q4-8b-rope-staged-vote-table-pos",
+                              "q4-8b-rope4-staged-vote-table-pos", "q3-smollm2-rope1-staged-vote-table-pos",
+                              "q4-8b-rope4-staged-vote-bulk-table-pos"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1495,19 +1586,25 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     ``-align``: the copies in whole 128-byte lines (``KernelConfig.gluon_copy_align``); ``-hoist``: the
     rotary term's coefficients made before the page loop (``KernelConfig.gluon_rope_hoist``); ``-table``:
     the rotary term from tables in shared memory (``KernelConfig.gluon_rope_table``, 16-byte records and
-    fragments: ld.shared.v4 on every path), counted in the kernel's shared memory."""
+    fragments: ld.shared.v4 on every path), counted in the kernel's shared memory; ``-pos``: the pages'
+    cos and sin copied into their slots (``KernelConfig.gluon_rope_pos``: 8-byte cp.async, no phase
+    computed)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()
     # staged words of a 128-wide head are read four at a time (ld.shared.v4)
     v4 = str((case[5] > 0 and case[2] >= 128) or case[11:12] == (1,))
-    assert out[-14:-1] == ["cp.async", str(case[5] > 0), "shared", "True",
+    assert out[-18:-5] == ["cp.async", str(case[5] > 0), "shared", "True",
                            "lds", "True", "mma", "True", "cos", rope, "v4", v4, "spills"], stdout
+    pos = case[12:13] == (1,)
+    assert out[-4:-2] == ["cp8", str(pos)], stdout
+    if case[11:12] == (1,) and case[4] > 0:  # from tables: the page phase's product, or the pages' cos and sin
+        assert out[-2:] == ["mulhi", str(not pos)], stdout
     # with the rotary term ptxas spills a few words at 16 warps (4-32 bytes; 80 for q4 on the register
     # path since width 4 is nibble rows and the softmax mass is kept per thread; none staged, the
     # default; measured faster on the H200 than 8 warps without spills for q4, BENCHMARKS.md); none
     # otherwise
-    assert int(out[-1]) <= (96 if case[4] else 0), stdout
+    assert int(out[-5]) <= (96 if case[4] else 0), stdout
 
 
 _COMPILE_TRITON = """

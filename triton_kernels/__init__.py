@@ -35,6 +35,7 @@ from .paged_decode import (
     dequantize_compact_pages,
     dequantize_pages,
     rope_logit_coef,
+    rope_page_table,
     transform_query,
 )
 from .paged_decode_ref import dequantize_compact_pages_ref, dequantize_pages_ref, paged_decode_ref, quantize_fp8_ref
@@ -47,6 +48,7 @@ __all__ = [
     "dequantize_pages",
     "transform_query",
     "rope_logit_coef",
+    "rope_page_table",
     "paged_decode_ref",
     "dequantize_pages_ref",
     "quantize_fp8_ref",

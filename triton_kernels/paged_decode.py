@@ -92,17 +92,36 @@ GLUON_MAX_ACC = 1024
 GLUON_MAX_SMEM = 200 * 1024
 
 
-def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: bool, group: int = 1) -> int:
+def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: bool, group: int = 1,
+                        pos: bool = False) -> int:
     """Shared memory of the compact Gluon kernel at a config (pair tables, grids, staging slots; with
     ``gluon_rope_table`` the rotary term's tables for all head_dim / 32 chunks a head can list, at
-    GQA ``group``)."""
+    GQA ``group``; ``pos``: the slots' room for the pages' cos and sin, ``gluon_rope_pos``, as many
+    chunks)."""
     from .paged_decode_gluon import rope_table_words, smem_offsets
 
     warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
     use = has_rope and cfg.gluon_rope_table
     rope_words = rope_table_words(head_dim // 32, _pow2_at_least(group, 8)) if use else 0
     return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align,
-                        cfg.gluon_v_pad, rope_words)[2]
+                        cfg.gluon_v_pad, rope_words, head_dim // 32 if use and pos else 0)[2]
+
+
+def rope_page_table(rope_phase: torch.Tensor, tokens: int) -> torch.Tensor:
+    """cos and sin of each RoPE pair's phase at each page's first position, for ``run``'s
+    ``rope_pos_table``: fp32 [ceil(tokens / 16), d/2, 2] on rope_phase's device, row r (position
+    16 r) pair i = (cos, sin) of 2 pi (16 r f_i mod 2**48) / 2**48, from the exact 48-bit phase in
+    float64 (``rope_phase`` int64 [d/2]: ``compact_tables(...)["rope_phase"]``). A model's constant (every
+    layer with the same phase steps can share it): 4 MiB at 128k tokens and head_dim 128."""
+    _check(isinstance(rope_phase, torch.Tensor) and rope_phase.dtype == torch.int64 and rope_phase.dim() == 1
+           and rope_phase.numel() > 0, "rope_phase must be a non-empty int64 [head_dim / 2]")
+    tokens = int_arg("tokens", tokens, 1, 2**31 - 1)
+    p = torch.arange(0, tokens, PAGE_TOKENS, dtype=torch.int64, device=rope_phase.device)[:, None]
+    f = rope_phase[None, :]
+    # p f mod 2**48 with f in 16-bit halves (no product past 2**63), as codec.rope_cos_sin
+    ph = ((((p * (f >> 16)) & 0xFFFFFFFF) << 16) + p * (f & 0xFFFF)) & (2**48 - 1)
+    ang = ph.double() * (2 * math.pi / 2**48)
+    return torch.stack([torch.cos(ang), torch.sin(ang)], dim=-1).float().contiguous()
 
 
 LOG2E = 1.4426950408889634
@@ -178,6 +197,11 @@ class KernelConfig:
     # the 8B shape): 802 -> 605 instructions with 2 chunks, 1454 -> 794 with 4. On for compact pages
     # (``DEFAULT_CONFIGS``) since session 40's A/B on an H100 (BENCHMARKS.md)
     gluon_rope_table: bool = False
+    # ... with staged pages and ``run``'s ``rope_pos_table`` (``rope_page_table``): each page's cos and
+    # sin of the listed pairs' phases copied into its slot with its codes (8 bytes a pair) instead of
+    # computed (``paged_decode_gluon._issue_trig``); offline 605 -> 557 instructions a page with 2
+    # chunks, 794 -> 692 with 4 (session 41's probe). Off until it has run on a GPU
+    gluon_rope_pos: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
@@ -1482,6 +1506,7 @@ class PagedDecodeAttention:
             n_items=int(seq_of.size),
             split_tokens=split_tokens,
             paged_tokens=int(n_paged.sum()),
+            paged_end=int(np.where(n_paged > 0, hi, 0).max()),  # (the paged tokens' last position + 1)
             max_block=max_block,
             ws_m=torch.empty(n_tot * self.num_kv_heads * g, dtype=torch.float32, device=dev),
             ws_l=torch.empty(n_tot * self.num_kv_heads * g, dtype=torch.float32, device=dev),
@@ -1530,7 +1555,7 @@ class PagedDecodeAttention:
             k_codebook: torch.Tensor | None = None, v_codebook: torch.Tensor | None = None,
             k_grid: torch.Tensor | None = None, v_grid: torch.Tensor | None = None,
             rope_coef: torch.Tensor | None = None, rope_phase: torch.Tensor | None = None,
-            rope_pairs: torch.Tensor | None = None,
+            rope_pairs: torch.Tensor | None = None, rope_pos_table: torch.Tensor | None = None,
             k_offsets: torch.Tensor | None = None, v_offsets: torch.Tensor | None = None,
             k_bases: torch.Tensor | None = None, v_bases: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1552,6 +1577,9 @@ class PagedDecodeAttention:
         rope_phase int64 [head_dim / 2]; the page token at position p of its sequence turns by p * f.
         rope_pairs int32 [P] (``compact_tables(...)["rope_pairs"]``): the pairs with an offset in some
         KV head of the layer; the kernel computes only those (default: all head_dim / 2).
+        rope_pos_table fp32 [rows, head_dim / 2, 2] (``rope_page_table(rope_phase, tokens)``, rows * 16 at
+        least the planned sequences' paged tokens' end): the pages' cos and sin, which the Gluon kernel
+        with ``KernelConfig.gluon_rope_pos`` copies with each page instead of computing; unused otherwise.
 
         KV Exact pages (``page_type="exact"``, kv_exact_ref): k_pages/v_pages are uint8 heaps (1-D;
         may be one tensor), k_offsets/v_offsets int64 [num_blocks] each block's page offset in its
@@ -1577,6 +1605,9 @@ class PagedDecodeAttention:
         compact = self.page_type == PAGE_COMPACT
         cfg = self.config
         has_rope = rope_coef is not None or rope_phase is not None
+        # the pages' cos and sin copied with them (KernelConfig.gluon_rope_pos; staged, from tables)
+        pos_ok = (has_rope and cfg.gluon_rope_table and cfg.gluon_rope_pos and cfg.gluon_stages > 0
+                  and rope_pos_table is not None)
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
         gluon_cbs = None  # the codebooks the Gluon kernel makes its pair tables from (KernelConfig.gluon)
@@ -1625,7 +1656,7 @@ class PagedDecodeAttention:
                     # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
                     # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
                     and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2
-                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G) <= GLUON_MAX_SMEM):
+                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G, pos_ok) <= GLUON_MAX_SMEM):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
                 gluon_cbs = (k_codebook, v_codebook)
@@ -1667,8 +1698,19 @@ class PagedDecodeAttention:
                    and rope_pairs.is_contiguous() and rope_pairs.device == rope_phase.device
                    and 0 < rope_pairs.numel() <= D // 2,
                    f"rope_pairs must be contiguous int32 [1..{D // 2}] of pair indices on rope_phase's device")
+            if rope_pos_table is not None:
+                rows = -(-pl["paged_end"] // PAGE_TOKENS)
+                _check(isinstance(rope_pos_table, torch.Tensor) and rope_pos_table.dtype == torch.float32
+                       and rope_pos_table.dim() == 3 and tuple(rope_pos_table.shape[1:]) == (D // 2, 2)
+                       and rope_pos_table.is_contiguous() and rope_pos_table.device == rope_phase.device
+                       and rope_pos_table.data_ptr() % 8 == 0,  # (copied 8 bytes at a time)
+                       f"rope_pos_table must be contiguous fp32 [rows, {D // 2}, 2] on rope_phase's device, "
+                       "8-byte aligned (rope_page_table)")
+                _check(rope_pos_table.shape[0] >= rows, f"rope_pos_table has {rope_pos_table.shape[0]} rows; the "
+                       f"planned pages need {rows} (rope_page_table(rope_phase, {rows * PAGE_TOKENS}))")
         else:
-            _check(rope_pairs is None, "rope_pairs needs rope_coef and rope_phase")
+            _check(rope_pairs is None and rope_pos_table is None,
+                   "rope_pairs and rope_pos_table need rope_coef and rope_phase")
         side = self.sink_tokens + self.window
         if side:
             for name, t in (("k_side", k_side), ("v_side", v_side)):
@@ -1747,20 +1789,23 @@ class PagedDecodeAttention:
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             rope_table = has_rope and cfg.gluon_rope_table
+            rope_pos = rope_table and pos_ok
             tab_off, stage_off, _ = pg.smem_offsets(
                 self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, cfg.gluon_v_pad,
-                pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0)
+                pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0,
+                rope_chunks if rope_pos else 0)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
                 k_cb, v_cb, k_grid, v_grid,
                 rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
-                rope_pairs if has_rope else dummy, rope_pairs.numel() if has_rope else 0, qk_scale,
+                rope_pairs if has_rope else dummy, rope_pairs.numel() if has_rope else 0,
+                rope_pos_table if rope_pos else dummy, rope_pos_table.shape[0] if rope_pos else 1, qk_scale,
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist and not rope_table,
-                ROPE_TABLE=rope_table,
+                ROPE_TABLE=rope_table, ROPE_POS=rope_pos,
                 BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,

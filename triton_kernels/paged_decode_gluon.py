@@ -429,16 +429,25 @@ def slot_v_offset(k_bytes, align):
 
 
 @constexpr_function
-def _slot_words(bits_k, bits_v, head_dim, align=False, vpad=False):
+def _slot_words(bits_k, bits_v, head_dim, align=False, vpad=False, trig_chunks=0):
     """Shared words of one staged page (``SLOT_HDR``'s layout: header, K's bit planes, V's; 16 rows of
     head_dim bits per plane, 32-byte aligned with 16 bytes of room each), rounded up to 128 bytes
-    (``vpad``: ``KernelConfig.gluon_v_pad``, V's 128-byte row pairs 160 bytes apart)."""
+    (``vpad``: ``KernelConfig.gluon_v_pad``, V's 128-byte row pairs 160 bytes apart), then
+    ``trig_chunks`` x 128 bytes for the page's rotary cos and sin (``slot_trig_offset``)."""
     v_bytes = bits_v * head_dim * 2
     if vpad and bits_v == 4 and head_dim == 128:
         v_bytes = v_bytes * 5 // 4
     # V's planes and 16 bytes of room for V's shift (``_issue_page``)
     b = slot_v_offset(bits_k * head_dim * 2, align) + 16 + v_bytes
-    return (b + 127) // 128 * 32
+    return (b + 127) // 128 * 32 + 32 * trig_chunks
+
+
+@constexpr_function
+def slot_trig_offset(bits_k, bits_v, head_dim, align=False, vpad=False):
+    """Byte offset in a slot of the page's rotary cos and sin (``KernelConfig.gluon_rope_pos``): after
+    the planes (``_slot_words`` without them), 8 bytes per listed pair (cos, sin of its phase at the
+    page's first position, fp32), 16 pairs (128 bytes) per chunk (``_issue_trig``)."""
+    return 4 * _slot_words(bits_k, bits_v, head_dim, align, vpad)
 
 
 @constexpr_function
@@ -451,16 +460,18 @@ def rope_table_words(chunks, block_g):
 
 @functools.lru_cache(maxsize=None)  # asked at every launch of PagedDecodeAttention.run
 def smem_offsets(bits_k: int, bits_v: int, head_dim: int, num_warps: int, stages: int,
-                 align: bool = False, vpad: bool = False, rope_words: int = 0) -> tuple[int, int, int]:
+                 align: bool = False, vpad: bool = False, rope_words: int = 0,
+                 trig_chunks: int = 0) -> tuple[int, int, int]:
     """Byte offsets of the pair tables and of the staging buffer in the kernel's shared memory, and
     the end of both (``align``: ``KernelConfig.gluon_copy_align``'s slots; ``vpad``:
     ``KernelConfig.gluon_v_pad``'s; ``rope_words``: the rotary term's tables after the grids,
-    ``rope_table_words``). Only inline PTX reads and
+    ``rope_table_words``; ``trig_chunks``: the slots' room for the pages' rotary cos and sin,
+    ``KernelConfig.gluon_rope_pos``). Only inline PTX reads and
     writes them (from ``global_smem``), so their order is ours: the kernel's two allocations, made
     first and live through the loop, reserve [0, end) in whichever order Triton places them (the
     compile test checks that the kernel's shared memory is exactly that: no Triton scratch lies in it)."""
     tab = (_table_words(table_entries(bits_k), table_entries(bits_v)) + _GRID_WORDS.value + rope_words) * 4
-    stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim, align, vpad) * 4
+    stg = num_warps * stages * _slot_words(bits_k, bits_v, head_dim, align, vpad, trig_chunks) * 4
     return 0, tab, tab + stg
 
 
@@ -639,10 +650,33 @@ def _bulk_wait(slot, parity, STAGE_OFF: gl.constexpr, STAGES: gl.constexpr, SLOT
                                      dtype=gl.int32, is_pure=False, pack=1)
 
 
+# an 8-byte cp.async (global $2 to shared byte offset $1 of ``global_smem``) when $3 is not 0
+_CP8_ON = gl.constexpr("{ .reg .pred p; .reg .u32 a; setp.ne.b32 p, $3, 0; mov.u32 a, global_smem; "
+                       "add.u32 a, a, $1; @p cp.async.ca.shared.global [a], [$2], 8; mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _issue_trig(d2, trow, tp0, tp1, TOFF: gl.constexpr, NCHUNK: gl.constexpr, SL: gl.constexpr):
+    """The page's rotary cos and sin (``KernelConfig.gluon_rope_pos``) into the slot at ``d2`` ([NW, 1]
+    of ``SL``) + TOFF, 8 bytes per listed pair i (``slot_trig_offset``), from its row of
+    ``rope_page_table`` (``trow``: the row's first element, [NW, 1]); lane l copies pairs l and (with
+    more than 2 chunks) l + 32, at element offsets ``tp0`` / ``tp1`` ([1, 32]: 2 x the listed pair) in
+    the row. Issued with the page's copies, so its commit group covers them."""
+    lane = _axis(32, 1, 2, SL)
+    on = (lane < 16 * NCHUNK).to(gl.int32) + 0 * d2
+    gl.inline_asm_elementwise(_CP8_ON, "=r,r,l,r", [d2 + TOFF + 8 * lane, trow + tp0, on], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    if NCHUNK > 2:
+        on = (lane < 16 * NCHUNK - 32).to(gl.int32) + 0 * d2
+        gl.inline_asm_elementwise(_CP8_ON, "=r,r,l,r", [d2 + (TOFF + 256) + 8 * lane, trow + tp1, on], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
 @gluon.jit
 def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.constexpr, NV: gl.constexpr,
                 NCH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NW: gl.constexpr, IL: gl.constexpr,
-                VPAD: gl.constexpr = False, ALIGN: gl.constexpr = False, BULK: gl.constexpr = False):
+                VPAD: gl.constexpr = False, ALIGN: gl.constexpr = False, BULK: gl.constexpr = False,
+                TRIG: gl.constexpr = 0, TOFF: gl.constexpr = 0, trow=None, tp0=None, tp1=None):
     """cp.async of one page's K and V planes (``ok``/``ov``: its byte offsets, [NW, 1, 1] in ``IL``;
     chunk c = lane + 32 i, K's first) into a slot of ``SLOT_HDR``'s layout at ``dst``: the planes shifted
     by their pages' offsets mod 32, the two scale-index chunks into the header, and the block of token
@@ -651,7 +685,8 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
     from there (``_carried_offsets``). ``VPAD``: V's chunks in ``v_padded_chunk``'s places;
     ``ALIGN``: each side's chunks by ``aligned_copy_slot``, at ``slot_k_offset`` / ``slot_v_offset``;
     ``BULK``: the planes and scale indices by the copy engine instead (``_bulk_issue_asm``; the
-    block's carry and the shifts as above)."""
+    block's carry and the shifts as above). ``TRIG`` chunks: the page's rotary cos and sin too
+    (``_issue_trig``, at slot byte TOFF)."""
     KB: gl.constexpr = 16 * NK
     KOFF: gl.constexpr = slot_k_offset(ALIGN)
     VOFF: gl.constexpr = slot_v_offset(KB, ALIGN)
@@ -711,6 +746,8 @@ def _issue_page(k_pages_ptr, v_pages_ptr, ok, ov, dst, fblk, t1, bt_row, NK: gl.
                 son = son | ((lane == 4) & (svl != 0))
         gl.inline_asm_elementwise(_CP_ASYNC, "=r,r,l,r", [soff, ssrc, son.to(gl.int32)],
                                   dtype=gl.int32, is_pure=False, pack=1)
+    if TRIG > 0:
+        _issue_trig(d2, trow, tp0, tp1, TOFF, TRIG, SL)
     # lane 2: the block the slot's next page is in
     _carry_block(d2, gl.max(fblk, axis=2), t1, bt_row, 2, BLOCK_SIZE, SL)
     _per_thread(_COMMIT, NW)
@@ -1332,9 +1369,42 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
     _sts_thread(ra, fl, (4 * c + 3) * ARR, W)
 
 
+@constexpr_function
+def _lds_trig_asm(off):
+    """A thread's page cos and sin ($0-$3, $4-$7) of listed pairs k0, k0 + 1, k0 + 8 and k0 + 9 (its B
+    operand's registers, ``_trig_order``) from (cos, sin) pairs 8 bytes apart at the shared byte
+    offset of the first packed address ($8, pair k0) plus ``off``: two ``ld.shared.v4``."""
+    return ("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $8; "
+            f"ld.shared.v4.b32 {{$0, $4, $1, $5}}, [a+{off}]; ld.shared.v4.b32 {{$2, $6, $3, $7}}, [a+{off + 64}]; }}")
+
+
+@constexpr_function
+def _trig_order(ll):
+    """Whether the registers of a thread's [NW, 16 pairs, 8 heads] B operand (its linear layout ``ll``)
+    are pairs k0, k0 + 1, k0 + 8, k0 + 9 in this order, as ``_lds_trig_asm`` loads them."""
+    return [list(b) for b in ll.reg_bases] == [[0, 1, 0], [0, 8, 0]]
+
+
+@gluon.jit
+def _lds_trig(taddr, OFF: gl.constexpr):
+    """(cos, sin) fp32 [NW, 16, 8] in the B-operand layout: listed pair k's at ``taddr`` + OFF (``taddr``:
+    the slot's pair 0 + 8 k, ``slot_trig_offset``)."""
+    return gl.inline_asm_elementwise(_lds_trig_asm(OFF), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [taddr],
+                                     dtype=(gl.float32, gl.float32), is_pure=True, pack=4)
+
+
+@gluon.jit
+def _trig_row(rope_pos_ptr, first, n_pos_rows, HALF: gl.constexpr):
+    """The row of ``rope_page_table`` of the page of token ``first`` (a multiple of 16): its first
+    element's address; past the table's last row, the last (pages past the split's end are copied
+    but not used)."""
+    return rope_pos_ptr + gl.minimum(first // 16, n_pos_rows - 1).to(gl.int64) * (2 * HALF)
+
+
 @gluon.jit
 def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: gl.constexpr,
-                       NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
+                       NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr,
+                       POS: gl.constexpr = False, taddr=None):
     """``_rope_logits`` from the tables at OFF (``_rope_table_fill``), by the angle sum: with phase
     b_i of the page's first position ``first`` ([NW, 1, 1], OPB) and row n's angle b_i + n theta_i,
 
@@ -1344,21 +1414,29 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
     so a page takes cos and sin of its 16 listed pairs' phases only (not of 16 rows x 16 pairs), and
     the rows' rotations are a constant A operand. The phase is the same 32 bits as ``_rope_chunk``'s
     48-bit product's top (``first * (f >> 16) + (first * (f & 0xFFFF)) >> 16`` mod 2**32, the latter
-    as the high word of ``first * ((f & 0xFFFF) << 16)``); P and Q are split hi/lo as the cosines are."""
+    as the high word of ``first * ((f & 0xFFFF) << 16)``); P and Q are split hi/lo as the cosines are.
+    ``POS`` (``KernelConfig.gluon_rope_pos``): cos b_i and sin b_i read from the page's slot instead
+    (``_lds_trig`` at ``taddr``, copied with the page from ``rope_page_table``)."""
     acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
     fa = _rope_frag_base(OFF, NW, OPA)
     ra = _rope_rec_base(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
     W: gl.constexpr = BLOCK_G // 2
     ARR: gl.constexpr = 128 * W
+    if POS:
+        gl.static_assert(_trig_order(gl.to_linear_layout(OPB, [NW, 16, BLOCK_G])),
+                         "the page's cos and sin load as a thread's pairs k0, k0 + 1, k0 + 8, k0 + 9")
     for c in gl.static_range(NCHUNK):
         a = _lds_thread(ra, 4 * c * ARR, W)
         b = _lds_thread(ra, (4 * c + 1) * ARR, W)
-        fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
-        fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
-        top = first * fh + gl.umulhi(first, fl)
-        base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
-        cb = gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
-        sb = gl.inline_asm_elementwise(_SIN, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+        if POS:
+            cb, sb = _lds_trig(taddr, 128 * c)
+        else:
+            fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
+            fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
+            top = first * fh + gl.umulhi(first, fl)
+            base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
+            cb = gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+            sb = gl.inline_asm_elementwise(_SIN, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
         a = a.to(gl.float32, bitcast=True)
         b = b.to(gl.float32, bitcast=True)
         ph, pl = _split_bf16(a * cb + b * sb)
@@ -1594,14 +1672,14 @@ def compact_split_kernel(
     work_seq_ptr, work_start_ptr, work_end_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     k_cb_ptr, v_cb_ptr, k_grid_ptr, v_grid_ptr,
-    rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs,
+    rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, rope_pos_ptr, n_pos_rows,
     qk_scale,  # sm_scale * log2(e)
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
     num_kv_heads,
     GROUP: gl.constexpr, BLOCK_G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
-    ROPE_HOIST: gl.constexpr = False, ROPE_TABLE: gl.constexpr = False,
+    ROPE_HOIST: gl.constexpr = False, ROPE_TABLE: gl.constexpr = False, ROPE_POS: gl.constexpr = False,
     STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
@@ -1645,7 +1723,12 @@ def compact_split_kernel(
     ROPE_WORDS: gl.constexpr = rope_table_words(ROPE_CHUNKS, BLOCK_G) if RT else 0
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS + ROPE_WORDS],
                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD)
+    # (with ROPE_POS, staged, each page's rotary cos and sin ride in its slot: ``rope_page_table``'s
+    # row of the page, at TOFF, ``slot_trig_offset``)
+    RP: gl.constexpr = RT and ROPE_POS and STAGES > 0
+    TRIG: gl.constexpr = ROPE_CHUNKS if RP else 0
+    TOFF: gl.constexpr = slot_trig_offset(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD)
+    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD, TRIG)
     if STAGES > 0:
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x
@@ -1705,12 +1788,19 @@ def compact_split_kernel(
         if BULK:
             gl.inline_asm_elementwise(_bulk_init_asm(STAGE_OFF, STAGES, 4 * SLOTW), "=r,r", [lo], dtype=gl.int32,
                                       is_pure=False, pack=1)
+        tp0 = 0
+        tp1 = 0
+        if RP:  # each lane's listed pairs' element offsets in a row of ``rope_page_table``
+            lane_t = _axis(32, 1, 2, SL)
+            tp0 = 2 * _rope_pair(rope_pairs_ptr, lane_t, n_rope_pairs, HEAD_DIM // 2)
+            tp1 = 2 * _rope_pair(rope_pairs_ptr, lane_t + 32, n_rope_pairs, HEAD_DIM // 2)
         for s0 in gl.static_range(STAGES - 1):
             dst0 = _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL)
             ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
                                         stride_vh, PB_K, PB_V, BLOCK_SIZE)
+            trow0 = _trig_row(rope_pos_ptr, _tile_first(lo, s0, NW, 2, SL), n_pos_rows, HEAD_DIM // 2) if RP else 0
             _issue_page(k_pages_ptr, v_pages_ptr, ok0, ov0, dst0, _tile_first(lo, s0 + STAGES, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK, TRIG, TOFF, trow0, tp0, tp1)
     if K_AHEAD and STAGES == 0:
         k0, k1, k2, k3 = _k_words(k_pages_ptr, ok, BITS_K, M, LK)
     # the rotary term's query coefficients, the same for every page: made here with ROPE_HOIST, staged
@@ -1740,8 +1830,10 @@ def compact_split_kernel(
             dstj = _slot_base((j + STAGES - 1) % STAGES, STAGE_OFF, STAGES, SLOTW, NW, 3, IL)
             sok, sov = _carried_offsets(dstj, _tile_first(lo, j + STAGES - 1, NW, 3, IL), head, stride_kb, stride_kh,
                                         stride_vb, stride_vh, PB_K, PB_V, BLOCK_SIZE)
+            trow = _trig_row(rope_pos_ptr, _tile_first(lo, j + STAGES - 1, NW, 2, SL), n_pos_rows,
+                             HEAD_DIM // 2) if RP else 0
             _issue_page(k_pages_ptr, v_pages_ptr, sok, sov, dstj, _tile_first(lo, j + 2 * STAGES - 1, NW, 3, IL), t1,
-                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK)
+                        bt_row, NK, NV, NCH, BLOCK_SIZE, NW, IL, VPAD, COPY_ALIGN, BULK, TRIG, TOFF, trow, tp0, tp1)
             slot = _wait_stage(j % STAGES, STAGES - 1)
             if BULK:
                 slot = _bulk_wait(slot, (j // STAGES) & 1, STAGE_OFF, STAGES, SLOTW)
@@ -1772,7 +1864,11 @@ def compact_split_kernel(
         k_lo, k_hi = _k_operand(k0, k1, k2, k3, BITS_K, TAB_OFF, HEAD_DIM, NW, LK, OPA)
         s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA)
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
-        if RT:
+        if RP:
+            taddr = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 3, OPB) + TOFF + 8 * _axis(16, 1, 3, OPB)
+            s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
+                                    OPA, OPB, True, taddr + 0 * _axis(BLOCK_G, 2, 3, OPB)) * qk_scale
+        elif RT:
             s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
                                     OPA, OPB) * qk_scale
         elif ROPE_CHUNKS > 0:
