@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     p.add_argument("--force-gluon", action="store_true",
                    help="the Gluon decode kernel however small the step (KernelConfig.gluon_min_work and "
                         "gluon_rope_min_work = 0)")
+    p.add_argument("--config", default="",
+                   help="field=value,... changes to the compact pages' KernelConfig (DEFAULT_CONFIGS), e.g. "
+                        "gluon_rope_pos=1")
     p.add_argument("--no-rope", action="store_true",
                    help="drop the calibration's rotary K offsets (both decode kernels have the rotary term; "
                         "this runs the format without it)")
@@ -54,12 +57,15 @@ def main(argv=None) -> int:
     cal = Calibration.load(a.calibration)
     if a.no_rope:
         cal = dataclasses.replace(cal, rope_m=None, rope_phase=None)
-    if a.force_gluon:
+    if a.force_gluon or a.config:
+        from bench_decode_attention import config_changes
+
         from weightszip.kernels import DEFAULT_CONFIGS
         from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-        DEFAULT_CONFIGS[PAGE_COMPACT] = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], gluon_min_work=0,
-                                                              gluon_rope_min_work=0)
+        changes = dict(gluon_min_work=0, gluon_rope_min_work=0) if a.force_gluon else {}
+        DEFAULT_CONFIGS[PAGE_COMPACT] = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT],
+                                                              **changes, **config_changes(a.config))
     ids, files = tokenize_text(lm.tokenizer, pathlib.Path(a.text), a.prompt)
     def sync():
         if a.device == "cuda":
@@ -95,6 +101,7 @@ def main(argv=None) -> int:
               f"paged {t1 - t0:.1f} s, reference {t2 - t1:.1f} s", flush=True)
     dev = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     res = dict(model=lm.name, calibration=a.calibration, rotary_offsets=not a.no_rope, force_gluon=a.force_gluon,
+               config=a.config,
                text=files, prompt_tokens=a.prompt, new_tokens=a.new,
                device=dev, torch=torch.__version__, cmd=" ".join(sys.argv), rows=rows)
     out = pathlib.Path(a.out)
