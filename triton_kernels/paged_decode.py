@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weightszip._tensors import int_arg, no_overlap
+from weightszip._tensors import _fits_in_memory, int_arg, no_overlap
 from weightszip.errors import InvalidArgumentError
 
 from ._interpreter_compat import apply as _interpreter_compat
@@ -116,12 +116,17 @@ def rope_page_table(rope_phase: torch.Tensor, tokens: int) -> torch.Tensor:
     _check(isinstance(rope_phase, torch.Tensor) and rope_phase.dtype == torch.int64 and rope_phase.dim() == 1
            and rope_phase.numel() > 0, "rope_phase must be a non-empty int64 [head_dim / 2]")
     tokens = int_arg("tokens", tokens, 1, 2**31 - 1)
-    p = torch.arange(0, tokens, PAGE_TOKENS, dtype=torch.int64, device=rope_phase.device)[:, None]
-    f = rope_phase[None, :]
-    # p f mod 2**48 with f in 16-bit halves (no product past 2**63), as codec.rope_cos_sin
-    ph = ((((p * (f >> 16)) & 0xFFFFFFFF) << 16) + p * (f & 0xFFFF)) & (2**48 - 1)
-    ang = ph.double() * (2 * math.pi / 2**48)
-    return torch.stack([torch.cos(ang), torch.sin(ang)], dim=-1).float().contiguous()
+    rows, f = -(-tokens // PAGE_TOKENS), rope_phase[None, :]
+    with _fits_in_memory(f"rope_page_table of {tokens} tokens ({rows * f.numel() * 8} bytes) does not fit in memory"):
+        out = torch.empty(rows, f.numel(), 2, dtype=torch.float32, device=rope_phase.device)
+        for r0 in range(0, rows, 8192):  # (the int64 and float64 steps a block of rows at a time)
+            p = torch.arange(r0, min(rows, r0 + 8192), dtype=torch.int64, device=f.device)[:, None] * PAGE_TOKENS
+            # p f mod 2**48 with f in 16-bit halves (no product past 2**63), as codec.rope_cos_sin
+            ph = ((((p * (f >> 16)) & 0xFFFFFFFF) << 16) + p * (f & 0xFFFF)) & (2**48 - 1)
+            ang = ph.double() * (2 * math.pi / 2**48)
+            out[r0:r0 + ang.shape[0], :, 0] = torch.cos(ang)
+            out[r0:r0 + ang.shape[0], :, 1] = torch.sin(ang)
+    return out
 
 
 LOG2E = 1.4426950408889634
