@@ -123,6 +123,38 @@ def test_paged_cache_checks_layer_and_shapes_before_writing():
             c.attend(layer, qq)
 
 
+def test_paged_cache_passes_the_pages_cos_and_sin_when_the_kernel_config_asks():
+    """With ``KernelConfig.gluon_rope_pos`` the cache gives the decode kernel the table of the pages' cos
+    and sin (``rope_page_table`` of the calibration's phases over the cache's capacity), made once;
+    otherwise none is made. Attention with it passes run()'s checks and gives the same output (on the
+    CPU, where the Triton kernel runs and does not read it) or one within the rotary term's tolerance
+    (on a GPU, where the Gluon kernel reads it: another rounding of the same sum)."""
+    import dataclasses
+
+    from weightszip.compact.paged_cache import PagedCompactCache
+    from weightszip.kernels import rope_page_table
+
+    cal = first_layers_calibration()
+    assert cal.rope_phase is not None
+    c = PagedCompactCache(cal, "q4", num_q_heads=9, max_tokens=100, device=DEVICE)
+    attn = c.layers[0]["attn"]
+    assert c._rope_pos_table(attn) is None and c._rope_pos is None
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(40, 3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    c.append(0, k, k.flip(0))
+    q = torch.randn(9, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    plain = c.attend(0, q)
+    attn.config = dataclasses.replace(attn.config, gluon_rope_pos=True)
+    table = c._rope_pos_table(attn)
+    assert table.shape == (c.max_tokens // 16, 32, 2) and c._rope_pos_table(attn) is table
+    assert torch.equal(table.cpu(), rope_page_table(cal.rope_phase, c.max_tokens))
+    out = c.attend(0, q)
+    if DEVICE == "cpu":
+        assert torch.equal(out, plain)
+    else:
+        assert (out.float() - plain.float()).abs().max() <= 2.0**-6 * plain.float().abs().max()
+
+
 def test_paged_compact_cache_refuses_bad_arguments_before_any_write():
     """From a review: block_size 0 was ZeroDivisionError, max_tokens -5 or 1.5 a 16-token cache,
     10**12 tokens an attempt to allocate the pool; an fp32 V after a bf16 K wrote K's side buffer,

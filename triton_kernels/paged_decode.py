@@ -205,7 +205,8 @@ class KernelConfig:
     # ... with staged pages and ``run``'s ``rope_pos_table`` (``rope_page_table``): each page's cos and
     # sin of the listed pairs' phases copied into its slot with its codes (8 bytes a pair) instead of
     # computed (``paged_decode_gluon._issue_trig``); offline (sm_90a, q4 at the 8B shape) 605 -> 565
-    # loop instructions a page with 2 chunks, 794 -> 706 with 4. Off until it has run on a GPU
+    # loop instructions a page with 2 chunks, 794 -> 706 with 4. Off: on an H100 (session 42, against
+    # the tables alone) 1.017-1.020x with 64 listed pairs, 0.94-0.98x with 24 (BENCHMARKS.md)
     gluon_rope_pos: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)

@@ -38,7 +38,7 @@ class PagedCompactCache:
 
     def __init__(self, calibration: Calibration, fmt: str, *, num_q_heads: int, max_tokens: int,
                  device="cuda", block_size: int = 16, sm_scale: float | None = None):
-        from weightszip.kernels import PagedDecodeAttention, compact_tables, compact_write_tables, rope_page_table
+        from weightszip.kernels import PagedDecodeAttention, compact_tables, compact_write_tables
 
         if not isinstance(fmt, str) or fmt not in calibration.allocation:
             raise InvalidArgumentError(f"the calibration has no format {fmt!r:.40}")
@@ -85,11 +85,20 @@ class PagedCompactCache:
                     v_write=compact_write_tables(vt, self.device),
                     read=compact_tables(kt, vt, self.device),
                 ))
-            # the pages' cos and sin at each page position, for the kernel's KernelConfig.gluon_rope_pos (a
-            # model's constant: every layer's rope_phase is the calibration's)
-            self.rope_pos = (rope_page_table(cal.rope_phase.to(self.device), self.max_tokens)
-                             if cal.rope_phase is not None else None)
+        self._rope_pos = None  # (``_rope_pos_table``)
         self._planned: dict[int, int] = {}
+
+    def _rope_pos_table(self, attn) -> torch.Tensor | None:
+        """The pages' cos and sin at every page position of the cache, for a kernel config with
+        ``KernelConfig.gluon_rope_pos`` (None otherwise): a model's constant (every layer's rope_phase is
+        the calibration's), made at the first call that asks for it."""
+        if not attn.config.gluon_rope_pos:
+            return None
+        if self._rope_pos is None:
+            from weightszip.kernels import rope_page_table
+
+            self._rope_pos = rope_page_table(self.cal.rope_phase.to(self.device), self.max_tokens)
+        return self._rope_pos
 
     def _check_layer(self, layer: int) -> None:
         int_arg("layer", layer, 0, self.L - 1)
@@ -163,7 +172,7 @@ class PagedCompactCache:
         rope = {}
         if "rope_phase" in t:
             rope = dict(rope_coef=rope_logit_coef(qb, t["k_rope_m"], self.H), rope_phase=t["rope_phase"],
-                        rope_pairs=t["rope_pairs"], rope_pos_table=self.rope_pos)
+                        rope_pairs=t["rope_pairs"], rope_pos_table=self._rope_pos_table(attn))
         out = attn.run(qb, st["k_pages"], st["v_pages"], k_side=st["k_side"], v_side=st["v_side"],
                        q_transformed=qt, logit_bias=bias, v_inv_transform=t["v_inv_transform"], v_mean=t["v_mean"],
                        k_codebook=t["k_codebook"], v_codebook=t["v_codebook"], k_grid=t["k_grid"], v_grid=t["v_grid"],
