@@ -1795,7 +1795,7 @@ class PagedDecodeAttention:
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             rope_table = has_rope and cfg.gluon_rope_table
-            rope_pos = rope_table and pos_ok
+            rope_pos = pos_ok  # (it implies rope_table)
             tab_off, stage_off, _ = pg.smem_offsets(
                 self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, cfg.gluon_v_pad,
                 pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0,
