@@ -73,6 +73,70 @@ def test_paged_generation_gives_the_reference_tokens(small):
         assert float((x - y).abs().max()) <= 4 * 2.0 ** (int(torch.log2(y.abs().max())) - 7)
 
 
+def test_teacher_forced_paths_agree_on_tokens_they_did_not_choose(small):
+    """``forced``: both paths fed a sequence that is not their own greedy one give the same argmax and
+    nearly the same logits at every step, and the forcing reaches the model (step 1's logits move)."""
+    from weightszip.compact.paged_cache import (
+        bf16_logit_tolerance,
+        forced_agreement,
+        generate_paged,
+        generate_reference,
+    )
+    from weightszip.models import tokenize_text
+
+    model, tok, cal = small
+    ids, _ = tokenize_text(tok, DATA / "text" / "austen-emma-excerpt.txt", 150)
+    fmt = "q4"
+    free = generate_reference(model, cal, fmt, ids, 2)
+    forced = [(free.tokens[0] + 1) % model.config.vocab_size, 42]
+    a = generate_paged(model, cal, fmt, ids, 3, forced=forced)
+    b = generate_reference(model, cal, fmt, ids, 3, forced=forced)
+    assert torch.equal(b.logits[0], free.logits[0])  # step 0 comes before any token is fed
+    assert float((b.logits[1] - free.logits[1]).abs().max()) > 1.0  # another token was fed at step 1
+    fa = forced_agreement(a, b, bf16_logit_tolerance(b))
+    assert fa["ok"] and fa["argmax_differs"] == [] and fa["steps"] == 3, fa
+
+
+def _generation(rows):
+    from weightszip.compact.paged_cache import Generation
+
+    logits = [torch.tensor(r, dtype=torch.float32) for r in rows]
+    return Generation([int(x.argmax()) for x in logits], logits)
+
+
+def test_forced_agreement_excuses_only_near_ties_within_the_tolerance():
+    from weightszip.compact.paged_cache import bf16_logit_tolerance, forced_agreement
+    from weightszip.errors import InvalidArgumentError
+
+    ref = _generation([[30.0, 29.5, 1.0], [10.0, 9.875, 0.0]])
+    assert bf16_logit_tolerance(ref) == 4 * 2.0 ** (4 - 7)  # 30 is in [16, 32): a bf16 ulp of 1/8
+    same = forced_agreement(_generation([[30.0, 29.5, 1.0], [10.0, 9.875, 0.0]]), ref, 0.5)
+    assert same == dict(steps=2, argmax_differs=[], max_logit_diff=0.0, tolerance=0.5, ok=True)
+    # step 1 flips where the reference's two best are 0.125 apart and the paths 0.25: a near tie
+    tie = forced_agreement(_generation([[30.25, 29.5, 1.0], [9.875, 10.125, 0.0]]), ref, 0.5)
+    assert tie["ok"] and tie["argmax_differs"] == [dict(step=1, margin=0.125, logit_diff=0.25)]
+    # the same flip at step 0, where the reference's gap (0.5) is larger than the paths' difference
+    far = forced_agreement(_generation([[29.75, 29.875, 1.0], [10.0, 9.875, 0.0]]), ref, 0.5)
+    assert not far["ok"] and far["argmax_differs"][0]["step"] == 0
+    # no flip, but logits further apart than the tolerance
+    assert not forced_agreement(_generation([[31.0, 29.5, 1.0], [10.0, 9.875, 0.0]]), ref, 0.5)["ok"]
+    with pytest.raises(InvalidArgumentError):
+        forced_agreement(_generation([[30.0, 29.5, 1.0]]), ref, 0.5)
+
+
+def test_forced_tokens_are_checked_before_any_forward():
+    from weightszip.errors import InvalidArgumentError
+    from weightszip.models import check_forced, greedy_decode
+
+    assert check_forced(None, 5) is None
+    assert check_forced((3, 4), 3) == [3, 4]
+    for bad in ([1], [1, -2], [1, True], [1.0, 2]):
+        with pytest.raises(InvalidArgumentError):
+            check_forced(bad, 3)
+    with pytest.raises(InvalidArgumentError):
+        greedy_decode(None, torch.zeros(1, 1, dtype=torch.long), 3, forced=[1])  # (no model needed to refuse)
+
+
 def test_paged_cache_moves_tokens_from_the_window_into_pages(small):
     from weightszip.compact.paged_cache import PagedCompactCache
 

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -453,13 +454,33 @@ def attention_shape(model) -> AttentionShape:
     return AttentionShape(cfg.num_hidden_layers, cfg.num_attention_heads, hkv, d, scale)
 
 
-def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None) -> tuple[list[int], list]:
+def check_forced(forced: Sequence[int] | None, max_new_tokens: int) -> list[int] | None:
+    """``forced`` of ``greedy_decode`` as a list of ints, checked: at least ``max_new_tokens - 1``
+    non-negative token ids (an `InvalidArgumentError` otherwise)."""
+    if forced is None:
+        return None
+    ids = list(forced)
+    if len(ids) < max_new_tokens - 1:
+        raise InvalidArgumentError(f"forced: {len(ids)} token ids for {max_new_tokens} steps; "
+                                   f"at least {max_new_tokens - 1} are needed")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise InvalidArgumentError("forced: token ids must be non-negative ints")
+    return [int(t) for t in ids]
+
+
+def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None,
+                  forced: Sequence[int] | None = None) -> tuple[list[int], list]:
     """Greedy decoding with the model's own KV cache off (an attention hook holds the cache): one
     forward over the prompt, then one per new token at its position; ``before_step()`` runs before
     each new token's forward (a paged cache plans its step there). Returns the tokens and each
-    step's last-position logits (fp32, on the CPU)."""
+    step's last-position logits (fp32, on the CPU).
+
+    ``forced``: teacher forcing; step i's forward is fed ``forced[i]`` instead of step i's argmax
+    (at least ``max_new_tokens - 1`` token ids), so that two decoders can be compared at every step
+    of one sequence. The returned tokens are still each step's argmax."""
     import torch
 
+    forced = check_forced(forced, max_new_tokens)
     dev = model.device
     n = input_ids.shape[1]
     toks, logits = [], []
@@ -470,6 +491,8 @@ def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None) -> tu
         logits.append(out.cpu())
         if step + 1 == max_new_tokens:
             break
+        if forced is not None:
+            nxt = forced[step]
         if before_step is not None:
             before_step()
         pos = torch.tensor([[n + step]], device=dev)

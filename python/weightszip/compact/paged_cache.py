@@ -20,6 +20,8 @@ greedy decoding with every forward inside ``weightszip.eval.kl.kv_format`` and t
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -246,25 +248,30 @@ class Generation:
 
 
 def generate_paged(model, calibration: Calibration, fmt: str, input_ids: torch.Tensor, max_new_tokens: int,
-                   *, block_size: int = 16) -> Generation:
+                   *, block_size: int = 16, forced: Sequence[int] | None = None) -> Generation:
     """Greedy decoding of ``max_new_tokens`` after ``input_ids`` [1, n] through a
-    ``PagedCompactCache`` on the model's device (the model's own KV cache off)."""
+    ``PagedCompactCache`` on the model's device (the model's own KV cache off); ``forced``: the
+    tokens fed instead of the argmax (teacher forcing, ``models.greedy_decode``)."""
     a = attention_shape(model)
     dev = model.device
     n = input_ids.shape[1]
     cache = PagedCompactCache(calibration, fmt, num_q_heads=a.num_q_heads, max_tokens=n + max_new_tokens, device=dev,
                               block_size=block_size, sm_scale=a.scale)
     with torch.inference_mode(), paged_compact_attention(model, cache):
-        toks, logits = greedy_decode(model, input_ids, max_new_tokens)
+        toks, logits = greedy_decode(model, input_ids, max_new_tokens, forced=forced)
     return Generation(toks, logits)
 
 
 def generate_reference(model, calibration: Calibration, fmt: str, input_ids: torch.Tensor,
-                       max_new_tokens: int) -> Generation:
+                       max_new_tokens: int, *, forced: Sequence[int] | None = None) -> Generation:
     """Greedy decoding with the reference codec: each step one forward over the whole sequence in
-    which every attention layer sees the format's keys and values (``kl.kv_format``)."""
+    which every attention layer sees the format's keys and values (``kl.kv_format``); ``forced``
+    as in ``generate_paged``."""
     from weightszip.compact.formats import CompactFormat
     from weightszip.eval.kl import kv_format
+    from weightszip.models import check_forced
+
+    forced = check_forced(forced, max_new_tokens)
 
     f = CompactFormat(fmt, calibration)
     dev = model.device
@@ -276,5 +283,37 @@ def generate_reference(model, calibration: Calibration, fmt: str, input_ids: tor
             nxt = int(out.argmax())
             toks.append(nxt)
             logits.append(out.cpu())
+            if forced is not None and len(toks) < max_new_tokens:
+                nxt = forced[len(toks) - 1]
             ids = torch.cat([ids, torch.tensor([[nxt]], device=dev)], dim=1)
     return Generation(toks, logits)
+
+
+def bf16_logit_tolerance(reference: Generation, ulps: int = 4) -> float:
+    """``ulps`` units in the last place of bf16 at the magnitude of the reference's largest logit:
+    how far two paths' bf16 logits may be apart from rounding alone (K and V computed one token at
+    a time against a whole-sequence forward, fp32 split-K against one fp32 softmax)."""
+    top = max(float(x.abs().max()) for x in reference.logits)
+    return ulps * 2.0 ** (math.floor(math.log2(top)) - 7) if top > 0 else 0.0
+
+
+def forced_agreement(candidate: Generation, reference: Generation, tolerance: float) -> dict:
+    """Compare a teacher-forced ``candidate`` (fed the reference's tokens: ``forced=reference.tokens``)
+    with the ``reference`` step by step. Returns the steps, the steps whose argmax differs with, at
+    each, the reference's gap between its two best logits and the two paths' largest logit difference
+    there, the largest logit difference over all steps, and ``ok``: every logit difference within
+    ``tolerance`` and every differing argmax at a near tie (the reference's top-2 gap no larger than
+    the logit difference at that step, so that rounding alone can flip it)."""
+    if len(candidate.logits) != len(reference.logits):
+        raise InvalidArgumentError(f"forced_agreement: {len(candidate.logits)} steps against "
+                                   f"{len(reference.logits)}")
+    diffs, splits = [], []
+    for step, (c, r) in enumerate(zip(candidate.logits, reference.logits)):
+        d = float((c.float() - r.float()).abs().max())
+        diffs.append(d)
+        if int(c.argmax()) != int(r.argmax()):
+            top2 = r.float().topk(2).values
+            splits.append(dict(step=step, margin=float(top2[0] - top2[1]), logit_diff=d))
+    max_diff = max(diffs, default=0.0)
+    ok = max_diff <= tolerance and all(s["margin"] <= s["logit_diff"] for s in splits)
+    return dict(steps=len(diffs), argmax_differs=splits, max_logit_diff=max_diff, tolerance=tolerance, ok=ok)
