@@ -14,10 +14,14 @@ its time is not a serving speed).
 Then the paged path again, teacher-forced on the reference's tokens (each step fed the reference's
 token, whatever its own argmax), so that the two paths are compared at every step even after a
 near tie sent free generation apart: the steps whose argmax differs, the reference's top-2 gap and
-the logit difference at each, and the largest logit difference over all steps. Exit status 0 when,
-for every format, every logit difference is within 4 units in the last place of bf16 at the
-largest logit and every differing argmax is at a near tie (the gap no larger than the difference
-there); 1 otherwise.
+the logit difference at each, and the largest logit difference over all steps.
+
+The yardstick, measured first in the same run: the model without any format, decoding through its
+own bf16 KV cache one token at a time (teacher-forced) against whole-sequence forwards, the rounding
+floor of incremental decoding. Exit status 0 when, for every format, every teacher-forced logit
+difference is within twice that floor (at least 4 units in the last place of bf16 at the largest
+logit) and every differing argmax is at a near tie (the reference's top-2 gap no larger than the
+logit difference there); 1 otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import time
@@ -60,6 +65,7 @@ def main(argv=None) -> int:
     from weightszip.compact.paged_cache import (
         bf16_logit_tolerance,
         forced_agreement,
+        generate_cached,
         generate_paged,
         generate_reference,
     )
@@ -84,6 +90,11 @@ def main(argv=None) -> int:
         if a.device == "cuda":
             torch.cuda.synchronize()
 
+    # the floor: bf16, the model's own cache one token at a time against whole-sequence forwards
+    whole = generate_reference(lm.model, None, None, ids, a.new)
+    floor = forced_agreement(generate_cached(lm.model, ids, a.new, forced=whole.tokens), whole, math.inf)
+    floor.pop("ok"), floor.pop("tolerance")
+    print(f"floor (bf16, own cache against whole-sequence forwards): {floor}", flush=True)
     rows = []
     for fmt in tqdm(a.formats.split(","), desc="formats", file=sys.stdout):
         sync()
@@ -95,7 +106,7 @@ def main(argv=None) -> int:
         sync()
         t2 = time.perf_counter()
         forced = generate_paged(lm.model, cal, fmt, ids, a.new, forced=ref.tokens)
-        fa = forced_agreement(forced, ref, bf16_logit_tolerance(ref))
+        fa = forced_agreement(forced, ref, max(2 * floor["max_logit_diff"], bf16_logit_tolerance(ref)))
         first = next((i for i, (x, y) in enumerate(zip(paged.tokens, ref.tokens)) if x != y), None)
         agree = len(paged.tokens) if first is None else first
         diffs = [float((x - y).abs().max()) for x, y in zip(paged.logits[:agree], ref.logits[:agree])]
@@ -116,7 +127,7 @@ def main(argv=None) -> int:
               f"paged {t1 - t0:.1f} s, reference {t2 - t1:.1f} s; teacher-forced: {fa}", flush=True)
     dev = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     res = dict(model=lm.name, calibration=a.calibration, rotary_offsets=not a.no_rope, force_gluon=a.force_gluon,
-               config=a.config,
+               config=a.config, floor=floor,
                text=files, prompt_tokens=a.prompt, new_tokens=a.new,
                device=dev, torch=torch.__version__, cmd=" ".join(sys.argv), rows=rows)
     out = pathlib.Path(a.out)
@@ -135,6 +146,10 @@ def main(argv=None) -> int:
                      f"| {at} | {mld} ({r['max_logit']:.3g}) | {differs or 'none'} "
                      f"| {fa['max_logit_diff']:.3g} ({fa['tolerance']:.3g}) | {'yes' if fa['ok'] else '**no**'} "
                      f"| {r['paged_seconds']:.1f} | {r['reference_seconds']:.1f} |")
+    differs = ", ".join(f"{d['step']} ({d['margin']:.3g} / {d['logit_diff']:.3g})" for d in floor["argmax_differs"])
+    lines += ["", f"Floor (no format; the model's own bf16 cache, one token at a time, teacher-forced on its "
+              f"whole-sequence greedy tokens): max logit diff {floor['max_logit_diff']:.3g}; argmax differs at "
+              f"{differs or 'no step'}. Tolerance: twice the floor, at least 4 bf16 ulps of the largest logit."]
     md = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(md)
     print(md)

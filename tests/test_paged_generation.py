@@ -97,6 +97,26 @@ def test_teacher_forced_paths_agree_on_tokens_they_did_not_choose(small):
     assert fa["ok"] and fa["argmax_differs"] == [] and fa["steps"] == 3, fa
 
 
+def test_the_models_own_cache_gives_the_whole_sequence_tokens(small):
+    """``generate_cached`` (the floor of e2e_generate): the model's own bf16 cache one token at a time,
+    teacher-forced, against whole-sequence forwards without a format; and the forcing reaches it."""
+    from weightszip.compact.paged_cache import (
+        bf16_logit_tolerance,
+        forced_agreement,
+        generate_cached,
+        generate_reference,
+    )
+    from weightszip.models import tokenize_text
+
+    model, tok, _ = small
+    ids, _ = tokenize_text(tok, DATA / "text" / "austen-emma-excerpt.txt", 150)
+    whole = generate_reference(model, None, None, ids, 3)
+    fa = forced_agreement(generate_cached(model, ids, 3, forced=whole.tokens), whole, bf16_logit_tolerance(whole))
+    assert fa["ok"] and fa["argmax_differs"] == [], fa
+    other = generate_cached(model, ids, 2, forced=[(whole.tokens[0] + 1) % model.config.vocab_size])
+    assert float((other.logits[1] - whole.logits[1]).abs().max()) > 1.0
+
+
 def _generation(rows):
     from weightszip.compact.paged_cache import Generation
 

@@ -20,6 +20,7 @@ greedy decoding with every forward inside ``weightszip.eval.kl.kv_format`` and t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -262,22 +263,21 @@ def generate_paged(model, calibration: Calibration, fmt: str, input_ids: torch.T
     return Generation(toks, logits)
 
 
-def generate_reference(model, calibration: Calibration, fmt: str, input_ids: torch.Tensor,
+def generate_reference(model, calibration: Calibration | None, fmt: str | None, input_ids: torch.Tensor,
                        max_new_tokens: int, *, forced: Sequence[int] | None = None) -> Generation:
     """Greedy decoding with the reference codec: each step one forward over the whole sequence in
-    which every attention layer sees the format's keys and values (``kl.kv_format``); ``forced``
-    as in ``generate_paged``."""
+    which every attention layer sees the format's keys and values (``kl.kv_format``); ``fmt`` None:
+    the model's own bf16 keys and values. ``forced`` as in ``generate_paged``."""
     from weightszip.compact.formats import CompactFormat
     from weightszip.eval.kl import kv_format
     from weightszip.models import check_forced
 
     forced = check_forced(forced, max_new_tokens)
-
-    f = CompactFormat(fmt, calibration)
+    ctx = kv_format(model, CompactFormat(fmt, calibration)) if fmt is not None else contextlib.nullcontext()
     dev = model.device
     ids = input_ids.to(dev)
     toks, logits = [], []
-    with torch.inference_mode(), kv_format(model, f):
+    with torch.inference_mode(), ctx:
         for _ in range(max_new_tokens):
             out = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
             nxt = int(out.argmax())
@@ -286,6 +286,33 @@ def generate_reference(model, calibration: Calibration, fmt: str, input_ids: tor
             if forced is not None and len(toks) < max_new_tokens:
                 nxt = forced[len(toks) - 1]
             ids = torch.cat([ids, torch.tensor([[nxt]], device=dev)], dim=1)
+    return Generation(toks, logits)
+
+
+def generate_cached(model, input_ids: torch.Tensor, max_new_tokens: int, *,
+                    forced: Sequence[int] | None = None) -> Generation:
+    """Greedy decoding through the model's own KV cache (its bf16 keys and values, one token at a
+    time; no format): against ``generate_reference(model, None, None, ...)``, the rounding floor of
+    one-token-at-a-time decoding against whole-sequence forwards. ``forced`` as in ``generate_paged``."""
+    from weightszip.models import check_forced
+
+    forced = check_forced(forced, max_new_tokens)
+    dev = model.device
+    # (transformers 5.2x names the cache ``cache`` in and out; earlier ones ``past_key_values``)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    toks, logits = [], []
+    with torch.inference_mode():
+        out = model(input_ids=input_ids.to(dev), use_cache=True, logits_to_keep=1)
+        for step in range(max_new_tokens):
+            last = out.logits[0, -1].float()
+            nxt = int(last.argmax())
+            toks.append(nxt)
+            logits.append(last.cpu())
+            if step + 1 == max_new_tokens:
+                break
+            if forced is not None:
+                nxt = forced[step]
+            out = model(input_ids=torch.tensor([[nxt]], device=dev), use_cache=True, **{name: getattr(out, name)})
     return Generation(toks, logits)
 
 
