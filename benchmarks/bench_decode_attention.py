@@ -51,7 +51,8 @@ KERNELS = ("sdpa", "bf16", "fp8", "q4", "q3.5", "q3", "q4+rope", "q3.5+rope", "q
            "q4+pairs", "q3.5+pairs", "q3+pairs", "q4+triton", "q3.5+triton", "q3+triton",
            "q4+rope+triton", "q4+rope24+triton", "q3+rope24+triton", "fp8+triton", "fp8+gluon", "q4+gluon",
            "q3.5+gluon", "q3+gluon", "q4+rope+table", "q3.5+rope+table", "q3+rope+table", "q4+rope24+table",
-           "q3+rope24+table", "q4+rope+pos", "q3.5+rope+pos", "q3+rope+pos", "q4+rope24+pos", "q3+rope24+pos")
+           "q3+rope24+table", "q4+rope+pos", "q3.5+rope+pos", "q3+rope+pos", "q4+rope24+pos", "q3+rope24+pos",
+           "q4+rope+lanes", "q3.5+rope+lanes", "q3+rope+lanes", "q4+rope24+lanes", "q3+rope24+lanes")
 COMPACT = {"q4": (4, 4), "q3.5": (4, 3), "q3": (3, 3)}  # (K bits, V bits) in every layer
 # "+rope": the same with rotary K offsets (calibrations with rope_m: the per-key q . r(p) term) in every
 # RoPE pair; "+rope24": in 24 of the 64 pairs (``rope_pairs``), what `weightszip calibrate
@@ -74,6 +75,8 @@ COMPACT.update({f"{k}+table": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+r
 # "+pos": ... with each page's cos and sin copied into its slot (KernelConfig.gluon_rope_pos; every
 # rotary kind passes ``rope_pos_table``, which the other configs leave unused)
 COMPACT.update({f"{k}+pos": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
+# "+lanes": ... computed once a warp into its slot, a value a lane (KernelConfig.gluon_rope_lanes)
+COMPACT.update({f"{k}+lanes": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
 
 
 def parse_args(argv=None):
@@ -488,13 +491,14 @@ def main(argv=None):
             if kind in COMPACT:
                 cfg = None
                 suffix = "+" + kind.split("+")[-1]
-                if suffix in LOOKUP or suffix in ("+triton", "+gluon", "+table", "+pos"):
+                if suffix in LOOKUP or suffix in ("+triton", "+gluon", "+table", "+pos", "+lanes"):
                     from weightszip.kernels import DEFAULT_CONFIGS
                     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
                     change = ({"gluon": True, "gluon_min_work": 0} if suffix == "+gluon" else
                               {"gluon_rope_table": True} if suffix == "+table" else
                               {"gluon_rope_table": True, "gluon_rope_pos": True} if suffix == "+pos" else
+                              {"gluon_rope_table": True, "gluon_rope_lanes": True} if suffix == "+lanes" else
                               {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})})
                     cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg, side)

@@ -84,7 +84,7 @@ _COMPACT_PTRS = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v
 def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=("VOTE",)):
     """``compile_for_hopper``'s arguments after the kernel for ``compact_split_kernel`` at a launch:
     (constexprs, pointer types, warps, register cap). ``opts``: the constexpr flags set (VOTE,
-    V_PAD, COPY_ALIGN, BULK_COPY, ROPE_TABLE, ROPE_POS); the defaults are the 8B launch with the vote."""
+    V_PAD, COPY_ALIGN, BULK_COPY, ROPE_TABLE, ROPE_POS, ROPE_LANES); the defaults are the 8B launch with the vote."""
     from weightszip.kernels import KernelConfig
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -92,7 +92,7 @@ def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=
     hoist = 0 < chunks <= KernelConfig().gluon_rope_hoist  # as PagedDecodeAttention launches it
     block_g = max(8, 1 << (group - 1).bit_length())
     rope_words = pg.rope_table_words(chunks, block_g) if "ROPE_TABLE" in opts and chunks else 0
-    trig = chunks if "ROPE_POS" in opts and stages else 0
+    trig = chunks if ("ROPE_POS" in opts or "ROPE_LANES" in opts) and stages else 0
     tab_off, stage_off, _ = pg.smem_offsets(kb, vb, d, warps, stages, "COPY_ALIGN" in opts, "V_PAD" in opts,
                                             rope_words, trig)
     const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16,
@@ -131,8 +131,12 @@ def configurations():
     # ... with the pages' cos and sin copied into their slots (KernelConfig.gluon_rope_pos), staged
     cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_POS")) for kb, vb, d, g, chunks in (
         (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (3, 3, 128, 4, 4), (4, 3, 64, 3, 2), (3, 3, 64, 3, 1))]
+    # ... with each page's cos and sin computed once a warp, a value a lane (KernelConfig.gluon_rope_lanes)
+    cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_LANES")) for kb, vb, d, g, chunks in (
+        (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (3, 3, 128, 4, 4), (4, 3, 64, 3, 2), (3, 3, 64, 3, 1),
+        (4, 4, 128, 4, 3))]
     suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align",
-              "ROPE_TABLE": " table", "ROPE_POS": " pos"}
+              "ROPE_TABLE": " table", "ROPE_POS": " pos", "ROPE_LANES": " lanes"}
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
             return (pg.compact_split_kernel, *compact_launch(kb, vb, d, group, chunks, stages, bias, opts))

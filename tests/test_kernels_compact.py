@@ -426,6 +426,10 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     err_t = (table - reference(c).cpu()).abs().max().item()
     assert err_t <= 2.0**-6 * vmax, f"table form: max error {err_t:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
     assert (table - out).abs().max().item() <= 2.0**-10 * vmax
+    # ... with each page's cos and sin computed once a warp into its slot (``gluon_rope_lanes``): the
+    # same phases and SFU results as the table form's, so its output bit for bit (unstaged: the same kernel)
+    lanes = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_lanes=True))
+    assert torch.equal(lanes.double().cpu(), table), "gluon_rope_lanes differs from the table form"
     # ... with the pages' cos and sin copied into their slots (``gluon_rope_pos``; staged only: on the
     # register path the same kernel as the table form, bit for bit): the phases' cos and sin from the
     # exact phase in float64, not the SFU's, so close to the table form, not equal
@@ -446,7 +450,8 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
                                   "wide-group", "rope-group-16", "config-off", "smem-fits", "smem-over", "rope-table",
                                   "rope-table-smem-fits", "rope-table-smem-over", "rope-table-pos",
                                   "rope-table-pos-smem-fits", "rope-table-pos-smem-over", "rope-table-pos-unstaged",
-                                  "rope-table-pos-no-table"])
+                                  "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-smem-over",
+                                  "rope-table-lanes-unstaged", "rope-table-lanes-pos"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
@@ -455,8 +460,10 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     Triton kernel otherwise; with ``gluon_rope_table`` the rotary term's tables count in the shared
     memory (all head_dim / 32 chunks a head could list) and lie between the grids and the staging
     slots; with ``gluon_rope_pos`` too, staged and given ``rope_pos_table``, the slots hold the pages'
-    cos and sin (as many chunks) and the kernel copies them. (Both kernels replaced by recorders; the
-    GPU is simulated by turning the interpreter flag off.)"""
+    cos and sin (as many chunks) and the kernel copies them; with ``gluon_rope_lanes`` instead (staged;
+    ``gluon_rope_pos`` takes precedence where both apply) the slots hold the same room and the warp
+    writes it. (Both kernels replaced by recorders; the GPU is simulated by turning the interpreter
+    flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -468,7 +475,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     group = {"wide-group": 32, "rope-group-16": 16}.get(what, 2)  # head_dim 64: 16 fits GLUON_MAX_ACC
     c = make_case(lens=[200, 90], group=group, kb=kb, vb=3, S=0, W=0, rope=rope)
     table = what.startswith("rope-table")
-    pos = what.startswith("rope-table-pos")
+    pos = what.startswith("rope-table-pos") or what == "rope-table-lanes-pos"
+    lanes = what.startswith("rope-table-lanes")
     if what.endswith("no-table"):
         c = dict(c, rope_pos_table=None)
     cfg = KernelConfig(gluon=what != "config-off",
@@ -476,21 +484,22 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0,
                        gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist,
-                       gluon_rope_table=table, gluon_rope_pos=pos,
+                       gluon_rope_table=table, gluon_rope_pos=pos, gluon_rope_lanes=lanes,
                        gluon_stages=0 if what.endswith("unstaged") else KernelConfig.gluon_stages)
     if "smem" in what:  # the config's shared memory against the cap: exactly at it, one byte over
-        need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, rope, group, pos)
+        need = pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], cfg, rope, group, pos or lanes)
         assert need > 0
         if table:  # the tables of all 2 chunks a head_dim-64 head could list, at the padded group of 8
             plain = dataclasses.replace(cfg, gluon_rope_table=False)
             slots = cfg.gluon_rope_warps * cfg.gluon_stages  # (with pos each holds 2 chunks of cos and sin)
             assert need - pd._compact_gluon_smem(kb, 3, c["q"].shape[-1], plain, True, group) == (
-                4 * 2 * (512 + 64 * 8) + pos * slots * 2 * 128)
+                4 * 2 * (512 + 64 * 8) + (pos or lanes) * slots * 2 * 128)
         monkeypatch.setattr(pd, "GLUON_MAX_SMEM", need - what.endswith("smem-over"))
     run(c, False, config=cfg)
     want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits", "rope-table", "rope-table-smem-fits",
                           "rope-table-pos", "rope-table-pos-smem-fits", "rope-table-pos-unstaged",
-                          "rope-table-pos-no-table")
+                          "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-unstaged",
+                          "rope-table-lanes-pos")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
@@ -500,13 +509,15 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         # the rotary term's coefficients hoisted whole (its 2 chunks here) or, past gluon_rope_hoist, not at all
         assert glu.calls[0]["ROPE_HOIST"] == (what == "rope-on")
         assert glu.calls[0]["ROPE_TABLE"] == table
-        pos_on = what in ("rope-table-pos", "rope-table-pos-smem-fits")
+        pos_on = what in ("rope-table-pos", "rope-table-pos-smem-fits", "rope-table-lanes-pos")
+        lanes_on = what == "rope-table-lanes"
         assert glu.calls[0]["ROPE_POS"] == pos_on
+        assert glu.calls[0]["ROPE_LANES"] == lanes_on
         chunks = glu.calls[0]["ROPE_CHUNKS"]
         rope_words = pg.rope_table_words(chunks, 8) if table else 0
         assert (glu.calls[0]["TAB_OFF"], glu.calls[0]["STAGE_OFF"]) == pg.smem_offsets(
             kb, 3, c["q"].shape[-1], glu.calls[0]["num_warps"], cfg.gluon_stages, False, False, rope_words,
-            chunks if pos_on else 0)[:2]
+            chunks if pos_on or lanes_on else 0)[:2]
         # the table and its rows (the kernel clamps to the last row: it must cover the pages)
         args = glu.calls[0]["args"]
         if pos_on:
@@ -1507,10 +1518,12 @@ bulk = sys.argv[10:11] == ["1"]  # KernelConfig.gluon_bulk_copy
 hoist = sys.argv[11:12] == ["1"]  # KernelConfig.gluon_rope_hoist (the term's chunks within it)
 table = sys.argv[12:13] == ["1"]  # KernelConfig.gluon_rope_table
 pos = sys.argv[13:14] == ["1"]  # KernelConfig.gluon_rope_pos (staged: the slots hold the pages' cos and sin)
+lanes = sys.argv[14:15] == ["1"]  # KernelConfig.gluon_rope_lanes (staged: the warp writes them there)
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 block_g = max(8, 1 << (group - 1).bit_length())
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad,
-                                            rope_table_words(chunks, block_g) if table else 0, chunks if pos else 0)
+                                            rope_table_words(chunks, block_g) if table else 0,
+                                            chunks if pos or lanes else 0)
 ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_ptr": "*u8", "ws_m_ptr": "*fp32",
         "ws_l_ptr": "*fp32", "ws_acc_ptr": "*fp32", "k_grid_ptr": "*fp32", "v_grid_ptr": "*fp32",
         "rope_coef_ptr": "*fp32", "rope_phase_ptr": "*i64", "k_cb_ptr": "*fp32", "v_cb_ptr": "*fp32",
@@ -1518,7 +1531,7 @@ ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_pt
 const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_PAD=pad, COPY_ALIGN=align,
-             BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table, ROPE_POS=pos)
+             BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table, ROPE_POS=pos, ROPE_LANES=lanes)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1537,6 +1550,8 @@ print("lds", "ld.shared.b32" in ptx, "mma", "mma.sync.aligned.m16n8k16" in ptx, 
 # (the 32-bit product's high word, ``mul.hi.u32``, appears only with the phase)
 print("cp8", bool(re.search("cp[.]async[.]ca[.]shared[.]global [[]a[]], [[]%rd[0-9]+[]], 8;", ptx)),
       "mulhi", "mul.hi.u32" in ptx)
+# the warp's own cos and sin: a predicated 4-byte store a lane and chunk into the slot
+print("lanes", "@p st.shared.b32 [a]" in ptx)
 """
 
 
@@ -1555,7 +1570,10 @@ print("cp8", bool(re.search("cp[.]async[.]ca[.]shared[.]global [[]a[]], [[]%rd[0
                                   (4, 4, 128, 4, 4, 2, 1, 0, 0, 0, 0, 1), (3, 3, 64, 3, 2, 2, 1, 0, 0, 0, 0, 1),
                                   (4, 4, 128, 4, 2, 0, 1, 0, 0, 0, 0, 1), (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 1),
                                   (4, 4, 128, 4, 4, 2, 1, 0, 0, 0, 0, 1, 1), (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 1),
-                                  (4, 4, 128, 4, 4, 2, 1, 0, 0, 1, 0, 1, 1)],
+                                  (4, 4, 128, 4, 4, 2, 1, 0, 0, 1, 0, 1, 1),
+                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 1),
+                                  (4, 4, 128, 4, 3, 2, 1, 0, 0, 0, 0, 1, 0, 1),
+                                  (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1570,7 +1588,8 @@ print("cp8", bool(re.search("cp[.]async[.]ca[.]shared[.]global [[]a[]], [[]%rd[0
                               "q3-smollm2-rope-staged-vote-table", "q4-8b-rope-vote-table",
                               "q4-8b-rope-staged-vote-table-pos",
                               "q4-8b-rope4-staged-vote-table-pos", "q3-smollm2-rope1-staged-vote-table-pos",
-                              "q4-8b-rope4-staged-vote-bulk-table-pos"])
+                              "q4-8b-rope4-staged-vote-bulk-table-pos", "q4-8b-rope-staged-vote-table-lanes",
+                              "q4-8b-rope3-staged-vote-table-lanes", "q3-smollm2-rope1-staged-vote-table-lanes"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1588,23 +1607,25 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     the rotary term from tables in shared memory (``KernelConfig.gluon_rope_table``, 16-byte records and
     fragments: ld.shared.v4 on every path), counted in the kernel's shared memory; ``-pos``: the pages'
     cos and sin copied into their slots (``KernelConfig.gluon_rope_pos``: 8-byte cp.async, no phase
-    computed)."""
+    computed); ``-lanes``: written there by the warp, a value a lane (``KernelConfig.gluon_rope_lanes``:
+    the phase computed, no 8-byte copy; 3 chunks: the stores of the fourth masked off)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()
     # staged words of a 128-wide head are read four at a time (ld.shared.v4)
     v4 = str((case[5] > 0 and case[2] >= 128) or case[11:12] == (1,))
-    assert out[-18:-5] == ["cp.async", str(case[5] > 0), "shared", "True",
+    assert out[-20:-7] == ["cp.async", str(case[5] > 0), "shared", "True",
                            "lds", "True", "mma", "True", "cos", rope, "v4", v4, "spills"], stdout
-    pos = case[12:13] == (1,)
-    assert out[-4:-2] == ["cp8", str(pos)], stdout
+    pos, lanes = case[12:13] == (1,), case[13:14] == (1,)
+    assert out[-6:-4] == ["cp8", str(pos)], stdout
     if case[11:12] == (1,) and case[4] > 0:  # from tables: the page phase's product, or the pages' cos and sin
-        assert out[-2:] == ["mulhi", str(not pos)], stdout
+        assert out[-4:-2] == ["mulhi", str(not pos)], stdout
+    assert out[-2:] == ["lanes", str(lanes)], stdout
     # with the rotary term ptxas spills a few words at 16 warps (4-32 bytes; 80 for q4 on the register
     # path since width 4 is nibble rows and the softmax mass is kept per thread; none staged, the
     # default; measured faster on the H200 than 8 warps without spills for q4, BENCHMARKS.md); none
     # otherwise
-    assert int(out[-5]) <= (96 if case[4] else 0), stdout
+    assert int(out[-7]) <= (96 if case[4] else 0), stdout
 
 
 _COMPILE_TRITON = """

@@ -96,8 +96,8 @@ def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: 
                         pos: bool = False) -> int:
     """Shared memory of the compact Gluon kernel at a config (pair tables, grids, staging slots; with
     ``gluon_rope_table`` the rotary term's tables for all head_dim / 32 chunks a head can list, at
-    GQA ``group``; ``pos``: the slots' room for the pages' cos and sin, ``gluon_rope_pos``, as many
-    chunks)."""
+    GQA ``group``; ``pos``: the slots' room for the pages' cos and sin, ``gluon_rope_pos`` or
+    ``gluon_rope_lanes``, as many chunks)."""
     from .paged_decode_gluon import rope_table_words, smem_offsets
 
     warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
@@ -208,6 +208,14 @@ class KernelConfig:
     # loop instructions a page with 2 chunks, 794 -> 706 with 4. Off: on an H100 (session 42, against
     # the tables alone) 1.017-1.020x with 64 listed pairs, 0.94-0.98x with 24 (BENCHMARKS.md)
     gluon_rope_pos: bool = False
+    # ... with staged pages (and without ``gluon_rope_pos``): each page's cos and sin of the listed pairs'
+    # phases computed once a warp, one value a lane (lane 2 i + s: pair i's cos for s = 0, sin for 1;
+    # ``paged_decode_gluon._lane_trig``), stored into the page's slot and read back as the pos form reads
+    # its copies, instead of every lane computing its B-operand fragment's 4 pairs x (cos, sin) (8 lanes
+    # the same values): the same phases, the same MUFU.COS/SIN, so the same output bit for bit as the
+    # tables alone. Offline (sm_90a SASS per page and warp, q4 at the 8B shape): see BENCHMARKS.md
+    # ("Each page's cos and sin once a warp"). Off: not run on a GPU yet
+    gluon_rope_lanes: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
@@ -1614,6 +1622,9 @@ class PagedDecodeAttention:
         # the pages' cos and sin copied with them (KernelConfig.gluon_rope_pos; staged, from tables)
         pos_ok = (has_rope and cfg.gluon_rope_table and cfg.gluon_rope_pos and cfg.gluon_stages > 0
                   and rope_pos_table is not None)
+        # ... or computed once a warp into the slots (KernelConfig.gluon_rope_lanes; staged, from tables)
+        lanes_ok = (has_rope and cfg.gluon_rope_table and cfg.gluon_rope_lanes and cfg.gluon_stages > 0
+                    and not pos_ok)
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
         gluon_cbs = None  # the codebooks the Gluon kernel makes its pair tables from (KernelConfig.gluon)
@@ -1662,7 +1673,8 @@ class PagedDecodeAttention:
                     # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
                     # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
                     and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2
-                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G, pos_ok) <= GLUON_MAX_SMEM):
+                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G, pos_ok or lanes_ok)
+                    <= GLUON_MAX_SMEM):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
                 gluon_cbs = (k_codebook, v_codebook)
@@ -1799,7 +1811,7 @@ class PagedDecodeAttention:
             tab_off, stage_off, _ = pg.smem_offsets(
                 self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, cfg.gluon_v_pad,
                 pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0,
-                rope_chunks if rope_pos else 0)
+                rope_chunks if rope_pos or lanes_ok else 0)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
@@ -1811,7 +1823,7 @@ class PagedDecodeAttention:
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist and not rope_table,
-                ROPE_TABLE=rope_table, ROPE_POS=rope_pos,
+                ROPE_TABLE=rope_table, ROPE_POS=rope_pos, ROPE_LANES=lanes_ok,
                 BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,

@@ -1386,11 +1386,58 @@ def _trig_order(ll):
 
 
 @gluon.jit
-def _lds_trig(taddr, OFF: gl.constexpr):
+def _lds_trig(taddr, OFF: gl.constexpr, PURE: gl.constexpr = True):
     """(cos, sin) fp32 [NW, 16, 8] in the B-operand layout: listed pair k's at ``taddr`` + OFF (``taddr``:
-    the slot's pair 0 + 8 k, ``slot_trig_offset``)."""
+    the slot's pair 0 + 8 k, ``slot_trig_offset``). ``PURE`` False: kept in program order with the other
+    inline PTX (after ``_lane_trig``'s stores and warp barrier)."""
     return gl.inline_asm_elementwise(_lds_trig_asm(OFF), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [taddr],
-                                     dtype=(gl.float32, gl.float32), is_pure=True, pack=4)
+                                     dtype=(gl.float32, gl.float32), is_pure=PURE, pack=4)
+
+
+# int32 $2 to shared byte offset $1 of ``global_smem`` where $3 is not 0
+_STS_ON = gl.constexpr("{ .reg .u32 a; .reg .pred p; setp.ne.u32 p, $3, 0; mov.u32 a, global_smem; add.u32 a, a, $1; "
+                       "@p st.shared.b32 [a], $2; mov.u32 $0, 0; }")
+
+
+@constexpr_function
+def _lane_trig_layout(chunks, nw):
+    """``_lane_trig``'s layout: [nw, 32, chunks rounded up to a power of two], lane l of warp w holding
+    element (w, l, c) of every chunk c in its registers."""
+    cp = 1 << max(0, int(chunks) - 1).bit_length()
+    return gl.BlockedLayout([1, 1, cp], [1, 32, 1], [nw, 1, 1], [2, 1, 0])
+
+
+@gluon.jit
+def _lane_trig_consts(phase_ptr, pairs_ptr, n_pairs, TOFF: gl.constexpr, NCHUNK: gl.constexpr, CP: gl.constexpr,
+                      HALF: gl.constexpr, NW: gl.constexpr, L3: gl.constexpr):
+    """``KernelConfig.gluon_rope_lanes``' per-lane constants, [NW, 32, CP] in ``L3`` (CP: NCHUNK rounded up
+    to a power of two; chunk c in a thread's registers): lane l of chunk c takes listed pair 16 c + l // 2,
+    its cosine for even l and its sine for odd. Returns its phase step as ``_rope_table_fill``'s two
+    words (f >> 16, (f & 0xFFFF) << 16), whether it is a sine, whether chunk c is listed at all, and its
+    value's byte offset from a slot (TOFF + 8 x the pair + 4 for the sine: where ``_lds_trig`` reads)."""
+    lane = _axis(32, 1, 3, L3)
+    c = _axis(CP, 2, 3, L3)
+    z = 0 * _axis(NW, 0, 3, L3) + 0 * lane + 0 * c
+    f = gl.load(phase_ptr + _rope_pair(pairs_ptr, 16 * c + lane // 2, n_pairs, HALF))
+    fh = ((f >> 16) & 0xFFFFFFFF).to(gl.int32) + z
+    fl = ((f & 0xFFFF) << 16).to(gl.int32) + z
+    return fh, fl, (lane % 2 + z) == 1, (c < NCHUNK).to(gl.int32) + z, TOFF + 4 * lane + 128 * c + z
+
+
+@gluon.jit
+def _lane_trig(addr, first, fh, fl, odd, on, NW: gl.constexpr):
+    """``KernelConfig.gluon_rope_lanes``: the page's cos and sin of its listed pairs' phases at its first
+    position ``first`` ([NW, 1, 1]), one value a lane and chunk (``_lane_trig_consts``), into its slot
+    (``addr``: the slot's byte offset plus the value's), then a warp barrier so that every lane reads
+    all 32 values. The phase, its float and the MUFU.COS / MUFU.SIN as ``_rope_table_logits`` computes
+    them per fragment, so the same bits."""
+    top = first * fh + gl.umulhi(first, fl)
+    base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
+    cb = gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+    sb = gl.inline_asm_elementwise(_SIN, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+    v = gl.where(odd, sb, cb).to(gl.int32, bitcast=True)
+    gl.inline_asm_elementwise(_STS_ON, "=r,r,r,r", [addr, v, on], dtype=gl.int32, is_pure=False, pack=1)
+    _per_thread(_WARP_SYNC, NW)
 
 
 @gluon.jit
@@ -1404,7 +1451,7 @@ def _trig_row(rope_pos_ptr, first, n_pos_rows, HALF: gl.constexpr):
 @gluon.jit
 def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: gl.constexpr,
                        NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr,
-                       POS: gl.constexpr = False, taddr=None):
+                       POS: gl.constexpr = False, taddr=None, PURE: gl.constexpr = True):
     """``_rope_logits`` from the tables at OFF (``_rope_table_fill``), by the angle sum: with phase
     b_i of the page's first position ``first`` ([NW, 1, 1], OPB) and row n's angle b_i + n theta_i,
 
@@ -1416,7 +1463,8 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
     48-bit product's top (``first * (f >> 16) + (first * (f & 0xFFFF)) >> 16`` mod 2**32, the latter
     as the high word of ``first * ((f & 0xFFFF) << 16)``); P and Q are split hi/lo as the cosines are.
     ``POS`` (``KernelConfig.gluon_rope_pos``): cos b_i and sin b_i read from the page's slot instead
-    (``_lds_trig`` at ``taddr``, copied with the page from ``rope_page_table``)."""
+    (``_lds_trig`` at ``taddr``, copied with the page from ``rope_page_table``, or ``_lane_trig``'s, which
+    then passes ``PURE`` False)."""
     acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
     fa = _rope_frag_base(OFF, NW, OPA)
     ra = _rope_rec_base(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
@@ -1429,7 +1477,7 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
         a = _lds_thread(ra, 4 * c * ARR, W)
         b = _lds_thread(ra, (4 * c + 1) * ARR, W)
         if POS:
-            cb, sb = _lds_trig(taddr, 128 * c)
+            cb, sb = _lds_trig(taddr, 128 * c, PURE)
         else:
             fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
             fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
@@ -1680,7 +1728,8 @@ def compact_split_kernel(
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     ROPE_HOIST: gl.constexpr = False, ROPE_TABLE: gl.constexpr = False, ROPE_POS: gl.constexpr = False,
-    STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0, STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
+    ROPE_LANES: gl.constexpr = False, STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0,
+    STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
     """One split (work item) of one KV head, as ``paged_decode._paged_split_kernel`` on compact pages:
@@ -1728,7 +1777,9 @@ def compact_split_kernel(
     RP: gl.constexpr = RT and ROPE_POS and STAGES > 0
     TRIG: gl.constexpr = ROPE_CHUNKS if RP else 0
     TOFF: gl.constexpr = slot_trig_offset(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD)
-    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD, TRIG)
+    # (with ROPE_LANES instead, staged, the same room of the slot written by the warp: ``_lane_trig``)
+    RL: gl.constexpr = RT and ROPE_LANES and STAGES > 0 and not RP
+    SLOTW: gl.constexpr = _slot_words(BITS_K, BITS_V, HEAD_DIM, COPY_ALIGN, V_PAD, ROPE_CHUNKS if RP or RL else 0)
     if STAGES > 0:
         stg = gl.allocate_shared_memory(gl.int32, [NW * STAGES * SLOTW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # the pair tables, made from the codebooks: 32 copies of K's and V's entry x in row x
@@ -1794,6 +1845,10 @@ def compact_split_kernel(
             lane_t = _axis(32, 1, 2, SL)
             tp0 = 2 * _rope_pair(rope_pairs_ptr, lane_t, n_rope_pairs, HEAD_DIM // 2)
             tp1 = 2 * _rope_pair(rope_pairs_ptr, lane_t + 32, n_rope_pairs, HEAD_DIM // 2)
+        if RL:  # each lane's pair and cos or sin per chunk (KernelConfig.gluon_rope_lanes)
+            L3: gl.constexpr = _lane_trig_layout(ROPE_CHUNKS, NW)
+            lfh, lfl, lodd, lon, loff = _lane_trig_consts(rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, TOFF,
+                                                          ROPE_CHUNKS, L3.size_per_thread[2], HEAD_DIM // 2, NW, L3)
         for s0 in gl.static_range(STAGES - 1):
             dst0 = _slot_base(s0, STAGE_OFF, STAGES, SLOTW, NW, 3, IL)
             ok0, ov0 = _carried_offsets(dst0, _tile_first(lo, s0, NW, 3, IL), head, stride_kb, stride_kh, stride_vb,
@@ -1864,10 +1919,13 @@ def compact_split_kernel(
         k_lo, k_hi = _k_operand(k0, k1, k2, k3, BITS_K, TAB_OFF, HEAD_DIM, NW, LK, OPA)
         s = _logits(k_lo, k_hi, q_lo, q_hi, NW, BLOCK_G, MMA)
         s = s * gl.expand_dims(kg * qk_scale, 2) + gl.expand_dims(bias, 1)
-        if RP:
+        if RL:  # the page's cos and sin, a value a lane, into its slot where RP's copies would be
+            _lane_trig(_slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 3, L3) + loff, _tile_first(lo, j, NW, 3, L3),
+                       lfh, lfl, lodd, lon, NW)
+        if RP or RL:
             taddr = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 3, OPB) + TOFF + 8 * _axis(16, 1, 3, OPB)
             s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
-                                    OPA, OPB, True, taddr + 0 * _axis(BLOCK_G, 2, 3, OPB)) * qk_scale
+                                    OPA, OPB, True, taddr + 0 * _axis(BLOCK_G, 2, 3, OPB), not RL) * qk_scale
         elif RT:
             s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
                                     OPA, OPB) * qk_scale
