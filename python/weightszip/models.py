@@ -469,7 +469,7 @@ def check_forced(forced: Sequence[int] | None, max_new_tokens: int) -> list[int]
 
 
 def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None,
-                  forced: Sequence[int] | None = None) -> tuple[list[int], list]:
+                  forced: Sequence[int] | None = None, own_cache: bool = False) -> tuple[list[int], list]:
     """Greedy decoding with the model's own KV cache off (an attention hook holds the cache): one
     forward over the prompt, then one per new token at its position; ``before_step()`` runs before
     each new token's forward (a paged cache plans its step there). Returns the tokens and each
@@ -477,15 +477,21 @@ def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None,
 
     ``forced``: teacher forcing; step i's forward is fed ``forced[i]`` instead of step i's argmax
     (at least ``max_new_tokens - 1`` token ids), so that two decoders can be compared at every step
-    of one sequence. The returned tokens are still each step's argmax."""
+    of one sequence. The returned tokens are still each step's argmax. ``own_cache``: through the
+    model's own KV cache instead (transformers' bf16 cache, no hook)."""
+    import inspect
+
     import torch
 
     forced = check_forced(forced, max_new_tokens)
     dev = model.device
     n = input_ids.shape[1]
+    # (transformers 5.2x names the cache ``cache`` in and out; earlier ones ``past_key_values``)
+    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     toks, logits = [], []
-    out = model(input_ids=input_ids.to(dev), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    res = model(input_ids=input_ids.to(dev), use_cache=own_cache, logits_to_keep=1)
     for step in range(max_new_tokens):
+        out = res.logits[0, -1].float()
         nxt = int(out.argmax())
         toks.append(nxt)
         logits.append(out.cpu())
@@ -496,7 +502,8 @@ def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None,
         if before_step is not None:
             before_step()
         pos = torch.tensor([[n + step]], device=dev)
-        out = model(input_ids=torch.tensor([[nxt]], device=dev), position_ids=pos, use_cache=False).logits[0, -1].float()
+        res = model(input_ids=torch.tensor([[nxt]], device=dev), position_ids=pos, use_cache=own_cache,
+                    **({cache: getattr(res, cache)} if own_cache else {}))
     return toks, logits
 
 

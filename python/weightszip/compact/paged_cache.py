@@ -20,7 +20,6 @@ greedy decoding with every forward inside ``weightszip.eval.kl.kv_format`` and t
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -294,25 +293,8 @@ def generate_cached(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     """Greedy decoding through the model's own KV cache (its bf16 keys and values, one token at a
     time; no format): against ``generate_reference(model, None, None, ...)``, the rounding floor of
     one-token-at-a-time decoding against whole-sequence forwards. ``forced`` as in ``generate_paged``."""
-    from weightszip.models import check_forced
-
-    forced = check_forced(forced, max_new_tokens)
-    dev = model.device
-    # (transformers 5.2x names the cache ``cache`` in and out; earlier ones ``past_key_values``)
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    toks, logits = [], []
     with torch.inference_mode():
-        out = model(input_ids=input_ids.to(dev), use_cache=True, logits_to_keep=1)
-        for step in range(max_new_tokens):
-            last = out.logits[0, -1].float()
-            nxt = int(last.argmax())
-            toks.append(nxt)
-            logits.append(last.cpu())
-            if step + 1 == max_new_tokens:
-                break
-            if forced is not None:
-                nxt = forced[step]
-            out = model(input_ids=torch.tensor([[nxt]], device=dev), use_cache=True, **{name: getattr(out, name)})
+        toks, logits = greedy_decode(model, input_ids, max_new_tokens, forced=forced, own_cache=True)
     return Generation(toks, logits)
 
 
