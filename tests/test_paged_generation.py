@@ -19,6 +19,13 @@ pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
 from weightszip.compact.calibrate import Calibration  # noqa: E402
+from weightszip.compact.paged_cache import (  # noqa: E402
+    bf16_logit_tolerance,
+    forced_agreement,
+    generate_cached,
+    generate_paged,
+    generate_reference,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -58,7 +65,6 @@ def first_layers_calibration() -> Calibration:
 
 
 def test_paged_generation_gives_the_reference_tokens(small):
-    from weightszip.compact.paged_cache import generate_paged, generate_reference
     from weightszip.models import tokenize_text
 
     model, tok, cal = small
@@ -73,19 +79,17 @@ def test_paged_generation_gives_the_reference_tokens(small):
         assert float((x - y).abs().max()) <= 4 * 2.0 ** (int(torch.log2(y.abs().max())) - 7)
 
 
+def _prompt(tok):
+    from weightszip.models import tokenize_text
+
+    return tokenize_text(tok, DATA / "text" / "austen-emma-excerpt.txt", 150)[0]
+
+
 def test_teacher_forced_paths_agree_on_tokens_they_did_not_choose(small):
     """``forced``: both paths fed a sequence that is not their own greedy one give the same argmax and
     nearly the same logits at every step, and the forcing reaches the model (step 1's logits move)."""
-    from weightszip.compact.paged_cache import (
-        bf16_logit_tolerance,
-        forced_agreement,
-        generate_paged,
-        generate_reference,
-    )
-    from weightszip.models import tokenize_text
-
     model, tok, cal = small
-    ids, _ = tokenize_text(tok, DATA / "text" / "austen-emma-excerpt.txt", 150)
+    ids = _prompt(tok)
     fmt = "q4"
     free = generate_reference(model, cal, fmt, ids, 2)
     forced = [(free.tokens[0] + 1) % model.config.vocab_size, 42]
@@ -100,16 +104,8 @@ def test_teacher_forced_paths_agree_on_tokens_they_did_not_choose(small):
 def test_the_models_own_cache_gives_the_whole_sequence_tokens(small):
     """``generate_cached`` (the floor of e2e_generate): the model's own bf16 cache one token at a time,
     teacher-forced, against whole-sequence forwards without a format; and the forcing reaches it."""
-    from weightszip.compact.paged_cache import (
-        bf16_logit_tolerance,
-        forced_agreement,
-        generate_cached,
-        generate_reference,
-    )
-    from weightszip.models import tokenize_text
-
     model, tok, _ = small
-    ids, _ = tokenize_text(tok, DATA / "text" / "austen-emma-excerpt.txt", 150)
+    ids = _prompt(tok)
     whole = generate_reference(model, None, None, ids, 3)
     fa = forced_agreement(generate_cached(model, ids, 3, forced=whole.tokens), whole, bf16_logit_tolerance(whole))
     assert fa["ok"] and fa["argmax_differs"] == [], fa
@@ -125,7 +121,6 @@ def _generation(rows):
 
 
 def test_forced_agreement_excuses_only_near_ties_within_the_tolerance():
-    from weightszip.compact.paged_cache import bf16_logit_tolerance, forced_agreement
     from weightszip.errors import InvalidArgumentError
 
     ref = _generation([[30.0, 29.5, 1.0], [10.0, 9.875, 0.0]])
