@@ -37,6 +37,11 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _differs(splits) -> str:
+    """``forced_agreement``'s differing steps as "step (gap / logit diff), ..." ("" for none)."""
+    return ", ".join(f"{d['step']} ({d['margin']:.3g} / {d['logit_diff']:.3g})" for d in splits)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
     # the floor: bf16, the model's own cache one token at a time against whole-sequence forwards
     whole = generate_reference(lm.model, None, None, ids, a.new)
     floor = forced_agreement(generate_cached(lm.model, ids, a.new, forced=whole.tokens), whole, math.inf)
-    floor.pop("ok"), floor.pop("tolerance")
+    del floor["ok"], floor["tolerance"]  # (a yardstick, not a check)
     print(f"floor (bf16, own cache against whole-sequence forwards): {floor}", flush=True)
     rows = []
     for fmt in tqdm(a.formats.split(","), desc="formats", file=sys.stdout):
@@ -141,12 +146,12 @@ def main(argv=None) -> int:
         at = f"{r['split_margin']:.3g} / {r['split_logit_diff']:.3g}" if "split_margin" in r else "-"
         fa = r["forced"]
         mld = "-" if r["max_logit_diff"] is None else f"{r['max_logit_diff']:.3g}"  # (None: apart from step 0)
-        differs = ", ".join(f"{d['step']} ({d['margin']:.3g} / {d['logit_diff']:.3g})" for d in fa["argmax_differs"])
+        differs = _differs(fa["argmax_differs"])
         lines.append(f"| {r['format']} | {'yes' if r['equal'] else 'no'} | {r['first_difference'] if r['first_difference'] is not None else '-'} "
                      f"| {at} | {mld} ({r['max_logit']:.3g}) | {differs or 'none'} "
                      f"| {fa['max_logit_diff']:.3g} ({fa['tolerance']:.3g}) | {'yes' if fa['ok'] else '**no**'} "
                      f"| {r['paged_seconds']:.1f} | {r['reference_seconds']:.1f} |")
-    differs = ", ".join(f"{d['step']} ({d['margin']:.3g} / {d['logit_diff']:.3g})" for d in floor["argmax_differs"])
+    differs = _differs(floor["argmax_differs"])
     lines += ["", f"Floor (no format; the model's own bf16 cache, one token at a time, teacher-forced on its "
               f"whole-sequence greedy tokens): max logit diff {floor['max_logit_diff']:.3g}; argmax differs at "
               f"{differs or 'no step'}. Tolerance: twice the floor, at least 4 bf16 ulps of the largest logit."]

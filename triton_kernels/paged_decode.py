@@ -1625,6 +1625,7 @@ class PagedDecodeAttention:
         # ... or computed once a warp into the slots (KernelConfig.gluon_rope_lanes; staged, from tables)
         lanes_ok = (has_rope and cfg.gluon_rope_table and cfg.gluon_rope_lanes and cfg.gluon_stages > 0
                     and not pos_ok)
+        slot_trig = pos_ok or lanes_ok  # (the slots' room for the pages' cos and sin, either way)
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
         gluon_cbs = None  # the codebooks the Gluon kernel makes its pair tables from (KernelConfig.gluon)
@@ -1673,7 +1674,7 @@ class PagedDecodeAttention:
                     # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
                     # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
                     and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2
-                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G, pos_ok or lanes_ok)
+                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G, slot_trig)
                     <= GLUON_MAX_SMEM):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
@@ -1807,23 +1808,22 @@ class PagedDecodeAttention:
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             rope_table = has_rope and cfg.gluon_rope_table
-            rope_pos = pos_ok  # (it implies rope_table)
             tab_off, stage_off, _ = pg.smem_offsets(
                 self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, cfg.gluon_v_pad,
                 pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0,
-                rope_chunks if rope_pos or lanes_ok else 0)
+                rope_chunks if slot_trig else 0)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
                 qp, logit_bias if logit_bias is not None else dummy, k_pages, v_pages, pl["block_tables"],
                 pl["work_seq"], pl["work_start"], pl["work_end"], pl["ws_m"], pl["ws_l"], pl["ws_acc"],
                 k_cb, v_cb, k_grid, v_grid,
                 rope_coef if has_rope else dummy, rope_phase if has_rope else dummy,
                 rope_pairs if has_rope else dummy, rope_pairs.numel() if has_rope else 0,
-                rope_pos_table if rope_pos else dummy, rope_pos_table.shape[0] if rope_pos else 1, qk_scale,
+                rope_pos_table if pos_ok else dummy, rope_pos_table.shape[0] if pos_ok else 1, qk_scale,
                 qp.stride(0), qp.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
                 v_pages.stride(1), pl["block_tables"].stride(0), Hkv,
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist and not rope_table,
-                ROPE_TABLE=rope_table, ROPE_POS=rope_pos, ROPE_LANES=lanes_ok,
+                ROPE_TABLE=rope_table, ROPE_POS=pos_ok, ROPE_LANES=lanes_ok,
                 BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,

@@ -1176,6 +1176,25 @@ def _split_bf16(x):
 
 
 @gluon.jit
+def _phase_words(f, z):
+    """A pair's 48-bit phase step ``f`` (int64) as two int32 words, f >> 16 and (f & 0xFFFF) << 16
+    (``_page_trig``'s), broadcast to ``z``'s shape."""
+    return ((f >> 16) & 0xFFFFFFFF).to(gl.int32) + z, ((f & 0xFFFF) << 16).to(gl.int32) + z
+
+
+@gluon.jit
+def _page_trig(first, fh, fl):
+    """cos and sin (fp32, the SFU's) of a pair's phase at token ``first``: the 48-bit product's top 32
+    bits, ``first * (f >> 16) + (first * (f & 0xFFFF)) >> 16`` mod 2**32 (the latter as the high word
+    of ``first * fl``), in turns of 2 pi. One function for the table form and ``_lane_trig``, so that
+    both give the same bits."""
+    top = first * fh + gl.umulhi(first, fl)
+    base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
+    return (gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1),
+            gl.inline_asm_elementwise(_SIN, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1))
+
+
+@gluon.jit
 def _rope_pair(pairs_ptr, j, n_pairs, HALF: gl.constexpr):
     """The RoPE pair listed at ``j`` (0 past the list), clamped into [0, HALF)."""
     return gl.minimum(gl.maximum(gl.load(pairs_ptr + j, mask=j < n_pairs, other=0), 0), HALF - 1)
@@ -1358,8 +1377,7 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
     a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
     b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
     f = gl.load(phase_ptr + ib)
-    fh = ((f >> 16) & 0xFFFFFFFF).to(gl.int32) + z
-    fl = ((f & 0xFFFF) << 16).to(gl.int32) + z
+    fh, fl = _phase_words(f, z)
     W: gl.constexpr = BLOCK_G // 2  # words of a thread in one array
     ARR: gl.constexpr = 128 * W  # bytes of one array (32 lanes)
     ra = _rope_rec_base(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
@@ -1419,8 +1437,7 @@ def _lane_trig_consts(phase_ptr, pairs_ptr, n_pairs, TOFF: gl.constexpr, NCHUNK:
     c = _axis(CP, 2, 3, L3)
     z = 0 * _axis(NW, 0, 3, L3) + 0 * lane + 0 * c
     f = gl.load(phase_ptr + _rope_pair(pairs_ptr, 16 * c + lane // 2, n_pairs, HALF))
-    fh = ((f >> 16) & 0xFFFFFFFF).to(gl.int32) + z
-    fl = ((f & 0xFFFF) << 16).to(gl.int32) + z
+    fh, fl = _phase_words(f, z)
     return fh, fl, (lane % 2 + z) == 1, (c < NCHUNK).to(gl.int32) + z, TOFF + 4 * lane + 128 * c + z
 
 
@@ -1431,10 +1448,7 @@ def _lane_trig(addr, first, fh, fl, odd, on, NW: gl.constexpr):
     (``addr``: the slot's byte offset plus the value's), then a warp barrier so that every lane reads
     all 32 values. The phase, its float and the MUFU.COS / MUFU.SIN as ``_rope_table_logits`` computes
     them per fragment, so the same bits."""
-    top = first * fh + gl.umulhi(first, fl)
-    base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
-    cb = gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
-    sb = gl.inline_asm_elementwise(_SIN, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+    cb, sb = _page_trig(first, fh, fl)
     v = gl.where(odd, sb, cb).to(gl.int32, bitcast=True)
     gl.inline_asm_elementwise(_STS_ON, "=r,r,r,r", [addr, v, on], dtype=gl.int32, is_pure=False, pack=1)
     _per_thread(_WARP_SYNC, NW)
@@ -1481,10 +1495,7 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
         else:
             fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
             fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
-            top = first * fh + gl.umulhi(first, fl)
-            base = top.to(gl.uint32, bitcast=True).to(gl.float32) * 1.4629180792671596e-09  # 2 pi / 2**32
-            cb = gl.inline_asm_elementwise(_COS, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
-            sb = gl.inline_asm_elementwise(_SIN, "=r,r", [base], dtype=gl.float32, is_pure=True, pack=1)
+            cb, sb = _page_trig(first, fh, fl)
         a = a.to(gl.float32, bitcast=True)
         b = b.to(gl.float32, bitcast=True)
         ph, pl = _split_bf16(a * cb + b * sb)

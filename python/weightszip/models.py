@@ -486,8 +486,8 @@ def greedy_decode(model, input_ids, max_new_tokens: int, before_step=None,
     forced = check_forced(forced, max_new_tokens)
     dev = model.device
     n = input_ids.shape[1]
-    # (transformers 5.2x names the cache ``cache`` in and out; earlier ones ``past_key_values``)
-    cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if own_cache:  # (transformers 5.2x names the cache ``cache`` in and out; earlier ones ``past_key_values``)
+        cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     toks, logits = [], []
     res = model(input_ids=input_ids.to(dev), use_cache=own_cache, logits_to_keep=1)
     for step in range(max_new_tokens):
