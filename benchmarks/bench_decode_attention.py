@@ -217,6 +217,23 @@ def time_paged(kind, B, L, Hq, Hkv, D, rep, gen, config):
     return t, nbytes, info
 
 
+def kind_config(kind: str):
+    """The compact default changed as a kind's last suffix asks (``+triton``, ``+gluon``, ``+table``,
+    ``+pos``, ``+lanes`` or a lookup width), or None (the default) for a kind without one."""
+    suffix = "+" + kind.split("+")[-1]
+    if not (suffix in LOOKUP or suffix in ("+triton", "+gluon", "+table", "+pos", "+lanes")):
+        return None
+    from weightszip.kernels import DEFAULT_CONFIGS
+    from weightszip.kernels.paged_decode import PAGE_COMPACT
+
+    change = ({"gluon": True, "gluon_min_work": 0} if suffix == "+gluon" else
+              {"gluon_rope_table": True} if suffix == "+table" else
+              {"gluon_rope_table": True, "gluon_rope_pos": True} if suffix == "+pos" else
+              {"gluon_rope_table": True, "gluon_rope_lanes": True} if suffix == "+lanes" else
+              {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})})
+    return dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
+
+
 def compact_inputs(name, B, L, Hq, Hkv, D, gen):
     """Random compact pages (block size 16) and tables for format ``name``."""
     kb, vb = COMPACT[name]
@@ -489,18 +506,7 @@ def main(argv=None):
                 row["sdpa"] = dict(time_s=t, bytes=nb, variant=how)
         for kind in [k for k in kernels if k != "sdpa"]:
             if kind in COMPACT:
-                cfg = None
-                suffix = "+" + kind.split("+")[-1]
-                if suffix in LOOKUP or suffix in ("+triton", "+gluon", "+table", "+pos", "+lanes"):
-                    from weightszip.kernels import DEFAULT_CONFIGS
-                    from weightszip.kernels.paged_decode import PAGE_COMPACT
-
-                    change = ({"gluon": True, "gluon_min_work": 0} if suffix == "+gluon" else
-                              {"gluon_rope_table": True} if suffix == "+table" else
-                              {"gluon_rope_table": True, "gluon_rope_pos": True} if suffix == "+pos" else
-                              {"gluon_rope_table": True, "gluon_rope_lanes": True} if suffix == "+lanes" else
-                              {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})})
-                    cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
+                cfg = kind_config(kind)
                 t, nb, info = time_compact(kind, B, L, Hq, Hkv, D, args.rep, gen, cfg, side)
             elif kind in ("fp8+gluon", "fp8+triton"):  # the fp8 default with the Gluon kernel forced / off
                 from weightszip.kernels import DEFAULT_CONFIGS

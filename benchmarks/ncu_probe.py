@@ -3,8 +3,9 @@
 ``exact`` (the exact-page decoder on 268 MB of real pages, 32 and 64 pages per program), ``kvx4``
 and ``kvx4-bf16`` (the split kernel over KV Exact4 pages of real KV and over the same pages in bf16,
 both at the KV Exact4 config, batch 8 x 32k) and the
-decode-attention split kernel for ``fp8`` (the default: the Gluon fp8 kernel; ``fp8+triton``: the Triton one), ``q4``, ``q3.5`` or ``q3`` (the Gluon kernel; ``+triton``: the
-Triton one) at the Llama-3.1-8B shape,
+decode-attention split kernel for ``fp8`` (the default: the Gluon fp8 kernel; ``fp8+triton``: the Triton one) or a
+compact kind of bench_decode_attention.py (``q4``, ``q3+rope24``, ``q4+rope24+lanes``, ...; its suffix changes
+the compact default as there) at the Llama-3.1-8B shape,
 batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
 
     ncu --clock-control none -k regex:"_decode_kernel|_paged_split_kernel|compact_split_kernel|fp8_split_kernel" -c 8 \\
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import COMPACT, compact_inputs, make_paged  # noqa: E402
+from bench_decode_attention import COMPACT, compact_inputs, kind_config, make_paged  # noqa: E402
 from bench_gpu_codec import calibrated_sets, device_pages  # noqa: E402
 
 from weightszip.kernels import PagedDecodeAttention  # noqa: E402
@@ -60,7 +61,7 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
         from weightszip.kernels import DEFAULT_CONFIGS
         from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-        cfg = dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], gluon=not kind.endswith("+triton"))
+        cfg = kind_config(kind) or DEFAULT_CONFIGS[PAGE_COMPACT]
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, device="cuda", config=cfg)
         attn.plan([L] * B, bt)
         attn.run(q, kp, vp, **tabs, **extra)
