@@ -84,7 +84,7 @@ _COMPACT_PTRS = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v
 def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=("VOTE",)):
     """``compile_for_hopper``'s arguments after the kernel for ``compact_split_kernel`` at a launch:
     (constexprs, pointer types, warps, register cap). ``opts``: the constexpr flags set (VOTE,
-    V_PAD, COPY_ALIGN, BULK_COPY, ROPE_TABLE, ROPE_POS, ROPE_LANES); the defaults are the 8B launch with the vote."""
+    V_PAD, COPY_ALIGN, BULK_COPY, ROPE_TABLE, ROPE_POS, ROPE_LANES, ROPE_CHAINS); the defaults are the 8B launch with the vote."""
     from weightszip.kernels import KernelConfig
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -98,6 +98,8 @@ def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=
     const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16,
                  BITS_K=kb, BITS_V=vb, HAS_BIAS=bias, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks,
                  ROPE_HOIST=hoist, STAGES=stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, **dict.fromkeys(opts, True))
+    if "ROPE_CHAINS" in opts:  # KernelConfig.gluon_rope_chains=2
+        const["ROPE_CHAINS"] = 2
     return const, _COMPACT_PTRS, warps, None if chunks else 128
 
 
@@ -135,8 +137,12 @@ def configurations():
     cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_LANES")) for kb, vb, d, g, chunks in (
         (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (3, 3, 128, 4, 4), (4, 3, 64, 3, 2), (3, 3, 64, 3, 1),
         (4, 4, 128, 4, 3))]
+    # ... the table form's products in two chains (KernelConfig.gluon_rope_chains=2)
+    cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_CHAINS")) for kb, vb, d, g, chunks in (
+        (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (4, 3, 64, 3, 2))]
     suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align",
-              "ROPE_TABLE": " table", "ROPE_POS": " pos", "ROPE_LANES": " lanes"}
+              "ROPE_TABLE": " table", "ROPE_POS": " pos", "ROPE_LANES": " lanes",
+              "ROPE_CHAINS": " chains2"}
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
             return (pg.compact_split_kernel, *compact_launch(kb, vb, d, group, chunks, stages, bias, opts))

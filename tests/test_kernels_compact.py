@@ -430,6 +430,12 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     # same phases and SFU results as the table form's, so its output bit for bit (unstaged: the same kernel)
     lanes = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_lanes=True))
     assert torch.equal(lanes.double().cpu(), table), "gluon_rope_lanes differs from the table form"
+    # ... with its cosine and sine products in two chains (``gluon_rope_chains``): another rounding of
+    # the same sum, close to the table form's
+    chains = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_chains=2))
+    err_c = (chains.double().cpu() - reference(c).cpu()).abs().max().item()
+    assert err_c <= 2.0**-6 * vmax, f"two chains: max error {err_c:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
+    assert (chains.double().cpu() - table).abs().max().item() <= 2.0**-10 * vmax
     # ... with the pages' cos and sin copied into their slots (``gluon_rope_pos``; staged only: on the
     # register path the same kernel as the table form, bit for bit): the phases' cos and sin from the
     # exact phase in float64, not the SFU's, so close to the table form, not equal
@@ -451,7 +457,8 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
                                   "rope-table-smem-fits", "rope-table-smem-over", "rope-table-pos",
                                   "rope-table-pos-smem-fits", "rope-table-pos-smem-over", "rope-table-pos-unstaged",
                                   "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-smem-over",
-                                  "rope-table-lanes-unstaged", "rope-table-lanes-pos"])
+                                  "rope-table-lanes-unstaged", "rope-table-lanes-pos", "rope-table-chains2",
+                                  "rope-on-chains2"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
@@ -462,7 +469,7 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     slots; with ``gluon_rope_pos`` too, staged and given ``rope_pos_table``, the slots hold the pages'
     cos and sin (as many chunks) and the kernel copies them; with ``gluon_rope_lanes`` instead (staged;
     ``gluon_rope_pos`` takes precedence where both apply) the slots hold the same room and the warp
-    writes it. (Both kernels replaced by recorders; the GPU is simulated by turning the interpreter
+    writes it; ``gluon_rope_chains`` reaches the kernel with the tables only. (Both kernels replaced by recorders; the GPU is simulated by turning the interpreter
     flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
@@ -480,7 +487,9 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     if what.endswith("no-table"):
         c = dict(c, rope_pos_table=None)
     cfg = KernelConfig(gluon=what != "config-off",
-                       gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16") or table,
+                       gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16",
+                                           "rope-on-chains2") or table,
+                       gluon_rope_chains=2 if what.endswith("chains2") else 1,
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0,
                        gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist,
@@ -499,7 +508,7 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits", "rope-table", "rope-table-smem-fits",
                           "rope-table-pos", "rope-table-pos-smem-fits", "rope-table-pos-unstaged",
                           "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-unstaged",
-                          "rope-table-lanes-pos")
+                          "rope-table-lanes-pos", "rope-table-chains2", "rope-on-chains2")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
@@ -507,7 +516,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         assert ("maxnreg" in glu.calls[0]) == (not rope)
         assert glu.calls[0]["STAGES"] == cfg.gluon_stages
         # the rotary term's coefficients hoisted whole (its 2 chunks here) or, past gluon_rope_hoist, not at all
-        assert glu.calls[0]["ROPE_HOIST"] == (what == "rope-on")
+        assert glu.calls[0]["ROPE_HOIST"] == (what in ("rope-on", "rope-on-chains2"))
+        assert glu.calls[0]["ROPE_CHAINS"] == (2 if what == "rope-table-chains2" else 1)
         assert glu.calls[0]["ROPE_TABLE"] == table
         pos_on = what in ("rope-table-pos", "rope-table-pos-smem-fits", "rope-table-lanes-pos")
         lanes_on = what == "rope-table-lanes"
@@ -527,7 +537,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
 
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
                                  dict(block_n=24), dict(num_warps=0), dict(gluon_ahead=4), dict(gluon_maxnreg=8),
-                                 dict(gluon_min_work=-1), dict(gluon_rope_hoist=5), dict(gluon_rope_hoist=-1)])
+                                 dict(gluon_min_work=-1), dict(gluon_rope_hoist=5), dict(gluon_rope_hoist=-1),
+                                 dict(gluon_rope_chains=0), dict(gluon_rope_chains=3)])
 def test_kernel_config_refuses_what_would_not_compile(bad):
     """A KernelConfig outside what was built and measured (staging of 2 or 4 slots per warp: 8 slots of
     q4 at 16 warps overflow shared memory, other counts were never run on a GPU), that Triton could
@@ -538,7 +549,8 @@ def test_kernel_config_refuses_what_would_not_compile(bad):
     with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
         KernelConfig(**bad)
     KernelConfig(**{k: {"gluon_stages": 4, "gluon_warps": 16, "gluon_rope_warps": 8, "block_n": 32, "num_warps": 8,
-                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_rope_hoist": 4}[k]
+                        "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_rope_hoist": 4,
+                        "gluon_rope_chains": 2}[k]
                     for k in bad})  # a valid value
 
 
@@ -1519,6 +1531,7 @@ hoist = sys.argv[11:12] == ["1"]  # KernelConfig.gluon_rope_hoist (the term's ch
 table = sys.argv[12:13] == ["1"]  # KernelConfig.gluon_rope_table
 pos = sys.argv[13:14] == ["1"]  # KernelConfig.gluon_rope_pos (staged: the slots hold the pages' cos and sin)
 lanes = sys.argv[14:15] == ["1"]  # KernelConfig.gluon_rope_lanes (staged: the warp writes them there)
+chains = 2 if sys.argv[15:16] == ["1"] else 1  # KernelConfig.gluon_rope_chains
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 block_g = max(8, 1 << (group - 1).bit_length())
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad,
@@ -1531,7 +1544,8 @@ ptrs = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v_pages_pt
 const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_PAD=pad, COPY_ALIGN=align,
-             BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table, ROPE_POS=pos, ROPE_LANES=lanes)
+             BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table, ROPE_POS=pos, ROPE_LANES=lanes,
+             ROPE_CHAINS=chains)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1573,7 +1587,8 @@ print("lanes", "@p st.shared.b32 [a]" in ptx)
                                   (4, 4, 128, 4, 4, 2, 1, 0, 0, 1, 0, 1, 1),
                                   (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 1),
                                   (4, 4, 128, 4, 3, 2, 1, 0, 0, 0, 0, 1, 0, 1),
-                                  (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 0, 1)],
+                                  (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 0, 1),
+                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1589,7 +1604,8 @@ print("lanes", "@p st.shared.b32 [a]" in ptx)
                               "q4-8b-rope-staged-vote-table-pos",
                               "q4-8b-rope4-staged-vote-table-pos", "q3-smollm2-rope1-staged-vote-table-pos",
                               "q4-8b-rope4-staged-vote-bulk-table-pos", "q4-8b-rope-staged-vote-table-lanes",
-                              "q4-8b-rope3-staged-vote-table-lanes", "q3-smollm2-rope1-staged-vote-table-lanes"])
+                              "q4-8b-rope3-staged-vote-table-lanes", "q3-smollm2-rope1-staged-vote-table-lanes",
+                              "q4-8b-rope-staged-vote-table-chains2"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1608,7 +1624,8 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     fragments: ld.shared.v4 on every path), counted in the kernel's shared memory; ``-pos``: the pages'
     cos and sin copied into their slots (``KernelConfig.gluon_rope_pos``: 8-byte cp.async, no phase
     computed); ``-lanes``: written there by the warp, a value a lane (``KernelConfig.gluon_rope_lanes``:
-    the phase computed, no 8-byte copy; 3 chunks: the stores of the fourth masked off)."""
+    the phase computed, no 8-byte copy; 3 chunks: the stores of the fourth masked off); ``-chains2``: the
+    table form's products in two chains (``KernelConfig.gluon_rope_chains``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()

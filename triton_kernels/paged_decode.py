@@ -216,6 +216,9 @@ class KernelConfig:
     # tables alone (so on an H100, session 44), 4-7% fewer loop instructions, and no faster there:
     # 0.978-1.030x the tables (BENCHMARKS.md, "Each page's cos and sin once a warp, on an H100"). Off
     gluon_rope_lanes: bool = False
+    # ... (the tables) 1 or 2: the term's mma.sync products in one dependent chain (6 a chunk), or the
+    # cosine and sine products in two chains added at the end (another rounding of the same sum)
+    gluon_rope_chains: int = 1
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
@@ -265,6 +268,7 @@ class KernelConfig:
              "0 or 24 to 255"),
             ("gluon_ahead", self.gluon_ahead, self.gluon_ahead in (0, 1, 2, 3), "0 to 3"),
             ("gluon_rope_hoist", self.gluon_rope_hoist, self.gluon_rope_hoist in (0, 1, 2, 3, 4), "0 to 4"),
+            ("gluon_rope_chains", self.gluon_rope_chains, self.gluon_rope_chains in (1, 2), "1 or 2"),
             # 2 or 4 slots per warp, as built and measured (8 would not fit beside q4's tables at 16
             # warps; 1 and 3 compile but never ran on a GPU)
             ("gluon_stages", self.gluon_stages, self.gluon_stages in (0, 2, 4), "0, 2 or 4"),
@@ -1824,6 +1828,7 @@ class PagedDecodeAttention:
                 GROUP=G, BLOCK_G=_pow2_at_least(G, 8), HEAD_DIM=D, BLOCK_SIZE=self.block_size,
                 ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist and not rope_table,
                 ROPE_TABLE=rope_table, ROPE_POS=pos_ok, ROPE_LANES=lanes_ok,
+                ROPE_CHAINS=cfg.gluon_rope_chains if rope_table else 1,
                 BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,

@@ -1465,7 +1465,8 @@ def _trig_row(rope_pos_ptr, first, n_pos_rows, HALF: gl.constexpr):
 @gluon.jit
 def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: gl.constexpr,
                        NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr,
-                       POS: gl.constexpr = False, taddr=None, PURE: gl.constexpr = True):
+                       POS: gl.constexpr = False, taddr=None, PURE: gl.constexpr = True,
+                       CHAINS: gl.constexpr = 1):
     """``_rope_logits`` from the tables at OFF (``_rope_table_fill``), by the angle sum: with phase
     b_i of the page's first position ``first`` ([NW, 1, 1], OPB) and row n's angle b_i + n theta_i,
 
@@ -1478,8 +1479,11 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
     as the high word of ``first * ((f & 0xFFFF) << 16)``); P and Q are split hi/lo as the cosines are.
     ``POS`` (``KernelConfig.gluon_rope_pos``): cos b_i and sin b_i read from the page's slot instead
     (``_lds_trig`` at ``taddr``, copied with the page from ``rope_page_table``, or ``_lane_trig``'s, which
-    then passes ``PURE`` False)."""
+    then passes ``PURE`` False). ``CHAINS`` (``KernelConfig.gluon_rope_chains``): 1, the 6 ``mma.sync`` of
+    each chunk in one dependent chain through all chunks; 2, the cosine and sine products in two chains
+    added at the end (another rounding of the same sum)."""
     acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
+    acc2 = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
     fa = _rope_frag_base(OFF, NW, OPA)
     ra = _rope_rec_base(OFF + NCHUNK * 2048, BLOCK_G, NW, OPB)
     W: gl.constexpr = BLOCK_G // 2
@@ -1505,7 +1509,12 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
         sh = _lds_thread_bf16(fa, c * 2048 + 1024, 4)
         sl = _lds_thread_bf16(fa, c * 2048 + 1536, 4)
         acc = mma_v2(ch, ph, mma_v2(ch, pl, mma_v2(cl, ph, acc)))
-        acc = mma_v2(sh, qh, mma_v2(sh, ql, mma_v2(sl, qh, acc)))
+        if CHAINS == 2:
+            acc2 = mma_v2(sh, qh, mma_v2(sh, ql, mma_v2(sl, qh, acc2)))
+        else:
+            acc = mma_v2(sh, qh, mma_v2(sh, ql, mma_v2(sl, qh, acc)))
+    if CHAINS == 2:
+        acc = acc + acc2
     return acc
 
 
@@ -1739,7 +1748,8 @@ def compact_split_kernel(
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     ROPE_HOIST: gl.constexpr = False, ROPE_TABLE: gl.constexpr = False, ROPE_POS: gl.constexpr = False,
-    ROPE_LANES: gl.constexpr = False, STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0,
+    ROPE_LANES: gl.constexpr = False, ROPE_CHAINS: gl.constexpr = 1, STAGES: gl.constexpr = 0,
+    TAB_OFF: gl.constexpr = 0,
     STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
@@ -1936,10 +1946,11 @@ def compact_split_kernel(
         if RP or RL:
             taddr = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 3, OPB) + TOFF + 8 * _axis(16, 1, 3, OPB)
             s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
-                                    OPA, OPB, True, taddr + 0 * _axis(BLOCK_G, 2, 3, OPB), not RL) * qk_scale
+                                    OPA, OPB, True, taddr + 0 * _axis(BLOCK_G, 2, 3, OPB), not RL,
+                                    ROPE_CHAINS) * qk_scale
         elif RT:
             s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
-                                    OPA, OPB) * qk_scale
+                                    OPA, OPB, CHAINS=ROPE_CHAINS) * qk_scale
         elif ROPE_CHUNKS > 0:
             s += _rope_logits(r0, r1, r2, r3, rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head,
                               num_kv_heads, _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2,
