@@ -77,6 +77,10 @@ COMPACT.update({f"{k}+table": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+r
 COMPACT.update({f"{k}+pos": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
 # "+lanes": ... computed once a warp into its slot, a value a lane (KernelConfig.gluon_rope_lanes)
 COMPACT.update({f"{k}+lanes": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
+# "+fold": ... from tables, Q in the B operand's padding columns (KernelConfig.gluon_rope_fold; groups up to 4)
+COMPACT.update({f"{k}+fold": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
+# "+skip": ... the padding columns' records not loaded (KernelConfig.gluon_rope_skip_pad; groups under 8)
+COMPACT.update({f"{k}+skip": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
 
 
 def parse_args(argv=None):
@@ -219,9 +223,10 @@ def time_paged(kind, B, L, Hq, Hkv, D, rep, gen, config):
 
 def kind_config(kind: str):
     """The compact default changed as a kind's last suffix asks (``+triton``, ``+gluon``, ``+table``,
-    ``+pos``, ``+lanes`` or a lookup width), or None (the default) for a kind without one."""
+    ``+pos``, ``+lanes``, ``+fold``, ``+skip`` or a lookup width), or None (the default) for a kind without
+    one."""
     suffix = "+" + kind.split("+")[-1]
-    if not (suffix in LOOKUP or suffix in ("+triton", "+gluon", "+table", "+pos", "+lanes")):
+    if not (suffix in LOOKUP or suffix in ("+triton", "+gluon", "+table", "+pos", "+lanes", "+fold", "+skip")):
         return None
     from weightszip.kernels import DEFAULT_CONFIGS
     from weightszip.kernels.paged_decode import PAGE_COMPACT
@@ -230,6 +235,8 @@ def kind_config(kind: str):
               {"gluon_rope_table": True} if suffix == "+table" else
               {"gluon_rope_table": True, "gluon_rope_pos": True} if suffix == "+pos" else
               {"gluon_rope_table": True, "gluon_rope_lanes": True} if suffix == "+lanes" else
+              {"gluon_rope_table": True, "gluon_rope_fold": True} if suffix == "+fold" else
+              {"gluon_rope_table": True, "gluon_rope_skip_pad": True} if suffix == "+skip" else
               {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})})
     return dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
 

@@ -84,7 +84,8 @@ _COMPACT_PTRS = {"q_ptr": "*fp32", "bias_ptr": "*fp32", "k_pages_ptr": "*u8", "v
 def compact_launch(kb, vb, d=128, group=4, chunks=0, stages=2, bias=False, opts=("VOTE",)):
     """``compile_for_hopper``'s arguments after the kernel for ``compact_split_kernel`` at a launch:
     (constexprs, pointer types, warps, register cap). ``opts``: the constexpr flags set (VOTE,
-    V_PAD, COPY_ALIGN, BULK_COPY, ROPE_TABLE, ROPE_POS, ROPE_LANES, ROPE_CHAINS); the defaults are the 8B launch with the vote."""
+    V_PAD, COPY_ALIGN, BULK_COPY, ROPE_TABLE, ROPE_POS, ROPE_LANES, ROPE_CHAINS, ROPE_FOLD, ROPE_SKIP); the
+    defaults are the 8B launch with the vote."""
     from weightszip.kernels import KernelConfig
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -140,9 +141,18 @@ def configurations():
     # ... the table form's products in two chains (KernelConfig.gluon_rope_chains=2)
     cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_CHAINS")) for kb, vb, d, g, chunks in (
         (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (4, 3, 64, 3, 2))]
+    # ... Q in the padding columns (KernelConfig.gluon_rope_fold)
+    cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_FOLD")) for kb, vb, d, g, chunks in (
+        (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (4, 3, 64, 3, 2))]
+    cases += [(4, 4, 128, 4, 2, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_LANES", "ROPE_FOLD"))]
+    # ... the padding columns' lanes loading no records (KernelConfig.gluon_rope_skip_pad)
+    cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_SKIP")) for kb, vb, d, g, chunks in (
+        (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (4, 3, 64, 3, 2))]
+    cases += [(4, 4, 128, 4, 2, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_LANES", "ROPE_SKIP"))]
     suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align",
               "ROPE_TABLE": " table", "ROPE_POS": " pos", "ROPE_LANES": " lanes",
-              "ROPE_CHAINS": " chains2"}
+              "ROPE_CHAINS": " chains2", "ROPE_FOLD": " fold",
+              "ROPE_SKIP": " skip"}
     for kb, vb, d, group, chunks, stages, bias, opts in cases:
         def build(kb=kb, vb=vb, d=d, group=group, chunks=chunks, stages=stages, bias=bias, opts=opts):
             return (pg.compact_split_kernel, *compact_launch(kb, vb, d, group, chunks, stages, bias, opts))

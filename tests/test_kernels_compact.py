@@ -436,6 +436,18 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     err_c = (chains.double().cpu() - reference(c).cpu()).abs().max().item()
     assert err_c <= 2.0**-6 * vmax, f"two chains: max error {err_c:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
     assert (chains.double().cpu() - table).abs().max().item() <= 2.0**-10 * vmax
+    # ... with Q in the padding columns (``gluon_rope_fold``, groups up to 4): the same two chains'
+    # sums, so the same output as two chains bit for bit
+    # ... with the padding columns' records not loaded (``gluon_rope_skip_pad``): their P and Q are 0
+    # either way, so the table form's output bit for bit
+    skip = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_skip_pad=True))
+    assert torch.equal(skip.double().cpu(), table), "gluon_rope_skip_pad differs from the table form"
+    fold = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_fold=True))
+    assert torch.equal(fold, chains), "gluon_rope_fold differs from gluon_rope_chains=2"
+    if stages:  # ... and with the page's cos and sin from the warp's lanes
+        lf = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_fold=True,
+                                                      gluon_rope_lanes=True))
+        assert torch.equal(lf, chains), "gluon_rope_fold with gluon_rope_lanes differs from gluon_rope_chains=2"
     # ... with the pages' cos and sin copied into their slots (``gluon_rope_pos``; staged only: on the
     # register path the same kernel as the table form, bit for bit): the phases' cos and sin from the
     # exact phase in float64, not the SFU's, so close to the table form, not equal
@@ -458,7 +470,8 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
                                   "rope-table-pos-smem-fits", "rope-table-pos-smem-over", "rope-table-pos-unstaged",
                                   "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-smem-over",
                                   "rope-table-lanes-unstaged", "rope-table-lanes-pos", "rope-table-chains2",
-                                  "rope-on-chains2"])
+                                  "rope-on-chains2", "rope-table-fold", "rope-on-fold",
+                                  "rope-table-skip", "rope-table-fold-skip"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
@@ -469,8 +482,9 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     slots; with ``gluon_rope_pos`` too, staged and given ``rope_pos_table``, the slots hold the pages'
     cos and sin (as many chunks) and the kernel copies them; with ``gluon_rope_lanes`` instead (staged;
     ``gluon_rope_pos`` takes precedence where both apply) the slots hold the same room and the warp
-    writes it; ``gluon_rope_chains`` reaches the kernel with the tables only. (Both kernels replaced by recorders; the GPU is simulated by turning the interpreter
-    flag off.)"""
+    writes it; ``gluon_rope_chains``, ``gluon_rope_fold`` and ``gluon_rope_skip_pad`` reach the kernel with
+    the tables only (the fold for groups up to 4, taking precedence over the skip). (Both kernels replaced by recorders; the GPU is simulated by turning the
+    interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -488,8 +502,9 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         c = dict(c, rope_pos_table=None)
     cfg = KernelConfig(gluon=what != "config-off",
                        gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16",
-                                           "rope-on-chains2") or table,
-                       gluon_rope_chains=2 if what.endswith("chains2") else 1,
+                                           "rope-on-chains2", "rope-on-fold") or table,
+                       gluon_rope_chains=2 if what.endswith("chains2") else 1, gluon_rope_fold="fold" in what,
+                       gluon_rope_skip_pad=what.endswith("skip"),
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0,
                        gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist,
@@ -508,7 +523,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     want_gluon = what in ("gluon", "rope-on", "rope-on-hoist-1", "smem-fits", "rope-table", "rope-table-smem-fits",
                           "rope-table-pos", "rope-table-pos-smem-fits", "rope-table-pos-unstaged",
                           "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-unstaged",
-                          "rope-table-lanes-pos", "rope-table-chains2", "rope-on-chains2")
+                          "rope-table-lanes-pos", "rope-table-chains2", "rope-on-chains2", "rope-table-fold",
+                          "rope-on-fold", "rope-table-skip", "rope-table-fold-skip")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
@@ -516,8 +532,10 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         assert ("maxnreg" in glu.calls[0]) == (not rope)
         assert glu.calls[0]["STAGES"] == cfg.gluon_stages
         # the rotary term's coefficients hoisted whole (its 2 chunks here) or, past gluon_rope_hoist, not at all
-        assert glu.calls[0]["ROPE_HOIST"] == (what in ("rope-on", "rope-on-chains2"))
+        assert glu.calls[0]["ROPE_HOIST"] == (what in ("rope-on", "rope-on-chains2", "rope-on-fold"))
         assert glu.calls[0]["ROPE_CHAINS"] == (2 if what == "rope-table-chains2" else 1)
+        assert glu.calls[0]["ROPE_FOLD"] == (what in ("rope-table-fold", "rope-table-fold-skip"))
+        assert glu.calls[0]["ROPE_SKIP"] == (what == "rope-table-skip")  # (not with the fold)
         assert glu.calls[0]["ROPE_TABLE"] == table
         pos_on = what in ("rope-table-pos", "rope-table-pos-smem-fits", "rope-table-lanes-pos")
         lanes_on = what == "rope-table-lanes"
@@ -1532,6 +1550,8 @@ table = sys.argv[12:13] == ["1"]  # KernelConfig.gluon_rope_table
 pos = sys.argv[13:14] == ["1"]  # KernelConfig.gluon_rope_pos (staged: the slots hold the pages' cos and sin)
 lanes = sys.argv[14:15] == ["1"]  # KernelConfig.gluon_rope_lanes (staged: the warp writes them there)
 chains = 2 if sys.argv[15:16] == ["1"] else 1  # KernelConfig.gluon_rope_chains
+fold = sys.argv[16:17] == ["1"]  # KernelConfig.gluon_rope_fold
+skip = sys.argv[17:18] == ["1"]  # KernelConfig.gluon_rope_skip_pad
 warps = 16 if chunks else 8  # as PagedDecodeAttention launches it (gluon_rope_warps, gluon_warps)
 block_g = max(8, 1 << (group - 1).bit_length())
 tab_off, stage_off, smem_end = smem_offsets(kb, vb, d, warps, stages, align, pad,
@@ -1545,7 +1565,7 @@ const = dict(GROUP=group, BLOCK_G=block_g, HEAD_DIM=d, BLOCK_SIZE=16, BITS_K=kb,
              BITS_V=vb, HAS_BIAS=True, V_EARLY=True, K_AHEAD=False, ROPE_CHUNKS=chunks, STAGES=stages,
              TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=vote, V_PAD=pad, COPY_ALIGN=align,
              BULK_COPY=bulk, ROPE_HOIST=hoist, ROPE_TABLE=table, ROPE_POS=pos, ROPE_LANES=lanes,
-             ROPE_CHAINS=chains)
+             ROPE_CHAINS=chains, ROPE_FOLD=fold, ROPE_SKIP=skip)
 # ptxas's own report of the register allocation (the defaults: 8 warps, 128 registers; with the
 # rotary term 16 warps, so 128 registers at most, as PagedDecodeAttention launches it)
 k, spills = compile_for_hopper(compact_split_kernel, const, ptrs, warps, None if chunks else 128)
@@ -1566,6 +1586,9 @@ print("cp8", bool(re.search("cp[.]async[.]ca[.]shared[.]global [[]a[]], [[]%rd[0
       "mulhi", "mul.hi.u32" in ptx)
 # the warp's own cos and sin: a predicated 4-byte store a lane and chunk into the slot
 print("lanes", "@p st.shared.b32 [a]" in ptx)
+# the folded columns: the sine products' columns 4-7 from the lane 2 on (shfl.sync.down by 2)
+print("fold", bool(re.search(r"shfl[.]sync[.]down[.]b32 [^;]*, 2, 0x1f, 0xffffffff;", ptx)))
+print("skip", "@p ld.shared.v4.b32" in ptx)
 """
 
 
@@ -1588,7 +1611,10 @@ print("lanes", "@p st.shared.b32 [a]" in ptx)
                                   (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 1),
                                   (4, 4, 128, 4, 3, 2, 1, 0, 0, 0, 0, 1, 0, 1),
                                   (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 0, 1),
-                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 1)],
+                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 1),
+                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1),
+                                  (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 0, 1, 0, 1),
+                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1605,7 +1631,8 @@ print("lanes", "@p st.shared.b32 [a]" in ptx)
                               "q4-8b-rope4-staged-vote-table-pos", "q3-smollm2-rope1-staged-vote-table-pos",
                               "q4-8b-rope4-staged-vote-bulk-table-pos", "q4-8b-rope-staged-vote-table-lanes",
                               "q4-8b-rope3-staged-vote-table-lanes", "q3-smollm2-rope1-staged-vote-table-lanes",
-                              "q4-8b-rope-staged-vote-table-chains2"])
+                              "q4-8b-rope-staged-vote-table-chains2", "q4-8b-rope-staged-vote-table-fold",
+                              "q3-smollm2-rope1-staged-vote-table-lanes-fold", "q4-8b-rope-staged-vote-table-skip"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1625,24 +1652,28 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     cos and sin copied into their slots (``KernelConfig.gluon_rope_pos``: 8-byte cp.async, no phase
     computed); ``-lanes``: written there by the warp, a value a lane (``KernelConfig.gluon_rope_lanes``:
     the phase computed, no 8-byte copy; 3 chunks: the stores of the fourth masked off); ``-chains2``: the
-    table form's products in two chains (``KernelConfig.gluon_rope_chains``)."""
+    table form's products in two chains (``KernelConfig.gluon_rope_chains``); ``-fold``: Q in the
+    padding columns (``KernelConfig.gluon_rope_fold``: a warp shuffle folds the columns back); ``-skip``:
+    no records loaded for the padding columns (``KernelConfig.gluon_rope_skip_pad``: predicated loads)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()
     # staged words of a 128-wide head are read four at a time (ld.shared.v4)
     v4 = str((case[5] > 0 and case[2] >= 128) or case[11:12] == (1,))
-    assert out[-20:-7] == ["cp.async", str(case[5] > 0), "shared", "True",
+    assert out[-24:-11] == ["cp.async", str(case[5] > 0), "shared", "True",
                            "lds", "True", "mma", "True", "cos", rope, "v4", v4, "spills"], stdout
     pos, lanes = case[12:13] == (1,), case[13:14] == (1,)
-    assert out[-6:-4] == ["cp8", str(pos)], stdout
+    assert out[-10:-8] == ["cp8", str(pos)], stdout
     if case[11:12] == (1,) and case[4] > 0:  # from tables: the page phase's product, or the pages' cos and sin
-        assert out[-4:-2] == ["mulhi", str(not pos)], stdout
-    assert out[-2:] == ["lanes", str(lanes)], stdout
+        assert out[-8:-6] == ["mulhi", str(not pos)], stdout
+    assert out[-6:-4] == ["lanes", str(lanes)], stdout
+    assert out[-4:-2] == ["fold", str(case[15:16] == (1,))], stdout
+    assert out[-2:] == ["skip", str(case[16:17] == (1,))], stdout
     # with the rotary term ptxas spills a few words at 16 warps (4-32 bytes; 80 for q4 on the register
     # path since width 4 is nibble rows and the softmax mass is kept per thread; none staged, the
     # default; measured faster on the H200 than 8 warps without spills for q4, BENCHMARKS.md); none
     # otherwise
-    assert int(out[-7]) <= (96 if case[4] else 0), stdout
+    assert int(out[-11]) <= (96 if case[4] else 0), stdout
 
 
 _COMPILE_TRITON = """

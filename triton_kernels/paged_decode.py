@@ -217,8 +217,17 @@ class KernelConfig:
     # 0.978-1.030x the tables (BENCHMARKS.md, "Each page's cos and sin once a warp, on an H100"). Off
     gluon_rope_lanes: bool = False
     # ... (the tables) 1 or 2: the term's mma.sync products in one dependent chain (6 a chunk), or the
-    # cosine and sine products in two chains added at the end (another rounding of the same sum)
+    # cosine and sine products in two chains added at the end (another rounding of the same sum).
+    # 1.015x the default on an H100 (BENCHMARKS.md, "Where the rotary term's time goes"), so 1
     gluon_rope_chains: int = 1
+    # ... (the tables, query groups up to 4: the 8B shape) Q in the B operand's padding columns 4-7 and P
+    # in 0-3, one product and one hi/lo split a chunk where there were two; the sums as gluon_rope_chains=2
+    # (the same output bit for bit on an H100), 6-10% fewer loop instructions, 1.010x there. Off
+    gluon_rope_fold: bool = False
+    # ... (the tables, query groups narrower than the B operand's 8 columns) the lanes of the padding
+    # columns load none of the term's records (predicated ld.shared; their P and Q are 0 either way):
+    # the same output bit for bit, fewer shared-memory wavefronts (the term's limit on an H100, session 44)
+    gluon_rope_skip_pad: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
     gluon_stages: int = 2
@@ -1829,6 +1838,8 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist and not rope_table,
                 ROPE_TABLE=rope_table, ROPE_POS=pos_ok, ROPE_LANES=lanes_ok,
                 ROPE_CHAINS=cfg.gluon_rope_chains if rope_table else 1,
+                ROPE_FOLD=rope_table and cfg.gluon_rope_fold and G <= 4,
+                ROPE_SKIP=rope_table and cfg.gluon_rope_skip_pad and not (cfg.gluon_rope_fold and G <= 4),
                 BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,

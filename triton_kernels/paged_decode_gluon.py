@@ -1279,6 +1279,17 @@ def _thread_lds_asm(words, off):
 
 
 @constexpr_function
+def _thread_lds_pred_asm(words, off):
+    """``_thread_lds_asm`` where the first packed predicate (``${2 words}``) is not 0, zeros elsewhere
+    (the lanes whose loads are off move no shared-memory bytes)."""
+    loads = " ".join(f"@p ld.shared.v4.b32 {{{', '.join(f'${4 * v + i}' for i in range(4))}}}, [a+{off + 16 * v}];"
+                     for v in range(words // 4))
+    zeros = " ".join(f"mov.b32 ${i}, 0;" for i in range(words))
+    return (f"{{ .reg .u32 a; .reg .pred p; setp.ne.u32 p, ${2 * words}, 0; {zeros} mov.u32 a, global_smem; "
+            f"add.u32 a, a, ${words}; {loads} }}")
+
+
+@constexpr_function
 def _thread_sts_asm(words, elems, off):
     """Store the ``words`` 32-bit words after ``elems`` packed addresses at the first address plus
     ``off``; the ``words`` outputs are dummies (0)."""
@@ -1299,6 +1310,14 @@ def _lds_thread(addr, OFF: gl.constexpr, W: gl.constexpr):
     """An int32 tensor whose W values in each thread lie at the thread's ``addr`` (the same for all its
     elements) + OFF, in the thread's register order (``_sts_thread``)."""
     return gl.inline_asm_elementwise(_thread_lds_asm(W, OFF), _thread_constraints(W, W, 0), [addr],
+                                     dtype=gl.int32, is_pure=True, pack=W)
+
+
+@gluon.jit
+def _lds_thread_if(addr, on, OFF: gl.constexpr, W: gl.constexpr):
+    """``_lds_thread`` in the threads where ``on`` (int32, the same for a thread's elements) is not 0;
+    0 in the others."""
+    return gl.inline_asm_elementwise(_thread_lds_pred_asm(W, OFF), _thread_constraints(W, W, W), [addr, on],
                                      dtype=gl.int32, is_pure=True, pack=W)
 
 
@@ -1346,7 +1365,8 @@ def _rope_rec_base(OFF, BLOCK_G: gl.constexpr, NW: gl.constexpr, OPB: gl.constex
 @gluon.jit
 def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_heads, OFF: gl.constexpr,
                      c: gl.constexpr, NCHUNK: gl.constexpr, GROUP: gl.constexpr, BLOCK_G: gl.constexpr,
-                     HALF: gl.constexpr, NW: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr):
+                     HALF: gl.constexpr, NW: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr,
+                     FOLD: gl.constexpr = False):
     """Chunk ``c``'s tables of the rotary term at shared byte OFF (``rope_table_words``; every warp
     writes the same bytes), for ``_rope_table_logits``:
 
@@ -1354,7 +1374,11 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
       split into hi/lo bf16 (4 A-operand fragments of 512 bytes at OFF + 2048 c);
     - per (pair i, query head g), 4 arrays after all chunks' fragments: the query's coefficients A and
       B (0 past the list and the group) and the pair's phase step f as two 32-bit words, f >> 16 and
-      (f & 0xFFFF) << 16."""
+      (f & 0xFFFF) << 16.
+
+    ``FOLD`` (``KernelConfig.gluon_rope_fold``, groups up to 4 of 8 columns): column g < 4 holds head g's
+    (A, B) and column g + 4 its (B, -A), so that one product ``a cos b + b sin b`` gives P in the first
+    columns and Q in the others (``_rope_table_logits``)."""
     n = _axis(16, 1, 3, OPA).to(gl.float32)
     ja = c * 16 + _axis(16, 2, 3, OPA)
     step = gl.load(phase_ptr + _rope_pair(pairs_ptr, ja, n_pairs, HALF))  # the pair's phase step
@@ -1372,10 +1396,20 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
     z = 0 * g + 0 * k + 0 * _axis(NW, 0, 3, OPB)  # [NW, 16, BLOCK_G]
     jb = c * 16 + k
     ib = _rope_pair(pairs_ptr, jb, n_pairs, HALF)
-    m = (jb < n_pairs) & (g < GROUP) & (z == 0)
-    rows = _rope_query_row(seq, head, num_kv_heads, g, GROUP, HALF)
-    a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
-    b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
+    if FOLD:
+        gl.static_assert(GROUP <= 4 and BLOCK_G == 8, "the folded records take groups up to 4 of 8 columns")
+        gq = g % 4
+        m = (jb < n_pairs) & (gq < GROUP) & (z == 0)
+        rows = _rope_query_row(seq, head, num_kv_heads, gq, GROUP, HALF)
+        ca = gl.load(coef_ptr + rows + ib, mask=m, other=0.0)
+        cb = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0)
+        a = gl.where(g < 4, ca, cb).to(gl.int32, bitcast=True)
+        b = gl.where(g < 4, cb, -ca).to(gl.int32, bitcast=True)
+    else:
+        m = (jb < n_pairs) & (g < GROUP) & (z == 0)
+        rows = _rope_query_row(seq, head, num_kv_heads, g, GROUP, HALF)
+        a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
+        b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
     f = gl.load(phase_ptr + ib)
     fh, fl = _phase_words(f, z)
     W: gl.constexpr = BLOCK_G // 2  # words of a thread in one array
@@ -1466,7 +1500,8 @@ def _trig_row(rope_pos_ptr, first, n_pos_rows, HALF: gl.constexpr):
 def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: gl.constexpr,
                        NW: gl.constexpr, MMA: gl.constexpr, OPA: gl.constexpr, OPB: gl.constexpr,
                        POS: gl.constexpr = False, taddr=None, PURE: gl.constexpr = True,
-                       CHAINS: gl.constexpr = 1):
+                       CHAINS: gl.constexpr = 1, FOLD: gl.constexpr = False, SKIP: gl.constexpr = False,
+                       GROUP: gl.constexpr = 8):
     """``_rope_logits`` from the tables at OFF (``_rope_table_fill``), by the angle sum: with phase
     b_i of the page's first position ``first`` ([NW, 1, 1], OPB) and row n's angle b_i + n theta_i,
 
@@ -1481,7 +1516,15 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
     (``_lds_trig`` at ``taddr``, copied with the page from ``rope_page_table``, or ``_lane_trig``'s, which
     then passes ``PURE`` False). ``CHAINS`` (``KernelConfig.gluon_rope_chains``): 1, the 6 ``mma.sync`` of
     each chunk in one dependent chain through all chunks; 2, the cosine and sine products in two chains
-    added at the end (another rounding of the same sum)."""
+    added at the end (another rounding of the same sum). ``FOLD`` (``KernelConfig.gluon_rope_fold``;
+    ``_rope_table_fill``'s folded records): the B operand's columns 4-7, padding in a group of up to
+    4, carry Q (``x = a cos b + b sin b`` is P in columns 0-3 and Q in 4-7), so a chunk splits 4
+    values a thread instead of 8; the cosine products' columns 0-3 plus the sine products' columns 4-7
+    (from the lane 2 on, ``_fold_columns``) are the sum of the two chains, the same bits as ``CHAINS``
+    2 wherever P and Q round as there. ``SKIP`` (``KernelConfig.gluon_rope_skip_pad``): the threads of
+    the columns past ``GROUP`` (padding, whose records are 0) load no records and take A = B = 0 and
+    phase 0, so P and Q there are 0 as from their records: the same output bit for bit, with fewer
+    shared-memory wavefronts."""
     acc = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
     acc2 = gl.zeros([NW, 16, BLOCK_G], gl.float32, layout=MMA)
     fa = _rope_frag_base(OFF, NW, OPA)
@@ -1491,31 +1534,61 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
     if POS:
         gl.static_assert(_trig_order(gl.to_linear_layout(OPB, [NW, 16, BLOCK_G])),
                          "the page's cos and sin load as a thread's pairs k0, k0 + 1, k0 + 8, k0 + 9")
+    if SKIP:
+        gl.static_assert(not FOLD, "the folded records fill the padding columns")
+        on = (_axis(BLOCK_G, 2, 3, OPB) < GROUP).to(gl.int32) + 0 * _axis(16, 1, 3, OPB) + 0 * _axis(NW, 0, 3, OPB)
     for c in gl.static_range(NCHUNK):
-        a = _lds_thread(ra, 4 * c * ARR, W)
-        b = _lds_thread(ra, (4 * c + 1) * ARR, W)
+        if SKIP:
+            a = _lds_thread_if(ra, on, 4 * c * ARR, W)
+            b = _lds_thread_if(ra, on, (4 * c + 1) * ARR, W)
+        else:
+            a = _lds_thread(ra, 4 * c * ARR, W)
+            b = _lds_thread(ra, (4 * c + 1) * ARR, W)
         if POS:
             cb, sb = _lds_trig(taddr, 128 * c, PURE)
         else:
-            fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
-            fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
+            if SKIP:
+                fh = _lds_thread_if(ra, on, (4 * c + 2) * ARR, W)
+                fl = _lds_thread_if(ra, on, (4 * c + 3) * ARR, W)
+            else:
+                fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
+                fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
             cb, sb = _page_trig(first, fh, fl)
         a = a.to(gl.float32, bitcast=True)
         b = b.to(gl.float32, bitcast=True)
         ph, pl = _split_bf16(a * cb + b * sb)
-        qh, ql = _split_bf16(b * cb - a * sb)
+        if FOLD:
+            qh, ql = ph, pl  # (Q in columns 4-7)
+        else:
+            qh, ql = _split_bf16(b * cb - a * sb)
         ch = _lds_thread_bf16(fa, c * 2048, 4)
         cl = _lds_thread_bf16(fa, c * 2048 + 512, 4)
         sh = _lds_thread_bf16(fa, c * 2048 + 1024, 4)
         sl = _lds_thread_bf16(fa, c * 2048 + 1536, 4)
         acc = mma_v2(ch, ph, mma_v2(ch, pl, mma_v2(cl, ph, acc)))
-        if CHAINS == 2:
+        if CHAINS == 2 or FOLD:
             acc2 = mma_v2(sh, qh, mma_v2(sh, ql, mma_v2(sl, qh, acc2)))
         else:
             acc = mma_v2(sh, qh, mma_v2(sh, ql, mma_v2(sl, qh, acc)))
-    if CHAINS == 2:
+    if FOLD:
+        acc = _fold_columns(acc, acc2, BLOCK_G, NW, MMA)
+    elif CHAINS == 2:
         acc = acc + acc2
     return acc
+
+
+_SHFL_DOWN2 = gl.constexpr("shfl.sync.down.b32 $0, $1, 2, 0x1f, 0xffffffff;")
+
+
+@gluon.jit
+def _fold_columns(acc, acc2, BLOCK_G: gl.constexpr, NW: gl.constexpr, MMA: gl.constexpr):
+    """Columns 0-3 of ``acc`` plus columns 4-7 of ``acc2`` ([NW, 16, 8] mma.sync accumulators), in
+    columns 0-3, and 0 in 4-7: lane l holds columns 2 (l % 4) and 2 (l % 4) + 1 of its rows, so lane
+    l + 2 holds the same rows' columns 4 on (one ``shfl.sync.down`` a register)."""
+    gl.static_assert(BLOCK_G == 8, "a fold of 8 columns")
+    up = gl.inline_asm_elementwise(_SHFL_DOWN2, "=r,r", [acc2], dtype=gl.float32, is_pure=True, pack=1)
+    col = _axis(BLOCK_G, 2, 3, MMA) + 0 * _axis(16, 1, 3, MMA) + 0 * _axis(NW, 0, 3, MMA)
+    return gl.where(col < 4, acc + up, 0.0)
 
 
 @gluon.jit
@@ -1748,7 +1821,8 @@ def compact_split_kernel(
     BITS_K: gl.constexpr, BITS_V: gl.constexpr, HAS_BIAS: gl.constexpr,
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     ROPE_HOIST: gl.constexpr = False, ROPE_TABLE: gl.constexpr = False, ROPE_POS: gl.constexpr = False,
-    ROPE_LANES: gl.constexpr = False, ROPE_CHAINS: gl.constexpr = 1, STAGES: gl.constexpr = 0,
+    ROPE_LANES: gl.constexpr = False, ROPE_CHAINS: gl.constexpr = 1, ROPE_FOLD: gl.constexpr = False,
+    ROPE_SKIP: gl.constexpr = False, STAGES: gl.constexpr = 0,
     TAB_OFF: gl.constexpr = 0,
     STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
@@ -1790,6 +1864,8 @@ def compact_split_kernel(
     # shared memory is exactly theirs).
     # (with ROPE_TABLE the rotary term's tables after the grids, at ROPE_OFF: ``rope_table_words``)
     RT: gl.constexpr = ROPE_TABLE and ROPE_CHUNKS > 0
+    RF: gl.constexpr = RT and ROPE_FOLD and GROUP <= 4 and BLOCK_G == 8  # (KernelConfig.gluon_rope_fold)
+    RS: gl.constexpr = RT and ROPE_SKIP and GROUP < BLOCK_G and not RF  # (KernelConfig.gluon_rope_skip_pad)
     ROPE_WORDS: gl.constexpr = rope_table_words(ROPE_CHUNKS, BLOCK_G) if RT else 0
     tab = gl.allocate_shared_memory(gl.int32, [_table_words(EK, EV) + _GRID_WORDS + ROPE_WORDS],
                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -1812,7 +1888,7 @@ def compact_split_kernel(
     if RT:
         for c in gl.static_range(ROPE_CHUNKS):
             _rope_table_fill(rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head, num_kv_heads,
-                             ROPE_OFF, c, ROPE_CHUNKS, GROUP, BLOCK_G, HEAD_DIM // 2, NW, OPA, OPB)
+                             ROPE_OFF, c, ROPE_CHUNKS, GROUP, BLOCK_G, HEAD_DIM // 2, NW, OPA, OPB, RF)
     NK: gl.constexpr = BITS_K * HEAD_DIM // 8
     NV: gl.constexpr = BITS_V * HEAD_DIM // 8
     NCH: gl.constexpr = copy_steps(NK, NV, COPY_ALIGN)
@@ -1947,10 +2023,10 @@ def compact_split_kernel(
             taddr = _slot_base(slot, STAGE_OFF, STAGES, SLOTW, NW, 3, OPB) + TOFF + 8 * _axis(16, 1, 3, OPB)
             s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
                                     OPA, OPB, True, taddr + 0 * _axis(BLOCK_G, 2, 3, OPB), not RL,
-                                    ROPE_CHAINS) * qk_scale
+                                    ROPE_CHAINS, RF, RS, GROUP) * qk_scale
         elif RT:
             s += _rope_table_logits(_tile_first(lo, j, NW, 3, OPB), ROPE_OFF, BLOCK_G, ROPE_CHUNKS, NW, MMA,
-                                    OPA, OPB, CHAINS=ROPE_CHAINS) * qk_scale
+                                    OPA, OPB, CHAINS=ROPE_CHAINS, FOLD=RF, SKIP=RS, GROUP=GROUP) * qk_scale
         elif ROPE_CHUNKS > 0:
             s += _rope_logits(r0, r1, r2, r3, rope_coef_ptr, rope_phase_ptr, rope_pairs_ptr, n_rope_pairs, seq, head,
                               num_kv_heads, _tile_first(lo, j, NW, 3, OPA), GROUP, BLOCK_G, HEAD_DIM // 2,
