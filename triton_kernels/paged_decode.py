@@ -226,7 +226,8 @@ class KernelConfig:
     gluon_rope_fold: bool = False
     # ... (the tables, query groups narrower than the B operand's 8 columns) the lanes of the padding
     # columns load none of the term's records (predicated ld.shared; their P and Q are 0 either way):
-    # the same output bit for bit, fewer shared-memory wavefronts (the term's limit on an H100, session 44)
+    # the same output bit for bit, fewer shared-memory wavefronts (the term's limit on an H100, session 44;
+    # on in the compact default since its A/B there, ``DEFAULT_CONFIGS``)
     gluon_rope_skip_pad: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
@@ -323,9 +324,12 @@ DEFAULT_CONFIGS = {
     # The lazy max by a warp vote (session 30, H100 A/B, bit-identical output): 0.995-1.13x for q4, q3.5, q3
     # (BENCHMARKS.md). The rotary term from tables, at any step size (session 40, H100 A/B against the
     # direct form: 1.26-1.78x where the Gluon kernel ran, 1.84-2.88x below the old 2**22 of work, where
-    # the Triton kernel ran; GPU tests against the reference passed).
+    # the Triton kernel ran; GPU tests against the reference passed). The padding columns' rotary
+    # records not loaded (session 44, H100 A/B: the same output bit for bit, 1.016x over 6 cases at 8B,
+    # 0.999-1.032x; the shared-memory pipe 94.4% -> 88.8% of its peak under Nsight Compute).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
-                               gluon_min_work=0, gluon_vote=True, gluon_rope_table=True, gluon_rope_min_work=0),
+                               gluon_min_work=0, gluon_vote=True, gluon_rope_table=True, gluon_rope_min_work=0,
+                               gluon_rope_skip_pad=True),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
