@@ -70,17 +70,22 @@ COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4", "q3.5", "q3")})
 COMPACT.update({f"{k}+triton": COMPACT[k] for k in ("q4+rope", "q4+rope24", "q3+rope24")})
 # "+gluon": the Gluon kernel at any amount of work (gluon_min_work 0), as "fp8+gluon"
 COMPACT.update({f"{k}+gluon": COMPACT[k] for k in ("q4", "q3.5", "q3")})
-# "+table": the rotary term from tables in shared memory (KernelConfig.gluon_rope_table)
-COMPACT.update({f"{k}+table": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
-# "+pos": ... with each page's cos and sin copied into its slot (KernelConfig.gluon_rope_pos; every
-# rotary kind passes ``rope_pos_table``, which the other configs leave unused)
-COMPACT.update({f"{k}+pos": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
-# "+lanes": ... computed once a warp into its slot, a value a lane (KernelConfig.gluon_rope_lanes)
-COMPACT.update({f"{k}+lanes": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
-# "+fold": ... from tables, Q in the B operand's padding columns (KernelConfig.gluon_rope_fold; groups up to 4)
-COMPACT.update({f"{k}+fold": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
-# "+skip": ... the padding columns' records not loaded (KernelConfig.gluon_rope_skip_pad; groups under 8)
-COMPACT.update({f"{k}+skip": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")})
+# the rotary kinds' config suffixes (the compact default's fields they change; ``kind_config``):
+ROPE_VARIANTS = {
+    # the rotary term from tables in shared memory (KernelConfig.gluon_rope_table)
+    "+table": {"gluon_rope_table": True},
+    # ... with each page's cos and sin copied into its slot (KernelConfig.gluon_rope_pos; every rotary
+    # kind passes ``rope_pos_table``, which the other configs leave unused)
+    "+pos": {"gluon_rope_table": True, "gluon_rope_pos": True},
+    # ... computed once a warp into its slot, a value a lane (KernelConfig.gluon_rope_lanes)
+    "+lanes": {"gluon_rope_table": True, "gluon_rope_lanes": True},
+    # ... Q in the B operand's padding columns (KernelConfig.gluon_rope_fold; groups up to 4)
+    "+fold": {"gluon_rope_table": True, "gluon_rope_fold": True},
+    # ... the padding columns' records not loaded (KernelConfig.gluon_rope_skip_pad; groups under 8)
+    "+skip": {"gluon_rope_table": True, "gluon_rope_skip_pad": True},
+}
+COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")
+                for v in ROPE_VARIANTS})
 
 
 def parse_args(argv=None):
@@ -223,20 +228,16 @@ def time_paged(kind, B, L, Hq, Hkv, D, rep, gen, config):
 
 def kind_config(kind: str):
     """The compact default changed as a kind's last suffix asks (``+triton``, ``+gluon``, ``+table``,
-    ``+pos``, ``+lanes``, ``+fold``, ``+skip`` or a lookup width), or None (the default) for a kind without
-    one."""
+    ``+pos``, ``+lanes``, ``+fold``, ``+skip``: ``ROPE_VARIANTS``; or a lookup width), or None (the default)
+    for a kind without one."""
     suffix = "+" + kind.split("+")[-1]
-    if not (suffix in LOOKUP or suffix in ("+triton", "+gluon", "+table", "+pos", "+lanes", "+fold", "+skip")):
+    if not (suffix in LOOKUP or suffix in ROPE_VARIANTS or suffix in ("+triton", "+gluon")):
         return None
     from weightszip.kernels import DEFAULT_CONFIGS
     from weightszip.kernels.paged_decode import PAGE_COMPACT
 
-    change = ({"gluon": True, "gluon_min_work": 0} if suffix == "+gluon" else
-              {"gluon_rope_table": True} if suffix == "+table" else
-              {"gluon_rope_table": True, "gluon_rope_pos": True} if suffix == "+pos" else
-              {"gluon_rope_table": True, "gluon_rope_lanes": True} if suffix == "+lanes" else
-              {"gluon_rope_table": True, "gluon_rope_fold": True} if suffix == "+fold" else
-              {"gluon_rope_table": True, "gluon_rope_skip_pad": True} if suffix == "+skip" else
+    change = ({"gluon": True, "gluon_min_work": 0} if suffix == "+gluon" else ROPE_VARIANTS[suffix]
+              if suffix in ROPE_VARIANTS else
               {"gluon": False, **({"reg_lut_bits": LOOKUP[suffix]} if suffix in LOOKUP else {})})
     return dataclasses.replace(DEFAULT_CONFIGS[PAGE_COMPACT], **change)
 

@@ -1825,6 +1825,7 @@ class PagedDecodeAttention:
             k_cb, v_cb = gluon_cbs
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             rope_table = has_rope and cfg.gluon_rope_table
+            fold = rope_table and cfg.gluon_rope_fold and G <= 4  # (it takes the padding columns skip would skip)
             tab_off, stage_off, _ = pg.smem_offsets(
                 self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, cfg.gluon_v_pad,
                 pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0,
@@ -1842,8 +1843,7 @@ class PagedDecodeAttention:
                 ROPE_CHUNKS=rope_chunks, ROPE_HOIST=0 < rope_chunks <= cfg.gluon_rope_hoist and not rope_table,
                 ROPE_TABLE=rope_table, ROPE_POS=pos_ok, ROPE_LANES=lanes_ok,
                 ROPE_CHAINS=cfg.gluon_rope_chains if rope_table else 1,
-                ROPE_FOLD=rope_table and cfg.gluon_rope_fold and G <= 4,
-                ROPE_SKIP=rope_table and cfg.gluon_rope_skip_pad and not (cfg.gluon_rope_fold and G <= 4),
+                ROPE_FOLD=fold, ROPE_SKIP=rope_table and cfg.gluon_rope_skip_pad and not fold,
                 BITS_K=self.k_bits, BITS_V=self.v_bits,
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,

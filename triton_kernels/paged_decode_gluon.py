@@ -1322,6 +1322,15 @@ def _lds_thread_if(addr, on, OFF: gl.constexpr, W: gl.constexpr):
 
 
 @gluon.jit
+def _lds_record(addr, on, OFF: gl.constexpr, W: gl.constexpr, SKIP: gl.constexpr):
+    """``_lds_thread_if`` with ``SKIP``, else ``_lds_thread`` (``on`` unused)."""
+    if SKIP:
+        return _lds_thread_if(addr, on, OFF, W)
+    else:
+        return _lds_thread(addr, OFF, W)
+
+
+@gluon.jit
 def _lds_thread_bf16(addr, OFF: gl.constexpr, W: gl.constexpr):
     """``_lds_thread`` of a bf16 tensor: 2 W values a thread."""
     return gl.inline_asm_elementwise(_thread_lds_asm(W, OFF), _thread_constraints(W, 2 * W, 0), [addr],
@@ -1396,20 +1405,18 @@ def _rope_table_fill(coef_ptr, phase_ptr, pairs_ptr, n_pairs, seq, head, num_kv_
     z = 0 * g + 0 * k + 0 * _axis(NW, 0, 3, OPB)  # [NW, 16, BLOCK_G]
     jb = c * 16 + k
     ib = _rope_pair(pairs_ptr, jb, n_pairs, HALF)
+    gq = g
     if FOLD:
         gl.static_assert(GROUP <= 4 and BLOCK_G == 8, "the folded records take groups up to 4 of 8 columns")
         gq = g % 4
-        m = (jb < n_pairs) & (gq < GROUP) & (z == 0)
-        rows = _rope_query_row(seq, head, num_kv_heads, gq, GROUP, HALF)
-        ca = gl.load(coef_ptr + rows + ib, mask=m, other=0.0)
-        cb = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0)
-        a = gl.where(g < 4, ca, cb).to(gl.int32, bitcast=True)
-        b = gl.where(g < 4, cb, -ca).to(gl.int32, bitcast=True)
-    else:
-        m = (jb < n_pairs) & (g < GROUP) & (z == 0)
-        rows = _rope_query_row(seq, head, num_kv_heads, g, GROUP, HALF)
-        a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
-        b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0).to(gl.int32, bitcast=True)
+    m = (jb < n_pairs) & (gq < GROUP) & (z == 0)
+    rows = _rope_query_row(seq, head, num_kv_heads, gq, GROUP, HALF)
+    a = gl.load(coef_ptr + rows + ib, mask=m, other=0.0)
+    b = gl.load(coef_ptr + rows + HALF + ib, mask=m, other=0.0)
+    if FOLD:
+        a, b = gl.where(g < 4, a, b), gl.where(g < 4, b, -a)
+    a = a.to(gl.int32, bitcast=True)
+    b = b.to(gl.int32, bitcast=True)
     f = gl.load(phase_ptr + ib)
     fh, fl = _phase_words(f, z)
     W: gl.constexpr = BLOCK_G // 2  # words of a thread in one array
@@ -1537,22 +1544,16 @@ def _rope_table_logits(first, OFF: gl.constexpr, BLOCK_G: gl.constexpr, NCHUNK: 
     if SKIP:
         gl.static_assert(not FOLD, "the folded records fill the padding columns")
         on = (_axis(BLOCK_G, 2, 3, OPB) < GROUP).to(gl.int32) + 0 * _axis(16, 1, 3, OPB) + 0 * _axis(NW, 0, 3, OPB)
+    else:
+        on = 0
     for c in gl.static_range(NCHUNK):
-        if SKIP:
-            a = _lds_thread_if(ra, on, 4 * c * ARR, W)
-            b = _lds_thread_if(ra, on, (4 * c + 1) * ARR, W)
-        else:
-            a = _lds_thread(ra, 4 * c * ARR, W)
-            b = _lds_thread(ra, (4 * c + 1) * ARR, W)
+        a = _lds_record(ra, on, 4 * c * ARR, W, SKIP)
+        b = _lds_record(ra, on, (4 * c + 1) * ARR, W, SKIP)
         if POS:
             cb, sb = _lds_trig(taddr, 128 * c, PURE)
         else:
-            if SKIP:
-                fh = _lds_thread_if(ra, on, (4 * c + 2) * ARR, W)
-                fl = _lds_thread_if(ra, on, (4 * c + 3) * ARR, W)
-            else:
-                fh = _lds_thread(ra, (4 * c + 2) * ARR, W)
-                fl = _lds_thread(ra, (4 * c + 3) * ARR, W)
+            fh = _lds_record(ra, on, (4 * c + 2) * ARR, W, SKIP)
+            fl = _lds_record(ra, on, (4 * c + 3) * ARR, W, SKIP)
             cb, sb = _page_trig(first, fh, fl)
         a = a.to(gl.float32, bitcast=True)
         b = b.to(gl.float32, bitcast=True)
@@ -1822,8 +1823,7 @@ def compact_split_kernel(
     V_EARLY: gl.constexpr = False, K_AHEAD: gl.constexpr = False, ROPE_CHUNKS: gl.constexpr = 0,
     ROPE_HOIST: gl.constexpr = False, ROPE_TABLE: gl.constexpr = False, ROPE_POS: gl.constexpr = False,
     ROPE_LANES: gl.constexpr = False, ROPE_CHAINS: gl.constexpr = 1, ROPE_FOLD: gl.constexpr = False,
-    ROPE_SKIP: gl.constexpr = False, STAGES: gl.constexpr = 0,
-    TAB_OFF: gl.constexpr = 0,
+    ROPE_SKIP: gl.constexpr = False, STAGES: gl.constexpr = 0, TAB_OFF: gl.constexpr = 0,
     STAGE_OFF: gl.constexpr = 0, VOTE: gl.constexpr = False,
     V_PAD: gl.constexpr = False, COPY_ALIGN: gl.constexpr = False, BULK_COPY: gl.constexpr = False,
 ):
