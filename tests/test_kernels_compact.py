@@ -442,6 +442,10 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     # either way, so the table form's output bit for bit
     skip = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_skip_pad=True))
     assert torch.equal(skip.double().cpu(), table), "gluon_rope_skip_pad differs from the table form"
+    # ... and V padded (``gluon_rope_v_pad``, the compact default's rotary launch): the same words
+    vpad = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_skip_pad=True,
+                                                    gluon_rope_v_pad=True))
+    assert torch.equal(vpad.double().cpu(), table), "gluon_rope_v_pad differs from the table form"
     fold = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_fold=True))
     assert torch.equal(fold, chains), "gluon_rope_fold differs from gluon_rope_chains=2"
     if stages:  # ... and with the page's cos and sin from the warp's lanes
@@ -471,7 +475,7 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
                                   "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-smem-over",
                                   "rope-table-lanes-unstaged", "rope-table-lanes-pos", "rope-table-chains2",
                                   "rope-on-chains2", "rope-table-fold", "rope-on-fold",
-                                  "rope-table-skip", "rope-table-fold-skip"])
+                                  "rope-table-skip", "rope-table-fold-skip", "rope-table-vpad", "gluon-rope-vpad"])
 def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recorder):
     """PagedDecodeAttention runs the Gluon kernel for widths 2-4, without rotary offsets unless
     ``gluon_rope`` (and then for GQA groups up to 8), where the accumulator fits (head_dim x padded
@@ -483,8 +487,9 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
     cos and sin (as many chunks) and the kernel copies them; with ``gluon_rope_lanes`` instead (staged;
     ``gluon_rope_pos`` takes precedence where both apply) the slots hold the same room and the warp
     writes it; ``gluon_rope_chains``, ``gluon_rope_fold`` and ``gluon_rope_skip_pad`` reach the kernel with
-    the tables only (the fold for groups up to 4, taking precedence over the skip). (Both kernels replaced by recorders; the GPU is simulated by turning the
-    interpreter flag off.)"""
+    the tables only (the fold for groups up to 4, taking precedence over the skip); ``gluon_rope_v_pad``
+    pads V (and its slots) with the rotary term only. (Both kernels replaced by recorders; the GPU is
+    simulated by turning the interpreter flag off.)"""
     from weightszip.kernels import paged_decode as pd
     from weightszip.kernels import paged_decode_gluon as pg
 
@@ -504,7 +509,7 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
                        gluon_rope=what in ("rope-on", "rope-on-hoist-1", "rope-small-step", "rope-group-16",
                                            "rope-on-chains2", "rope-on-fold") or table,
                        gluon_rope_chains=2 if what.endswith("chains2") else 1, gluon_rope_fold="fold" in what,
-                       gluon_rope_skip_pad=what.endswith("skip"),
+                       gluon_rope_skip_pad=what.endswith("skip"), gluon_rope_v_pad=what.endswith("vpad"),
                        gluon_min_work=10**9 if what == "small-step" else 0,
                        gluon_rope_min_work=10**9 if what == "rope-small-step" else 0,
                        gluon_rope_hoist=1 if what == "rope-on-hoist-1" else KernelConfig.gluon_rope_hoist,
@@ -524,7 +529,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
                           "rope-table-pos", "rope-table-pos-smem-fits", "rope-table-pos-unstaged",
                           "rope-table-pos-no-table", "rope-table-lanes", "rope-table-lanes-unstaged",
                           "rope-table-lanes-pos", "rope-table-chains2", "rope-on-chains2", "rope-table-fold",
-                          "rope-on-fold", "rope-table-skip", "rope-table-fold-skip")
+                          "rope-on-fold", "rope-table-skip", "rope-table-fold-skip", "rope-table-vpad",
+                          "gluon-rope-vpad")
     assert (len(glu.calls), len(tri.calls)) == ((1, 0) if want_gluon else (0, 1))
     if want_gluon:
         assert glu.calls[0]["ROPE_CHUNKS"] == (-(-c["rope_pairs"].numel() // 16) if rope else 0)
@@ -537,6 +543,7 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         assert glu.calls[0]["ROPE_FOLD"] == (what in ("rope-table-fold", "rope-table-fold-skip"))
         assert glu.calls[0]["ROPE_SKIP"] == (what == "rope-table-skip")  # (not with the fold)
         assert glu.calls[0]["ROPE_TABLE"] == table
+        assert glu.calls[0]["V_PAD"] == (what == "rope-table-vpad")  # (with the rotary term only)
         pos_on = what in ("rope-table-pos", "rope-table-pos-smem-fits", "rope-table-lanes-pos")
         lanes_on = what == "rope-table-lanes"
         assert glu.calls[0]["ROPE_POS"] == pos_on
@@ -544,7 +551,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
         chunks = glu.calls[0]["ROPE_CHUNKS"]
         rope_words = pg.rope_table_words(chunks, 8) if table else 0
         assert (glu.calls[0]["TAB_OFF"], glu.calls[0]["STAGE_OFF"]) == pg.smem_offsets(
-            kb, 3, c["q"].shape[-1], glu.calls[0]["num_warps"], cfg.gluon_stages, False, False, rope_words,
+            kb, 3, c["q"].shape[-1], glu.calls[0]["num_warps"], cfg.gluon_stages, False, glu.calls[0]["V_PAD"],
+            rope_words,
             chunks if pos_on or lanes_on else 0)[:2]
         # the table and its rows (the kernel clamps to the last row: it must cover the pages)
         args = glu.calls[0]["args"]
@@ -1614,7 +1622,9 @@ print("skip", "@p ld.shared.v4.b32" in ptx)
                                   (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 1),
                                   (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1),
                                   (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 0, 1, 0, 1),
-                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1)],
+                                  (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1),
+                                  (4, 4, 128, 4, 2, 2, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1),
+                                  (4, 4, 128, 4, 4, 2, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1632,7 +1642,8 @@ print("skip", "@p ld.shared.v4.b32" in ptx)
                               "q4-8b-rope4-staged-vote-bulk-table-pos", "q4-8b-rope-staged-vote-table-lanes",
                               "q4-8b-rope3-staged-vote-table-lanes", "q3-smollm2-rope1-staged-vote-table-lanes",
                               "q4-8b-rope-staged-vote-table-chains2", "q4-8b-rope-staged-vote-table-fold",
-                              "q3-smollm2-rope1-staged-vote-table-lanes-fold", "q4-8b-rope-staged-vote-table-skip"])
+                              "q3-smollm2-rope1-staged-vote-table-lanes-fold", "q4-8b-rope-staged-vote-table-skip",
+                              "q4-8b-rope-staged-vote-vpad-table-skip", "q4-8b-rope4-staged-vote-vpad-table-skip"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1654,7 +1665,8 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     the phase computed, no 8-byte copy; 3 chunks: the stores of the fourth masked off); ``-chains2``: the
     table form's products in two chains (``KernelConfig.gluon_rope_chains``); ``-fold``: Q in the
     padding columns (``KernelConfig.gluon_rope_fold``: a warp shuffle folds the columns back); ``-skip``:
-    no records loaded for the padding columns (``KernelConfig.gluon_rope_skip_pad``: predicated loads)."""
+    no records loaded for the padding columns (``KernelConfig.gluon_rope_skip_pad``: predicated loads);
+    ``-vpad-table-skip``: the compact default's launch with the rotary term (``gluon_rope_v_pad``)."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()

@@ -104,7 +104,7 @@ def _compact_gluon_smem(k_bits: int, v_bits: int, head_dim: int, cfg, has_rope: 
     use = has_rope and cfg.gluon_rope_table
     rope_words = rope_table_words(head_dim // 32, _pow2_at_least(group, 8)) if use else 0
     return smem_offsets(k_bits, v_bits, head_dim, warps, cfg.gluon_stages, cfg.gluon_copy_align,
-                        cfg.gluon_v_pad, rope_words, head_dim // 32 if use and pos else 0)[2]
+                        cfg.v_padded(has_rope), rope_words, head_dim // 32 if use and pos else 0)[2]
 
 
 def rope_page_table(rope_phase: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -242,6 +242,12 @@ class KernelConfig:
     # output. Off: with the per-lane copies 0.93-1.01x at q4 on an H100, which cost more than the
     # loads save (as did two swizzles, removed; BENCHMARKS.md, session 31); for ``gluon_bulk_copy``
     gluon_v_pad: bool = False
+    # ... where the rotary term runs (``gluon_rope``; any of its forms): V padded as ``gluon_v_pad`` pads
+    # it, whatever that field says (``v_padded``). With the term the kernel is bound by the shared-memory
+    # pipe, not by DRAM (Nsight Compute, session 44), and the padding's 12 fewer wavefronts a V load
+    # pay: on an H100 (session 45, tables and skip) 1.011-1.112x in 12 rotary cases at q4, the same
+    # output bit for bit; without the term 0.907-1.002x, so only there. On in the compact default
+    gluon_rope_v_pad: bool = False
     # compact pages, staged: each side's planes at a 128-byte line of the slot and each page's copies
     # assigned so that every 8 lanes write one line (``paged_decode_gluon.aligned_copy_slot``): one
     # shared wavefront per 8 lanes where the default's copies cross a line in each (Nsight Compute:
@@ -286,6 +292,11 @@ class KernelConfig:
         if bad:
             raise InvalidArgumentError("KernelConfig: " + "; ".join(bad))
 
+    def v_padded(self, has_rope: bool) -> bool:
+        """Whether the compact Gluon kernel pads V's staged row pairs at a launch with (``has_rope``)
+        or without the rotary term (``gluon_v_pad``, ``gluon_rope_v_pad``)."""
+        return self.gluon_v_pad or (has_rope and self.gluon_rope_v_pad)
+
 
 # Chosen on the H200 (2026-11-30) by `bench_decode_attention.py --tune`: the best geometric-mean time
 # over four grid points among the sweep in that script (benchmarks/results/decode_attention.json).
@@ -326,10 +337,12 @@ DEFAULT_CONFIGS = {
     # direct form: 1.26-1.78x where the Gluon kernel ran, 1.84-2.88x below the old 2**22 of work, where
     # the Triton kernel ran; GPU tests against the reference passed). The padding columns' rotary
     # records not loaded (session 44, H100 A/B: the same output bit for bit, 1.016x over 6 cases at 8B,
-    # 0.999-1.032x; the shared-memory pipe 94.4% -> 88.8% of its peak under Nsight Compute).
+    # 0.999-1.032x; the shared-memory pipe 94.4% -> 88.8% of its peak under Nsight Compute). V padded
+    # where the rotary term runs (session 45, H100 A/B at q4: 1.011-1.112x in 12 rotary cases at the 8B
+    # and 70B TP8 shapes, bit-identical; 0.907-1.002x without the term, which stays unpadded).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
                                gluon_min_work=0, gluon_vote=True, gluon_rope_table=True, gluon_rope_min_work=0,
-                               gluon_rope_skip_pad=True),
+                               gluon_rope_skip_pad=True, gluon_rope_v_pad=True),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
@@ -1826,8 +1839,9 @@ class PagedDecodeAttention:
             warps = cfg.gluon_rope_warps if has_rope else cfg.gluon_warps
             rope_table = has_rope and cfg.gluon_rope_table
             fold = rope_table and cfg.gluon_rope_fold and G <= 4  # (it takes the padding columns skip would skip)
+            v_pad = cfg.v_padded(has_rope)
             tab_off, stage_off, _ = pg.smem_offsets(
-                self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, cfg.gluon_v_pad,
+                self.k_bits, self.v_bits, D, warps, cfg.gluon_stages, cfg.gluon_copy_align, v_pad,
                 pg.rope_table_words(rope_chunks, _pow2_at_least(G, 8)) if rope_table else 0,
                 rope_chunks if slot_trig else 0)
             pg.compact_split_kernel[(pl["n_items"], Hkv)](
@@ -1848,7 +1862,7 @@ class PagedDecodeAttention:
                 HAS_BIAS=logit_bias is not None, V_EARLY=bool(cfg.gluon_ahead & 1), K_AHEAD=bool(cfg.gluon_ahead & 2),
                 num_warps=warps,
                 STAGES=cfg.gluon_stages, TAB_OFF=tab_off, STAGE_OFF=stage_off, VOTE=cfg.gluon_vote,
-                V_PAD=cfg.gluon_v_pad, COPY_ALIGN=cfg.gluon_copy_align, BULK_COPY=cfg.gluon_bulk_copy,
+                V_PAD=v_pad, COPY_ALIGN=cfg.gluon_copy_align, BULK_COPY=cfg.gluon_bulk_copy,
                 # with the rotary term no cap: 16 warps hold 128 registers at most (ptxas spills 4-32
                 # bytes at the Llama shapes; 8 warps uncapped were slower for q4, BENCHMARKS.md)
                 **({"maxnreg": cfg.gluon_maxnreg} if cfg.gluon_maxnreg and not has_rope else {}))

@@ -53,11 +53,13 @@ the tensor cores. Here, in Gluon (Triton's layout-explicit dialect, ``triton.exp
   vote asks whether any logit of the warp exceeds its column's max + MAX_SLACK, and the row shuffles
   run only then (``_vote_softmax_step``, ``_vote_max_asm``; the same maxima, so the same output). On
   an H100 0.995-1.13x (q4, q3.5, q3; BENCHMARKS.md, session 30).
-* **V's row pairs padded** (``V_PAD``, ``KernelConfig.gluon_v_pad``, q4 at head_dim 128; opt-in):
-  V's 128-byte row pairs 160 bytes apart in the slot (``v_padded_chunk``), which removes the 4-way
-  bank conflicts of the V operand's shared loads. With the per-lane copies it made q4 0.93-1.01x
-  on an H100, as did two swizzles tried before it (removed, session 31): any layout but the page's
-  own costs those copies more than the loads save. Meant for the bulk copies below.
+* **V's row pairs padded** (``V_PAD``, ``KernelConfig.gluon_v_pad``, q4 at head_dim 128; with the
+  rotary term ``KernelConfig.gluon_rope_v_pad``, on in the compact default): V's 128-byte row pairs
+  160 bytes apart in the slot (``v_padded_chunk``), which removes the 4-way bank conflicts of the V
+  operand's shared loads. With the per-lane copies it made q4 0.93-1.01x on an H100 without the
+  term, as did two swizzles tried before it (removed, session 31): any layout but the page's own
+  costs those copies more than the loads save where DRAM is the other limit. With the term, bound
+  by the shared-memory pipe, it made q4 1.011-1.112x (session 45).
 * **Aligned copies** (``COPY_ALIGN``, ``KernelConfig.gluon_copy_align``; opt-in): each 8 lanes of a
   page's copies write one 128-byte line (``aligned_copy_slot``), where the default's cross a line
   (two shared wavefronts a phase). Within noise on an H100 (session 31).
