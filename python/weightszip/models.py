@@ -426,8 +426,8 @@ def tokenize_text(tok, text_path: Path, n_tokens: int, offset: int = 0):
     if ids.shape[1] < want or (len(text) >= want * 8 and ids.shape[1] < want + min(64, want)):
         text, files = read_text(text_path)
         ids = tok(text, add_special_tokens=True, return_tensors="pt").input_ids
-    if ids.shape[1] < want:
-        raise ValueError(f"{text_path} has only {ids.shape[1]} tokens, fewer than {offset} + {n_tokens}")
+    if ids.shape[1] < want:  # (a typed error: demo.main(tokens=) past its text was a ValueError traceback)
+        raise ModelInputError(f"{text_path} has only {ids.shape[1]} tokens, fewer than the {offset} + {n_tokens} asked for")
     # Files are listed from the start of the text up to the last kept token (for folder inputs).
     files = _files_covering(tok, files, ids[0, :want].tolist(), text_path)
     return ids[:, offset:want], files
