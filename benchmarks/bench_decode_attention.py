@@ -81,8 +81,9 @@ ROPE_VARIANTS = {
     "+lanes": {"gluon_rope_table": True, "gluon_rope_lanes": True},
     # ... Q in the B operand's padding columns (KernelConfig.gluon_rope_fold; groups up to 4)
     "+fold": {"gluon_rope_table": True, "gluon_rope_fold": True},
-    # ... the padding columns' records not loaded (KernelConfig.gluon_rope_skip_pad; groups under 8)
-    "+skip": {"gluon_rope_table": True, "gluon_rope_skip_pad": True},
+    # ... the padding columns' records not loaded (KernelConfig.gluon_rope_skip_pad; groups under 8), the
+    # fold (on in the default since session 45, taking precedence) off
+    "+skip": {"gluon_rope_table": True, "gluon_rope_skip_pad": True, "gluon_rope_fold": False},
 }
 COMPACT.update({f"{k}{v}": COMPACT[k] for k in ("q4+rope", "q3.5+rope", "q3+rope", "q4+rope24", "q3+rope24")
                 for v in ROPE_VARIANTS})

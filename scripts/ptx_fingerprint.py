@@ -149,8 +149,10 @@ def configurations():
     cases += [(kb, vb, d, g, chunks, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_SKIP")) for kb, vb, d, g, chunks in (
         (4, 4, 128, 4, 2), (3, 3, 128, 4, 2), (4, 4, 128, 4, 4), (4, 3, 64, 3, 2))]
     cases += [(4, 4, 128, 4, 2, 2, False, ("VOTE", "ROPE_TABLE", "ROPE_LANES", "ROPE_SKIP"))]
-    # ... and V padded (KernelConfig.gluon_rope_v_pad): the compact default's rotary launch since session 45
-    cases += [(4, 4, 128, 4, chunks, 2, False, ("VOTE", "V_PAD", "ROPE_TABLE", "ROPE_SKIP")) for chunks in (2, 4)]
+    # ... and V padded (KernelConfig.gluon_rope_v_pad), with the skip (groups of 5-7) or the fold (up to 4):
+    # the compact default's rotary launches since session 45
+    cases += [(4, 4, 128, 4, chunks, 2, False, ("VOTE", "V_PAD", "ROPE_TABLE", rope))
+              for rope in ("ROPE_SKIP", "ROPE_FOLD") for chunks in (2, 4)]
     suffix = {"VOTE": " vote", "V_PAD": " vpad", "BULK_COPY": " bulk", "COPY_ALIGN": " align",
               "ROPE_TABLE": " table", "ROPE_POS": " pos", "ROPE_LANES": " lanes",
               "ROPE_CHAINS": " chains2", "ROPE_FOLD": " fold",

@@ -1624,7 +1624,8 @@ print("skip", "@p ld.shared.v4.b32" in ptx)
                                   (3, 3, 64, 3, 1, 2, 1, 0, 0, 0, 0, 1, 0, 1, 0, 1),
                                   (4, 4, 128, 4, 2, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1),
                                   (4, 4, 128, 4, 2, 2, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1),
-                                  (4, 4, 128, 4, 4, 2, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1)],
+                                  (4, 4, 128, 4, 2, 2, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0),
+                                  (4, 4, 128, 4, 4, 2, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0)],
                          ids=["q4-8b", "q3.5-70b", "q3-smollm2", "k2v3-smollm2", "q4-64x16", "q4-8b-rope",
                               "q3-smollm2-rope", "q4-8b-staged", "q3-8b-staged", "q3.5-70b-staged4",
                               "k2v3-smollm2-rope-staged", "q4-8b-rope-staged", "q4-d32-staged", "k3v4-8b-staged",
@@ -1643,7 +1644,8 @@ print("skip", "@p ld.shared.v4.b32" in ptx)
                               "q4-8b-rope3-staged-vote-table-lanes", "q3-smollm2-rope1-staged-vote-table-lanes",
                               "q4-8b-rope-staged-vote-table-chains2", "q4-8b-rope-staged-vote-table-fold",
                               "q3-smollm2-rope1-staged-vote-table-lanes-fold", "q4-8b-rope-staged-vote-table-skip",
-                              "q4-8b-rope-staged-vote-vpad-table-skip", "q4-8b-rope4-staged-vote-vpad-table-skip"])
+                              "q4-8b-rope-staged-vote-vpad-table-skip", "q4-8b-rope-staged-vote-vpad-table-fold",
+                              "q4-8b-rope4-staged-vote-vpad-table-fold"])
 def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     """The Gluon kernel compiles for sm_90 without a GPU (in a child process: this module runs Triton
     in its interpreter, which Gluon lacks). Its layout conversions are asserted trivial at compile
@@ -1666,7 +1668,8 @@ def test_gluon_kernel_compiles_for_hopper(case, compile_in_child):
     table form's products in two chains (``KernelConfig.gluon_rope_chains``); ``-fold``: Q in the
     padding columns (``KernelConfig.gluon_rope_fold``: a warp shuffle folds the columns back); ``-skip``:
     no records loaded for the padding columns (``KernelConfig.gluon_rope_skip_pad``: predicated loads);
-    ``-vpad-table-skip``: the compact default's launch with the rotary term (``gluon_rope_v_pad``)."""
+    ``-vpad-table-fold``: the compact default's launch with the rotary term at groups up to 4
+    (``gluon_rope_v_pad``, ``gluon_rope_fold``), ``-vpad-table-skip`` at groups of 5-7."""
     stdout = compile_in_child(_COMPILE_GLUON, *case, timeout=600)
     rope = str(case[4] > 0)
     out = stdout.split()

@@ -222,7 +222,8 @@ class KernelConfig:
     gluon_rope_chains: int = 1
     # ... (the tables, query groups up to 4: the 8B shape) Q in the B operand's padding columns 4-7 and P
     # in 0-3, one product and one hi/lo split a chunk where there were two; the sums as gluon_rope_chains=2
-    # (the same output bit for bit on an H100), 6-10% fewer loop instructions, 1.010x there. Off
+    # (the same output bit for bit on an H100), 6-10% fewer loop instructions, 1.010x there while the
+    # shared pipe was the limit; 1.024x with V padded (session 45), on in the compact default since
     gluon_rope_fold: bool = False
     # ... (the tables, query groups narrower than the B operand's 8 columns) the lanes of the padding
     # columns load none of the term's records (predicated ld.shared; their P and Q are 0 either way):
@@ -339,10 +340,14 @@ DEFAULT_CONFIGS = {
     # records not loaded (session 44, H100 A/B: the same output bit for bit, 1.016x over 6 cases at 8B,
     # 0.999-1.032x; the shared-memory pipe 94.4% -> 88.8% of its peak under Nsight Compute). V padded
     # where the rotary term runs (session 45, H100 A/B at q4: 1.011-1.112x in 12 rotary cases at the 8B
-    # and 70B TP8 shapes, bit-identical; 0.907-1.002x without the term, which stays unpadded).
+    # and 70B TP8 shapes, bit-identical; 0.907-1.002x without the term, which stays unpadded). With V
+    # padded the kernel waits on issue, not on the shared pipe, and the term's fold (Q in the padding
+    # columns, groups up to 4; it takes precedence over the skip) pays: 1.024x over 20 cases on an H100,
+    # 0.991-1.058x at 8B (session 45; the same sums as gluon_rope_chains=2, not bit-identical to the
+    # tables alone: another fp32 rounding, within the same tolerance of the reference).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
                                gluon_min_work=0, gluon_vote=True, gluon_rope_table=True, gluon_rope_min_work=0,
-                               gluon_rope_skip_pad=True, gluon_rope_v_pad=True),
+                               gluon_rope_skip_pad=True, gluon_rope_v_pad=True, gluon_rope_fold=True),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
