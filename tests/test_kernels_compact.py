@@ -682,32 +682,54 @@ def test_compact_bad_input():
 # -- real shapes, GPU only -----------------------------------------------------------------------------
 
 
-def _real_shape_case(shape, k_bits, v_bits):
+def _real_rope_m(Hkv, D, pairs, g):
+    """Rotary offsets (``HeadTables.rope_m``, int64 [Hkv, D] in units of 2**-16) in ``pairs`` of the
+    D / 2 RoPE pairs drawn at random (both channels of a pair, every head; 0 in the others, as
+    calibration leaves them), a few key units each, and Llama-3's phase steps (base 500000)."""
+    inv = 5e5 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    listed = torch.randperm(D // 2, generator=g)[:pairs]
+    m = torch.zeros(Hkv, D, dtype=torch.float64)
+    for c in (listed, listed + D // 2):
+        m[:, c] = 3 * torch.randn(Hkv, pairs, generator=g, dtype=torch.float64)
+    return torch.round(m * 2.0**codec.FIXED_SHIFT).to(torch.int64), C.rope_phase_steps(inv)
+
+
+def _real_shape_case(shape, k_bits, v_bits, rope_pairs=0):
     """Llama shapes, head_dim 128, tables fitted on synthetic heavy-tailed KV; pages written by the
     write kernel (bytes checked against the reference on a slice); the reference's output and the
-    tolerance scale. Returns (run, ref, vmax): ``run(config)`` the kernel's output."""
+    tolerance scale. Returns (run, ref, vmax): ``run(config)`` the kernel's output. ``rope_pairs``:
+    K tables with rotary offsets in that many pairs (``_real_rope_m``), keys written at their
+    positions, the rotary term in the kernel and the reference."""
     Hq, Hkv, D = shape
     g = torch.Generator().manual_seed(1)
     calib = torch.randn(512, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g)) + torch.randn(D, generator=g)
     rng = np.random.default_rng(0)
     signs = torch.from_numpy(rng.choice([-1, 1], size=D)).to(torch.int64)
+    rope = dict(zip(("rope_m", "rope_phase"), _real_rope_m(Hkv, D, rope_pairs, g))) if rope_pairs else {}
     tabs = {}
     for kind, bits in (("k", k_bits), ("v", v_bits)):
-        mu, mult, e0, cbs = C.fit_tables(calib, torch.ones(Hkv, D), kind, signs, rng)
-        tabs[kind] = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits) for i in range(Hkv)]
+        kr = dict(rope, positions=torch.arange(calib.shape[0])) if kind == "k" and rope else {}
+        mu, mult, e0, cbs = C.fit_tables(calib, torch.ones(Hkv, D), kind, signs, rng, **kr)
+        tabs[kind] = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits,
+                                       **({"rope_m": rope["rope_m"][i], "rope_phase": rope["rope_phase"]}
+                                          if kind == "k" and rope else {}))
+                      for i in range(Hkv)]
     lens, S, W = [3000, 1, 777, 4100], 4, 128
     per = max(-(-L // 16) for L in lens)
     nb = len(lens) * per + 4
     bt = torch.randperm(nb, generator=g)[: len(lens) * per].view(len(lens), per).to(torch.int32)
     slots = torch.cat([bt[b, torch.arange(L) // 16].long() * 16 + torch.arange(L) % 16 for b, L in enumerate(lens)])
     n = slots.numel()
+    positions = torch.cat([torch.arange(L) for L in lens])
     x = {k: (torch.randn(n, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g))).to(torch.bfloat16) for k in "kv"}
     pages = {}
     for kind, bits in (("k", k_bits), ("v", v_bits)):
+        pos = positions if kind == "k" and rope else None
         pages[kind] = pool(nb, Hkv, 16, bits, D)
-        compact_write(x[kind].cuda(), slots.cuda(), pages[kind], compact_write_tables(tabs[kind], "cuda"))
+        compact_write(x[kind].cuda(), slots.cuda(), pages[kind], compact_write_tables(tabs[kind], "cuda"),
+                      None if pos is None else pos.cuda())
         want = pool(nb, Hkv, 16, bits, D).cpu()
-        compact_write_ref(x[kind][:256], slots[:256], want, tabs[kind])
+        compact_write_ref(x[kind][:256], slots[:256], want, tabs[kind], None if pos is None else pos[:256])
         blocks = bt[0, :16].long()
         assert torch.equal(pages[kind].cpu()[blocks], want[blocks])
     ct = compact_tables(tabs["k"], tabs["v"], "cuda")
@@ -716,12 +738,18 @@ def _real_shape_case(shape, k_bits, v_bits):
     side = {k: torch.randn(len(lens), S + W, Hkv, D, generator=g).to(torch.bfloat16).cuda() for k in ("k_side", "v_side")}
     tables = dict(k_codebook=ct["k_codebook"], v_codebook=ct["v_codebook"], k_grid=ct["k_grid"], v_grid=ct["v_grid"])
     common = dict(q_transformed=qt, logit_bias=bias, v_inv_transform=ct["v_inv_transform"], v_mean=ct["v_mean"], **side)
+    listed = {}
+    if rope:
+        assert ct["rope_pairs"].numel() == rope_pairs
+        common.update(rope_coef=rope_logit_coef(q, ct["k_rope_m"], Hkv), rope_phase=ct["rope_phase"])
+        listed = dict(rope_pairs=ct["rope_pairs"])
 
     def run(config):
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=k_bits,
                                     v_bits=v_bits, config=config)
         attn.plan(lens, bt.cuda())
-        return attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables, **common)
+        return attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables,
+                        **common, **listed)
 
     ref = paged_decode_ref(q, pages["k"], pages["v"], bt.cuda(), lens, page_type="compact", sink_tokens=S, window=W,
                            k_bits=k_bits, v_bits=v_bits, **tables, **common)
@@ -765,6 +793,30 @@ def test_gluon_kernel_real_shapes_gpu(shape, variant, bits):
     assert (out.double() - ref).abs().max().item() <= 2.0**-6 * vmax
     triton_out = run(KernelConfig(block_n=64, reg_lut_bits=0))
     assert (out.double() - triton_out.double()).abs().max().item() <= 2.0**-7 * vmax
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
+@pytest.mark.parametrize("pairs", [24, 64])
+@pytest.mark.parametrize("bits", [(4, 4), (4, 3)], ids=["q4", "q3.5"])
+@pytest.mark.parametrize("shape", [(32, 8, 128), (8, 1, 128)], ids=["llama8b", "llama70b-tp8"])
+def test_gluon_rotary_default_real_shapes_gpu(shape, bits, pairs):
+    """The compact default with rotary offsets at the Llama shapes (head_dim 128: the tables, V padded
+    at 4 bits (``gluon_rope_v_pad``), the fold at the 8B shape's 4 query heads a KV head
+    (``gluon_rope_fold``), neither fold nor skip at 70B TP8's 8) against the reference; V padded gives
+    the unpadded kernel's output bit for bit, the fold the two chains' (``gluon_rope_chains=2``)."""
+    from weightszip.kernels.paged_decode import DEFAULT_CONFIGS, PAGE_COMPACT
+
+    run, ref, vmax = _real_shape_case(shape, *bits, rope_pairs=pairs)
+    cfg = DEFAULT_CONFIGS[PAGE_COMPACT]
+    out = run(cfg)
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2.0**-6 * vmax, f"max error {err:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
+    assert torch.equal(run(dataclasses.replace(cfg, gluon_rope_v_pad=False)), out), "V padded differs"
+    chains = run(dataclasses.replace(cfg, gluon_rope_fold=False, gluon_rope_chains=2))
+    if shape[0] // shape[1] <= 4:
+        assert torch.equal(chains, out), "the fold differs from two chains"
+    else:  # (no padding column to fold into: the default is the tables' one chain)
+        assert (chains.double() - out.double()).abs().max().item() <= 2.0**-10 * vmax
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel is compiled only (no interpreter)")
