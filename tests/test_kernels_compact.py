@@ -436,8 +436,6 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     err_c = (chains.double().cpu() - reference(c).cpu()).abs().max().item()
     assert err_c <= 2.0**-6 * vmax, f"two chains: max error {err_c:.3g} > {2.0**-6:.3g} * max|v| {vmax:.3g}"
     assert (chains.double().cpu() - table).abs().max().item() <= 2.0**-10 * vmax
-    # ... with Q in the padding columns (``gluon_rope_fold``, groups up to 4): the same two chains'
-    # sums, so the same output as two chains bit for bit
     # ... with the padding columns' records not loaded (``gluon_rope_skip_pad``): their P and Q are 0
     # either way, so the table form's output bit for bit
     skip = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_skip_pad=True))
@@ -446,6 +444,8 @@ def test_gluon_rotary_offsets_match_reference_gpu(case, stages):
     vpad = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_skip_pad=True,
                                                     gluon_rope_v_pad=True))
     assert torch.equal(vpad.double().cpu(), table), "gluon_rope_v_pad differs from the table form"
+    # ... with Q in the padding columns (``gluon_rope_fold``, groups up to 4): the same two chains'
+    # sums, so the same output as two chains bit for bit
     fold = run(c, False, config=dataclasses.replace(cfg, gluon_rope_table=True, gluon_rope_fold=True))
     assert torch.equal(fold, chains), "gluon_rope_fold differs from gluon_rope_chains=2"
     if stages:  # ... and with the page's cos and sin from the warp's lanes

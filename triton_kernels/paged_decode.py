@@ -223,12 +223,13 @@ class KernelConfig:
     # ... (the tables, query groups up to 4: the 8B shape) Q in the B operand's padding columns 4-7 and P
     # in 0-3, one product and one hi/lo split a chunk where there were two; the sums as gluon_rope_chains=2
     # (the same output bit for bit on an H100), 6-10% fewer loop instructions, 1.010x there while the
-    # shared pipe was the limit; 1.024x with V padded (session 45), on in the compact default since
+    # shared pipe was the limit; 1.024x with V padded (session 45), on in the compact default since then
     gluon_rope_fold: bool = False
     # ... (the tables, query groups narrower than the B operand's 8 columns) the lanes of the padding
     # columns load none of the term's records (predicated ld.shared; their P and Q are 0 either way):
     # the same output bit for bit, fewer shared-memory wavefronts (the term's limit on an H100, session 44;
-    # on in the compact default since its A/B there, ``DEFAULT_CONFIGS``)
+    # on in the compact default since its A/B there, ``DEFAULT_CONFIGS``; the fold takes precedence where
+    # both apply)
     gluon_rope_skip_pad: bool = False
     # 0, 2 or 4: each warp's next gluon_stages - 1 pages copied ahead into shared memory (cp.async,
     # no registers held) instead of loaded into registers (``gluon_ahead`` then has no effect)
