@@ -111,7 +111,7 @@ def main(argv=None) -> None:
             for n, cfg in configs.items():
                 att = atts[n] = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb,
                                                      device="cuda", config=cfg)
-                att.plan([L] * B, bt)
+                att.plan([L] * B, bt, rope="rope_coef" in extra)
                 fns[n] = lambda att=att, inp=(q, kp, vp), kw={**tabs, **extra}, mod=modules.get(n): (
                     att.run(*inp, **kw) if mod is None else run_with(mod, att, inp, kw))
             key = f"{shape}:{B}x{L}:{fmt}"

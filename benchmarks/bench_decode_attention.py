@@ -296,7 +296,8 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config, side=(0, 0)):
     q = torch.randn(B, Hq, D, dtype=torch.bfloat16, device="cuda", generator=gen)
     attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, config=config,
                                 sink_tokens=S, window=W, device="cuda")
-    info = attn.plan([L] * B, bt)
+    rope = "rope_coef" in extra
+    info = attn.plan([L] * B, bt, rope=rope)
     out = torch.empty(B, Hq, D, dtype=torch.bfloat16, device="cuda")
     t = bench(lambda: attn.run(q, kp, vp, out=out, **tabs, **extra), rep)
     from weightszip.kernels import DEFAULT_CONFIGS
@@ -305,7 +306,7 @@ def time_compact(name, B, L, Hq, Hkv, D, rep, gen, config, side=(0, 0)):
     default = DEFAULT_CONFIGS[PAGE_COMPACT]
     if config is not None and config != default:  # the default kernel's output (fp32 sums aside)
         attn.config = default
-        attn.plan([L] * B, bt)
+        attn.plan([L] * B, bt, rope=rope)
         other = attn.run(q, kp, vp, **tabs, **extra).float()
         info["max_abs_diff_vs_default"] = float((out.float() - other).abs().max())
         info["max_abs_out"] = float(other.abs().max())

@@ -63,7 +63,7 @@ def attention(kind, B=64, L=32768, Hq=32, Hkv=8, D=128):
 
         cfg = kind_config(kind) or DEFAULT_CONFIGS[PAGE_COMPACT]
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", k_bits=kb, v_bits=vb, device="cuda", config=cfg)
-        attn.plan([L] * B, bt)
+        attn.plan([L] * B, bt, rope="rope_coef" in extra)
         attn.run(q, kp, vp, **tabs, **extra)
     torch.cuda.synchronize()
     print(kind, "ran", flush=True)

@@ -564,7 +564,8 @@ def test_gluon_kernel_is_chosen_where_it_applies(what, monkeypatch, launch_recor
 @pytest.mark.parametrize("bad", [dict(gluon_stages=3), dict(gluon_stages=8), dict(gluon_warps=6), dict(gluon_rope_warps=32),
                                  dict(block_n=24), dict(num_warps=0), dict(gluon_ahead=4), dict(gluon_maxnreg=8),
                                  dict(gluon_min_work=-1), dict(gluon_rope_hoist=5), dict(gluon_rope_hoist=-1),
-                                 dict(gluon_rope_chains=0), dict(gluon_rope_chains=3)])
+                                 dict(gluon_rope_chains=0), dict(gluon_rope_chains=3), dict(rope_waves=-1),
+                                 dict(waves=0)])
 def test_kernel_config_refuses_what_would_not_compile(bad):
     """A KernelConfig outside what was built and measured (staging of 2 or 4 slots per warp: 8 slots of
     q4 at 16 warps overflow shared memory, other counts were never run on a GPU), that Triton could
@@ -576,7 +577,7 @@ def test_kernel_config_refuses_what_would_not_compile(bad):
         KernelConfig(**bad)
     KernelConfig(**{k: {"gluon_stages": 4, "gluon_warps": 16, "gluon_rope_warps": 8, "block_n": 32, "num_warps": 8,
                         "gluon_ahead": 3, "gluon_maxnreg": 0, "gluon_min_work": 0, "gluon_rope_hoist": 4,
-                        "gluon_rope_chains": 2}[k]
+                        "gluon_rope_chains": 2, "rope_waves": 0, "waves": 1}[k]
                     for k in bad})  # a valid value
 
 

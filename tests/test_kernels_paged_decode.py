@@ -290,6 +290,9 @@ def test_plan_and_run_refuse_what_used_to_pass_unchecked():
     for split in (0.5, float("inf"), "64", True):
         with pytest.raises(InvalidArgumentError, match="split_tokens"):
             attn.plan(c["lens"], c["bt"], split_tokens=split)
+    for rope in (1, None, "yes"):
+        with pytest.raises(InvalidArgumentError, match="rope must be a bool"):
+            attn.plan(c["lens"], c["bt"], rope=rope)
     attn.plan(c["lens"], c["bt"])
     for dt in (torch.int32, torch.float64, torch.uint8):
         with pytest.raises(InvalidArgumentError, match="q_transformed"):
@@ -386,19 +389,22 @@ def test_query_helpers_check_shapes():
 
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 40000), min_size=1, max_size=12), heads=st.sampled_from([1, 2, 8]),
-       waves=st.integers(1, 3), min_split=st.sampled_from([16, 1000, 2048]), block_n=st.sampled_from([16, 128]),
+       waves=st.integers(1, 3), rope_waves=st.integers(0, 3), rope=st.booleans(),
+       min_split=st.sampled_from([16, 1000, 2048]), block_n=st.sampled_from([16, 128]),
        sinks=st.sampled_from([0, 4, 200]), window=st.sampled_from([0, 64]))
-def test_default_split_fits_the_programs(lens, heads, waves, min_split, block_n, sinks, window):
+def test_default_split_fits_the_programs(lens, heads, waves, rope_waves, rope, min_split, block_n, sinks, window):
     """The planner's default split (``_fit_split``) is the shortest whole number of steps, at least
-    min_split_tokens, whose items times the KV heads fit in waves x multiprocessors (7 here); where
-    even one item a sequence is more, one item a sequence. Its schedule covers each sequence's paged
-    tokens once (every item in range, consecutive, none empty)."""
-    cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=1, waves=waves, min_split_tokens=min_split)
+    min_split_tokens, whose items times the KV heads fit in waves x multiprocessors (7 here; with
+    ``plan(rope=True)``, rope_waves where positive); where even one item a sequence is more, one item
+    a sequence. Its schedule covers each sequence's paged tokens once (every item in range,
+    consecutive, none empty)."""
+    cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=1, waves=waves, rope_waves=rope_waves,
+                       min_split_tokens=min_split)
     attn = PagedDecodeAttention(heads * 2, heads, 32, config=cfg, sink_tokens=sinks, window=window, device="cpu")
     attn._num_sms = lambda: 7
     bt = torch.zeros(len(lens), -(-max(lens) // 16), dtype=torch.int32)
-    info = attn.plan(lens, bt)
-    split, budget = info["split_tokens"], 7 * waves // heads
+    info = attn.plan(lens, bt, rope=rope)
+    split, budget = info["split_tokens"], 7 * (rope_waves if rope and rope_waves else waves) // heads
     assert split % block_n == 0 and split >= min_split
     a0 = sinks // block_n * block_n
     spans = [max(n - window, 0) - a0 if n - window > sinks else 0 for n in lens]

@@ -234,6 +234,29 @@ def test_paged_cache_passes_the_pages_cos_and_sin_when_the_kernel_config_asks():
         assert (out.float() - plain.float()).abs().max() <= 2.0**-6 * plain.float().abs().max()
 
 
+def test_paged_cache_plans_its_steps_with_the_rotary_term_where_it_runs():
+    """A cache whose calibration has rotary offsets plans its decode steps with ``rope=True`` (the
+    split of ``KernelConfig.rope_waves``), one without them with ``rope=False``; once per length."""
+    import dataclasses
+
+    from weightszip.compact.paged_cache import PagedCompactCache
+
+    with_rope = first_layers_calibration()
+    plain = dataclasses.replace(with_rope, rope_m=None, rope_phase=None)
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(40, 3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(9, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    for cal, want in ((with_rope, True), (plain, False)):
+        c = PagedCompactCache(cal, "q4", num_q_heads=9, max_tokens=100, device=DEVICE)
+        attn = c.layers[0]["attn"]
+        seen, plan = [], attn.plan
+        attn.plan = lambda *a, **kw: seen.append(kw.get("rope")) or plan(*a, **kw)
+        c.append(0, k, k.flip(0))
+        c.attend(0, q)
+        c.attend(0, q)
+        assert seen == [want]
+
+
 def test_paged_compact_cache_refuses_bad_arguments_before_any_write():
     """From a review: block_size 0 was ZeroDivisionError, max_tokens -5 or 1.5 a 16-token cache,
     10**12 tokens an attempt to allocate the pool; an fp32 V after a bf16 K wrote K's side buffer,

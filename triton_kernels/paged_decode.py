@@ -149,6 +149,10 @@ class KernelConfig:
     num_stages: int = 2
     waves: int = 4
     min_split_tokens: int = 1024
+    # ... and at most this many where the step runs the rotary term (``plan(..., rope=True)``; 0: ``waves``).
+    # The compact Gluon kernel with the term fits one 16-warp program per multiprocessor, so 2 waves run
+    # as two sequential waves with half-length splits (session 46, H100: 1 wave 1.00-1.32x, see the default)
+    rope_waves: int = 0
     cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
     # wide, their codebooks are looked up in registers (byte permutes, ``_lut_lookup``) instead of
@@ -276,6 +280,7 @@ class KernelConfig:
             ("num_warps", self.num_warps, self.num_warps in pow2, "1, 2, 4, 8 or 16"),
             ("num_stages", self.num_stages, self.num_stages >= 1, ">= 1"),
             ("waves", self.waves, self.waves >= 1, ">= 1"),
+            ("rope_waves", self.rope_waves, self.rope_waves >= 0, ">= 0"),
             ("min_split_tokens", self.min_split_tokens, self.min_split_tokens >= 1, ">= 1"),
             ("reg_lut_bits", self.reg_lut_bits, 0 <= self.reg_lut_bits <= 8, "0 to 8"),
             ("gluon_min_work", self.gluon_min_work, self.gluon_min_work >= 0, ">= 0"),
@@ -345,10 +350,14 @@ DEFAULT_CONFIGS = {
     # padded the kernel waits on issue, not on the shared pipe, and the term's fold (Q in the padding
     # columns, groups up to 4; it takes precedence over the skip) pays: 1.024x over 20 cases on an H100,
     # 0.991-1.058x at 8B (session 45; the same sums as gluon_rope_chains=2, not bit-identical to the
-    # tables alone: another fp32 rounding, within the same tolerance of the reference).
+    # tables alone: another fp32 rounding, within the same tolerance of the reference). Steps planned
+    # with the rotary term (``plan(rope=True)``) fill one wave: only one of its 16-warp programs fits a
+    # multiprocessor, so 2 waves ran as two in sequence (session 46, H100 A/B, q4 with 24 and 64 pairs,
+    # 10 cases at 8B and 70B TP8 batch 8-64: 1.096x in geometric mean, 0.999-1.321x, 1.28-1.32x at 70B
+    # TP8 8 x 128k; splits of at least 4096 tokens instead 0.80-1.01x).
     PAGE_COMPACT: KernelConfig(block_n=128, num_warps=4, num_stages=1, waves=2, min_split_tokens=2048, gluon=True,
                                gluon_min_work=0, gluon_vote=True, gluon_rope_table=True, gluon_rope_min_work=0,
-                               gluon_rope_skip_pad=True, gluon_rope_v_pad=True, gluon_rope_fold=True),
+                               gluon_rope_skip_pad=True, gluon_rope_v_pad=True, gluon_rope_fold=True, rope_waves=1),
     # `bench_kv_exact.py --tune` (2026-11-30): 32 tokens per step, 4 warps, 2 stages
     PAGE_EXACT: KernelConfig(block_n=32, num_warps=4, num_stages=2, waves=4, min_split_tokens=1024),
     # KV Exact4: `bench_kv_exact.py --format exact4 --tune` (H200, session 14): 32 tokens per step, 4
@@ -1458,15 +1467,15 @@ class PagedDecodeAttention:
             return torch.cuda.get_device_properties(self.device).multi_processor_count
         return 4
 
-    def _fit_split(self, spans: np.ndarray, bn: int) -> int:
+    def _fit_split(self, spans: np.ndarray, bn: int, waves: int) -> int:
         """The default split: the shortest (a multiple of ``bn``, at least ``config.min_split_tokens``)
-        whose items, times the KV heads, fit in ``config.waves`` programs per multiprocessor. Each
+        whose items, times the KV heads, fit in ``waves`` programs per multiprocessor. Each
         sequence's span (``spans``: tokens from its first step, 0 for none) is cut into whole splits,
         so the even share of the total can give more programs than that (8 sequences of 128k at
         waves 1: 17 splits each of 8064 tokens, 136 programs on 132 multiprocessors, four of which
         then run two): the split grows until the count fits, or to the longest span (one item a
         sequence, where even that is more)."""
-        budget = max(1, self._num_sms() * self.config.waves // self.num_kv_heads)
+        budget = max(1, self._num_sms() * waves // self.num_kv_heads)
 
         def steps(n):  # n tokens in whole steps of bn, at least min_split_tokens
             return -(-max(int(n), self.config.min_split_tokens) // bn)
@@ -1481,16 +1490,20 @@ class PagedDecodeAttention:
                 lo_s = mid + 1
         return lo_s * bn
 
-    def plan(self, seq_lens, block_tables: torch.Tensor, *, split_tokens: int | None = None) -> dict:
+    def plan(self, seq_lens, block_tables: torch.Tensor, *, split_tokens: int | None = None,
+             rope: bool = False) -> dict:
         """Split schedule and workspace for one decode step.
 
         seq_lens: the total length ``L`` of each sequence (side tokens included), ints >= 1, on the host
         (a list, numpy array or tensor). block_tables: int32 [num_seqs, max_blocks] on the device.
         split_tokens: tokens per split (a multiple of ``config.block_n``); default: enough splits to
-        fill the GPU with at most ``config.waves`` programs per multiprocessor (``_fit_split``). Returns a
-        summary (items, split size). The block tables are copied: changing the tensor after plan()
-        changes nothing that run() reads (plan again for a new step).
+        fill the GPU with at most ``config.waves`` programs per multiprocessor (``_fit_split``), or
+        ``config.rope_waves`` (where positive) with ``rope``: the step's run() calls pass the rotary
+        term (``rope_coef``/``rope_phase``). ``rope`` sets only the split: any run() is correct after
+        any plan(). Returns a summary (items, split size). The block tables are copied: changing the
+        tensor after plan() changes nothing that run() reads (plan again for a new step).
         """
+        _check(isinstance(rope, bool), f"rope must be a bool, not {type(rope).__name__}")
         try:
             raw = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
         except (TypeError, ValueError, RuntimeError) as e:
@@ -1524,7 +1537,8 @@ class PagedDecodeAttention:
         a0 = (lo // bn) * bn
         spans = np.where(n_paged > 0, hi - a0, 0)  # tokens from each sequence's first step (0: none)
         if split_tokens is None:
-            split_tokens = self._fit_split(spans, bn)
+            cfg = self.config
+            split_tokens = self._fit_split(spans, bn, cfg.rope_waves if rope and cfg.rope_waves else cfg.waves)
         split_tokens = -(-int_arg("split_tokens", split_tokens, 1, 2**31 - 1) // bn) * bn
         n_items = -(-spans // split_tokens)
         seq_of = np.repeat(np.arange(lens.size), n_items)

@@ -167,7 +167,7 @@ class PagedCompactCache:
         st, L = self.layers[layer], self.length[layer]
         attn, t = st["attn"], st["read"]
         if self._planned.get(id(attn)) != L:
-            attn.plan([L], self.block_table)
+            attn.plan([L], self.block_table, rope="rope_phase" in t)
             self._planned[id(attn)] = L
         qb = q.unsqueeze(0)
         qt, bias = transform_query(qb, t["k_inv_transform"], t["k_mean"], self.H)
