@@ -6,7 +6,8 @@ both at the KV Exact4 config, batch 8 x 32k) and the
 decode-attention split kernel for ``fp8`` (the default: the Gluon fp8 kernel; ``fp8+triton``: the Triton one) or a
 compact kind of bench_decode_attention.py (``q4``, ``q3+rope24``, ``q4+rope24+lanes``, ...; its suffix changes
 the compact default as there) at the Llama-3.1-8B shape,
-batch 64 x 32k (random pages, made as bench_decode_attention.py makes them).
+batch 64 x 32k (random pages, made as bench_decode_attention.py makes them; ``--point
+llama70b-tp8:8:32768``: another shape, batch and context, as ab_decode_configs.py names them).
 
     ncu --clock-control none -k regex:"_decode_kernel|_paged_split_kernel|compact_split_kernel|fp8_split_kernel" -c 8 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_attention import COMPACT, compact_inputs, kind_config, make_paged  # noqa: E402
+from bench_decode_attention import COMPACT, SHAPES, compact_inputs, kind_config, make_paged  # noqa: E402
 from bench_gpu_codec import calibrated_sets, device_pages  # noqa: E402
 
 from weightszip.kernels import PagedDecodeAttention  # noqa: E402
@@ -99,15 +100,22 @@ def kv_exact4(kv, bf16: bool, B=8, L=32768):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz", help="real KV sets (for exact)")
+    ap.add_argument("--point", default="llama8b:64:32768",
+                    help="shape:batch:context of the decode-attention kernels (shapes: %s)" % ", ".join(SHAPES))
     ap.add_argument("kernels", nargs="+", choices=["exact", "kvx4", "kvx4-bf16", "fp8", "fp8+triton", *COMPACT])
     args = ap.parse_args()
+    parts = args.point.split(":")
+    if len(parts) != 3 or parts[0] not in SHAPES or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+        ap.error(f"--point must be shape:batch:context (a known shape, positive integers), not {args.point!r}")
+    shape, batch, context = parts
+    Hq, Hkv, D = SHAPES[shape]
     for k in args.kernels:
         if k == "exact":
             exact(args.kv)
         elif k.startswith("kvx4"):
             kv_exact4(args.kv, k == "kvx4-bf16")
         else:
-            attention(k)
+            attention(k, B=int(batch), L=int(context), Hq=Hq, Hkv=Hkv, D=D)
 
 
 if __name__ == "__main__":

@@ -708,12 +708,13 @@ def _real_shape_case(shape, k_bits, v_bits, rope_pairs=0):
     signs = torch.from_numpy(rng.choice([-1, 1], size=D)).to(torch.int64)
     rope = dict(zip(("rope_m", "rope_phase"), _real_rope_m(Hkv, D, rope_pairs, g))) if rope_pairs else {}
     tabs = {}
+    rotated = {"k": bool(rope), "v": False}  # (the rotary offsets are K's)
     for kind, bits in (("k", k_bits), ("v", v_bits)):
-        kr = dict(rope, positions=torch.arange(calib.shape[0])) if kind == "k" and rope else {}
+        kr = dict(rope, positions=torch.arange(calib.shape[0])) if rotated[kind] else {}
         mu, mult, e0, cbs = C.fit_tables(calib, torch.ones(Hkv, D), kind, signs, rng, **kr)
         tabs[kind] = [codec.HeadTables(mu[i], mult[i], signs, int(e0[i]), cbs[bits], bits,
                                        **({"rope_m": rope["rope_m"][i], "rope_phase": rope["rope_phase"]}
-                                          if kind == "k" and rope else {}))
+                                          if rotated[kind] else {}))
                       for i in range(Hkv)]
     lens, S, W = [3000, 1, 777, 4100], 4, 128
     per = max(-(-L // 16) for L in lens)
@@ -725,7 +726,7 @@ def _real_shape_case(shape, k_bits, v_bits, rope_pairs=0):
     x = {k: (torch.randn(n, Hkv, D, generator=g) * (1 + 4 * torch.rand(D, generator=g))).to(torch.bfloat16) for k in "kv"}
     pages = {}
     for kind, bits in (("k", k_bits), ("v", v_bits)):
-        pos = positions if kind == "k" and rope else None
+        pos = positions if rotated[kind] else None
         pages[kind] = pool(nb, Hkv, 16, bits, D)
         compact_write(x[kind].cuda(), slots.cuda(), pages[kind], compact_write_tables(tabs[kind], "cuda"),
                       None if pos is None else pos.cuda())
