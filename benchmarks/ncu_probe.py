@@ -101,12 +101,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default=".boxdata/kv_pages_subset.npz", help="real KV sets (for exact)")
     ap.add_argument("--point", default="llama8b:64:32768",
-                    help="shape:batch:context of the decode-attention kernels (shapes: %s)" % ", ".join(SHAPES))
+                    help="shape:batch:context of the decode-attention kernels, not exact or kvx4 (shapes: %s)"
+                    % ", ".join(SHAPES))
     ap.add_argument("kernels", nargs="+", choices=["exact", "kvx4", "kvx4-bf16", "fp8", "fp8+triton", *COMPACT])
     args = ap.parse_args()
     parts = args.point.split(":")
-    if len(parts) != 3 or parts[0] not in SHAPES or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
-        ap.error(f"--point must be shape:batch:context (a known shape, positive integers), not {args.point!r}")
+    if (len(parts) != 3 or parts[0] not in SHAPES or not all(x.isascii() and x.isdigit() for x in parts[1:])
+            or int(parts[1]) < 1 or int(parts[2]) < 16 or int(parts[2]) % 16):
+        ap.error(f"--point must be shape:batch:context (a known shape, a positive batch, a context that is a "
+                 f"positive multiple of 16), not {args.point!r}")
     shape, batch, context = parts
     Hq, Hkv, D = SHAPES[shape]
     for k in args.kernels:

@@ -389,22 +389,26 @@ def test_query_helpers_check_shapes():
 
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 40000), min_size=1, max_size=12), heads=st.sampled_from([1, 2, 8]),
-       waves=st.integers(1, 3), rope_waves=st.integers(0, 3), rope=st.booleans(),
+       waves=st.integers(1, 3), rope_waves=st.integers(0, 3), rope=st.booleans(), gluon=st.booleans(),
        min_split=st.sampled_from([16, 1000, 2048]), block_n=st.sampled_from([16, 128]),
        sinks=st.sampled_from([0, 4, 200]), window=st.sampled_from([0, 64]))
-def test_default_split_fits_the_programs(lens, heads, waves, rope_waves, rope, min_split, block_n, sinks, window):
+def test_default_split_fits_the_programs(lens, heads, waves, rope_waves, rope, gluon, min_split, block_n, sinks,
+                                         window):
     """The planner's default split (``_fit_split``) is the shortest whole number of steps, at least
     min_split_tokens, whose items times the KV heads fit in waves x multiprocessors (7 here; with
-    ``plan(rope=True)``, rope_waves where positive); where even one item a sequence is more, one item
-    a sequence. Its schedule covers each sequence's paged tokens once (every item in range,
-    consecutive, none empty)."""
+    ``plan(rope=True)``, rope_waves where positive and the Gluon kernel with the term would run, here
+    as ``gluon`` says); where even one item a sequence is more, one item a sequence. Its schedule
+    covers each sequence's paged tokens once (every item in range, consecutive, none empty)."""
     cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=1, waves=waves, rope_waves=rope_waves,
                        min_split_tokens=min_split)
     attn = PagedDecodeAttention(heads * 2, heads, 32, config=cfg, sink_tokens=sinks, window=window, device="cpu")
     attn._num_sms = lambda: 7
+    asked = []
+    attn._compact_gluon_applies = lambda has_rope, tokens, trig: asked.append((has_rope, tokens)) or gluon
     bt = torch.zeros(len(lens), -(-max(lens) // 16), dtype=torch.int32)
     info = attn.plan(lens, bt, rope=rope)
-    split, budget = info["split_tokens"], 7 * (rope_waves if rope and rope_waves else waves) // heads
+    split, budget = info["split_tokens"], 7 * (rope_waves if rope and rope_waves and gluon else waves) // heads
+    assert asked in ([], [(True, info["paged_tokens"])])
     assert split % block_n == 0 and split >= min_split
     a0 = sinks // block_n * block_n
     spans = [max(n - window, 0) - a0 if n - window > sinks else 0 for n in lens]
@@ -426,6 +430,27 @@ def test_default_split_fits_the_programs(lens, heads, waves, rope_waves, rope, m
         want = [(lo, hi)] if hi > lo else []
         assert [(mine[0][0], mine[-1][1])] == want if mine else want == []
         assert all(a < b for a, b in mine) and all(b == a2 for (_, b), (a2, _) in zip(mine, mine[1:]))
+
+
+def test_one_wave_only_where_the_gluon_kernel_with_the_rotary_term_runs():
+    """``rope_waves`` (1 in the compact default against ``waves`` 2) sets the split of a step planned with
+    ``rope=True`` only where the Gluon kernel with the term will run: not in the interpreter (the
+    Triton kernel), not for bf16 pages, not with ``rope=False``."""
+    from weightszip.kernels import DEFAULT_CONFIGS
+    from weightszip.kernels.paged_decode import PAGE_COMPACT
+
+    cfg = DEFAULT_CONFIGS[PAGE_COMPACT]
+    assert (cfg.waves, cfg.rope_waves) == (2, 1)
+    lens, bt = [8192] * 4, torch.zeros(4, 512, dtype=torch.int32)
+    attn = PagedDecodeAttention(8, 2, 64, page_type="compact", k_bits=4, v_bits=4, device="cpu")
+    attn._num_sms = lambda: 8
+    assert not attn._compact_gluon_applies(True, 4 * 8192, False)  # (this test runs on the CPU)
+    two = attn.plan(lens, bt)["items"]
+    assert attn.plan(lens, bt, rope=True)["items"] == two == 8  # 8 SMs x 2 waves / 2 KV heads
+    attn._compact_gluon_applies = lambda has_rope, tokens, trig: has_rope
+    assert attn.plan(lens, bt, rope=True)["items"] == 4 and attn.plan(lens, bt)["items"] == two
+    bf16 = PagedDecodeAttention(8, 2, 64, config=cfg, device="cpu")
+    assert not bf16._compact_gluon_applies(True, 4 * 8192, False)
 
 
 _COMPILE_MERGE = """

@@ -236,25 +236,38 @@ def test_paged_cache_passes_the_pages_cos_and_sin_when_the_kernel_config_asks():
 
 def test_paged_cache_plans_its_steps_with_the_rotary_term_where_it_runs():
     """A cache whose calibration has rotary offsets plans its decode steps with ``rope=True`` (the
-    split of ``KernelConfig.rope_waves``), one without them with ``rope=False``; once per length."""
+    split of ``KernelConfig.rope_waves``), one without them with ``rope=False``; once per length and
+    attention object. Layers of the same widths share an object only where they plan alike: a layer
+    whose offsets are all zero (no term) gets its own (from a review: it had shared layer 0's, and
+    whichever attended first set the other's split)."""
     import dataclasses
 
     from weightszip.compact.paged_cache import PagedCompactCache
 
     with_rope = first_layers_calibration()
     plain = dataclasses.replace(with_rope, rope_m=None, rope_phase=None)
+    mixed = dataclasses.replace(with_rope, rope_m=with_rope.rope_m.clone())
+    mixed.rope_m[2] = 0
+    assert with_rope.allocation["q4"][0] == with_rope.allocation["q4"][2]  # (the same widths)
     g = torch.Generator().manual_seed(2)
     k = torch.randn(40, 3, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     q = torch.randn(9, 64, generator=g).to(torch.bfloat16).to(DEVICE)
-    for cal, want in ((with_rope, True), (plain, False)):
+    # (layers 2 and 0 attended in turn, twice: a shared object plans once for both at one length)
+    for cal, want in ((with_rope, [True]), (plain, [False]), (mixed, [False, True])):
         c = PagedCompactCache(cal, "q4", num_q_heads=9, max_tokens=100, device=DEVICE)
-        attn = c.layers[0]["attn"]
-        seen, plan = [], attn.plan
-        attn.plan = lambda *a, **kw: seen.append(kw.get("rope")) or plan(*a, **kw)
-        c.append(0, k, k.flip(0))
-        c.attend(0, q)
-        c.attend(0, q)
-        assert seen == [want]
+        assert (c.layers[0]["attn"] is c.layers[2]["attn"]) == (len(want) == 1)
+        seen = []
+        for layer in (2, 0):
+            attn = c.layers[layer]["attn"]
+            if not hasattr(attn, "_seen"):
+                plan = attn.plan
+                attn._seen = True
+                attn.plan = lambda *a, plan=plan, **kw: seen.append(kw.get("rope")) or plan(*a, **kw)
+            c.append(layer, k, k.flip(0))
+        for _ in range(2):
+            c.attend(2, q)
+            c.attend(0, q)
+        assert seen == want
 
 
 def test_paged_compact_cache_refuses_bad_arguments_before_any_write():

@@ -148,11 +148,11 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     waves: int = 4
-    min_split_tokens: int = 1024
-    # ... and at most this many where the step runs the rotary term (``plan(..., rope=True)``; 0: ``waves``).
-    # The compact Gluon kernel with the term fits one 16-warp program per multiprocessor, so 2 waves run
-    # as two sequential waves with half-length splits (session 46, H100: 1 wave 1.00-1.32x, see the default)
+    # ... and at most this many where the step runs the compact Gluon kernel with the rotary term
+    # (``plan(..., rope=True)``; 0: ``waves``). It fits one 16-warp program per multiprocessor, so 2 waves
+    # run as two sequential waves with half-length splits (session 46, H100: 1 wave 1.00-1.32x, see the default)
     rope_waves: int = 0
+    min_split_tokens: int = 1024
     cuda_dot: bool = False  # compact pages only: products on the CUDA cores in fp32 (no 16-row padding)
     # compact pages, tensor-core path, compiled only: when K and V are both at most ``reg_lut_bits``
     # wide, their codebooks are looked up in registers (byte permutes, ``_lut_lookup``) instead of
@@ -1490,6 +1490,22 @@ class PagedDecodeAttention:
                 lo_s = mid + 1
         return lo_s * bn
 
+    def _compact_gluon_applies(self, has_rope: bool, paged_tokens: int, slot_trig: bool) -> bool:
+        """Whether a step of ``paged_tokens`` over compact pages runs the Gluon split kernel (with the
+        rotary term where ``has_rope``; ``slot_trig``: its slots hold the pages' cos and sin)."""
+        cfg, D, G = self.config, self.head_dim, self.group
+        return (self.page_type == PAGE_COMPACT and cfg.gluon and not cfg.cuda_dot
+                and (cfg.gluon_rope or not has_rope) and not _interpreting()
+                and max(self.k_bits, self.v_bits) <= 4
+                and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
+                # with the rotary term, groups up to 8 (wider ones spill 200+ bytes at 16 warps)
+                and not (has_rope and G > 8)
+                and paged_tokens * self.num_kv_heads >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)
+                # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
+                # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
+                and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2
+                and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G, slot_trig) <= GLUON_MAX_SMEM)
+
     def plan(self, seq_lens, block_tables: torch.Tensor, *, split_tokens: int | None = None,
              rope: bool = False) -> dict:
         """Split schedule and workspace for one decode step.
@@ -1498,10 +1514,12 @@ class PagedDecodeAttention:
         (a list, numpy array or tensor). block_tables: int32 [num_seqs, max_blocks] on the device.
         split_tokens: tokens per split (a multiple of ``config.block_n``); default: enough splits to
         fill the GPU with at most ``config.waves`` programs per multiprocessor (``_fit_split``), or
-        ``config.rope_waves`` (where positive) with ``rope``: the step's run() calls pass the rotary
-        term (``rope_coef``/``rope_phase``). ``rope`` sets only the split: any run() is correct after
-        any plan(). Returns a summary (items, split size). The block tables are copied: changing the
-        tensor after plan() changes nothing that run() reads (plan again for a new step).
+        ``config.rope_waves`` (where positive) with ``rope`` (the step's run() calls pass the rotary
+        term, ``rope_coef``/``rope_phase``) where the Gluon kernel with the term will run (compact pages;
+        not the Triton kernel, which fits several programs a multiprocessor). ``rope`` sets only the
+        split: any run() is correct after any plan(). Returns a summary (items, split size). The block
+        tables are copied: changing the tensor after plan() changes nothing that run() reads (plan
+        again for a new step).
         """
         _check(isinstance(rope, bool), f"rope must be a bool, not {type(rope).__name__}")
         try:
@@ -1538,7 +1556,10 @@ class PagedDecodeAttention:
         spans = np.where(n_paged > 0, hi - a0, 0)  # tokens from each sequence's first step (0: none)
         if split_tokens is None:
             cfg = self.config
-            split_tokens = self._fit_split(spans, bn, cfg.rope_waves if rope and cfg.rope_waves else cfg.waves)
+            # (the slots' room for cos and sin taken where the config may ask for it: the larger kernel)
+            trig = cfg.gluon_rope_table and (cfg.gluon_rope_pos or cfg.gluon_rope_lanes) and cfg.gluon_stages > 0
+            one_wave = rope and cfg.rope_waves and self._compact_gluon_applies(True, int(n_paged.sum()), trig)
+            split_tokens = self._fit_split(spans, bn, cfg.rope_waves if one_wave else cfg.waves)
         split_tokens = -(-int_arg("split_tokens", split_tokens, 1, 2**31 - 1) // bn) * bn
         n_items = -(-spans // split_tokens)
         seq_of = np.repeat(np.arange(lens.size), n_items)
@@ -1715,17 +1736,7 @@ class PagedDecodeAttention:
                 _check(isinstance(t, torch.Tensor) and t.dtype == torch.float32
                        and tuple(t.shape) == (Hkv, GRID_SIZE) and t.is_contiguous(),
                        f"{name} must be contiguous fp32 [{Hkv}, {GRID_SIZE}]")
-            if (cfg.gluon and not cuda_dot and (cfg.gluon_rope or not has_rope) and not _interpreting()
-                    and max(self.k_bits, self.v_bits) <= 4
-                    and D * _pow2_at_least(G, 8) <= GLUON_MAX_ACC
-                    # with the rotary term, groups up to 8 (wider ones spill 200+ bytes at 16 warps)
-                    and not (has_rope and G > 8)
-                    and pl["paged_tokens"] * Hkv >= (cfg.gluon_rope_min_work if has_rope else cfg.gluon_min_work)
-                    # 2 warps at least, as fp8: only inline PTX touches its shared memory, so with one
-                    # warp (no cross-warp scratch) ptxas loses the symbol it is addressed by
-                    and (cfg.gluon_rope_warps if has_rope else cfg.gluon_warps) >= 2
-                    and _compact_gluon_smem(self.k_bits, self.v_bits, D, cfg, has_rope, G, slot_trig)
-                    <= GLUON_MAX_SMEM):
+            if self._compact_gluon_applies(has_rope, pl["paged_tokens"], slot_trig):
                 # the kernel makes its pair tables from the codebooks (``paged_decode_gluon._fill_tables``:
                 # width 4 code order, width 3 crumb order, bit planes interleaved): no host-side ops
                 gluon_cbs = (k_codebook, v_codebook)

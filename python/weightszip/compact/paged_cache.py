@@ -71,12 +71,16 @@ class PagedCompactCache:
             for layer in range(self.L):
                 kb, vb = cal.allocation[fmt][layer]
                 kt, vt = cal.tables(layer, "k", kb), cal.tables(layer, "v", vb)
-                if (kb, vb) not in attns:
-                    attns[(kb, vb)] = PagedDecodeAttention(
+                read = compact_tables(kt, vt, self.device)
+                # layers share an attention object (its plan) where they plan alike: the same widths, and
+                # the rotary term in all or none (a layer's offsets can all be zero: ``plan(rope=)``)
+                key = (kb, vb, "rope_phase" in read)
+                if key not in attns:
+                    attns[key] = PagedDecodeAttention(
                         num_q_heads, self.H, self.d, page_type="compact", block_size=block_size, sink_tokens=self.S,
                         window=self.W, sm_scale=sm_scale, device=self.device, k_bits=kb, v_bits=vb)
                 self.layers.append(dict(
-                    attn=attns[(kb, vb)],
+                    attn=attns[key],
                     k_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(kb, self.d),
                                         dtype=torch.uint8, device=self.device),
                     v_pages=torch.zeros(nblocks, self.H, block_size // 16, codec.page_bytes(vb, self.d),
@@ -85,7 +89,7 @@ class PagedCompactCache:
                     v_side=torch.zeros(1, self.S + self.W, self.H, self.d, dtype=torch.bfloat16, device=self.device),
                     k_write=compact_write_tables(kt, self.device),
                     v_write=compact_write_tables(vt, self.device),
-                    read=compact_tables(kt, vt, self.device),
+                    read=read,
                 ))
         self._rope_pos = None  # (``_rope_pos_table``)
         self._planned: dict[int, int] = {}
