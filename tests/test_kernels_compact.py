@@ -749,7 +749,7 @@ def _real_shape_case(shape, k_bits, v_bits, rope_pairs=0):
     def run(config):
         attn = PagedDecodeAttention(Hq, Hkv, D, page_type="compact", sink_tokens=S, window=W, k_bits=k_bits,
                                     v_bits=v_bits, config=config)
-        attn.plan(lens, bt.cuda())
+        attn.plan(lens, bt.cuda(), rope=bool(rope))  # (the split the default plans for such steps)
         return attn.run(q, pages["k"], pages["v"], out=torch.empty(len(lens), Hq, D, device="cuda"), **tables,
                         **common, **listed)
 

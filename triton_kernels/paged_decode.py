@@ -1490,6 +1490,15 @@ class PagedDecodeAttention:
                 lo_s = mid + 1
         return lo_s * bn
 
+    def _slot_trig(self, has_rope: bool, has_pos_table: bool) -> tuple[bool, bool]:
+        """Where the Gluon kernel's slots get the pages' cos and sin of the rotary term (staged, from
+        tables): (copied with the pages from the table run() was given, KernelConfig.gluon_rope_pos;
+        computed once a warp, KernelConfig.gluon_rope_lanes)."""
+        cfg = self.config
+        staged_table = has_rope and cfg.gluon_rope_table and cfg.gluon_stages > 0
+        pos_ok = bool(staged_table and cfg.gluon_rope_pos and has_pos_table)
+        return pos_ok, bool(staged_table and cfg.gluon_rope_lanes and not pos_ok)
+
     def _compact_gluon_applies(self, has_rope: bool, paged_tokens: int, slot_trig: bool) -> bool:
         """Whether a step of ``paged_tokens`` over compact pages runs the Gluon split kernel (with the
         rotary term where ``has_rope``; ``slot_trig``: its slots hold the pages' cos and sin)."""
@@ -1557,7 +1566,7 @@ class PagedDecodeAttention:
         if split_tokens is None:
             cfg = self.config
             # (the slots' room for cos and sin taken where the config may ask for it: the larger kernel)
-            trig = cfg.gluon_rope_table and (cfg.gluon_rope_pos or cfg.gluon_rope_lanes) and cfg.gluon_stages > 0
+            trig = any(self._slot_trig(True, True))
             one_wave = rope and cfg.rope_waves and self._compact_gluon_applies(True, int(n_paged.sum()), trig)
             split_tokens = self._fit_split(spans, bn, cfg.rope_waves if one_wave else cfg.waves)
         split_tokens = -(-int_arg("split_tokens", split_tokens, 1, 2**31 - 1) // bn) * bn
@@ -1690,12 +1699,7 @@ class PagedDecodeAttention:
         compact = self.page_type == PAGE_COMPACT
         cfg = self.config
         has_rope = rope_coef is not None or rope_phase is not None
-        # the pages' cos and sin copied with them (KernelConfig.gluon_rope_pos; staged, from tables)
-        pos_ok = (has_rope and cfg.gluon_rope_table and cfg.gluon_rope_pos and cfg.gluon_stages > 0
-                  and rope_pos_table is not None)
-        # ... or computed once a warp into the slots (KernelConfig.gluon_rope_lanes; staged, from tables)
-        lanes_ok = (has_rope and cfg.gluon_rope_table and cfg.gluon_rope_lanes and cfg.gluon_stages > 0
-                    and not pos_ok)
+        pos_ok, lanes_ok = self._slot_trig(has_rope, rope_pos_table is not None)
         slot_trig = pos_ok or lanes_ok  # (the slots' room for the pages' cos and sin, either way)
         cuda_dot = compact and self.config.cuda_dot
         reg_lut = False  # codebooks in registers
