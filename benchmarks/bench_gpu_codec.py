@@ -57,14 +57,15 @@ def load_sets(paths, layers_per_model=None):
                     yield p.stem, kind, int(layer), np.asarray(kv[k, layer])
 
 
-def calibrated_sets(paths, channels: int = LLAMA_C, max_len: int = 8):
+def calibrated_sets(paths, channels: int = LLAMA_C, max_len: int = 8, version: int = 1):
     """(name, kind, codebook, x) for every real set: x [T, channels] uint16 bf16 bits (tiled along
-    channels, T a multiple of 32), its codebook calibrated on its first half."""
+    channels, T a multiple of 32), its codebook (of ``version``) calibrated on its first half."""
     out = []
     for model, kind, layer, x in load_sets(paths):
         x = tile_channels(x, channels)
         x = x[: x.shape[0] // 32 * 32]
-        out.append((f"{model}:{kind}:{layer}", kind, pages.calibrate(x[: x.shape[0] // 2], "bfloat16", max_len), x))
+        cb = pages.calibrate(x[: x.shape[0] // 2], "bfloat16", max_len, version=version)
+        out.append((f"{model}:{kind}:{layer}", kind, cb, x))
     return out
 
 
@@ -146,10 +147,16 @@ def speed_main(args):
     import torch
 
     try:
-        from weightszip.kernels.exact_page import PageTables, decode_pages, encode_pages, gluon_applies
+        from weightszip.kernels import exact_page, exact_page2
     except ImportError:  # a checkout without the python/weightszip/kernels link
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from triton_kernels.exact_page import PageTables, decode_pages, encode_pages, gluon_applies
+        from triton_kernels import exact_page, exact_page2
+    if args.page_version == 1:
+        PageTables, gluon_applies = exact_page.PageTables, exact_page.gluon_applies
+        decode_pages, encode_pages = exact_page.decode_pages, exact_page.encode_pages
+    else:  # version 2 has the Triton decoder only
+        PageTables, gluon_applies = exact_page2.PageTables2, (lambda *_: False)
+        decode_pages, encode_pages = exact_page2.decode_pages, exact_page2.encode_pages
 
     dev = args.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -160,7 +167,8 @@ def speed_main(args):
     import triton
 
     res["triton"] = triton.__version__
-    sets = calibrated_sets(args.kv, args.channels, args.max_len)
+    res["page_version"] = args.page_version
+    sets = calibrated_sets(args.kv, args.channels, args.max_len, args.page_version)
     groups = [(name, cb, x.reshape(-1, 16, args.channels)) for name, _, cb, x in sets]
     unique = sum(g[2].nbytes for g in groups)
     reps = max(1, -(-int(args.gib * (1 << 30)) // unique))
@@ -424,6 +432,7 @@ def main():
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--layers", type=int, default=None, help="ratio: this many layers per model, evenly spaced (default all)")
     ap.add_argument("--max-len", type=int, default=8)
+    ap.add_argument("--page-version", type=int, default=1, choices=(1, 2), help="speed: the page profile's version")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--block-pages", type=lambda v: [int(x) for x in v.split(",")], default=[32, 64, 256])

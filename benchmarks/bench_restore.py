@@ -79,6 +79,8 @@ def main():
                          "alignments (HostArena(align=); e.g. 16,4096,2097152), each round against its own raw copies")
     ap.add_argument("--align-rounds", type=int, default=5)
     ap.add_argument("--max-len", type=int, default=8, help="the codebooks' longest code (pages.calibrate; 2 to 12)")
+    ap.add_argument("--page-version", type=int, default=1, choices=(1, 2),
+                    help="the codebooks' version (2: sign and exponent in context classes, bf16)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
@@ -113,7 +115,7 @@ def main():
         return statistics.median(ts), ts
 
     # Real sets -> codebooks (one per set) and the session's pages on the device.
-    by_kind = calibrated_sets(args.kv, C, args.max_len)
+    by_kind = calibrated_sets(args.kv, C, args.max_len, args.page_version)
     sets = {kind: [(name, cb, x) for name, k, cb, x in by_kind if k == kind] for kind in "KV"}
     names = [name for kind in "KV" for name, _, _ in sets[kind]]
     cbs = [cb for kind in "KV" for _, cb, _ in sets[kind]]

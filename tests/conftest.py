@@ -14,6 +14,14 @@ def real_kv() -> np.ndarray:
     return np.load(DATA / "kv_smollm2_64tok.npy")
 
 
+@pytest.fixture(scope="session")
+def real_kv_1k() -> np.ndarray:
+    """bf16 K and V of SmolLM2-135M layer 15 over 1024 tokens, as uint16 bit patterns,
+    [2, 1, 1024, 192] (see tests/data/kv_smollm2_1k_layer15.json): enough tokens to calibrate
+    on one half and measure on the other."""
+    return np.load(DATA / "kv_smollm2_1k_layer15.npy")
+
+
 @pytest.fixture(autouse=True)
 def _haystack_from_tests(monkeypatch):
     # The NIAH tests read their haystack from tests/data, never from ../shared.

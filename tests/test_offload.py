@@ -34,11 +34,11 @@ from weightszip.errors import (  # noqa: E402
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the GPU box)")
 
 
-def _session_kv(real_kv, channels=192, tokens=64):
+def _session_kv(real_kv, channels=192, tokens=64, version=1):
     """Pages [6 * tokens/16, 16, channels] of (layer, K/V) groups back to back, their table ids
-    and one codebook per group (calibrated on the group's own tokens)."""
+    and one codebook per group (calibrated on the group's own tokens, of ``version``)."""
     groups = [real_kv[k, layer][:tokens, :channels] for layer in range(real_kv.shape[1]) for k in range(2)]
-    cbs = [pages.calibrate(g, "bfloat16") for g in groups]
+    cbs = [pages.calibrate(np.ascontiguousarray(g), "bfloat16", version=version) for g in groups]
     vals = np.concatenate([g.reshape(-1, 16, channels) for g in groups])
     tids = np.repeat(np.arange(len(groups)), tokens // 16)
     return torch.from_numpy(vals.view(np.int16).copy()).view(torch.bfloat16), tids, ol.ExactPageCodec(cbs)
@@ -309,6 +309,32 @@ def test_triton_round_trip_and_bytes_equal_rust(small_session, device, chunk_pag
     # Across backends: Triton restores the Rust session, Rust restores the Triton one.
     assert torch.equal(ol.restore(r, torch.empty_like(xd), backend="triton"), xd)
     assert torch.equal(ol.restore(s, backend="rust", device="cpu"), x)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_version_2_sessions_triton_and_rust_agree(real_kv, device):
+    """A session whose codebooks are version 2: the Triton offload writes the Rust backend's
+    bytes, and each backend restores the other's session, bit for bit."""
+    x, tids, codec = _session_kv(real_kv[:, :1], channels=32, tokens=48, version=2)
+    assert codec.version == 2 and codec.kernels().__name__.endswith("exact_page2")
+    xd = x.to(device)
+    s = ol.offload(xd, codec, tids, chunk_pages=4, backend="triton")
+    r = ol.offload(x, codec, tids, chunk_pages=4, backend="rust")
+    assert _flat(s) == _flat(r) and [c.digest for c in s.chunks] == [c.digest for c in r.chunks]
+    assert torch.equal(ol.restore(r, torch.empty_like(xd), backend="triton"), xd)
+    assert torch.equal(ol.restore(s, backend="rust", device="cpu"), x)
+
+
+def test_version_2_sessions_on_the_cpu_and_mixed_versions(real_kv):
+    x, tids, codec = _session_kv(real_kv, version=2)
+    s = ol.offload(x, codec, tids, chunk_pages=5, backend="rust")
+    assert torch.equal(ol.restore(s, backend="rust", device="cpu"), x)
+    # the pages fit the codec's bound on a page (version 2: 14 raw bytes a channel, 9-bit escapes)
+    offs = [np.frombuffer(bytes(c.host[c.nbytes: c.nbytes + 8 * (c.n_pages + 1)].numpy()), np.int64) for c in s.chunks]
+    assert max(int(np.diff(o).max()) for o in offs) <= codec.page_bound
+    v1 = pages.calibrate(np.ascontiguousarray(real_kv[0, 0][:, :192]), "bfloat16")
+    with pytest.raises(InvalidArgumentError, match="version"):
+        ol.ExactPageCodec([codec.codebooks[0], v1])
 
 
 def test_id_stager_checks_each_part_before_staging_it():

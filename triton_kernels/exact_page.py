@@ -67,8 +67,10 @@ class PageTables:
 
     @classmethod
     def from_codebook(cls, codebook: bytes, device="cpu") -> "PageTables":
-        from weightszip.pages import codebook_info, decode_table, encode_table
+        from weightszip.pages import codebook_info, codebook_version, decode_table, encode_table
 
+        if codebook_version(codebook) != 1:
+            raise InvalidArgumentError("PageTables reads version-1 codebooks (version 2: exact_page2.PageTables2)")
         dtype, max_len, channels, _ = codebook_info(codebook)
         lut, _ = decode_table(codebook)
         return cls(
@@ -440,16 +442,21 @@ def encode_into(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, bu
     )
 
 
-def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tensor | None = None, block_pages: int = 128, align: int = 8):
-    """Encode ``[n, 16, C]`` 16-bit values (bf16, fp16 or their int16 bits) into pages, page i
-    with codebook ``table_ids[i]`` (default 0); returns (uint8 buffer, int64 offsets [n + 1]),
-    the bytes the Rust encoder writes with the same align."""
+def check_encode_args(values: torch.Tensor, tables, align: int) -> torch.Tensor:
+    """The encoders' argument checks; returns the values as contiguous int16 bits."""
     C = tables.channels
     if values.dim() != 3 or values.shape[1:] != (PAGE_TOKENS, C) or values.element_size() != 2:
         raise InvalidArgumentError(f"values must be 16-bit [n, {PAGE_TOKENS}, {C}], got {tuple(values.shape)} {values.dtype}")
     if align % 8:
         raise InvalidArgumentError("align must be a multiple of 8 (pages are read as 8-byte words)")
-    values = values.contiguous().view(torch.int16)
+    return values.contiguous().view(torch.int16)
+
+
+def encode_pages(values: torch.Tensor, tables: PageTables, table_ids: torch.Tensor | None = None, block_pages: int = 128, align: int = 8):
+    """Encode ``[n, 16, C]`` 16-bit values (bf16, fp16 or their int16 bits) into pages, page i
+    with codebook ``table_ids[i]`` (default 0); returns (uint8 buffer, int64 offsets [n + 1]),
+    the bytes the Rust encoder writes with the same align."""
+    values = check_encode_args(values, tables, align)
     tids = _table_ids(table_ids, values.shape[0], tables, values.device)
     layout = page_layout(values, tables, tids, align)
     buf = torch.empty(int(layout[1][-1]), dtype=torch.uint8, device=values.device)
@@ -473,6 +480,19 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, o
     (contiguous 1-D uint8, its length a multiple of 8), page i with codebook ``table_ids[i]`` (default 0), into int16
     [n, 16, C] (``out`` if given). ``kernel``: "auto" or "triton" (the Triton decoder), "gluon" (the
     Gluon one, ``exact_page_gluon``: Hopper only, not faster on the H200; BENCHMARKS.md)."""
+    if kernel not in ("auto", "triton", "gluon"):
+        raise InvalidArgumentError(f"kernel must be auto, triton or gluon, got {kernel!r}")
+    offsets, out = check_decode_args(buf, offsets, tables, out)
+    n = offsets.numel() - 1
+    if kernel == "gluon" and not gluon_applies(buf, tables, out):
+        raise InvalidArgumentError(f"the Gluon decoder needs a Hopper GPU, max_len <= {MAX_SHARED_LEN} and a "
+                                   "16-byte aligned out")
+    decode_into(buf, offsets, tables, out, _table_ids(table_ids, n, tables, buf.device), block_pages, kernel)
+    return out
+
+
+def check_decode_args(buf: torch.Tensor, offsets: torch.Tensor, tables, out: torch.Tensor | None):
+    """The decoders' argument checks; returns (int64 offsets, out: the given one or a new one)."""
     # (the kernels read both at pointer + index: strided views would be read through the bytes between)
     if (not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous()
             or buf.numel() % 8):
@@ -482,18 +502,12 @@ def decode_pages(buf: torch.Tensor, offsets: torch.Tensor, tables: PageTables, o
         raise InvalidArgumentError("offsets must be a contiguous 1-D int32 or int64 tensor [n + 1] on buf's device")
     offsets = offsets.to(torch.int64)
     n = offsets.numel() - 1
-    if kernel not in ("auto", "triton", "gluon"):
-        raise InvalidArgumentError(f"kernel must be auto, triton or gluon, got {kernel!r}")
     if out is None:
         out = torch.empty(n, PAGE_TOKENS, tables.channels, dtype=torch.int16, device=buf.device)
     elif (out.shape != (n, PAGE_TOKENS, tables.channels) or out.dtype != torch.int16 or not out.is_contiguous()
           or out.data_ptr() % 8):
         raise InvalidArgumentError(f"out must be contiguous int16 [{n}, {PAGE_TOKENS}, {tables.channels}], 8-byte aligned")
-    if kernel == "gluon" and not gluon_applies(buf, tables, out):
-        raise InvalidArgumentError(f"the Gluon decoder needs a Hopper GPU, max_len <= {MAX_SHARED_LEN} and a "
-                                   "16-byte aligned out")
-    decode_into(buf, offsets, tables, out, _table_ids(table_ids, n, tables, buf.device), block_pages, kernel)
-    return out
+    return offsets, out
 
 
 def gluon_applies(buf: torch.Tensor, tables: PageTables, out: torch.Tensor) -> bool:

@@ -5,8 +5,8 @@
 //!
 //! Input: byte 0 = selector. Bit 0 clear: KV Exact, heads = 1 + bits 1..2, head_dim = 32 x (1 + bit
 //! 3); then `heads x head_dim` window tops, then the page. Bit 0 set: exact page profile with
-//! 32 x (1 + bit 1) channels and a codebook calibrated from a sample seeded by byte 1; the rest is
-//! the page.
+//! 32 x (1 + bit 1) channels and a codebook of version 1 + bit 2 calibrated from a sample seeded by
+//! byte 1; the rest is the page.
 
 #![no_main]
 
@@ -55,7 +55,8 @@ fuzz_target!(|data: &[u8]| {
                 (((s >> 20) as u16 & 0x807F) | (e << 7)).to_le_bytes()
             })
             .collect();
-        let cb = PageCodebook::calibrate(DTYPE_BF16, channels, &sample, 8).expect("calibration");
+        let version = 1 + ((sel >> 2) & 1);
+        let cb = PageCodebook::calibrate_version(version, DTYPE_BF16, channels, &sample, 8).expect("calibration");
         let page = &data[2..];
         let mut out = vec![0xa5u8; 2 * page::PAGE_TOKENS * channels];
         if page::decode_page(&cb, page, &mut out).is_ok() {

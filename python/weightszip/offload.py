@@ -4,7 +4,8 @@ pinned host RAM (issue 7, item 3), with the GPU codec overlapped with the copies
 A session's KV is pages of 16 tokens, ``[n, 16, C]`` 16-bit values (bf16 / fp16 or their
 int16 bits; C a multiple of 32), page i coded with codebook ``table_ids[i]`` of an
 :class:`ExactPageCodec` (docs/FORMAT.md, "Exact page profile", e.g. one codebook per
-(layer, K or V)).
+(layer, K or V)). The codebooks are all of version 1 or all of version 2 (bf16: fewer bytes on
+real K, ``pages.calibrate(..., version=2)``; BENCHMARKS.md, "Exact page profile, version 2").
 
     codec = ExactPageCodec([pages.calibrate(sample, "bfloat16") for sample in samples])
     session = offload(kv_pages, codec, table_ids)   # GPU pages -> compressed bytes in pinned RAM
@@ -72,8 +73,8 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ExactPageCodec:
-    """Codebooks of the exact page profile (one per table id) for a session; all share dtype,
-    max_len and channel count. Builds the GPU tables once per device."""
+    """Codebooks of the exact page profile (one per table id) for a session; all share version,
+    dtype, max_len and channel count. Builds the GPU tables once per device."""
 
     def __init__(self, codebooks: bytes | Sequence[bytes]):
         if isinstance(codebooks, (bytes, bytearray)):
@@ -81,29 +82,42 @@ class ExactPageCodec:
         self.codebooks = [bytes(cb) for cb in codebooks]
         if not self.codebooks:
             raise InvalidArgumentError("ExactPageCodec needs at least one codebook")
-        infos = [_pages.codebook_info(cb)[:3] for cb in self.codebooks]  # typed errors for bad codebooks
+        # typed errors for bad codebooks
+        infos = [_pages.codebook_info(cb)[:3] + (_pages.codebook_version(cb),) for cb in self.codebooks]
         if len(set(infos)) != 1:
-            raise InvalidArgumentError(f"codebooks must share dtype, max_len and channels, got {sorted(set(infos))}")
-        self.dtype, self.max_len, self.channels = infos[0]
+            raise InvalidArgumentError(f"codebooks must share dtype, max_len, channels and version, got {sorted(set(infos))}")
+        self.dtype, self.max_len, self.channels, self.version = infos[0]
         self._tables = {}
         # Largest page the encoder can write: every symbol at the longest code (an escape is the
-        # escape's code plus 8 bits), each stream rounded up to words, the page to 8 bytes.
+        # escape's code plus 8 bits, 9 in version 2), each stream rounded up to words, the page to 8
+        # bytes.
         lens = [_pages.codebook_info(cb)[3] for cb in self.codebooks]
-        maxbits = max(max(int(ln[:, :256].max()), int(ln[:, 256].max()) + 8) for ln in lens)
+        maxbits = max(max(int(ln[..., :-1].max()), int(ln[..., -1].max()) + 7 + self.version) for ln in lens)
         S = self.channels // STREAM_CHANNELS
         words = -(-PAGE_TOKENS * STREAM_CHANNELS * maxbits // 32)
-        self.page_bound = (_pages.header_len(self.channels) + PAGE_TOKENS * self.channels + 4 * S * words + 7) // 8 * 8
+        raw = _pages.page_raw_part(self.version, self.channels)
+        self.page_bound = (_pages.header_len(self.channels) + raw + 4 * S * words + 7) // 8 * 8
 
     def __len__(self) -> int:
         return len(self.codebooks)
 
-    def tables(self, device):
-        """weightszip.kernels.exact_page.PageTables of every codebook on ``device`` (cached)."""
-        from weightszip.kernels.exact_page import PageTables
+    def kernels(self):
+        """The GPU codec of the codebooks' version: the module ``weightszip.kernels.exact_page``
+        (version 1) or ``exact_page2`` (version 2); both have ``page_layout``, ``encode_into`` and
+        ``decode_into``."""
+        if self.version == 1:
+            from weightszip.kernels import exact_page as ep
+        else:
+            from weightszip.kernels import exact_page2 as ep
+        return ep
 
+    def tables(self, device):
+        """The GPU tables of every codebook on ``device`` (cached): ``exact_page.PageTables`` or
+        ``exact_page2.PageTables2``."""
         key = str(torch.device(device))
         if key not in self._tables:
-            self._tables[key] = PageTables.stack([PageTables.from_codebook(cb, device) for cb in self.codebooks])
+            t = self.kernels().PageTables if self.version == 1 else self.kernels().PageTables2
+            self._tables[key] = t.stack([t.from_codebook(cb, device) for cb in self.codebooks])
         return self._tables[key]
 
 
@@ -458,8 +472,9 @@ def offload(pages_gpu: torch.Tensor, codec: ExactPageCodec, table_ids=None, *, c
             session.chunks.append(_rust_encode_chunk(codec, pages_gpu[a:b].cpu(), tids[a:b], a, host, session))
         return session
 
-    from weightszip.kernels import exact_page as ep
     from weightszip.kernels.regions import post
+
+    ep = codec.kernels()
 
     dev = pages_gpu.device
     tables = codec.tables(dev)
@@ -655,9 +670,9 @@ def _check_chunks(session: CompressedSession) -> None:
     if at != session.n_pages:
         raise CorruptDataError(f"session chunks cover pages 0..{at}, the session has {session.n_pages}")
     # Sizes against the bytes there are, before restore allocates its output for n_pages: a page
-    # holds at least its header and 16 raw bytes a channel, so the pages a chunk declares are at
-    # most its page bytes / that (the output then at most about 2x the bytes given).
-    least = _pages.header_len(session.codec.channels) + PAGE_TOKENS * session.codec.channels
+    # holds at least its header and its raw part (16 or 14 bytes a channel), so the pages a chunk
+    # declares are at most its page bytes / that (the output then at most about 2.3x the bytes given).
+    least = _pages.header_len(session.codec.channels) + _pages.page_raw_part(session.codec.version, session.codec.channels)
     for c in session.chunks:
         _check_region(c)
         if c.n_pages * least > c.nbytes:
@@ -695,8 +710,7 @@ def restore(session: CompressedSession, out_pages_gpu: torch.Tensor | None = Non
             out16[c.start : c.start + c.n_pages].copy_(dec)
         return out_pages_gpu
 
-    from weightszip.kernels.exact_page import decode_into
-
+    decode_into = codec.kernels().decode_into
     dev = out_pages_gpu.device
     tables = codec.tables(dev)
     chunks = session.chunks

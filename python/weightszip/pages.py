@@ -1,6 +1,12 @@
 """The exact page profile on the CPU (docs/FORMAT.md, "Exact page profile"): calibrate a codebook
 for one (layer, K or V), encode and decode 16-token pages with the Rust reference codec.
 
+Two codebook versions: 1 (the default; the GPU codec, ``weightszip.kernels.exact_page``, and the
+offload tier read it) and 2 (bf16 only, ``calibrate(..., version=2)``): sign and exponent coded
+together, the sign as a change from the previous token's, in three context classes chosen by the
+previous token of the same channel; fewer bytes on real K (BENCHMARKS.md, "Exact page profile,
+version 2").
+
 Values are 16-bit patterns (bf16 or fp16) as a numpy ``uint16`` array (or anything
 ``np.asarray`` takes, torch tensors included via ``.view(torch.int16)``), shaped
 ``[n_pages, 16, channels]`` for pages and ``[tokens, channels]`` for calibration samples.
@@ -27,6 +33,9 @@ STREAM_CHANNELS = _core.PAGE_STREAM_CHANNELS
 DTYPE_CODES = {"bfloat16": 1, "float16": 2}
 ESC = 256
 NSYM = 257
+# version 2: classes per channel and symbols per table (sign and exponent, then the escape)
+CLASSES_V2 = 3
+NSYM_V2 = 513
 
 
 def _u16(x) -> np.ndarray:
@@ -68,24 +77,49 @@ def _offsets_u64(offsets) -> list[int]:
     return [int(o) % (1 << 64) for o in offs]
 
 
-def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8) -> bytes:
-    """A codebook (bytes) from ``[tokens, channels]`` sample values of one (layer, K or V)."""
+def calibrate(samples, dtype: str = "bfloat16", max_len: int = 8, version: int = 1) -> bytes:
+    """A codebook (bytes) from ``[tokens, channels]`` sample values of one (layer, K or V).
+    ``version=2`` (bf16 only) reads the samples as consecutive tokens, in pages of 16 from the
+    first row, as the pages it will code."""
     if not isinstance(dtype, str) or dtype not in DTYPE_CODES:
         raise InvalidArgumentError(f"page profile dtype {dtype!r:.40}: only {sorted(DTYPE_CODES)}")
     a = _u16(samples)
     if a.ndim != 2:
         raise InvalidArgumentError(f"samples must be [tokens, channels], got shape {a.shape}")
     max_len = int_arg("max_len", max_len, 0, 255)
-    return _core.page_calibrate(DTYPE_CODES[dtype], a.shape[1], a.ctypes.data, a.nbytes, max_len)
+    version = int_arg("version", version, 0, 255)
+    return _core.page_calibrate(DTYPE_CODES[dtype], a.shape[1], a.ctypes.data, a.nbytes, max_len, version)
+
+
+def _info(codebook) -> tuple:
+    if not isinstance(codebook, (bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"a codebook is bytes (from calibrate), not {type(codebook).__name__}")
+    return _core.page_codebook_info(bytes(codebook))
 
 
 def codebook_info(codebook: bytes) -> tuple[str, int, int, np.ndarray]:
-    """(dtype, max_len, channels, lengths [channels, 257] uint8) of a checked codebook."""
-    if not isinstance(codebook, (bytes, bytearray, memoryview)):
-        raise InvalidArgumentError(f"a codebook is bytes (from calibrate), not {type(codebook).__name__}")
-    code, max_len, channels, lengths = _core.page_codebook_info(bytes(codebook))
+    """(dtype, max_len, channels, lengths) of a checked codebook: lengths uint8 [channels, 257] in
+    version 1, [channels, 3, 513] in version 2 (``codebook_version``)."""
+    code, max_len, channels, lengths, version, _ = _info(codebook)
     dtype = {v: k for k, v in DTYPE_CODES.items()}[code]
-    return dtype, max_len, channels, np.frombuffer(lengths, np.uint8).reshape(channels, NSYM)
+    shape = (channels, NSYM) if version == 1 else (channels, CLASSES_V2, NSYM_V2)
+    return dtype, max_len, channels, np.frombuffer(lengths, np.uint8).reshape(shape)
+
+
+def codebook_version(codebook: bytes) -> int:
+    """1 or 2, of a checked codebook."""
+    return _info(codebook)[4]
+
+
+def codebook_splits(codebook: bytes) -> np.ndarray:
+    """Version 2: uint8 [channels], the exponent from which a channel's previous token counts as
+    high (FORMAT.md); empty for version 1."""
+    return np.frombuffer(_info(codebook)[5], np.uint8).copy()
+
+
+def page_raw_part(version: int, channels: int) -> int:
+    """Bytes of a page's raw part: a byte a value (version 1) or 7 bits (version 2)."""
+    return PAGE_TOKENS * channels * (8 if version == 1 else 7) // 8
 
 
 def encode_pages(codebook: bytes, values, align: int = 8) -> tuple[bytes, np.ndarray]:
@@ -103,6 +137,7 @@ def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
     """Decode the pages at ``offsets`` (n + 1 entries) of ``buf``; returns uint16 [n, 16, channels].
     Page i ends by ``offsets[i + 1]``, the slack after it zero (CorruptDataError if not)."""
     _, _, channels, _ = codebook_info(codebook)
+    version = codebook_version(codebook)
     src = _bytes(buf)
     offs = _offsets_u64(offsets)
     # the output is allocated for the pages up to the first one that cannot decode (outside the
@@ -110,7 +145,7 @@ def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
     # checked in order, so the codec raises for it or an earlier one): hostile offsets cannot ask
     # for more memory than the buffer's bytes could decode to
     o = np.asarray(offs, np.uint64)
-    least = -(-2 * (channels // STREAM_CHANNELS) // 8) * 8 + PAGE_TOKENS * channels
+    least = -(-2 * (channels // STREAM_CHANNELS) // 8) * 8 + page_raw_part(version, channels)
     bad = np.flatnonzero((o[1:] < o[:-1]) | (o[1:] > src.nbytes) | (o[1:] - o[:-1] < least))
     n = len(offs) - 1 if bad.size == 0 else int(bad[0]) + 1
     out = np.empty((n, PAGE_TOKENS, channels), np.uint16)
@@ -136,23 +171,26 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
 
 
 def decode_table(codebook: bytes) -> tuple[np.ndarray, int]:
-    """The decoder's lookup table: [channels, 2**max_len] int16 entries ``symbol << 4 | length``
-    indexed by the next ``max_len`` bits of the stream; and max_len."""
+    """The decoder's lookup table: int16 entries ``symbol << 4 | length`` indexed by the next
+    ``max_len`` bits of the stream, [channels, 2**max_len] (version 1) or [channels, 3,
+    2**max_len] (version 2: a table per class; the escape is symbol 512); and max_len."""
     _, max_len, channels, lengths = codebook_info(codebook)
-    codes = canonical_codes(lengths)
-    lut = np.zeros((channels, 1 << max_len), np.int16)
-    for c in range(channels):
-        for s in np.nonzero(lengths[c])[0]:
-            l = int(lengths[c, s])
+    flat = lengths.reshape(-1, lengths.shape[-1])
+    codes = canonical_codes(flat)
+    lut = np.zeros((flat.shape[0], 1 << max_len), np.int16)
+    for c in range(flat.shape[0]):
+        for s in np.nonzero(flat[c])[0]:
+            l = int(flat[c, s])
             lo = int(codes[c, s]) << (max_len - l)
             lut[c, lo : lo + (1 << (max_len - l))] = (int(s) << 4) | l
-    return lut, max_len
+    return lut.reshape(lengths.shape[:-1] + (1 << max_len,)), max_len
 
 
 def encode_table(codebook: bytes) -> np.ndarray:
-    """The encoder's table: [channels, 257] int32 entries ``code << 5 | length`` (0: no code)."""
+    """The encoder's table: int32 entries ``code << 5 | length`` (0: no code), [channels, 257]
+    (version 1) or [channels, 3, 513] (version 2)."""
     _, _, _, lengths = codebook_info(codebook)
-    codes = canonical_codes(lengths)
+    codes = canonical_codes(lengths.reshape(-1, lengths.shape[-1])).reshape(lengths.shape)
     return ((codes << 5) | lengths.astype(np.int64)).astype(np.int32)
 
 

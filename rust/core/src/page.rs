@@ -12,6 +12,11 @@
 //!   its word count is in the page header, so a GPU thread per (page, stream) decodes 512 symbols
 //!   with no dependency on any other stream.
 //! - Bits are written into each little-endian u32 word from its most significant bit down.
+//! - Version 2 (bf16 only, "context classes"): the symbol is sign and exponent (9 bits), the raw
+//!   part the 7 mantissa bits, packed. After a page's first token the coded sign is the sign XOR
+//!   the previous token's (same channel), and each symbol is coded with the table of its channel
+//!   and *class*: 0 for a page's first token, else whether the previous token's exponent reaches
+//!   the channel's split. Real K's signs and exponents persist from token to token.
 
 use crate::error::{corrupt, Error, Result};
 
@@ -34,19 +39,33 @@ pub const MAX_CHANNELS: usize = 1 << 16;
 /// Codebook magic: "WZPB".
 pub const CODEBOOK_MAGIC: [u8; 4] = *b"WZPB";
 pub const CODEBOOK_VERSION: u8 = 1;
+/// Version 2: sign and exponent coded in context classes (bf16 only).
+pub const CODEBOOK_VERSION_CLASSES: u8 = 2;
+/// Classes of a version-2 codebook: 0 for a page's first token, then 1 + (the previous token's
+/// exponent >= the channel's split).
+pub const CLASSES_V2: usize = 3;
+/// Symbols per (channel, class) table of version 2, the escape (512) included.
+pub const NSYM_V2: usize = 513;
 /// dtype codes (as in the container index) the page profile accepts.
 pub const DTYPE_BF16: u8 = 1;
 pub const DTYPE_F16: u8 = 2;
 
-/// One (layer, K or V) codebook: code lengths per channel and symbol, and the canonical codes.
+/// One (layer, K or V) codebook: code lengths per channel (and class) and symbol, and the
+/// canonical codes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageCodebook {
+    /// 1 or 2 (CODEBOOK_VERSION_CLASSES)
+    pub version: u8,
     pub dtype: u8,
     pub max_len: u8,
     pub channels: usize,
-    /// `channels x 257` code lengths; 0 = no code.
+    /// Version 2: per channel, the exponent from which the previous token counts as high; empty
+    /// in version 1.
+    pub splits: Vec<u8>,
+    /// `channels x classes x nsym` code lengths (version 1: 1 class of 257 symbols; version 2: 3
+    /// of 513); 0 = no code.
     pub lengths: Vec<u8>,
-    /// `channels x 257` canonical codes (right-aligned in `lengths` bits).
+    /// Canonical codes, the same shape (right-aligned in `lengths` bits).
     codes: Vec<u16>,
 }
 
@@ -114,10 +133,26 @@ fn canonical(lengths: &[u8], max_len: u8, channel: usize) -> Result<Vec<u16>> {
 }
 
 impl PageCodebook {
-    /// A codebook from its code lengths (`channels x 257`), checked like a parsed one.
+    /// A version-1 codebook from its code lengths (`channels x 257`), checked like a parsed one.
     pub fn from_lengths(dtype: u8, max_len: u8, channels: usize, lengths: Vec<u8>) -> Result<Self> {
-        if dtype != DTYPE_BF16 && dtype != DTYPE_F16 {
-            return Err(Error::Unsupported(format!("page codebook dtype code {dtype}")));
+        Self::from_parts(CODEBOOK_VERSION, dtype, max_len, channels, Vec::new(), lengths)
+    }
+
+    /// A codebook of either version from its parts, checked like a parsed one (`splits`: one per
+    /// channel in version 2, empty in version 1).
+    pub fn from_parts(
+        version: u8,
+        dtype: u8,
+        max_len: u8,
+        channels: usize,
+        splits: Vec<u8>,
+        lengths: Vec<u8>,
+    ) -> Result<Self> {
+        if version != CODEBOOK_VERSION && version != CODEBOOK_VERSION_CLASSES {
+            return Err(Error::UnsupportedVersion(version as u16, CODEBOOK_VERSION_CLASSES as u16));
+        }
+        if dtype != DTYPE_BF16 && (dtype != DTYPE_F16 || version != CODEBOOK_VERSION) {
+            return Err(Error::Unsupported(format!("page codebook version {version} dtype code {dtype}")));
         }
         if max_len == 0 || max_len > MAX_CODE_LEN {
             return corrupt(format!("codebook max_len {max_len} not in 1..={MAX_CODE_LEN}"));
@@ -128,17 +163,22 @@ impl PageCodebook {
         if channels > MAX_CHANNELS {
             return Err(Error::LimitExceeded(format!("codebook channels {channels} > {MAX_CHANNELS}")));
         }
-        if lengths.len() != channels * NSYM {
-            return corrupt(format!("codebook has {} lengths, expected {}", lengths.len(), channels * NSYM));
+        let (classes, nsym) = shape_of(version);
+        let want_splits = if version == CODEBOOK_VERSION { 0 } else { channels };
+        if splits.len() != want_splits {
+            return corrupt(format!("codebook has {} splits, expected {want_splits}", splits.len()));
+        }
+        if lengths.len() != channels * classes * nsym {
+            return corrupt(format!("codebook has {} lengths, expected {}", lengths.len(), channels * classes * nsym));
         }
         let mut codes = Vec::with_capacity(lengths.len());
-        for (c, row) in lengths.chunks_exact(NSYM).enumerate() {
-            codes.extend(canonical(row, max_len, c)?);
+        for (i, row) in lengths.chunks_exact(nsym).enumerate() {
+            codes.extend(canonical(row, max_len, i / classes)?);
         }
-        Ok(PageCodebook { dtype, max_len, channels, lengths, codes })
+        Ok(PageCodebook { version, dtype, max_len, channels, splits, lengths, codes })
     }
 
-    /// Parse a serialized codebook (12-byte header, then the lengths).
+    /// Parse a serialized codebook (12-byte header, then the splits (version 2) and the lengths).
     pub fn parse(b: &[u8]) -> Result<Self> {
         if b.len() < 12 {
             return Err(Error::Truncated(format!("page codebook of {} bytes (header is 12)", b.len())));
@@ -146,8 +186,9 @@ impl PageCodebook {
         if b[0..4] != CODEBOOK_MAGIC {
             return Err(Error::BadMagic);
         }
-        if b[4] != CODEBOOK_VERSION {
-            return Err(Error::UnsupportedVersion(b[4] as u16, CODEBOOK_VERSION as u16));
+        let version = b[4];
+        if version != CODEBOOK_VERSION && version != CODEBOOK_VERSION_CLASSES {
+            return Err(Error::UnsupportedVersion(version as u16, CODEBOOK_VERSION_CLASSES as u16));
         }
         if b[7] != 0 {
             return corrupt("page codebook reserved byte 7 is not zero");
@@ -156,34 +197,93 @@ impl PageCodebook {
         if channels > MAX_CHANNELS {
             return Err(Error::LimitExceeded(format!("codebook channels {channels} > {MAX_CHANNELS}")));
         }
-        let need = 12 + channels * NSYM;
+        let (classes, nsym) = shape_of(version);
+        let n_splits = if version == CODEBOOK_VERSION { 0 } else { channels };
+        let need = 12 + n_splits + channels * classes * nsym;
         if b.len() < need {
             return Err(Error::Truncated(format!("page codebook of {} bytes, header declares {need}", b.len())));
         }
         if b.len() > need {
             return corrupt(format!("page codebook of {} bytes, header declares {need}", b.len()));
         }
-        Self::from_lengths(b[5], b[6], channels, b[12..].to_vec())
+        let splits = b[12..12 + n_splits].to_vec();
+        Self::from_parts(version, b[5], b[6], channels, splits, b[12 + n_splits..].to_vec())
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(12 + self.lengths.len());
+        let mut out = Vec::with_capacity(12 + self.splits.len() + self.lengths.len());
         out.extend_from_slice(&CODEBOOK_MAGIC);
-        out.extend_from_slice(&[CODEBOOK_VERSION, self.dtype, self.max_len, 0]);
+        out.extend_from_slice(&[self.version, self.dtype, self.max_len, 0]);
         out.extend_from_slice(&(self.channels as u32).to_le_bytes());
+        out.extend_from_slice(&self.splits);
         out.extend_from_slice(&self.lengths);
         out
     }
 
-    /// Canonical code of (channel, symbol); meaningful where the length is not 0.
-    pub fn code(&self, channel: usize, sym: usize) -> u16 {
-        self.codes[channel * NSYM + sym]
+    /// Tables per channel (1 in version 1, CLASSES_V2 in version 2).
+    pub fn classes(&self) -> usize {
+        shape_of(self.version).0
     }
 
-    /// Calibrate a codebook from sample rows (`tokens x channels` 16-bit values, little endian):
-    /// per channel, a Huffman code over the symbols seen plus the escape, with the rarest symbols
-    /// moved to the escape until no code is longer than `max_len`.
+    /// Symbols per table, the escape (the last) included: 257 or 513.
+    pub fn nsym(&self) -> usize {
+        shape_of(self.version).1
+    }
+
+    /// Bits of a symbol after the escape's code: 8 or 9.
+    fn sym_bits(&self) -> u32 {
+        if self.version == CODEBOOK_VERSION {
+            8
+        } else {
+            9
+        }
+    }
+
+    /// Index of table (channel, class) in `lengths`, in units of tables.
+    #[inline]
+    fn table(&self, channel: usize, class: usize) -> usize {
+        channel * self.classes() + class
+    }
+
+    /// The class of a value of `channel` whose token in the page is not the first, from the
+    /// previous token's symbol (0 in version 1).
+    #[inline]
+    fn class_after(&self, channel: usize, prev: usize) -> usize {
+        if self.version == CODEBOOK_VERSION {
+            0
+        } else {
+            1 + usize::from((prev & 0xFF) as u8 >= self.splits[channel])
+        }
+    }
+
+    /// The coded symbol of `sym` after `prev` (same channel, previous token of the page): version
+    /// 2 codes the sign as a change from the previous sign. Its own inverse.
+    #[inline]
+    fn coded_after(&self, sym: usize, prev: usize) -> usize {
+        if self.version == CODEBOOK_VERSION {
+            sym
+        } else {
+            sym ^ (prev & 0x100)
+        }
+    }
+
+    /// Canonical code of (table, symbol); meaningful where the length is not 0. In version 1 the
+    /// table is the channel.
+    pub fn code(&self, table: usize, sym: usize) -> u16 {
+        self.codes[table * self.nsym() + sym]
+    }
+
+    /// Calibrate a version-1 codebook from sample rows (`tokens x channels` 16-bit values, little
+    /// endian): per channel, a Huffman code over the symbols seen plus the escape, with the
+    /// rarest symbols moved to the escape until no code is longer than `max_len`.
     pub fn calibrate(dtype: u8, channels: usize, samples: &[u8], max_len: u8) -> Result<Self> {
+        Self::calibrate_version(CODEBOOK_VERSION, dtype, channels, samples, max_len)
+    }
+
+    /// Calibrate a codebook of `version` (1, or 2 for bf16). Version 2 takes the sample rows as
+    /// consecutive tokens in pages of 16 (row 0 starts a page): each table is fitted to the
+    /// values of its class, and each channel's split is its median exponent.
+    pub fn calibrate_version(version: u8, dtype: u8, channels: usize, samples: &[u8], max_len: u8) -> Result<Self> {
         if channels == 0 || !channels.is_multiple_of(STREAM_CHANNELS) || channels > MAX_CHANNELS {
             return Err(Error::InvalidArgument(format!(
                 "channels {channels}: must be a positive multiple of 32, at most {MAX_CHANNELS}"
@@ -192,8 +292,13 @@ impl PageCodebook {
         if !(2..=MAX_CODE_LEN).contains(&max_len) {
             return Err(Error::InvalidArgument(format!("max_len {max_len} not in 2..={MAX_CODE_LEN}")));
         }
-        if dtype != DTYPE_BF16 && dtype != DTYPE_F16 {
-            return Err(Error::InvalidArgument(format!("page profile dtype code {dtype}: only bf16 (1) and fp16 (2)")));
+        if version != CODEBOOK_VERSION && version != CODEBOOK_VERSION_CLASSES {
+            return Err(Error::InvalidArgument(format!("page codebook version {version}: only 1 and 2")));
+        }
+        if dtype != DTYPE_BF16 && (dtype != DTYPE_F16 || version != CODEBOOK_VERSION) {
+            return Err(Error::InvalidArgument(format!(
+                "page profile dtype code {dtype}: only bf16 (1) and, in version 1, fp16 (2)"
+            )));
         }
         if !samples.len().is_multiple_of(2 * channels) {
             return Err(Error::InvalidArgument(format!(
@@ -201,31 +306,103 @@ impl PageCodebook {
                 samples.len()
             )));
         }
-        let mut hist = vec![0u64; channels * 256];
-        for row in samples.chunks_exact(2 * channels) {
-            for (c, v) in row.chunks_exact(2).enumerate() {
-                let (s, _) = split(dtype, u16::from_le_bytes([v[0], v[1]]));
-                hist[c * 256 + s as usize] += 1;
+        let value = |t: usize, c: usize| {
+            let i = 2 * (t * channels + c);
+            u16::from_le_bytes([samples[i], samples[i + 1]])
+        };
+        let tokens = samples.len() / (2 * channels);
+        let (classes, nsym) = shape_of(version);
+        let mut splits = Vec::new();
+        if version == CODEBOOK_VERSION_CLASSES {
+            // the lower median of each channel's exponents (0 without samples)
+            let mut hist = vec![0u64; channels * 256];
+            for t in 0..tokens {
+                for c in 0..channels {
+                    hist[c * 256 + ((value(t, c) >> 7) & 0xFF) as usize] += 1;
+                }
+            }
+            for c in 0..channels {
+                let (mut below, half) = (0u64, (tokens as u64).div_ceil(2));
+                let mut e = 0usize;
+                while e < 255 && below + hist[c * 256 + e] < half {
+                    below += hist[c * 256 + e];
+                    e += 1;
+                }
+                splits.push(if tokens == 0 { 0 } else { e as u8 });
             }
         }
-        let mut lengths = vec![0u8; channels * NSYM];
-        for c in 0..channels {
-            let l = limited_lengths(&hist[c * 256..(c + 1) * 256], max_len);
-            lengths[c * NSYM..(c + 1) * NSYM].copy_from_slice(&l);
+        let mut cb = PageCodebook { version, dtype, max_len, channels, splits, lengths: Vec::new(), codes: Vec::new() };
+        let mut hist = vec![0u64; channels * classes * (nsym - 1)];
+        for t in 0..tokens {
+            for c in 0..channels {
+                let sym = cb.split(value(t, c)).0 as usize;
+                let (k, coded) = if t % PAGE_TOKENS == 0 {
+                    (0, sym)
+                } else {
+                    let prev = cb.split(value(t - 1, c)).0 as usize;
+                    (cb.class_after(c, prev), cb.coded_after(sym, prev))
+                };
+                hist[cb.table(c, k) * (nsym - 1) + coded] += 1;
+            }
         }
-        Self::from_lengths(dtype, max_len, channels, lengths)
+        let mut lengths = vec![0u8; channels * classes * nsym];
+        for (i, h) in hist.chunks_exact(nsym - 1).enumerate() {
+            lengths[i * nsym..(i + 1) * nsym].copy_from_slice(&limited_lengths(h, max_len));
+        }
+        cb.lengths = lengths;
+        Self::from_parts(version, dtype, max_len, channels, cb.splits, cb.lengths)
     }
 
     /// Raw size of one page in bytes.
     pub fn page_raw_len(&self) -> usize {
         PAGE_TOKENS * self.channels * 2
     }
+
+    /// Bytes of a page's raw part: 16 x channels bytes (version 1), 16 x channels x 7 bits (2).
+    pub fn page_raw_part(&self) -> usize {
+        if self.version == CODEBOOK_VERSION {
+            PAGE_TOKENS * self.channels
+        } else {
+            PAGE_TOKENS * self.channels * 7 / 8
+        }
+    }
+
+    /// Split a 16-bit value into (symbol, raw bits).
+    #[inline]
+    fn split(&self, v: u16) -> (u16, u8) {
+        if self.version == CODEBOOK_VERSION {
+            let (s, r) = split(self.dtype, v);
+            (s as u16, r)
+        } else {
+            (v >> 7, (v & 0x7F) as u8)
+        }
+    }
+
+    #[inline]
+    fn join(&self, sym: u16, raw: u8) -> u16 {
+        if self.version == CODEBOOK_VERSION {
+            join(self.dtype, sym as u8, raw)
+        } else {
+            (sym << 7) | raw as u16
+        }
+    }
+}
+
+/// (classes, symbols per table) of a codebook version (version 1's for any other).
+fn shape_of(version: u8) -> (usize, usize) {
+    if version == CODEBOOK_VERSION_CLASSES {
+        (CLASSES_V2, NSYM_V2)
+    } else {
+        (1, NSYM)
+    }
 }
 
 /// Huffman code lengths over the seen symbols and the escape (count: 1 plus the counts moved
 /// into it), demoting the rarest seen symbol to the escape until every length is <= max_len.
-fn limited_lengths(hist: &[u64], max_len: u8) -> [u8; NSYM] {
-    let mut live: Vec<usize> = (0..256).filter(|&s| hist[s] > 0).collect();
+/// `hist` has one count per symbol; the result one length per symbol and the escape last.
+fn limited_lengths(hist: &[u64], max_len: u8) -> Vec<u8> {
+    let esc = hist.len();
+    let mut live: Vec<usize> = (0..esc).filter(|&s| hist[s] > 0).collect();
     let mut esc_count = 1u64;
     loop {
         let mut weights: Vec<(u64, usize)> = live.iter().map(|&s| (hist[s], s)).collect();
@@ -233,10 +410,10 @@ fn limited_lengths(hist: &[u64], max_len: u8) -> [u8; NSYM] {
             // No samples: a two-symbol code (symbol 0 and the escape) keeps the code complete.
             weights.push((0, 0));
         }
-        weights.push((esc_count, ESC));
+        weights.push((esc_count, esc));
         let lens = huffman_lengths(&weights);
         if lens.iter().all(|&(_, l)| l <= max_len as u32) {
-            let mut out = [0u8; NSYM];
+            let mut out = vec![0u8; esc + 1];
             for (s, l) in lens {
                 out[s] = l as u8;
             }
@@ -321,25 +498,33 @@ pub fn encode_page(cb: &PageCodebook, values: &[u8], out: &mut Vec<u8>) -> Resul
         return Err(Error::InvalidArgument(format!("a page is {} bytes, got {}", cb.page_raw_len(), values.len())));
     }
     let v = |t: usize, c: usize| u16::from_le_bytes([values[2 * (t * c_n + c)], values[2 * (t * c_n + c) + 1]]);
+    let (nsym, esc, sym_bits) = (cb.nsym(), cb.nsym() - 1, cb.sym_bits());
     let n_streams = c_n / STREAM_CHANNELS;
     let mut streams = Vec::with_capacity(n_streams);
     for s in 0..n_streams {
         let mut w = BitWriter { words: Vec::new(), acc: 0, n: 0 };
         for t in 0..PAGE_TOKENS {
             for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
-                let (sym, _) = split(cb.dtype, v(t, c));
-                let l = cb.lengths[c * NSYM + sym as usize];
-                if l > 0 {
-                    w.put(cb.code(c, sym as usize) as u32, l as u32);
+                let sym = cb.split(v(t, c)).0 as usize;
+                let (k, sym) = if t == 0 {
+                    (0, sym)
                 } else {
-                    let le = cb.lengths[c * NSYM + ESC];
+                    let prev = cb.split(v(t - 1, c)).0 as usize;
+                    (cb.class_after(c, prev), cb.coded_after(sym, prev))
+                };
+                let tb = cb.table(c, k);
+                let l = cb.lengths[tb * nsym + sym];
+                if l > 0 {
+                    w.put(cb.code(tb, sym) as u32, l as u32);
+                } else {
+                    let le = cb.lengths[tb * nsym + esc];
                     if le == 0 {
                         return Err(Error::InvalidArgument(format!(
                             "channel {c}: symbol {sym} has no code and the codebook has no escape"
                         )));
                     }
-                    w.put(cb.code(c, ESC) as u32, le as u32);
-                    w.put(sym as u32, 8);
+                    w.put(cb.code(tb, esc) as u32, le as u32);
+                    w.put(sym as u32, sym_bits);
                 }
             }
         }
@@ -349,12 +534,28 @@ pub fn encode_page(cb: &PageCodebook, values: &[u8], out: &mut Vec<u8>) -> Resul
     let start = out.len();
     out.resize(start + hl, 0);
     for (s, w) in streams.iter().enumerate() {
-        // At most 512 x (12 + 8) bits = 320 words per stream: fits a u16.
+        // At most 512 x (12 + 9) bits = 336 words per stream: fits a u16.
         out[start + 2 * s..start + 2 * s + 2].copy_from_slice(&(w.len() as u16).to_le_bytes());
     }
-    for t in 0..PAGE_TOKENS {
-        for c in 0..c_n {
-            out.push(split(cb.dtype, v(t, c)).1);
+    if cb.version == CODEBOOK_VERSION {
+        for t in 0..PAGE_TOKENS {
+            for c in 0..c_n {
+                out.push(cb.split(v(t, c)).1);
+            }
+        }
+    } else {
+        // 7 bits a value, value i = t x C + c at bits 7i.., least significant bit first
+        let raw_start = out.len();
+        out.resize(raw_start + cb.page_raw_part(), 0);
+        for t in 0..PAGE_TOKENS {
+            for c in 0..c_n {
+                let (i, m) = (7 * (t * c_n + c), cb.split(v(t, c)).1 as u16);
+                let two = m << (i % 8);
+                out[raw_start + i / 8] |= two as u8;
+                if two > 0xFF {
+                    out[raw_start + i / 8 + 1] |= (two >> 8) as u8;
+                }
+            }
         }
     }
     for w in streams {
@@ -373,7 +574,7 @@ pub fn page_len(cb: &PageCodebook, page: &[u8]) -> Result<usize> {
     }
     let words: usize =
         (0..cb.channels / STREAM_CHANNELS).map(|s| u16::from_le_bytes([page[2 * s], page[2 * s + 1]]) as usize).sum();
-    Ok(hl + PAGE_TOKENS * cb.channels + 4 * words)
+    Ok(hl + cb.page_raw_part() + 4 * words)
 }
 
 /// Decode one page of exactly `page.len()` bytes into `out` (16 x channels values, little endian).
@@ -382,19 +583,21 @@ pub fn decode_page(cb: &PageCodebook, page: &[u8], out: &mut [u8]) -> Result<()>
     decode_page_with(cb, None, page, out)
 }
 
-/// The decoder's lookup table: entry `(channel << max_len) + next max_len bits` holds
-/// `symbol << 4 | length`. None when it would exceed 2^24 entries (32 MiB).
+/// The decoder's lookup table: entry `(table << max_len) + next max_len bits` holds
+/// `symbol << 4 | length` (table: the channel in version 1, `channel x 3 + class` in version 2).
+/// None when it would exceed 2^24 entries (32 MiB).
 pub fn lookup_table(cb: &PageCodebook) -> Option<Vec<u16>> {
     let ml = cb.max_len as usize;
-    if cb.channels << ml > 1 << 24 {
+    let (tables, nsym) = (cb.channels * cb.classes(), cb.nsym());
+    if tables << ml > 1 << 24 {
         return None;
     }
-    let mut t = vec![0u16; cb.channels << ml];
-    for c in 0..cb.channels {
-        for sym in 0..NSYM {
-            let l = cb.lengths[c * NSYM + sym] as usize;
+    let mut t = vec![0u16; tables << ml];
+    for tb in 0..tables {
+        for sym in 0..nsym {
+            let l = cb.lengths[tb * nsym + sym] as usize;
             if l > 0 {
-                let lo = (c << ml) + ((cb.code(c, sym) as usize) << (ml - l));
+                let lo = (tb << ml) + ((cb.code(tb, sym) as usize) << (ml - l));
                 t[lo..lo + (1 << (ml - l))].fill(((sym as u16) << 4) | l as u16);
             }
         }
@@ -419,9 +622,19 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
     if page[2 * n_streams..hl].iter().any(|&b| b != 0) {
         return corrupt("page header padding is not zero");
     }
-    let raw = &page[hl..hl + PAGE_TOKENS * c_n];
-    let mut pos = hl + PAGE_TOKENS * c_n;
+    let raw = &page[hl..hl + cb.page_raw_part()];
+    let raw_at = |i: usize| -> u8 {
+        if cb.version == CODEBOOK_VERSION {
+            raw[i]
+        } else {
+            let b = 7 * i;
+            let two = raw[b / 8] as u16 | (raw.get(b / 8 + 1).copied().unwrap_or(0) as u16) << 8;
+            ((two >> (b % 8)) & 0x7F) as u8
+        }
+    };
+    let mut pos = hl + cb.page_raw_part();
     let ml = cb.max_len as u32;
+    let (nsym, esc, sym_bits) = (cb.nsym(), cb.nsym() - 1, cb.sym_bits());
     for s in 0..n_streams {
         let nw = u16::from_le_bytes([page[2 * s], page[2 * s + 1]]) as usize;
         // read again after page_len's check: a caller's buffer written by another thread (the GIL
@@ -443,20 +656,23 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
             let two = (word(w) << 32) | word(w + 1);
             ((two << (bitpos % 32)) >> (64 - k)) as u32
         };
+        let mut prev = [0usize; STREAM_CHANNELS];
         for t in 0..PAGE_TOKENS {
             for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
-                let lens = &cb.lengths[c * NSYM..(c + 1) * NSYM];
+                let k = if t == 0 { 0 } else { cb.class_after(c, prev[c % STREAM_CHANNELS]) };
+                let tb = cb.table(c, k);
+                let lens = &cb.lengths[tb * nsym..(tb + 1) * nsym];
                 let x = peek(bitpos, ml);
                 let (mut sym, l) = match lut {
                     Some(t) => {
-                        let e = t[(c << ml) + x as usize];
+                        let e = t[(tb << ml) + x as usize];
                         ((e >> 4) as usize, (e & 15) as u32)
                     }
                     None => {
                         // Canonical decode without a table: the symbol whose code prefixes x.
                         let mut found = None;
                         for (sym, &l) in lens.iter().enumerate() {
-                            if l > 0 && (x >> (ml - l as u32)) as u16 == cb.code(c, sym) {
+                            if l > 0 && (x >> (ml - l as u32)) as u16 == cb.code(tb, sym) {
                                 found = Some((sym, l as u32));
                                 break;
                             }
@@ -466,9 +682,9 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
                     }
                 };
                 bitpos += l as usize;
-                if sym == ESC {
-                    sym = peek(bitpos, 8) as usize;
-                    bitpos += 8;
+                if sym == esc {
+                    sym = peek(bitpos, sym_bits) as usize;
+                    bitpos += sym_bits as usize;
                     if lens[sym] != 0 {
                         return corrupt(format!(
                             "stream {s}: escaped symbol {sym} of channel {c} has a code of its own"
@@ -478,7 +694,11 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
                 if bitpos > total_bits {
                     return corrupt(format!("stream {s} runs past its {nw} words"));
                 }
-                let v = join(cb.dtype, sym as u8, raw[t * c_n + c]);
+                if t > 0 {
+                    sym = cb.coded_after(sym, prev[c % STREAM_CHANNELS]);
+                }
+                prev[c % STREAM_CHANNELS] = sym;
+                let v = cb.join(sym as u16, raw_at(t * c_n + c));
                 out[2 * (t * c_n + c)..2 * (t * c_n + c) + 2].copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -665,8 +885,8 @@ mod tests {
         m[0] = b'X';
         assert!(matches!(PageCodebook::parse(&m), Err(Error::BadMagic)));
         let mut v = b.clone();
-        v[4] = 2;
-        assert!(matches!(PageCodebook::parse(&v), Err(Error::UnsupportedVersion(2, 1))));
+        v[4] = 3;
+        assert!(matches!(PageCodebook::parse(&v), Err(Error::UnsupportedVersion(3, 2))));
         let mut d = b.clone();
         d[5] = 3;
         assert!(matches!(PageCodebook::parse(&d), Err(Error::Unsupported(_))));
@@ -680,6 +900,153 @@ mod tests {
         let mut odd = b.clone();
         odd[8..12].copy_from_slice(&33u32.to_le_bytes());
         assert!(PageCodebook::parse(&odd).is_err());
+    }
+
+    /// Like `sample`, but each channel's sign persists over runs of tokens (as real K's does).
+    fn persistent(channels: usize, tokens: usize, seed: u64) -> Vec<u8> {
+        let mut x = sample(channels, tokens, seed);
+        let mut r = seed | 1;
+        for c in 0..channels {
+            let mut sign = 0u8;
+            for t in 0..tokens {
+                r ^= r << 13;
+                r ^= r >> 7;
+                r ^= r << 17;
+                if r.is_multiple_of(8) {
+                    sign ^= 0x80;
+                }
+                let i = 2 * (t * channels + c) + 1;
+                x[i] = (x[i] & 0x7F) | sign;
+            }
+        }
+        x
+    }
+
+    #[test]
+    fn classes_round_trip_and_code_persistent_signs_smaller() {
+        let ch = 64;
+        let data = persistent(ch, 256, 7);
+        let cb1 = PageCodebook::calibrate(DTYPE_BF16, ch, &data, 8).unwrap();
+        let cb2 = PageCodebook::calibrate_version(CODEBOOK_VERSION_CLASSES, DTYPE_BF16, ch, &data, 8).unwrap();
+        assert_eq!((cb2.version, cb2.classes(), cb2.nsym(), cb2.splits.len()), (2, 3, 513, ch));
+        assert_eq!(PageCodebook::parse(&cb2.to_bytes()).unwrap(), cb2);
+        let (b1, o1) = encode_pages(&cb1, &data, 8).unwrap();
+        let (b2, o2) = encode_pages(&cb2, &data, 8).unwrap();
+        let mut out = vec![0u8; data.len()];
+        decode_pages(&cb2, &b2, &o2, &mut out).unwrap();
+        assert_eq!(out, data);
+        // the sign costs about 0.54 bits instead of 1 (a flip every 8 tokens)
+        assert!((b2.len() as f64) < 0.97 * b1.len() as f64, "{} vs {}", b2.len(), b1.len());
+        decode_pages(&cb1, &b1, &o1, &mut out).unwrap();
+        assert_eq!(out, data);
+        // the table-free decoder agrees, page by page
+        let pr = cb2.page_raw_len();
+        for i in 0..o2.len() - 1 {
+            let len = page_len(&cb2, &b2[o2[i] as usize..]).unwrap();
+            let mut one = vec![0u8; pr];
+            decode_page(&cb2, &b2[o2[i] as usize..o2[i] as usize + len], &mut one).unwrap();
+            assert_eq!(one, data[i * pr..(i + 1) * pr]);
+        }
+    }
+
+    #[test]
+    fn classes_and_signs_follow_the_previous_token() {
+        // Tables that each know one symbol (and the escape), split 128 in every channel:
+        // class 0 (a page's first token) +1.0 (sign 0, exponent 127: 127); class 1 (previous
+        // exponent below 128) "same sign, exponent 127" (127); class 2 (previous exponent 128 or
+        // more) "sign changed, exponent 127" (256 + 127). A value costs 1 bit where its class's
+        // table has its coded symbol, else 1 + 9 bits (the escape): a page's size tells which
+        // table and which coded sign every token took.
+        let ch = 32;
+        let mut lengths = vec![0u8; ch * CLASSES_V2 * NSYM_V2];
+        for c in 0..ch {
+            for (k, sym) in [(0, 127), (1, 127), (2, 256 + 127)] {
+                lengths[(c * CLASSES_V2 + k) * NSYM_V2 + sym] = 1;
+                lengths[(c * CLASSES_V2 + k) * NSYM_V2 + 512] = 1;
+            }
+        }
+        let cb = PageCodebook::from_parts(2, DTYPE_BF16, 8, ch, vec![128; ch], lengths).unwrap();
+        let page_of =
+            |f: &dyn Fn(usize) -> u16| -> Vec<u8> { (0..16 * ch).flat_map(|i| f(i / ch).to_le_bytes()).collect() };
+        // +1.0 = 0x3F80, -1.0 = 0xBF80, -2.0 = 0xC000 (sign 1, exponent 128)
+        let same = page_of(&|_| 0x3F80);
+        let flip = page_of(&|t| if t % 2 == 0 { 0x3F80 } else { 0xBF80 });
+        let two = page_of(&|t| if t % 2 == 0 { 0x3F80 } else { 0xC000 });
+        // same: 1 bit a value. flip: after token 0 every value changes sign after exponent 127
+        // (class 1, which has only "same sign"): escapes. two: odd tokens (-2.0 after +1.0: class
+        // 1, sign changed) escape; even tokens after the first (+1.0 after -2.0: class 2, sign
+        // changed, exponent 127) cost 1 bit.
+        let per_stream = [16, (32 + 15 * 32 * 10usize).div_ceil(32), 32 * (1 + 8 * 10 + 7) / 32];
+        for (v, words) in [(same, per_stream[0]), (flip, per_stream[1]), (two, per_stream[2])] {
+            let mut p = Vec::new();
+            encode_page(&cb, &v, &mut p).unwrap();
+            assert_eq!(u16::from_le_bytes([p[0], p[1]]) as usize, words);
+            let mut out = vec![0u8; v.len()];
+            decode_page(&cb, &p, &mut out).unwrap();
+            assert_eq!(out, v);
+        }
+    }
+
+    #[test]
+    fn hostile_class_codebooks_are_errors() {
+        let data = persistent(32, 32, 9);
+        let cb = PageCodebook::calibrate_version(2, DTYPE_BF16, 32, &data, 8).unwrap();
+        let b = cb.to_bytes();
+        assert_eq!(b.len(), 12 + 32 + 32 * 3 * 513);
+        assert!(matches!(PageCodebook::parse(&b[..b.len() - 1]), Err(Error::Truncated(_))));
+        assert!(matches!(PageCodebook::parse(&[b.as_slice(), &[0]].concat()), Err(Error::Corrupt(_))));
+        let mut d = b.clone();
+        d[5] = DTYPE_F16;
+        assert!(matches!(PageCodebook::parse(&d), Err(Error::Unsupported(_))));
+        let mut k = b.clone();
+        let i = (12 + 32..k.len()).find(|&i| k[i] > 0).unwrap();
+        k[i] += 1;
+        assert!(matches!(PageCodebook::parse(&k), Err(Error::Corrupt(_))));
+        // a version-1 header over version-2 bytes (and the reverse) is a length mismatch
+        let mut v1 = b.clone();
+        v1[4] = 1;
+        assert!(PageCodebook::parse(&v1).is_err());
+        assert!(matches!(PageCodebook::calibrate_version(2, DTYPE_F16, 32, &data, 8), Err(Error::InvalidArgument(_))));
+        assert!(matches!(PageCodebook::calibrate_version(3, DTYPE_BF16, 32, &data, 8), Err(Error::InvalidArgument(_))));
+        // a version-2 page is 14 x channels raw bytes: cut or grown, it is refused
+        let mut page = Vec::new();
+        encode_page(&cb, &data[..cb.page_raw_len()], &mut page).unwrap();
+        let mut out = vec![0u8; cb.page_raw_len()];
+        assert!(matches!(decode_page(&cb, &page[..page.len() - 1], &mut out), Err(Error::Truncated(_))));
+        assert!(matches!(decode_page(&cb, &[page.as_slice(), &[0; 4]].concat(), &mut out), Err(Error::Corrupt(_))));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn prop_round_trip_classes(seed in any::<u64>(), cal in proptest::collection::vec(any::<u16>(), 32..256),
+                                   pages in proptest::collection::vec(any::<u16>(), 512..=1024), ml in 8u8..=12) {
+            let ch = 32;
+            let mut calb: Vec<u8> = cal.iter().flat_map(|v| v.to_le_bytes()).collect();
+            calb.truncate(calb.len() / (2 * ch) * 2 * ch);
+            calb.extend(persistent(ch, 20, seed));
+            let cb = PageCodebook::calibrate_version(2, DTYPE_BF16, ch, &calb, ml).unwrap();
+            let n = pages.len() / 512 * 512;
+            let mut vals: Vec<u8> = pages[..n].iter().flat_map(|v| v.to_le_bytes()).collect();
+            vals.extend(persistent(ch, 16, seed ^ 1));
+            let (buf, offs) = encode_pages(&cb, &vals, 8).unwrap();
+            let mut out = vec![0u8; vals.len()];
+            decode_pages(&cb, &buf, &offs, &mut out).unwrap();
+            prop_assert_eq!(out, vals);
+        }
+
+        #[test]
+        fn prop_flipped_class_page_errs_or_decodes(seed in any::<u64>(), at in any::<usize>(), bit in 0u8..8) {
+            let data = persistent(32, 16, seed);
+            let cb = PageCodebook::calibrate_version(2, DTYPE_BF16, 32, &data, 8).unwrap();
+            let mut page = Vec::new();
+            encode_page(&cb, &data, &mut page).unwrap();
+            let i = at % page.len();
+            page[i] ^= 1 << bit;
+            let mut out = vec![0u8; data.len()];
+            let _ = decode_page(&cb, &page, &mut out);
+            let _ = PageCodebook::parse(&page);
+        }
     }
 
     proptest! {

@@ -7,8 +7,10 @@ use weightszip_core::page::{self, PageCodebook};
 
 use crate::{slice, slice_mut, to_py};
 
-/// Calibrate a codebook from `tokens x channels` 16-bit sample values; returns its bytes.
+/// Calibrate a codebook of `version` (1, or 2 for bf16) from `tokens x channels` 16-bit sample
+/// values (version 2: consecutive tokens, in pages of 16 from the first); returns its bytes.
 #[pyfunction]
+#[pyo3(signature = (dtype, channels, addr, len, max_len, version=1))]
 fn page_calibrate<'py>(
     py: Python<'py>,
     dtype: u8,
@@ -16,18 +18,24 @@ fn page_calibrate<'py>(
     addr: usize,
     len: usize,
     max_len: u8,
+    version: u8,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let cb = py
-        .allow_threads(|| PageCodebook::calibrate(dtype, channels, unsafe { slice(addr, len) }, max_len))
+        .allow_threads(|| {
+            PageCodebook::calibrate_version(version, dtype, channels, unsafe { slice(addr, len) }, max_len)
+        })
         .map_err(to_py)?;
     Ok(PyBytes::new(py, &cb.to_bytes()))
 }
 
-/// Check a codebook; returns (dtype code, max_len, channels, lengths as bytes).
+type CodebookInfo<'py> = (u8, u8, usize, Bound<'py, PyBytes>, u8, Bound<'py, PyBytes>);
+
+/// Check a codebook; returns (dtype code, max_len, channels, lengths as bytes, version, splits as
+/// bytes: empty in version 1).
 #[pyfunction]
-fn page_codebook_info<'py>(py: Python<'py>, codebook: &[u8]) -> PyResult<(u8, u8, usize, Bound<'py, PyBytes>)> {
+fn page_codebook_info<'py>(py: Python<'py>, codebook: &[u8]) -> PyResult<CodebookInfo<'py>> {
     let cb = PageCodebook::parse(codebook).map_err(to_py)?;
-    Ok((cb.dtype, cb.max_len, cb.channels, PyBytes::new(py, &cb.lengths)))
+    Ok((cb.dtype, cb.max_len, cb.channels, PyBytes::new(py, &cb.lengths), cb.version, PyBytes::new(py, &cb.splits)))
 }
 
 /// Encode whole pages (n x 16 x channels values); returns (pages back to back, n + 1 offsets).

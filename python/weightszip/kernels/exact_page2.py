@@ -1,0 +1,1 @@
+../../../triton_kernels/exact_page2.py
