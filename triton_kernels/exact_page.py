@@ -205,6 +205,83 @@ def _join8(w0, w1, w2, w3, w4, w5, w6, w7, B: tl.constexpr):
 
 
 @triton.jit
+def _program_pages(off_ptr, tid_ptr, n_pages, BLOCK_PAGES: tl.constexpr):
+    # This program's pages: (in range, index int64, first byte, codebook id int64).
+    p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
+    ok = p < n_pages
+    p64 = p.to(tl.int64)
+    off = tl.load(off_ptr + p64, mask=ok, other=0)
+    tid = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64)
+    return ok, p64, off, tid
+
+
+@triton.jit
+def _write_frame(buf16_ptr, buf32_ptr, off_ptr, words_ptr, wstart_ptr, ok, p64, off, s, S: tl.constexpr,
+                 H: tl.constexpr, RAW: tl.constexpr, TAIL_WORDS: tl.constexpr, BLOCK_PAGES: tl.constexpr):
+    # The bytes of a page that are not its raw part or code words, each written by one stream's
+    # program: stream s's word count in the header, the header's padding (stream 0), the zero words
+    # that pad the page after its last code word (the last stream). Returns the stream's first
+    # code word (a word index into the buffer). RAW: bytes of the page's raw part.
+    nw = tl.load(words_ptr + p64 * S + s, mask=ok, other=0)
+    tl.store(buf16_ptr + off // 2 + s, nw.to(tl.int16), mask=ok)
+    for k in tl.static_range((H - 2 * S) // 2):
+        tl.store(buf16_ptr + off // 2 + S + k, tl.zeros([BLOCK_PAGES], dtype=tl.int16), mask=ok & (s == 0))
+    wpos = (off + H + RAW) // 4 + tl.load(wstart_ptr + p64 * S + s, mask=ok, other=0)
+    end = wpos + nw  # past the stream's last word: for the last stream, the page's padding
+    nxt = tl.load(off_ptr + p64 + 1, mask=ok, other=0) // 4
+    for k in tl.static_range(TAIL_WORDS):
+        tl.store(buf32_ptr + end + k, tl.zeros([BLOCK_PAGES], dtype=tl.int32), mask=ok & (s == S - 1) & (end + k < nxt))
+    return wpos
+
+
+@triton.jit
+def _append(acc, nacc, wpos, code, ln, ok, buf32_ptr):
+    # A code of ln bits appended MSB-first to the stream's bit accumulator, a full word written
+    # out; nacc < 32 before, so nacc + ln <= 53 < 64.
+    acc = acc | (code.to(tl.uint64) << (64 - nacc - ln).to(tl.uint64))
+    nacc = nacc + ln
+    full = nacc >= 32
+    tl.store(buf32_ptr + wpos, (acc >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=ok & full)
+    acc = tl.where(full, acc << 32, acc)
+    nacc = tl.where(full, nacc - 32, nacc)
+    wpos = tl.where(full, wpos + 1, wpos)
+    return acc, nacc, wpos
+
+
+@triton.jit
+def _stream_start(buf32_ptr, buf16_ptr, off, ok, s, S: tl.constexpr, SP: tl.constexpr, H: tl.constexpr,
+                  RAW: tl.constexpr, BLOCK_PAGES: tl.constexpr):
+    # Stream s of each page: its word count (header), its first word (after the streams before it),
+    # and the decoder's bit buffer loaded with its first two words, the third staged in nxt.
+    sj = tl.arange(0, SP)[None, :]
+    hdr = tl.load(buf16_ptr + off[:, None] // 2 + sj, mask=ok[:, None] & (sj < S), other=0).to(tl.int32) & 0xFFFF
+    start = tl.sum(tl.where(sj < s, hdr, 0), axis=1)
+    nw = tl.sum(tl.where(sj == s, hdr, 0), axis=1)
+    wbase = (off + H + RAW) // 4 + start
+    w0 = tl.load(buf32_ptr + wbase, mask=ok & (nw > 0), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    w1 = tl.load(buf32_ptr + wbase + 1, mask=ok & (nw > 1), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    buf = (w0 << 32) | w1
+    nbits = tl.full([BLOCK_PAGES], 64, tl.int32)
+    wnext = tl.full([BLOCK_PAGES], 2, tl.int32)
+    nxt = tl.load(buf32_ptr + wbase + 2, mask=ok & (nw > 2), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    return nw, wbase, buf, nbits, wnext, nxt
+
+
+@triton.jit
+def _refill(buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr):
+    # Before each symbol: afterwards nbits > 32 (a symbol takes at most 12 + 9 bits). ``nxt`` holds
+    # stream word ``wnext``, loaded at the previous refill, so a refill does not wait for memory (the
+    # load's latency overlaps the symbols decoded before the next refill); past the stream's end: 0.
+    need = nbits <= 32
+    buf = buf | tl.where(need, nxt << tl.where(need, 32 - nbits, 0).to(tl.uint64), 0)
+    nbits = tl.where(need, nbits + 32, nbits)
+    wnext = tl.where(need, wnext + 1, wnext)
+    nxt = tl.load(buf32_ptr + wbase + wnext, mask=ok & need & (wnext < nw), other=tl.where(need, 0, nxt.to(tl.uint32).to(tl.int32, bitcast=True)))
+    nxt = nxt.to(tl.uint32, bitcast=True).to(tl.uint64)
+    return buf, nbits, nxt, wnext
+
+
+@triton.jit
 def _encode4(x, acc, nacc, wpos, ok, enc_ptr, tab, buf32_ptr, c0, IS_BF16: tl.constexpr):
     # Four values of one stream (channels c0..c0 + 3 of a token, packed in a uint64): their codes
     # appended to the stream's bit accumulator (full words written out), their raw bytes returned.
@@ -214,16 +291,7 @@ def _encode4(x, acc, nacc, wpos, ok, enc_ptr, tab, buf32_ptr, c0, IS_BF16: tl.co
         sym, raw = _split(v, IS_BF16)
         raws = raws | (raw << (8 * j))
         e = tl.load(enc_ptr + tab + (c0 + j) * 256 + sym.to(tl.int32))  # escapes folded in
-        ln = e & 31
-        code = e >> 5
-        # Append MSB-first; nacc < 32 before, so nacc + ln <= 51 < 64.
-        acc = acc | (code.to(tl.uint64) << (64 - nacc - ln).to(tl.uint64))
-        nacc = nacc + ln
-        full = nacc >= 32
-        tl.store(buf32_ptr + wpos, (acc >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=ok & full)
-        acc = tl.where(full, acc << 32, acc)
-        nacc = tl.where(full, nacc - 32, nacc)
-        wpos = tl.where(full, wpos + 1, wpos)
+        acc, nacc, wpos = _append(acc, nacc, wpos, e >> 5, e & 31, ok, buf32_ptr)
     return raws, acc, nacc, wpos
 
 
@@ -251,21 +319,11 @@ def _encode_kernel(
     # the stream's word count in the header, that of stream 0 the header's padding, that of the
     # last stream the zero words that pad the page after its last code word.
     s = tl.program_id(1)
-    p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
-    ok = p < n_pages
-    p64 = p.to(tl.int64)
-    off = tl.load(off_ptr + p64, mask=ok, other=0)
-    tab = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64) * (C * 256)
-    nw = tl.load(words_ptr + p64 * S + s, mask=ok, other=0)
-    tl.store(buf16_ptr + off // 2 + s, nw.to(tl.int16), mask=ok)
-    for k in tl.static_range((H - 2 * S) // 2):
-        tl.store(buf16_ptr + off // 2 + S + k, tl.zeros([BLOCK_PAGES], dtype=tl.int16), mask=ok & (s == 0))
+    ok, p64, off, tid = _program_pages(off_ptr, tid_ptr, n_pages, BLOCK_PAGES)
+    tab = tid * (C * 256)
+    wpos = _write_frame(buf16_ptr, buf32_ptr, off_ptr, words_ptr, wstart_ptr, ok, p64, off, s, S, H, 16 * C, TAIL_WORDS,
+                        BLOCK_PAGES)
     raw_w = (off + H) // 4 + s * 8  # the stream's first raw word of token 0
-    wpos = (off + H + 16 * C) // 4 + tl.load(wstart_ptr + p64 * S + s, mask=ok, other=0)
-    end = wpos + nw  # past the stream's last word: for the last stream, the page's padding
-    nxt = tl.load(off_ptr + p64 + 1, mask=ok, other=0) // 4
-    for k in tl.static_range(TAIL_WORDS):
-        tl.store(buf32_ptr + end + k, tl.zeros([BLOCK_PAGES], dtype=tl.int32), mask=ok & (s == S - 1) & (end + k < nxt))
     acc = tl.zeros([BLOCK_PAGES], dtype=tl.uint64)
     nacc = tl.zeros([BLOCK_PAGES], dtype=tl.int32)
     col = tl.arange(0, 8)[None, :]
@@ -294,14 +352,7 @@ def _decode4(raws, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, lut_ptr, ta
     # (the load's latency overlaps the symbols decoded before the next refill).
     acc = tl.zeros(raws.shape, dtype=tl.uint64)
     for j in tl.static_range(4):
-        # Refill first: afterwards nbits > 32, and a symbol takes at most 12 + 8 bits.
-        need = nbits <= 32
-        buf = buf | tl.where(need, nxt << tl.where(need, 32 - nbits, 0).to(tl.uint64), 0)
-        nbits = tl.where(need, nbits + 32, nbits)
-        wnext = tl.where(need, wnext + 1, wnext)
-        # a predicated load into nxt (past the stream's end: 0), nothing waits for it here
-        nxt = tl.load(buf32_ptr + wbase + wnext, mask=ok & need & (wnext < nw), other=tl.where(need, 0, nxt.to(tl.uint32).to(tl.int32, bitcast=True)))
-        nxt = nxt.to(tl.uint32, bitcast=True).to(tl.uint64)
+        buf, nbits, nxt, wnext = _refill(buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr)
         e = tl.load(lut_ptr + tab + (c0 + j) * (1 << L) + (buf >> (64 - L)).to(tl.int32)).to(tl.int32)
         ln = e & 15
         sym = e >> 4
@@ -342,24 +393,10 @@ def _decode_kernel(
     # and 32 outputs of every page are one [BLOCK_PAGES, 8]-word tile each: whole 32-byte sectors
     # (one 4- or 8-byte access per thread and symbol group would touch a sector for 4 or 8 bytes).
     s = tl.program_id(1)
-    p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
-    ok = p < n_pages
-    p64 = p.to(tl.int64)
-    off = tl.load(off_ptr + p64, mask=ok, other=0)
-    tab = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64) * (C << L)
-    # Words per stream from the header; this stream starts after the streams before it.
-    sj = tl.arange(0, SP)[None, :]
-    hdr = tl.load(buf16_ptr + off[:, None] // 2 + sj, mask=ok[:, None] & (sj < S), other=0).to(tl.int32) & 0xFFFF
-    start = tl.sum(tl.where(sj < s, hdr, 0), axis=1)
-    nw = tl.sum(tl.where(sj == s, hdr, 0), axis=1)
-    wbase = (off + H + 16 * C) // 4 + start
+    ok, p64, off, tid = _program_pages(off_ptr, tid_ptr, n_pages, BLOCK_PAGES)
+    tab = tid * (C << L)
+    nw, wbase, buf, nbits, wnext, nxt = _stream_start(buf32_ptr, buf16_ptr, off, ok, s, S, SP, H, 16 * C, BLOCK_PAGES)
     raw_w = (off + H) // 4 + s * 8  # the stream's first raw word of token 0
-    w0 = tl.load(buf32_ptr + wbase, mask=ok & (nw > 0), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-    w1 = tl.load(buf32_ptr + wbase + 1, mask=ok & (nw > 1), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-    buf = (w0 << 32) | w1
-    nbits = tl.full([BLOCK_PAGES], 64, tl.int32)
-    wnext = tl.full([BLOCK_PAGES], 2, tl.int32)
-    nxt = tl.load(buf32_ptr + wbase + 2, mask=ok & (nw > 2), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     col = tl.arange(0, 8)[None, :]
     c = s * 32
     for t in range(16):

@@ -30,10 +30,15 @@ from weightszip.errors import InvalidArgumentError
 from ._interpreter_compat import apply as _interpreter_compat
 from .exact_page import (
     STREAM_CHANNELS,
+    _append,
     _join8,
+    _program_pages,
+    _refill,
     _split8,
+    _stream_start,
     _table_ids,
     _warps,
+    _write_frame,
     check_decode_args,
     check_encode_args,
     header_len,
@@ -149,16 +154,7 @@ def _encode4_2(x, xp, first, acc, nacc, wpos, ok, enc_ptr, tab, split_ptr, stab,
         pv = ((xp >> (16 * j)) & 0xFFFF).to(tl.int32)
         k, y = _class_sym(v, pv, first, tl.load(split_ptr + stab + c0 + j))
         e = tl.load(enc_ptr + tab + ((c0 + j) * 3 + k) * 512 + y)  # escapes folded in
-        ln = e & 31
-        code = e >> 5
-        # Append MSB-first; nacc < 32 before, so nacc + ln <= 53 < 64.
-        acc = acc | (code.to(tl.uint64) << (64 - nacc - ln).to(tl.uint64))
-        nacc = nacc + ln
-        full = nacc >= 32
-        tl.store(buf32_ptr + wpos, (acc >> 32).to(tl.uint32).to(tl.int32, bitcast=True), mask=ok & full)
-        acc = tl.where(full, acc << 32, acc)
-        nacc = tl.where(full, nacc - 32, nacc)
-        wpos = tl.where(full, wpos + 1, wpos)
+        acc, nacc, wpos = _append(acc, nacc, wpos, e >> 5, e & 31, ok, buf32_ptr)
         mant = mant | ((v & 0x7F).to(tl.uint32) << (7 * j))
     return mant, acc, nacc, wpos
 
@@ -185,23 +181,12 @@ def _encode_kernel2(
     # stream 0, the page's tail padding by the last stream); a token's 32 mantissas of a stream go
     # out as 7 words.
     s = tl.program_id(1)
-    p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
-    ok = p < n_pages
-    p64 = p.to(tl.int64)
-    off = tl.load(off_ptr + p64, mask=ok, other=0)
-    tid = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64)
+    ok, p64, off, tid = _program_pages(off_ptr, tid_ptr, n_pages, BLOCK_PAGES)
     tab = tid * (C * 3 * 512)
     stab = tid * C
-    nw = tl.load(words_ptr + p64 * S + s, mask=ok, other=0)
-    tl.store(buf16_ptr + off // 2 + s, nw.to(tl.int16), mask=ok)
-    for k in tl.static_range((H - 2 * S) // 2):
-        tl.store(buf16_ptr + off // 2 + S + k, tl.zeros([BLOCK_PAGES], dtype=tl.int16), mask=ok & (s == 0))
+    wpos = _write_frame(buf16_ptr, buf32_ptr, off_ptr, words_ptr, wstart_ptr, ok, p64, off, s, S, H, 14 * C, TAIL_WORDS,
+                        BLOCK_PAGES)
     raw_w = (off + H) // 4 + s * 7  # the stream's first mantissa word of token 0
-    wpos = (off + H + 14 * C) // 4 + tl.load(wstart_ptr + p64 * S + s, mask=ok, other=0)
-    end = wpos + nw
-    nxt = tl.load(off_ptr + p64 + 1, mask=ok, other=0) // 4
-    for k in tl.static_range(TAIL_WORDS):
-        tl.store(buf32_ptr + end + k, tl.zeros([BLOCK_PAGES], dtype=tl.int32), mask=ok & (s == S - 1) & (end + k < nxt))
     acc = tl.zeros([BLOCK_PAGES], dtype=tl.uint64)
     nacc = tl.zeros([BLOCK_PAGES], dtype=tl.int32)
     col = tl.arange(0, 8)[None, :]
@@ -236,13 +221,7 @@ def _decode4_2(g, ap, first, buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr, l
     # buffer after them (exact_page._decode4's refill scheme).
     acc = tl.zeros(g.shape, dtype=tl.uint64)
     for j in tl.static_range(4):
-        # Refill first: afterwards nbits > 32, and a symbol takes at most 12 + 9 bits.
-        need = nbits <= 32
-        buf = buf | tl.where(need, nxt << tl.where(need, 32 - nbits, 0).to(tl.uint64), 0)
-        nbits = tl.where(need, nbits + 32, nbits)
-        wnext = tl.where(need, wnext + 1, wnext)
-        nxt = tl.load(buf32_ptr + wbase + wnext, mask=ok & need & (wnext < nw), other=tl.where(need, 0, nxt.to(tl.uint32).to(tl.int32, bitcast=True)))
-        nxt = nxt.to(tl.uint32, bitcast=True).to(tl.uint64)
+        buf, nbits, nxt, wnext = _refill(buf, nbits, nxt, wnext, nw, ok, wbase, buf32_ptr)
         p = ((ap >> (16 * j)) & 0xFFFF).to(tl.int32) >> 7
         k = tl.where(first, 0, 1 + ((p & 0xFF) >= tl.load(split_ptr + stab + c0 + j)).to(tl.int32))
         e = tl.load(lut_ptr + tab + (((c0 + j) * 3 + k) << L) + (buf >> (64 - L)).to(tl.int32)).to(tl.int32)
@@ -281,25 +260,11 @@ def _decode_kernel2(
     # [BLOCK_PAGES, 8]-word tile (the eighth masked), and the previous token's output tile stays in
     # registers for the classes and signs.
     s = tl.program_id(1)
-    p = tl.program_id(0) * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
-    ok = p < n_pages
-    p64 = p.to(tl.int64)
-    off = tl.load(off_ptr + p64, mask=ok, other=0)
-    tid = tl.load(tid_ptr + p64, mask=ok, other=0).to(tl.int64)
+    ok, p64, off, tid = _program_pages(off_ptr, tid_ptr, n_pages, BLOCK_PAGES)
     tab = tid * (C * 3 << L)
     stab = tid * C
-    sj = tl.arange(0, SP)[None, :]
-    hdr = tl.load(buf16_ptr + off[:, None] // 2 + sj, mask=ok[:, None] & (sj < S), other=0).to(tl.int32) & 0xFFFF
-    start = tl.sum(tl.where(sj < s, hdr, 0), axis=1)
-    nw = tl.sum(tl.where(sj == s, hdr, 0), axis=1)
-    wbase = (off + H + 14 * C) // 4 + start
+    nw, wbase, buf, nbits, wnext, nxt = _stream_start(buf32_ptr, buf16_ptr, off, ok, s, S, SP, H, 14 * C, BLOCK_PAGES)
     raw_w = (off + H) // 4 + s * 7
-    w0 = tl.load(buf32_ptr + wbase, mask=ok & (nw > 0), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-    w1 = tl.load(buf32_ptr + wbase + 1, mask=ok & (nw > 1), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-    buf = (w0 << 32) | w1
-    nbits = tl.full([BLOCK_PAGES], 64, tl.int32)
-    wnext = tl.full([BLOCK_PAGES], 2, tl.int32)
-    nxt = tl.load(buf32_ptr + wbase + 2, mask=ok & (nw > 2), other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
     col = tl.arange(0, 8)[None, :]
     c = s * 32
     a0 = tl.zeros([BLOCK_PAGES], dtype=tl.uint64)
