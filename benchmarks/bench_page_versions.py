@@ -18,7 +18,8 @@ Two kinds of held-out data:
         --pair /tmp/kv/smollm2_8k.npy:/tmp/kv/smollm2_books_8k.npy --pair /tmp/kv/qwen_8k.npy:/tmp/kv/qwen_books_8k.npy
 
 Writes ``benchmarks/results/page_versions.{json,md,png}`` (``page_versions_calN.*`` with
-``--cal-tokens N``).
+``--cal-tokens N``); ``--restore-session .boxdata/kv_pages_subset.npz`` instead counts the bytes of
+bench_restore.py's session (``page_versions_restore_session.json``).
 """
 
 from __future__ import annotations
@@ -78,11 +79,16 @@ def main():
     ap.add_argument("--max-len", type=int, default=8)
     ap.add_argument("--cal-tokens", type=int, default=None,
                     help="calibrate on this many first tokens (default: the first half; the restore benchmark uses 2048)")
+    ap.add_argument("--restore-session", default=None, metavar="NPZ",
+                    help="only the bytes of bench_restore.py's session over this subset (make_kv_subset.py): each set "
+                         "tiled to 1024 channels, calibrated on its first half, its second half coded")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.restore_session:
+        return restore_session(args)
     jobs = [(p, p) for p in args.kv] + [tuple(p.split(":", 1)) for p in args.pair]
     if not jobs:
-        ap.error("give --kv or --pair")
+        ap.error("give --kv, --pair or --restore-session")
     sets = [s for c, e in jobs for s in layer_sets(c, e, args.layers, args.cal_tokens)]
     rows = []
     for model, data, kind, layer, cal, ev in tqdm(sets, desc="sets"):
@@ -109,6 +115,27 @@ def main():
     (out / f"{stem}.json").write_text(json.dumps(dict(meta, summary=summary, rows=rows), indent=1))
     (out / f"{stem}.md").write_text(f"`{meta['command']}`\n\n{table}\n")
     plot(summary, out / f"{stem}.png")
+
+
+def restore_session(args):
+    """The restore benchmark's session bytes in both versions (its sets weigh equally in it)."""
+    from bench_gpu_codec import calibrated_sets
+    from tqdm import tqdm
+
+    out = {"command": "python " + " ".join(sys.argv), "date": dt.date.today().isoformat(), "max_len": args.max_len,
+           "bytes": "pages padded to 8 bytes + 8-byte offset + 4-byte table id per page, over bf16"}
+    for version in (1, 2):
+        coded = raw = 0
+        for _, _, cb, x in tqdm(calibrated_sets([args.restore_session], 1024, args.max_len, version), desc=f"v{version}"):
+            ev = x[x.shape[0] // 2:].reshape(-1, pages.PAGE_TOKENS, 1024)
+            buf, offs = pages.encode_pages(cb, ev)
+            if not (pages.decode_pages(cb, buf, offs) == ev).all():
+                raise SystemExit(f"version {version}: pages did not decode to their values")
+            coded, raw = coded + len(buf) + PER_PAGE * ev.shape[0], raw + ev.nbytes
+        out[f"v{version}"] = {"ratio": coded / raw, "bound": raw / coded}
+        print(f"version {version}: {coded / raw:.4f} of bf16, restore bound {raw / coded:.3f}x")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "page_versions_restore_session.json").write_text(json.dumps(out, indent=1))
 
 
 def plot(summary, path: Path):

@@ -60,8 +60,46 @@ def test_unseen_values_take_the_escape(real_kv_1k):
     cb = pages.calibrate(cal[:64], "bfloat16", version=2)
     rng = np.random.default_rng(3)
     odd = rng.integers(0, 1 << 16, size=(2, 16, 192), dtype=np.uint16)  # NaNs, infinities, subnormals
+    odd[0, 0, 0] = 0xFFC0  # a NaN (sign 1, exponent 255) starting a page: class 0, coded as itself
+    lengths = pages.codebook_info(cb)[3]
+    assert lengths[0, 0, 0xFFC0 >> 7] == 0 and lengths[0, 0, 512] > 0  # so it takes the escape
     buf, offs = pages.encode_pages(cb, odd)
     assert (pages.decode_pages(cb, buf, offs) == odd).all()
+
+
+def crafted_codebook(channels: int, lengths_of_table, splits: int = 128, max_len: int = 8) -> bytes:
+    """A version-2 codebook's bytes (FORMAT.md) with every table's lengths from
+    ``lengths_of_table``: uint8 [513]."""
+    head = b"WZPB" + bytes([2, 1, max_len, 0]) + channels.to_bytes(4, "little") + bytes([splits] * channels)
+    return head + np.tile(np.asarray(lengths_of_table, np.uint8), 3 * channels).tobytes()
+
+
+def test_page_bound_is_tight_for_escapes_of_nine_bits():
+    """Every value escaped, the escape's code the longest (8 bits): 8 + 9 bits a value, the largest
+    page the codec's bound allows, exactly (a bound built on 8 escaped bits would be 4 words a
+    stream short)."""
+    from weightszip import offload as ol
+
+    t = np.zeros(513, np.uint8)
+    t[:255] = 8
+    t[512] = 8  # 256 codes of 8 bits: complete
+    cb = crafted_codebook(32, t)
+    # negative first, then alternating signs: every coded symbol has bit 8 set (>= 256): escaped
+    x = np.where(np.arange(16) % 2 == 0, 0xBF80, 0x3F80).astype(np.uint16)[None, :, None].repeat(32, 2)
+    buf, offs = pages.encode_pages(cb, x, align=8)
+    assert int(offs[1]) == ol.ExactPageCodec(cb).page_bound == pages.header_len(32) + 14 * 32 + 4 * 512 * 17 // 32
+    assert (pages.decode_pages(cb, buf, offs) == x).all()
+
+
+def test_a_codebook_without_escape_decodes_but_does_not_encode_what_it_lacks():
+    t = np.zeros(513, np.uint8)
+    t[127] = t[383] = 1  # +-2^0 only, and no escape: complete, so it parses
+    cb = crafted_codebook(32, t)
+    ok = np.full((1, 16, 32), 0x3F80, np.uint16)  # +1.0 everywhere: coded symbol 127 throughout
+    buf, offs = pages.encode_pages(cb, ok)
+    assert (pages.decode_pages(cb, buf, offs) == ok).all()
+    with pytest.raises(InvalidArgumentError, match="escape"):
+        pages.encode_pages(cb, np.full((1, 16, 32), 0x4000, np.uint16))  # 2.0: exponent 128, no code
 
 
 @settings(max_examples=30, deadline=None)
@@ -212,6 +250,24 @@ def test_property_rust_reference_and_triton_agree(seed, max_len, persist):
     assert bytes(gbuf.cpu().numpy()) == buf
     dec = ep2.decode_pages(_dev(np.frombuffer(buf, np.uint8)), _dev(offs), tb, block_pages=2)
     assert (dec.cpu().numpy().view(np.uint16) == p).all()
+
+
+def test_gpu_encoder_refuses_a_codebook_without_escape():
+    # the Rust encoder refuses the values such a codebook cannot code; the GPU encoder, which does
+    # not look at the values on the host, refuses the codebook (it would write undecodable pages)
+    t = np.zeros(513, np.uint8)
+    t[127] = t[383] = 1
+    tb = ep2.PageTables2.from_codebook(crafted_codebook(32, t))
+    assert not tb.encodable
+    with pytest.raises(InvalidArgumentError, match="escape"):
+        ep2.encode_pages(torch.full((1, 16, 32), 0x3F80, dtype=torch.int16), tb)
+    t1 = np.zeros(257, np.uint8)
+    t1[127] = t1[128] = 1
+    cb1 = b"WZPB" + bytes([1, 1, 8, 0]) + (32).to_bytes(4, "little") + np.tile(t1, 32).tobytes()
+    tb1 = ep.PageTables.from_codebook(cb1)
+    assert not tb1.encodable and not ep.PageTables.stack([tb1, tb1]).encodable
+    with pytest.raises(InvalidArgumentError, match="escape"):
+        ep.encode_pages(torch.full((1, 16, 32), 0x3F80, dtype=torch.int16), tb1)
 
 
 def test_versions_are_not_mixed_up(real_kv_1k):

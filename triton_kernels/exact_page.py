@@ -58,6 +58,7 @@ class PageTables:
     is_bf16: bool
     wlut: torch.Tensor | None = None  # the Gluon decoder's window tables (``window_table``)
     fenc: torch.Tensor | None = None  # the encoder's tables, escapes folded in (``folded_encode_table``)
+    encodable: bool = True  # every table can code every symbol (``encodable``)
 
     def __post_init__(self):
         if self.wlut is None:
@@ -71,7 +72,7 @@ class PageTables:
 
         if codebook_version(codebook) != 1:
             raise InvalidArgumentError("PageTables reads version-1 codebooks (version 2: exact_page2.PageTables2)")
-        dtype, max_len, channels, _ = codebook_info(codebook)
+        dtype, max_len, channels, lengths = codebook_info(codebook)
         lut, _ = decode_table(codebook)
         return cls(
             lut=torch.from_numpy(lut)[None].to(device),
@@ -79,6 +80,7 @@ class PageTables:
             max_len=max_len,
             channels=channels,
             is_bf16=dtype == "bfloat16",
+            encodable=encodable(lengths),
         )
 
     @classmethod
@@ -87,7 +89,7 @@ class PageTables:
         if any((t.max_len, t.channels, t.is_bf16) != (t0.max_len, t0.channels, t0.is_bf16) for t in tables):
             raise InvalidArgumentError("stacked codebooks must share dtype, max_len and channels")
         return cls(torch.cat([t.lut for t in tables]), torch.cat([t.enc for t in tables]), t0.max_len, t0.channels,
-                   t0.is_bf16)  # its window and folded tables derived from these
+                   t0.is_bf16, encodable=all(t.encodable for t in tables))  # window and folded tables derived
 
 
 def window_table(lut: torch.Tensor) -> torch.Tensor:
@@ -102,15 +104,34 @@ def window_table(lut: torch.Tensor) -> torch.Tensor:
     return ((w + 0x8000) % 0x10000 - 0x8000).to(torch.int16)
 
 
-def folded_encode_table(enc: torch.Tensor) -> torch.Tensor:
-    """The encoder's table from the canonical one (int32 [..., 257], ``code << 5 | length``, length 0
-    for a symbol that takes the escape, entry 256 the escape's code): int32 [..., 256] with every
-    symbol's own bits, an escaped symbol's being the escape's code followed by its 8 bits (at most
-    12 + 8 bits: ``code << 5 | length`` fits). One lookup per symbol; device ops only."""
-    e, esc = enc[..., :256], enc[..., 256:]
-    sym = torch.arange(256, dtype=enc.dtype, device=enc.device)
-    escaped = ((((esc >> 5) << 8) | sym) << 5) | ((esc & 31) + 8)
+def folded_encode_table(enc: torch.Tensor, sym_bits: int = 8) -> torch.Tensor:
+    """The encoder's table from the canonical one (int32 [..., 2**sym_bits + 1], ``code << 5 |
+    length``, length 0 for a symbol that takes the escape, the last entry the escape's code): int32
+    [..., 2**sym_bits] with every symbol's own bits, an escaped symbol's being the escape's code
+    followed by its ``sym_bits`` bits (at most 12 + 9 bits: ``code << 5 | length`` fits). One lookup
+    per symbol; device ops only."""
+    n = 1 << sym_bits
+    e, esc = enc[..., :n], enc[..., n:]
+    sym = torch.arange(n, dtype=enc.dtype, device=enc.device)
+    escaped = ((((esc >> 5) << sym_bits) | sym) << 5) | ((esc & 31) + sym_bits)
     return torch.where((e & 31) == 0, escaped, e).contiguous()
+
+
+def encodable(lengths) -> bool:
+    """Whether the encoders can code every value with these code lengths ([..., symbols + escape]):
+    every table with a symbol of no code has an escape. A codebook may lack it (it decodes), but
+    the GPU encoders would write such a symbol with a length-0 escape, a page no decoder reads; the
+    Rust encoder refuses the value."""
+    import numpy as np
+
+    lengths = np.asarray(lengths)
+    return not bool(((lengths[..., :-1] == 0).any(-1) & (lengths[..., -1] == 0)).any())
+
+
+def check_encodable(tables) -> None:
+    if not tables.encodable:
+        raise InvalidArgumentError("a codebook table has symbols without a code and no escape: the encoder cannot "
+                                   "code every value (pages.calibrate always gives the escape a code)")
 
 
 @triton.jit
@@ -441,6 +462,7 @@ def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, al
     to ``align``, each stream's first word int32 [n, S]). Pass 1 of the encoder: one kernel and a
     prefix sum (the offload calls it once per chunk, and the host's calls per chunk are what bound
     its first chunks)."""
+    check_encodable(tables)
     n, C = values.shape[0], tables.channels
     S = C // STREAM_CHANNELS
     dev = values.device

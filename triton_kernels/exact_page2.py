@@ -40,6 +40,9 @@ from .exact_page import (
     _warps,
     _write_frame,
     check_decode_args,
+    check_encodable,
+    encodable,
+    folded_encode_table,
     check_encode_args,
     header_len,
 )
@@ -65,6 +68,7 @@ class PageTables2:
     channels: int
     is_bf16: bool = True
     version: int = 2
+    encodable: bool = True  # every table can code every symbol (``exact_page.encodable``)
 
     @classmethod
     def from_codebook(cls, codebook: bytes, device="cpu") -> "PageTables2":
@@ -72,19 +76,15 @@ class PageTables2:
 
         if codebook_version(codebook) != 2:
             raise InvalidArgumentError("PageTables2 reads version-2 codebooks (version 1: exact_page.PageTables)")
-        _, max_len, channels, _ = codebook_info(codebook)
+        _, max_len, channels, lengths = codebook_info(codebook)
         lut, _ = decode_table(codebook)
-        enc = torch.from_numpy(encode_table(codebook).astype("int64"))
-        e, esc = enc[..., :NSYM], enc[..., NSYM:]
-        sym = torch.arange(NSYM, dtype=torch.int64)
-        escaped = ((((esc >> 5) << 9) | sym) << 5) | ((esc & 31) + 9)  # at most 12 + 9 bits of code
-        fenc = torch.where((e & 31) == 0, escaped, e).to(torch.int32)
         return cls(
             lut=torch.from_numpy(lut)[None].to(device),
-            fenc=fenc[None].contiguous().to(device),
+            fenc=folded_encode_table(torch.from_numpy(encode_table(codebook)), 9)[None].to(device),
             splits=torch.from_numpy(codebook_splits(codebook).astype("int32"))[None].to(device),
             max_len=max_len,
             channels=channels,
+            encodable=encodable(lengths),
         )
 
     @classmethod
@@ -93,7 +93,7 @@ class PageTables2:
         if any((t.max_len, t.channels) != (t0.max_len, t0.channels) for t in tables):
             raise InvalidArgumentError("stacked codebooks must share max_len and channels")
         return cls(torch.cat([t.lut for t in tables]), torch.cat([t.fenc for t in tables]),
-                   torch.cat([t.splits for t in tables]), t0.max_len, t0.channels)
+                   torch.cat([t.splits for t in tables]), t0.max_len, t0.channels, encodable=all(t.encodable for t in tables))
 
 
 @triton.jit
@@ -298,6 +298,7 @@ def _decode_kernel2(
 def page_layout(values: torch.Tensor, tables: PageTables2, tids: torch.Tensor, align: int = 8):
     """``exact_page.page_layout`` for version 2: (words per stream int32 [n, S], page offsets int64
     [n + 1], each stream's first word int32 [n, S]), on the device, without host reads."""
+    check_encodable(tables)
     n, C = values.shape[0], tables.channels
     S = C // STREAM_CHANNELS
     dev = values.device

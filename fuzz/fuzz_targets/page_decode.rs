@@ -1,7 +1,8 @@
 //! Property: the page decoders never panic, hang or allocate without bound, whatever the bytes.
 //! KV Exact (weightszip_core::kvx): a page that decodes re-encodes to exactly its bytes (the
 //! format is canonical); `decode_pages` agrees with `decode_page` and takes any page offsets.
-//! Exact page profile (weightszip_core::page): decoding is deterministic.
+//! Exact page profile (weightszip_core::page): decoding is deterministic, and a page that decodes
+//! re-encodes to exactly its bytes (both versions are canonical).
 //!
 //! Input: byte 0 = selector. Bit 0 clear: KV Exact, heads = 1 + bits 1..2, head_dim = 32 x (1 + bit
 //! 3); then `heads x head_dim` window tops, then the page. Bit 0 set: exact page profile with
@@ -63,6 +64,9 @@ fuzz_target!(|data: &[u8]| {
             let mut again = vec![0x5au8; out.len()];
             page::decode_page(&cb, page, &mut again).expect("a page that decoded once decodes again");
             assert!(out == again, "page decoding is not deterministic or leaves bytes unwritten");
+            let mut bytes = Vec::new();
+            page::encode_page(&cb, &out, &mut bytes).expect("decoded values re-encode");
+            assert!(bytes == page, "a page profile page that decodes must re-encode to its own bytes");
         }
     }
 });

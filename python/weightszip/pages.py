@@ -1,11 +1,11 @@
 """The exact page profile on the CPU (docs/FORMAT.md, "Exact page profile"): calibrate a codebook
 for one (layer, K or V), encode and decode 16-token pages with the Rust reference codec.
 
-Two codebook versions: 1 (the default; the GPU codec, ``weightszip.kernels.exact_page``, and the
-offload tier read it) and 2 (bf16 only, ``calibrate(..., version=2)``): sign and exponent coded
-together, the sign as a change from the previous token's, in three context classes chosen by the
-previous token of the same channel; fewer bytes on real K (BENCHMARKS.md, "Exact page profile,
-version 2").
+Two codebook versions, both read by the GPU codec (``weightszip.kernels.exact_page`` and
+``exact_page2``) and the offload tier: 1 (the default) and 2 (bf16 only, ``calibrate(...,
+version=2)``): sign and exponent coded together, the sign as a change from the previous token's,
+in three context classes chosen by the previous token of the same channel; fewer bytes on real K
+(BENCHMARKS.md, "Exact page profile, version 2").
 
 Values are 16-bit patterns (bf16 or fp16) as a numpy ``uint16`` array (or anything
 ``np.asarray`` takes, torch tensors included via ``.view(torch.int16)``), shaped
@@ -156,7 +156,8 @@ def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
-    """Canonical codes [channels, 257] from code lengths (symbols in (length, symbol) order)."""
+    """Canonical codes from code lengths [tables, symbols] (each table's symbols in (length, symbol)
+    order): [channels, 257] in version 1, [channels x 3, 513] for version 2's tables."""
     lengths = np.asarray(lengths, np.int64)
     codes = np.zeros(lengths.shape, np.int64)
     for c in range(lengths.shape[0]):

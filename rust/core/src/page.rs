@@ -197,6 +197,9 @@ impl PageCodebook {
         if channels > MAX_CHANNELS {
             return Err(Error::LimitExceeded(format!("codebook channels {channels} > {MAX_CHANNELS}")));
         }
+        if version == CODEBOOK_VERSION_CLASSES && b[5] != DTYPE_BF16 {
+            return Err(Error::Unsupported(format!("page codebook version 2 dtype code {}", b[5])));
+        }
         let (classes, nsym) = shape_of(version);
         let n_splits = if version == CODEBOOK_VERSION { 0 } else { channels };
         let need = 12 + n_splits + channels * classes * nsym;
@@ -998,6 +1001,7 @@ mod tests {
         let mut d = b.clone();
         d[5] = DTYPE_F16;
         assert!(matches!(PageCodebook::parse(&d), Err(Error::Unsupported(_))));
+        assert!(matches!(PageCodebook::parse(&d[..100]), Err(Error::Unsupported(_))), "dtype before length");
         let mut k = b.clone();
         let i = (12 + 32..k.len()).find(|&i| k[i] > 0).unwrap();
         k[i] += 1;
@@ -1044,8 +1048,12 @@ mod tests {
             let i = at % page.len();
             page[i] ^= 1 << bit;
             let mut out = vec![0u8; data.len()];
-            let _ = decode_page(&cb, &page, &mut out);
-            let _ = PageCodebook::parse(&page);
+            if decode_page(&cb, &page, &mut out).is_ok() {
+                // the format is canonical: a page that decodes is the encoding of what it decodes to
+                let mut again = Vec::new();
+                encode_page(&cb, &out, &mut again).unwrap();
+                prop_assert_eq!(again, page);
+            }
         }
     }
 
