@@ -462,6 +462,13 @@ def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, al
     to ``align``, each stream's first word int32 [n, S]). Pass 1 of the encoder: one kernel and a
     prefix sum (the offload calls it once per chunk, and the host's calls per chunk are what bound
     its first chunks)."""
+    return layout_with(lambda *outs, **kw: _layout_kernel[(values.shape[0],)](
+        values, tables.fenc, tids, *outs, **kw, IS_BF16=tables.is_bf16), values, tables, align)
+
+
+def layout_with(launch, values: torch.Tensor, tables, align: int):
+    """``page_layout`` of either version: its outputs allocated, ``launch(words, wstart, offsets,
+    C=, S=, SP=, H=, ALIGN=)`` running the version's layout kernel (one program a page), the prefix sum."""
     check_encodable(tables)
     n, C = values.shape[0], tables.channels
     S = C // STREAM_CHANNELS
@@ -470,8 +477,7 @@ def page_layout(values: torch.Tensor, tables: PageTables, tids: torch.Tensor, al
     wstart = torch.empty(n, S, dtype=torch.int32, device=dev)
     offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
     if n:
-        _layout_kernel[(n,)](values, tables.fenc, tids, words, wstart, offsets, C=C, S=S,
-                             SP=triton.next_power_of_2(S), H=header_len(C), ALIGN=align, IS_BF16=tables.is_bf16)
+        launch(words, wstart, offsets, C=C, S=S, SP=triton.next_power_of_2(S), H=header_len(C), ALIGN=align)
         offsets[1:].cumsum_(0)
     else:
         offsets.zero_()

@@ -40,11 +40,11 @@ from .exact_page import (
     _warps,
     _write_frame,
     check_decode_args,
-    check_encodable,
     encodable,
     folded_encode_table,
     check_encode_args,
     header_len,
+    layout_with,
 )
 from .exact_page_ref import ESC2
 
@@ -298,20 +298,8 @@ def _decode_kernel2(
 def page_layout(values: torch.Tensor, tables: PageTables2, tids: torch.Tensor, align: int = 8):
     """``exact_page.page_layout`` for version 2: (words per stream int32 [n, S], page offsets int64
     [n + 1], each stream's first word int32 [n, S]), on the device, without host reads."""
-    check_encodable(tables)
-    n, C = values.shape[0], tables.channels
-    S = C // STREAM_CHANNELS
-    dev = values.device
-    words = torch.empty(n, S, dtype=torch.int32, device=dev)
-    wstart = torch.empty(n, S, dtype=torch.int32, device=dev)
-    offsets = torch.empty(n + 1, dtype=torch.int64, device=dev)
-    if n:
-        _layout_kernel2[(n,)](values, tables.fenc, tables.splits, tids, words, wstart, offsets, C=C, S=S,
-                              SP=triton.next_power_of_2(S), H=header_len(C), ALIGN=align)
-        offsets[1:].cumsum_(0)
-    else:
-        offsets.zero_()
-    return words, offsets, wstart
+    return layout_with(lambda *outs, **kw: _layout_kernel2[(values.shape[0],)](
+        values, tables.fenc, tables.splits, tids, *outs, **kw), values, tables, align)
 
 
 def encode_into(values: torch.Tensor, tables: PageTables2, tids: torch.Tensor, buf: torch.Tensor, layout,
