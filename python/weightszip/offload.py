@@ -83,7 +83,8 @@ class ExactPageCodec:
         if not self.codebooks:
             raise InvalidArgumentError("ExactPageCodec needs at least one codebook")
         # typed errors for bad codebooks
-        infos = [_pages.codebook_info(cb)[:3] + (_pages.codebook_version(cb),) for cb in self.codebooks]
+        full = [_pages.codebook_info(cb) for cb in self.codebooks]
+        infos = [f[:3] + (_pages.codebook_version(cb),) for f, cb in zip(full, self.codebooks)]
         if len(set(infos)) != 1:
             raise InvalidArgumentError(f"codebooks must share dtype, max_len, channels and version, got {sorted(set(infos))}")
         self.dtype, self.max_len, self.channels, self.version = infos[0]
@@ -91,7 +92,7 @@ class ExactPageCodec:
         # Largest page the encoder can write: every symbol at the longest code (an escape is the
         # escape's code plus 8 bits, 9 in version 2), each stream rounded up to words, the page to 8
         # bytes.
-        lens = [_pages.codebook_info(cb)[3] for cb in self.codebooks]
+        lens = [f[3] for f in full]
         maxbits = max(max(int(ln[..., :-1].max()), int(ln[..., -1].max()) + 7 + self.version) for ln in lens)
         S = self.channels // STREAM_CHANNELS
         words = -(-PAGE_TOKENS * STREAM_CHANNELS * maxbits // 32)
@@ -116,7 +117,8 @@ class ExactPageCodec:
         ``exact_page2.PageTables2``."""
         key = str(torch.device(device))
         if key not in self._tables:
-            t = self.kernels().PageTables if self.version == 1 else self.kernels().PageTables2
+            ep = self.kernels()
+            t = ep.PageTables if self.version == 1 else ep.PageTables2
             self._tables[key] = t.stack([t.from_codebook(cb, device) for cb in self.codebooks])
         return self._tables[key]
 
