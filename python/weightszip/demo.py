@@ -96,7 +96,18 @@ def kv_section(tokens: int, threads: int, repeats: int) -> list[str]:
     raw = sum(c.nbytes for c in chunks)
     rows.append(f"  as {len(chunks)} LMCache chunks of 256 tokens: ratio {stored / raw:.4f}")
     rows.append(kv_exact_row(kv, meta))
+    rows.append(exact_page_row(kv))
     return rows
+
+
+def _halves(kv: np.ndarray):
+    """Each (K or V, layer) of the cache as uint16 [tokens, channels]: its first half of tokens (for
+    calibration) and its second half (held out), both a whole number of 16-token pages."""
+    half = kv.shape[2] // 32 * 16
+    for kind in range(kv.shape[0]):
+        for layer in range(kv.shape[1]):
+            x = kv[kind, layer].view(np.uint16)
+            yield x[:half], np.ascontiguousarray(x[half: 2 * half])
 
 
 def kv_exact_row(kv: np.ndarray, meta: dict) -> str:
@@ -106,19 +117,37 @@ def kv_exact_row(kv: np.ndarray, meta: dict) -> str:
     from weightszip.kv_exact import cpu_calibrate_bases, cpu_decode_pages, cpu_encode_pages
 
     h, d = meta["num_kv_heads"], meta["head_dim"]
-    half = kv.shape[2] // 32 * 16
     stored = raw = 0
-    for kind in range(kv.shape[0]):
-        for layer in range(kv.shape[1]):
-            x = kv[kind, layer].view(np.uint16)
-            bases = cpu_calibrate_bases(x[:half]).reshape(h, d)
-            pages = np.ascontiguousarray(x[half: 2 * half]).reshape(-1, 16, h, d)
-            buf, offs = cpu_encode_pages(pages, bases)
-            if not (cpu_decode_pages(buf, offs, bases, h, d) == pages).all():
-                raise SystemExit("KV Exact pages did not round-trip bit-exactly: please report this")
-            stored, raw = stored + len(buf) + 8 * pages.shape[0], raw + pages.nbytes
+    for cal, ev in _halves(kv):
+        bases = cpu_calibrate_bases(cal).reshape(h, d)
+        pages = ev.reshape(-1, 16, h, d)
+        buf, offs = cpu_encode_pages(pages, bases)
+        if not (cpu_decode_pages(buf, offs, bases, h, d) == pages).all():
+            raise SystemExit("KV Exact pages did not round-trip bit-exactly: please report this")
+        stored, raw = stored + len(buf) + 8 * pages.shape[0], raw + pages.nbytes
     return (f"  as KV Exact pages (the lossless GPU cache format attention reads; held out): ratio {stored / raw:.4f}, "
             "bit-exact")
+
+
+def exact_page_row(kv: np.ndarray) -> str:
+    """The same cache as exact pages (the format offload and restore move between GPU and RAM), in
+    both versions of the profile: a codebook per (K or V, layer) from the first half of the tokens,
+    pages of the second half with each page's offset and table id (12 bytes), decoded back and
+    compared bit for bit (the Rust codec; the GPU's writes the same bytes)."""
+    from weightszip import pages as _pages
+
+    stored, raw = {1: 0, 2: 0}, 0
+    for cal, ev in _halves(kv):
+        pg = ev.reshape(-1, _pages.PAGE_TOKENS, ev.shape[1])
+        raw += pg.nbytes
+        for version in stored:
+            cb = _pages.calibrate(cal, "bfloat16", version=version)
+            buf, offs = _pages.encode_pages(cb, pg)
+            if not (_pages.decode_pages(cb, buf, offs) == pg).all():
+                raise SystemExit(f"exact pages (version {version}) did not round-trip bit-exactly: please report this")
+            stored[version] += len(buf) + 12 * pg.shape[0]
+    return (f"  as exact pages for offload and restore (held out): ratio {stored[1] / raw:.4f} (version 1), "
+            f"{stored[2] / raw:.4f} (version 2), bit-exact")
 
 
 def weights_section(threads: int, repeats: int) -> list[str]:
