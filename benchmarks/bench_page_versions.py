@@ -20,6 +20,12 @@ Two kinds of held-out data:
 Writes ``benchmarks/results/page_versions.{json,md,png}`` (``page_versions_calN.*`` with
 ``--cal-tokens N``); ``--restore-session .boxdata/kv_pages_subset.npz`` instead counts the bytes of
 bench_restore.py's session (``page_versions_restore_session.json``).
+
+``--cpu-speed`` times the Rust page codec of both versions instead (the CPU path of offload and
+restore) on the ``--kv`` captures' held-out pages, one call per (layer, K/V) as offload makes one
+per chunk, on 1 thread and on every core, beside the dense codec (``weightszip.compress``) and
+zstd -3 on the same bytes; best of ``--repeats``, every round trip checked
+(``page_cpu_speed.{json,md}``).
 """
 
 from __future__ import annotations
@@ -82,10 +88,16 @@ def main():
     ap.add_argument("--restore-session", default=None, metavar="NPZ",
                     help="only the bytes of bench_restore.py's session over this subset (make_kv_subset.py): each set "
                          "tiled to 1024 channels, calibrated on its first half, its second half coded")
+    ap.add_argument("--cpu-speed", action="store_true", help="time the CPU codecs instead (see above)")
+    ap.add_argument("--repeats", type=int, default=5, help="--cpu-speed: best of this many")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     if args.restore_session:
         return restore_session(args)
+    if args.cpu_speed:
+        if not args.kv:
+            ap.error("--cpu-speed needs --kv")
+        return cpu_speed(args)
     jobs = [(p, p) for p in args.kv] + [tuple(p.split(":", 1)) for p in args.pair]
     if not jobs:
         ap.error("give --kv, --pair or --restore-session")
@@ -136,6 +148,75 @@ def restore_session(args):
         print(f"version {version}: {coded / raw:.4f} of bf16, restore bound {raw / coded:.3f}x")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "page_versions_restore_session.json").write_text(json.dumps(out, indent=1))
+
+
+def _best(f, repeats: int):
+    import time
+
+    best, r = float("inf"), None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        r = f()
+        best = min(best, time.perf_counter() - t)
+    return best, r
+
+
+def cpu_speed(args):
+    """The CPU codecs' speed on every (layer, K/V) of the captures (see the module's docstring)."""
+    import os
+
+    import ml_dtypes
+    import weightszip
+    import zstandard
+    from tqdm import tqdm
+
+    cores = os.cpu_count() or 1
+    sets = [s for p in args.kv for s in layer_sets(p, p, args.layers)]
+    codebooks = {v: [pages.calibrate(cal, "bfloat16", args.max_len, version=v) for *_, cal, _ in sets] for v in (1, 2)}
+    evs = [ev.reshape(-1, pages.PAGE_TOKENS, ev.shape[1]) for *_, ev in sets]
+    raw = sum(ev.nbytes for ev in evs)
+    rows = []
+
+    def row(name, threads, encode, decode):
+        te = td = 0.0
+        stored = 0
+        for i, ev in enumerate(tqdm(evs, desc=f"{name}, {threads} thread(s)", leave=False)):
+            t, blob = _best(lambda: encode(i, ev), args.repeats)
+            te += t
+            t, back = _best(lambda: decode(i, blob), args.repeats)
+            td += t
+            if not np.array_equal(np.asarray(back).view(np.uint16).reshape(ev.shape), ev):
+                raise SystemExit(f"{name}: set {i} did not round-trip")
+            stored += len(blob[0]) + PER_PAGE * ev.shape[0] if isinstance(blob, tuple) else len(blob)
+        rows.append(dict(codec=name, threads=threads, ratio=stored / raw, encode_MBps=raw / te / 1e6,
+                         decode_MBps=raw / td / 1e6))
+        print(f"{name:>26} {threads:>2} threads: ratio {stored / raw:.4f}, encode {raw / te / 1e6:7.0f} MB/s, "
+              f"decode {raw / td / 1e6:7.0f} MB/s")
+
+    for threads in dict.fromkeys((1, cores)):
+        for v in (1, 2):
+            cbs = codebooks[v]
+            row(f"exact pages v{v} (Rust)", threads,
+                lambda i, ev: pages.encode_pages(cbs[i], ev, threads=threads),
+                lambda i, b: pages.decode_pages(cbs[i], b[0], b[1], threads=threads))
+        row("weightszip.compress", threads,
+            lambda i, ev: weightszip.compress(ev.view(ml_dtypes.bfloat16), threads=threads),
+            lambda i, b: weightszip.decompress(b, threads=threads))
+        row("zstd -3", threads,
+            lambda i, ev: zstandard.ZstdCompressor(level=3, threads=threads if threads > 1 else 0).compress(ev.tobytes()),
+            lambda i, b: np.frombuffer(zstandard.ZstdDecompressor().decompress(b), np.uint16))
+    lines = ["| codec | threads | bytes / bf16 | encode MB/s | decode MB/s |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['codec']} | {r['threads']} | {r['ratio']:.4f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} |"
+              for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    meta = {"command": "python " + " ".join(sys.argv), "date": dt.date.today().isoformat(), "cores": cores,
+            "machine": platform.processor() or platform.machine(), "sets": len(sets), "raw_bytes": raw,
+            "timing": f"best of {args.repeats} per set, summed over the sets; exact pages' bytes count 12 per page"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "page_cpu_speed.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    (out / "page_cpu_speed.md").write_text(f"`{meta['command']}`\n\n{table}\n")
 
 
 def plot(summary, path: Path):

@@ -312,3 +312,24 @@ def test_version_2_kernels_compile_for_hopper(compile_in_child):
     out = compile_in_child(_COMPILE_V2)
     lines = [ln.split() for ln in out.splitlines() if ln.startswith("spills")]
     assert [ln[1:] for ln in lines] == [["0", "0", "0"]] * 2, out
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_threads_write_and_read_the_same_bytes_and_name_the_first_bad_page(real_kv_1k, version):
+    # 192 pages (K and V of 1024 tokens, three times): tasks of 64 pages on 2 or more threads
+    cal, _ = _halves(real_kv_1k, 0)
+    pg = np.concatenate([real_kv_1k[:, 0].reshape(-1, 16, real_kv_1k.shape[-1])] * 3)
+    cb = pages.calibrate(cal, "bfloat16", version=version)
+    buf, offs = pages.encode_pages(cb, pg, threads=1)
+    for threads in (0, 2, 3):
+        b, o = pages.encode_pages(cb, pg, threads=threads)
+        assert b == buf and (o == offs).all()
+        assert (pages.decode_pages(cb, buf, offs, threads=threads) == pg).all()
+    bad = bytearray(buf)
+    for i in (100, 150):  # two pages in different tasks: a header padding byte set
+        bad[offs[i] + 2 * 192 // 32] = 1
+    for threads in (1, 0, 2):
+        with pytest.raises(CorruptDataError, match="page 100: page header padding"):
+            pages.decode_pages(cb, bytes(bad), offs, threads=threads)
+    with pytest.raises(InvalidArgumentError, match="threads"):
+        pages.encode_pages(cb, pg, threads=-1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from weightszip import _core
-from weightszip._tensors import bytes_buffer, int_arg
+from weightszip._tensors import bytes_buffer, int_arg, threads_default
 from weightszip.errors import CorruptDataError, InvalidArgumentError
 
 PAGE_TOKENS = _core.PAGE_TOKENS
@@ -122,20 +122,25 @@ def page_raw_part(version: int, channels: int) -> int:
     return PAGE_TOKENS * channels * (8 if version == 1 else 7) // 8
 
 
-def encode_pages(codebook: bytes, values, align: int = 8) -> tuple[bytes, np.ndarray]:
-    """Encode ``[n, 16, channels]`` values; returns (pages back to back, int64 offsets [n + 1])."""
+def encode_pages(codebook: bytes, values, align: int = 8, threads: int | None = None) -> tuple[bytes, np.ndarray]:
+    """Encode ``[n, 16, channels]`` values; returns (pages back to back, int64 offsets [n + 1]).
+    ``threads``: 0 for one per core (the default, or ``WEIGHTSZIP_THREADS``); any count writes the
+    same bytes."""
     a = _u16(values)
     _, _, channels, _ = codebook_info(codebook)
     if a.ndim != 3 or a.shape[1:] != (PAGE_TOKENS, channels):
         raise InvalidArgumentError(f"pages must be [n, {PAGE_TOKENS}, {channels}], got {a.shape}")
     align = int_arg("align", align, 0, 2**63 - 1)
-    buf, offs = _core.page_encode(bytes(codebook), a.ctypes.data, a.nbytes, align)
+    buf, offs = _core.page_encode(bytes(codebook), a.ctypes.data, a.nbytes, align, threads_default(threads))
     return buf, np.asarray(offs, np.int64)
 
 
-def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
+def decode_pages(codebook: bytes, buf, offsets, threads: int | None = None) -> np.ndarray:
     """Decode the pages at ``offsets`` (n + 1 entries) of ``buf``; returns uint16 [n, 16, channels].
-    Page i ends by ``offsets[i + 1]``, the slack after it zero (CorruptDataError if not)."""
+    Page i ends by ``offsets[i + 1]``, the slack after it zero (CorruptDataError if not; the
+    first bad page in order is the one named, on any number of ``threads``, as in
+    ``encode_pages``)."""
+    threads = threads_default(threads)
     _, _, channels, _ = codebook_info(codebook)
     version = codebook_version(codebook)
     src = _bytes(buf)
@@ -149,7 +154,7 @@ def decode_pages(codebook: bytes, buf, offsets) -> np.ndarray:
     bad = np.flatnonzero((o[1:] < o[:-1]) | (o[1:] > src.nbytes) | (o[1:] - o[:-1] < least))
     n = len(offs) - 1 if bad.size == 0 else int(bad[0]) + 1
     out = np.empty((n, PAGE_TOKENS, channels), np.uint16)
-    _core.page_decode(bytes(codebook), src.ctypes.data, src.nbytes, offs[:n + 1], out.ctypes.data, out.nbytes)
+    _core.page_decode(bytes(codebook), src.ctypes.data, src.nbytes, offs[:n + 1], out.ctypes.data, out.nbytes, threads)
     if n < len(offs) - 1:  # (the codec raised for page n - 1 or before; this says the same if not)
         raise CorruptDataError(f"page {n - 1}: offsets {offs[n - 1]}..{offs[n]} cannot hold a page")
     return out

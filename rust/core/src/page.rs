@@ -18,7 +18,9 @@
 //!   and *class*: 0 for a page's first token, else whether the previous token's exponent reaches
 //!   the channel's split. Real K's signs and exponents persist from token to token.
 
+use crate::codec::with_threads;
 use crate::error::{corrupt, Error, Result};
+use rayon::prelude::*;
 
 /// Tokens per page.
 pub const PAGE_TOKENS: usize = 16;
@@ -380,15 +382,6 @@ impl PageCodebook {
             (v >> 7, (v & 0x7F) as u8)
         }
     }
-
-    #[inline]
-    fn join(&self, sym: u16, raw: u8) -> u16 {
-        if self.version == CODEBOOK_VERSION {
-            join(self.dtype, sym as u8, raw)
-        } else {
-            (sym << 7) | raw as u16
-        }
-    }
 }
 
 /// (classes, symbols per table) of a codebook version (version 1's for any other).
@@ -505,7 +498,7 @@ pub fn encode_page(cb: &PageCodebook, values: &[u8], out: &mut Vec<u8>) -> Resul
     let n_streams = c_n / STREAM_CHANNELS;
     let mut streams = Vec::with_capacity(n_streams);
     for s in 0..n_streams {
-        let mut w = BitWriter { words: Vec::new(), acc: 0, n: 0 };
+        let mut w = BitWriter { words: Vec::with_capacity(STREAM_SYMBOLS * 21 / 32 + 1), acc: 0, n: 0 };
         for t in 0..PAGE_TOKENS {
             for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
                 let sym = cb.split(v(t, c)).0 as usize;
@@ -609,6 +602,15 @@ pub fn lookup_table(cb: &PageCodebook) -> Option<Vec<u16>> {
 }
 
 fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &mut [u8]) -> Result<()> {
+    // one copy of the loop per version, free of its per-value branches
+    if cb.version == CODEBOOK_VERSION {
+        decode_page_v::<false>(cb, lut, page, out)
+    } else {
+        decode_page_v::<true>(cb, lut, page, out)
+    }
+}
+
+fn decode_page_v<const V2: bool>(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &mut [u8]) -> Result<()> {
     let c_n = cb.channels;
     if out.len() != cb.page_raw_len() {
         return Err(Error::BufferTooSmall { need: cb.page_raw_len() as u64, have: out.len() as u64 });
@@ -626,15 +628,16 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
         return corrupt("page header padding is not zero");
     }
     let raw = &page[hl..hl + cb.page_raw_part()];
-    let raw_at = |i: usize| -> u8 {
-        if cb.version == CODEBOOK_VERSION {
-            raw[i]
-        } else {
-            let b = 7 * i;
-            let two = raw[b / 8] as u16 | (raw.get(b / 8 + 1).copied().unwrap_or(0) as u16) << 8;
-            ((two >> (b % 8)) & 0x7F) as u8
+    // version 2's raw part unpacked into the output's low bytes first, 8 values from each 7
+    // bytes (16 x C is a multiple of 8); the symbols join them below
+    if V2 {
+        for (b, o) in raw.chunks_exact(7).zip(out.chunks_exact_mut(16)) {
+            let x = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], 0]);
+            for (j, o) in o.chunks_exact_mut(2).enumerate() {
+                o[0] = ((x >> (7 * j)) & 0x7F) as u8;
+            }
         }
-    };
+    }
     let mut pos = hl + cb.page_raw_part();
     let ml = cb.max_len as u32;
     let (nsym, esc, sym_bits) = (cb.nsym(), cb.nsym() - 1, cb.sym_bits());
@@ -652,20 +655,31 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
                 0
             }
         };
-        let (mut bitpos, total_bits) = (0usize, 32 * nw);
+        let total_bits = 32 * nw;
         // Peek `k` bits at `bitpos` (k <= 32); bits past the stream's end read as zero.
         let peek = |bitpos: usize, k: u32| -> u32 {
             let w = bitpos / 32;
             let two = (word(w) << 32) | word(w + 1);
             ((two << (bitpos % 32)) >> (64 - k)) as u32
         };
+        // The stream's next bits, MSB first, left-aligned in `acc` (`avail` of them valid, at
+        // least 33 after a refill: a code of up to 12 bits and an escape's 9 fit); words past the
+        // stream's end read as zero, and `bitpos` counts the bits taken.
+        let (mut acc, mut avail, mut next, mut bitpos) = (0u64, 0u32, 0usize, 0usize);
         let mut prev = [0usize; STREAM_CHANNELS];
         for t in 0..PAGE_TOKENS {
             for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
-                let k = if t == 0 { 0 } else { cb.class_after(c, prev[c % STREAM_CHANNELS]) };
-                let tb = cb.table(c, k);
-                let lens = &cb.lengths[tb * nsym..(tb + 1) * nsym];
-                let x = peek(bitpos, ml);
+                if avail <= 32 {
+                    acc |= word(next) << (32 - avail);
+                    (avail, next) = (avail + 32, next + 1);
+                }
+                let k = if V2 && t > 0 {
+                    1 + usize::from((prev[c % STREAM_CHANNELS] & 0xFF) as u8 >= cb.splits[c])
+                } else {
+                    0
+                };
+                let tb = if V2 { c * CLASSES_V2 + k } else { c };
+                let x = (acc >> (64 - ml)) as u32;
                 let (mut sym, l) = match lut {
                     Some(t) => {
                         let e = t[(tb << ml) + x as usize];
@@ -673,6 +687,7 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
                     }
                     None => {
                         // Canonical decode without a table: the symbol whose code prefixes x.
+                        let lens = &cb.lengths[tb * nsym..(tb + 1) * nsym];
                         let mut found = None;
                         for (sym, &l) in lens.iter().enumerate() {
                             if l > 0 && (x >> (ml - l as u32)) as u16 == cb.code(tb, sym) {
@@ -684,11 +699,11 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
                         found.ok_or_else(|| Error::Corrupt("no code matched".into()))?
                     }
                 };
-                bitpos += l as usize;
+                (acc, avail, bitpos) = (acc << l, avail - l, bitpos + l as usize);
                 if sym == esc {
-                    sym = peek(bitpos, sym_bits) as usize;
-                    bitpos += sym_bits as usize;
-                    if lens[sym] != 0 {
+                    sym = (acc >> (64 - sym_bits)) as usize;
+                    (acc, avail, bitpos) = (acc << sym_bits, avail - sym_bits, bitpos + sym_bits as usize);
+                    if cb.lengths[tb * nsym + sym] != 0 {
                         return corrupt(format!(
                             "stream {s}: escaped symbol {sym} of channel {c} has a code of its own"
                         ));
@@ -697,11 +712,15 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
                 if bitpos > total_bits {
                     return corrupt(format!("stream {s} runs past its {nw} words"));
                 }
-                if t > 0 {
-                    sym = cb.coded_after(sym, prev[c % STREAM_CHANNELS]);
-                }
-                prev[c % STREAM_CHANNELS] = sym;
-                let v = cb.join(sym as u16, raw_at(t * c_n + c));
+                let v = if V2 {
+                    if t > 0 {
+                        sym ^= prev[c % STREAM_CHANNELS] & 0x100;
+                    }
+                    prev[c % STREAM_CHANNELS] = sym;
+                    ((sym as u16) << 7) | out[2 * (t * c_n + c)] as u16
+                } else {
+                    join(cb.dtype, sym as u8, raw[t * c_n + c])
+                };
                 out[2 * (t * c_n + c)..2 * (t * c_n + c) + 2].copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -715,10 +734,26 @@ fn decode_page_with(cb: &PageCodebook, lut: Option<&[u16]>, page: &[u8], out: &m
     Ok(())
 }
 
+/// Pages a parallel task encodes or decodes.
+const TASK_PAGES: usize = 64;
+
 /// Encode many pages (`values` = n x 16 x channels); returns the pages back to back and the
 /// offset of each page (n + 1 offsets, the last = total length). With `align` > 1 every page
 /// starts at a multiple of `align` bytes (zero bytes between pages), as the GPU pool places them.
+/// One thread; `encode_pages_threads` writes the same bytes on several.
 pub fn encode_pages(cb: &PageCodebook, values: &[u8], align: usize) -> Result<(Vec<u8>, Vec<u64>)> {
+    encode_pages_threads(cb, values, align, 1)
+}
+
+/// `encode_pages` on `threads` threads (0: one per core), in tasks of `TASK_PAGES` pages: each
+/// task's pages start at an aligned offset and end aligned, so the tasks' bytes put back to back
+/// are the one-thread bytes. The first failing page in order gives the error.
+pub fn encode_pages_threads(
+    cb: &PageCodebook,
+    values: &[u8],
+    align: usize,
+    threads: usize,
+) -> Result<(Vec<u8>, Vec<u64>)> {
     let pr = cb.page_raw_len();
     if !values.len().is_multiple_of(pr) {
         return Err(Error::InvalidArgument(format!("{} bytes are not whole pages of {pr}", values.len())));
@@ -726,47 +761,97 @@ pub fn encode_pages(cb: &PageCodebook, values: &[u8], align: usize) -> Result<(V
     if align == 0 || !align.is_power_of_two() || align > 4096 {
         return Err(Error::InvalidArgument(format!("align {align}: must be a power of two <= 4096")));
     }
-    let mut out = Vec::new();
-    let mut offs = Vec::with_capacity(values.len() / pr + 1);
-    for page in values.chunks_exact(pr) {
+    let task = |values: &[u8]| -> Result<(Vec<u8>, Vec<u64>)> {
+        // room for the pages at the raw size: most fit without growing (a page of real KV
+        // codes to about 0.65 of it)
+        let mut out = Vec::with_capacity(values.len() + align);
+        let mut offs = Vec::with_capacity(values.len() / pr + 1);
+        for page in values.chunks_exact(pr) {
+            out.resize(out.len().div_ceil(align) * align, 0);
+            offs.push(out.len() as u64);
+            encode_page(cb, page, &mut out)?;
+        }
         out.resize(out.len().div_ceil(align) * align, 0);
         offs.push(out.len() as u64);
-        encode_page(cb, page, &mut out)?;
+        Ok((out, offs))
+    };
+    if threads == 1 || values.len() <= TASK_PAGES * pr {
+        return task(values);
     }
-    out.resize(out.len().div_ceil(align) * align, 0);
+    let parts: Vec<Result<(Vec<u8>, Vec<u64>)>> =
+        with_threads(threads, || values.par_chunks(TASK_PAGES * pr).map(task).collect());
+    let mut out = Vec::new();
+    let mut offs = Vec::with_capacity(values.len() / pr + 1);
+    for part in parts {
+        let (b, o) = part?;
+        let base = out.len() as u64;
+        offs.extend(o[..o.len() - 1].iter().map(|x| x + base));
+        out.extend_from_slice(&b);
+    }
     offs.push(out.len() as u64);
     Ok((out, offs))
 }
 
 /// Decode pages at `offsets` (n + 1 entries; page i is `buf[offsets[i] .. offsets[i] + its
 /// length]`, and must end by `offsets[i + 1]`, the bytes after it up to there zero) into `out`
-/// (n pages of raw values).
+/// (n pages of raw values). One thread; `decode_pages_threads` on several.
 pub fn decode_pages(cb: &PageCodebook, buf: &[u8], offsets: &[u64], out: &mut [u8]) -> Result<()> {
+    decode_pages_threads(cb, buf, offsets, out, 1)
+}
+
+/// `decode_pages` on `threads` threads (0: one per core), in tasks of `TASK_PAGES` pages. On an
+/// error the error is that of the first failing page in order, as on one thread (what `out`
+/// holds then is unspecified).
+pub fn decode_pages_threads(
+    cb: &PageCodebook,
+    buf: &[u8],
+    offsets: &[u64],
+    out: &mut [u8],
+    threads: usize,
+) -> Result<()> {
     let pr = cb.page_raw_len();
     let n = offsets.len().saturating_sub(1);
-    let lut = if n > 1 { lookup_table(cb) } else { None };
     if out.len() != n * pr {
         return Err(Error::BufferTooSmall { need: (n * pr) as u64, have: out.len() as u64 });
     }
-    for i in 0..n {
+    let lut = if n > 1 { lookup_table(cb) } else { None };
+    let lut = lut.as_deref();
+    let page = |i: usize, out: &mut [u8]| -> Result<()> {
         let (a, b) = (offsets[i], offsets[i + 1]);
         if a > b || b > buf.len() as u64 {
             return corrupt(format!("page {i}: offsets {a}..{b} outside the {} byte buffer", buf.len()));
         }
+        // the page's own errors name it
+        let at = |e: Error| match e {
+            Error::Corrupt(m) => Error::Corrupt(format!("page {i}: {m}")),
+            Error::Truncated(m) => Error::Truncated(format!("page {i}: {m}")),
+            e => e,
+        };
         let region = &buf[a as usize..b as usize];
-        let len = page_len(cb, region)?;
+        let len = page_len(cb, region).map_err(at)?;
         if len > region.len() {
             return Err(Error::Truncated(format!(
                 "page {i} of {len} bytes does not fit its {} byte slot",
                 region.len()
             )));
         }
-        decode_page_with(cb, lut.as_deref(), &region[..len], &mut out[i * pr..(i + 1) * pr])?;
+        decode_page_with(cb, lut, &region[..len], out).map_err(at)?;
         if region[len..].iter().any(|&b| b != 0) {
             return corrupt(format!("page {i}: the slack after it (bytes {}..{b}) is not zero", a + len as u64));
         }
+        Ok(())
+    };
+    // pages [first, first + out's pages) into out
+    let task = |first: usize, out: &mut [u8]| -> Result<()> {
+        out.chunks_exact_mut(pr).enumerate().try_for_each(|(j, o)| page(first + j, o))
+    };
+    if threads == 1 || n <= TASK_PAGES || pr == 0 {
+        return task(0, out);
     }
-    Ok(())
+    let parts: Vec<Result<()>> = with_threads(threads, || {
+        out.par_chunks_mut(TASK_PAGES * pr).enumerate().map(|(g, o)| task(g * TASK_PAGES, o)).collect()
+    });
+    parts.into_iter().collect()
 }
 
 #[cfg(test)]
@@ -791,6 +876,38 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn threads_write_and_read_the_one_thread_bytes() {
+        // 300 pages: 5 tasks, the last short; both versions, several alignments
+        let ch = 64;
+        let data = sample(ch, 16 * 300, 11);
+        for version in [CODEBOOK_VERSION, CODEBOOK_VERSION_CLASSES] {
+            let cb = PageCodebook::calibrate_version(version, DTYPE_BF16, ch, &data[..64 * 2 * ch], 8).unwrap();
+            for align in [1, 8, 64] {
+                let (b1, o1) = encode_pages(&cb, &data, align).unwrap();
+                for threads in [0, 2, 3] {
+                    let (b, o) = encode_pages_threads(&cb, &data, align, threads).unwrap();
+                    assert!(b == b1 && o == o1, "version {version} align {align} threads {threads}");
+                    let mut out = vec![0u8; data.len()];
+                    decode_pages_threads(&cb, &b, &o, &mut out, threads).unwrap();
+                    assert!(out == data);
+                }
+            }
+            // two bad pages in different tasks: the error names the first, as on one thread
+            let (mut b, o) = encode_pages(&cb, &data, 8).unwrap();
+            for i in [70, 250] {
+                b[o[i] as usize + 2 * (ch / STREAM_CHANNELS)] = 1; // header padding
+            }
+            let mut out = vec![0u8; data.len()];
+            let one = decode_pages(&cb, &b, &o, &mut out).unwrap_err().to_string();
+            assert!(one.contains("page 70: page header padding"), "{one}");
+            for threads in [0, 2, 4] {
+                let e = decode_pages_threads(&cb, &b, &o, &mut out, threads).unwrap_err().to_string();
+                assert_eq!(e, one);
+            }
+        }
     }
 
     #[test]

@@ -46,10 +46,12 @@ fn page_encode<'py>(
     addr: usize,
     len: usize,
     align: usize,
+    threads: usize,
 ) -> PyResult<(Bound<'py, PyBytes>, Vec<u64>)> {
     let cb = PageCodebook::parse(codebook).map_err(to_py)?;
-    let (buf, offs) =
-        py.allow_threads(|| page::encode_pages(&cb, unsafe { slice(addr, len) }, align)).map_err(to_py)?;
+    let (buf, offs) = py
+        .allow_threads(|| page::encode_pages_threads(&cb, unsafe { slice(addr, len) }, align, threads))
+        .map_err(to_py)?;
     Ok((PyBytes::new(py, &buf), offs))
 }
 
@@ -64,10 +66,12 @@ fn page_decode(
     offsets: Vec<u64>,
     out_addr: usize,
     out_len: usize,
+    threads: usize,
 ) -> PyResult<()> {
     let cb = PageCodebook::parse(codebook).map_err(to_py)?;
     py.allow_threads(|| {
-        page::decode_pages(&cb, unsafe { slice(addr, len) }, &offsets, unsafe { slice_mut(out_addr, out_len) })
+        let out = unsafe { slice_mut(out_addr, out_len) };
+        page::decode_pages_threads(&cb, unsafe { slice(addr, len) }, &offsets, out, threads)
     })
     .map_err(to_py)
 }
