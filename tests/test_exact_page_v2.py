@@ -333,3 +333,24 @@ def test_threads_write_and_read_the_same_bytes_and_name_the_first_bad_page(real_
             pages.decode_pages(cb, bytes(bad), offs, threads=threads)
     with pytest.raises(InvalidArgumentError, match="threads"):
         pages.encode_pages(cb, pg, threads=-1)
+
+
+def test_parsed_codebooks_are_kept_by_their_bytes(real_kv_1k):
+    # The bindings keep parsed codebooks for the next call: alternating codebooks each decode
+    # their own pages, and a codebook changed in place is parsed anew (a broken one is refused,
+    # never served from what its old bytes parsed to).
+    cal_k, ev_k = _halves(real_kv_1k, 0)
+    cal_v, ev_v = _halves(real_kv_1k, 1)
+    cbs = [pages.calibrate(c, "bfloat16", version=v) for v in (1, 2) for c in (cal_k, cal_v)]
+    coded = [pages.encode_pages(cb, ev) for cb, ev in zip(cbs, [ev_k, ev_v] * 2)]
+    for _ in range(2):
+        for cb, ev, (buf, offs) in zip(cbs, [ev_k, ev_v] * 2, coded):
+            assert (pages.decode_pages(cb, buf, offs) == ev).all()
+    cb = bytearray(cbs[3])
+    buf, offs = coded[3]
+    assert (pages.decode_pages(cb, buf, offs) == ev_v).all()
+    cb[8] ^= 0xFF  # the channel count
+    with pytest.raises((CorruptDataError, InvalidArgumentError, TruncatedError, UnsupportedFeatureError)):
+        pages.decode_pages(cb, buf, offs)
+    cb[8] ^= 0xFF
+    assert (pages.decode_pages(cb, buf, offs) == ev_v).all()

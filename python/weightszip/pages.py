@@ -127,7 +127,7 @@ def encode_pages(codebook: bytes, values, align: int = 8, threads: int | None = 
     ``threads``: 0 for one per core (the default, or ``WEIGHTSZIP_THREADS``); any count writes the
     same bytes."""
     a = _u16(values)
-    _, _, channels, _ = codebook_info(codebook)
+    channels = _info(codebook)[2]
     if a.ndim != 3 or a.shape[1:] != (PAGE_TOKENS, channels):
         raise InvalidArgumentError(f"pages must be [n, {PAGE_TOKENS}, {channels}], got {a.shape}")
     align = int_arg("align", align, 0, 2**63 - 1)
@@ -141,8 +141,7 @@ def decode_pages(codebook: bytes, buf, offsets, threads: int | None = None) -> n
     first bad page in order is the one named, on any number of ``threads``, as in
     ``encode_pages``)."""
     threads = threads_default(threads)
-    _, _, channels, _ = codebook_info(codebook)
-    version = codebook_version(codebook)
+    _, _, channels, _, version, _ = _info(codebook)
     src = _bytes(buf)
     offs = _offsets_u64(offsets)
     # the output is allocated for the pages up to the first one that cannot decode (outside the

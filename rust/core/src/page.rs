@@ -809,13 +809,28 @@ pub fn decode_pages_threads(
     out: &mut [u8],
     threads: usize,
 ) -> Result<()> {
+    let lut = if offsets.len() > 2 { lookup_table(cb) } else { None };
+    decode_pages_with(cb, lut.as_deref(), buf, offsets, out, threads)
+}
+
+/// `decode_pages_threads` with the codebook's `lookup_table` already built (or None: a slower
+/// decode without it), for a caller that decodes many times with one codebook.
+pub fn decode_pages_with(
+    cb: &PageCodebook,
+    lut: Option<&[u16]>,
+    buf: &[u8],
+    offsets: &[u64],
+    out: &mut [u8],
+    threads: usize,
+) -> Result<()> {
     let pr = cb.page_raw_len();
     let n = offsets.len().saturating_sub(1);
     if out.len() != n * pr {
         return Err(Error::BufferTooSmall { need: (n * pr) as u64, have: out.len() as u64 });
     }
-    let lut = if n > 1 { lookup_table(cb) } else { None };
-    let lut = lut.as_deref();
+    if lut.is_some_and(|t| t.len() != (cb.channels * cb.classes()) << cb.max_len) {
+        return Err(Error::InvalidArgument("lookup table not of this codebook".into()));
+    }
     let page = |i: usize, out: &mut [u8]| -> Result<()> {
         let (a, b) = (offsets[i], offsets[i + 1]);
         if a > b || b > buf.len() as u64 {

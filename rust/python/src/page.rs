@@ -1,11 +1,56 @@
 //! Bindings of the exact page profile (weightszip_core::page): codebook calibration and the
 //! reference (CPU) page encoder and decoder. Buffers cross as (address, length) like in lib.rs.
 
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use weightszip_core::page::{self, PageCodebook};
 
 use crate::{slice, slice_mut, to_py};
+
+/// A checked codebook with its decode table, kept for the next call with the same bytes.
+struct Parsed {
+    bytes: Vec<u8>,
+    cb: PageCodebook,
+    lut: Option<Vec<u16>>,
+}
+
+impl Parsed {
+    fn size(&self) -> usize {
+        2 * self.bytes.len() + 2 * self.lut.as_ref().map_or(0, Vec::len)
+    }
+}
+
+/// Bytes the cache of parsed codebooks may hold (a session's codebooks are decoded in turn: a
+/// Llama-3.1-8B session's 64 version-2 codebooks and their tables take about 200 MiB, so they
+/// thrash it, each call then parsing as it would without the cache).
+const CACHE_BYTES: usize = 64 << 20;
+
+/// The parsed codebook of these bytes, from the cache (most recently used first) or parsed now.
+/// Parsing a version-2 codebook and building its table takes about 1 ms for 192 channels.
+fn parsed(codebook: &[u8]) -> PyResult<Arc<Parsed>> {
+    static CACHE: Mutex<VecDeque<Arc<Parsed>>> = Mutex::new(VecDeque::new());
+    {
+        let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = c.iter().position(|p| p.bytes == codebook) {
+            let p = c.remove(i).expect("found");
+            c.push_front(p.clone());
+            return Ok(p);
+        }
+    }
+    let cb = PageCodebook::parse(codebook).map_err(to_py)?;
+    let lut = page::lookup_table(&cb);
+    let p = Arc::new(Parsed { bytes: codebook.to_vec(), cb, lut });
+    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    c.push_front(p.clone());
+    let mut total: usize = c.iter().map(|p| p.size()).sum();
+    while total > CACHE_BYTES && c.len() > 1 {
+        total -= c.pop_back().expect("len > 1").size();
+    }
+    Ok(p)
+}
 
 /// Calibrate a codebook of `version` (1, or 2 for bf16) from `tokens x channels` 16-bit sample
 /// values (version 2: consecutive tokens, in pages of 16 from the first); returns its bytes.
@@ -34,7 +79,8 @@ type CodebookInfo<'py> = (u8, u8, usize, Bound<'py, PyBytes>, u8, Bound<'py, PyB
 /// bytes: empty in version 1).
 #[pyfunction]
 fn page_codebook_info<'py>(py: Python<'py>, codebook: &[u8]) -> PyResult<CodebookInfo<'py>> {
-    let cb = PageCodebook::parse(codebook).map_err(to_py)?;
+    let p = parsed(codebook)?;
+    let cb = &p.cb;
     Ok((cb.dtype, cb.max_len, cb.channels, PyBytes::new(py, &cb.lengths), cb.version, PyBytes::new(py, &cb.splits)))
 }
 
@@ -48,9 +94,9 @@ fn page_encode<'py>(
     align: usize,
     threads: usize,
 ) -> PyResult<(Bound<'py, PyBytes>, Vec<u64>)> {
-    let cb = PageCodebook::parse(codebook).map_err(to_py)?;
+    let p = parsed(codebook)?;
     let (buf, offs) = py
-        .allow_threads(|| page::encode_pages_threads(&cb, unsafe { slice(addr, len) }, align, threads))
+        .allow_threads(|| page::encode_pages_threads(&p.cb, unsafe { slice(addr, len) }, align, threads))
         .map_err(to_py)?;
     Ok((PyBytes::new(py, &buf), offs))
 }
@@ -68,10 +114,10 @@ fn page_decode(
     out_len: usize,
     threads: usize,
 ) -> PyResult<()> {
-    let cb = PageCodebook::parse(codebook).map_err(to_py)?;
+    let p = parsed(codebook)?;
     py.allow_threads(|| {
         let out = unsafe { slice_mut(out_addr, out_len) };
-        page::decode_pages_threads(&cb, unsafe { slice(addr, len) }, &offsets, out, threads)
+        page::decode_pages_with(&p.cb, p.lut.as_deref(), unsafe { slice(addr, len) }, &offsets, out, threads)
     })
     .map_err(to_py)
 }
