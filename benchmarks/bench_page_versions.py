@@ -217,6 +217,33 @@ def cpu_speed(args):
     out.mkdir(parents=True, exist_ok=True)
     (out / "page_cpu_speed.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
     (out / "page_cpu_speed.md").write_text(f"`{meta['command']}`\n\n{table}\n")
+    plot_speed(rows, cores, out / "page_cpu_speed.png")
+
+
+def plot_speed(rows, cores: int, path: Path):
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    codecs = list(dict.fromkeys(r["codec"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, key, what in zip(axes, ("encode_MBps", "decode_MBps"), ("encode", "decode")):
+        x = np.arange(len(codecs))
+        for j, threads in enumerate(dict.fromkeys(r["threads"] for r in rows)):
+            vals = [next(r[key] for r in rows if r["codec"] == c and r["threads"] == threads) for c in codecs]
+            ax.bar(x + (j - 0.5) * 0.4, vals, 0.4, label=f"{threads} thread(s)")
+        labels = [f"{c}\n{next(r['ratio'] for r in rows if r['codec'] == c):.3f} of bf16" for c in codecs]
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_title(f"{what} (MB/s of bf16, {cores} cores)")
+        ax.legend(fontsize=8)
+    fig.suptitle("CPU codecs on real KV (SmolLM2, Qwen2.5; per layer and K/V, held out)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("plot:", path)
 
 
 def plot(summary, path: Path):
