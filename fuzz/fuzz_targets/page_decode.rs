@@ -1,8 +1,9 @@
 //! Property: the page decoders never panic, hang or allocate without bound, whatever the bytes.
 //! KV Exact (weightszip_core::kvx): a page that decodes re-encodes to exactly its bytes (the
 //! format is canonical); `decode_pages` agrees with `decode_page` and takes any page offsets.
-//! Exact page profile (weightszip_core::page): decoding is deterministic, and a page that decodes
-//! re-encodes to exactly its bytes (both versions are canonical).
+//! Exact page profile (weightszip_core::page): decoding is deterministic, the lookup-table decoder
+//! agrees with the table-free one (and on several threads), and a page that decodes re-encodes to
+//! exactly its bytes (both versions are canonical).
 //!
 //! Input: byte 0 = selector. Bit 0 clear: KV Exact, heads = 1 + bits 1..2, head_dim = 32 x (1 + bit
 //! 3); then `heads x head_dim` window tops, then the page. Bit 0 set: exact page profile with
@@ -60,7 +61,23 @@ fuzz_target!(|data: &[u8]| {
         let cb = PageCodebook::calibrate_version(version, DTYPE_BF16, channels, &sample, 8).expect("calibration");
         let page = &data[2..];
         let mut out = vec![0xa5u8; 2 * page::PAGE_TOKENS * channels];
-        if page::decode_page(&cb, page, &mut out).is_ok() {
+        let one = page::decode_page(&cb, page, &mut out).is_ok();
+        // the decoder with its lookup table (decode_pages) gives the table-free one's verdict and
+        // values; on several threads, a run of copies of the page decodes to copies of them
+        let lut = page::lookup_table(&cb);
+        let n = page.len() as u64;
+        let mut tabled = vec![0u8; out.len()];
+        assert_eq!(page::decode_pages_with(&cb, lut.as_deref(), page, &[0, n], &mut tabled, 1).is_ok(), one);
+        if one {
+            assert!(tabled == out, "the table decoder and the table-free decoder disagree");
+            let copies = 65;
+            let buf = page.repeat(copies);
+            let offs: Vec<u64> = (0..=copies as u64).map(|i| i * n).collect();
+            let mut many = vec![0u8; copies * out.len()];
+            page::decode_pages_threads(&cb, &buf, &offs, &mut many, 2).expect("copies of a good page decode");
+            assert!(many.chunks_exact(out.len()).all(|c| c == out.as_slice()));
+        }
+        if one {
             let mut again = vec![0x5au8; out.len()];
             page::decode_page(&cb, page, &mut again).expect("a page that decoded once decodes again");
             assert!(out == again, "page decoding is not deterministic or leaves bytes unwritten");
