@@ -499,15 +499,13 @@ pub fn encode_page(cb: &PageCodebook, values: &[u8], out: &mut Vec<u8>) -> Resul
     let mut streams = Vec::with_capacity(n_streams);
     for s in 0..n_streams {
         let mut w = BitWriter { words: Vec::with_capacity(STREAM_SYMBOLS * 21 / 32 + 1), acc: 0, n: 0 };
+        // each channel's previous symbol (before coding), for version 2's class and sign
+        let mut prev = [0usize; STREAM_CHANNELS];
         for t in 0..PAGE_TOKENS {
             for c in s * STREAM_CHANNELS..(s + 1) * STREAM_CHANNELS {
                 let sym = cb.split(v(t, c)).0 as usize;
-                let (k, sym) = if t == 0 {
-                    (0, sym)
-                } else {
-                    let prev = cb.split(v(t - 1, c)).0 as usize;
-                    (cb.class_after(c, prev), cb.coded_after(sym, prev))
-                };
+                let p = std::mem::replace(&mut prev[c % STREAM_CHANNELS], sym);
+                let (k, sym) = if t == 0 { (0, sym) } else { (cb.class_after(c, p), cb.coded_after(sym, p)) };
                 let tb = cb.table(c, k);
                 let l = cb.lengths[tb * nsym + sym];
                 if l > 0 {
@@ -540,18 +538,11 @@ pub fn encode_page(cb: &PageCodebook, values: &[u8], out: &mut Vec<u8>) -> Resul
             }
         }
     } else {
-        // 7 bits a value, value i = t x C + c at bits 7i.., least significant bit first
-        let raw_start = out.len();
-        out.resize(raw_start + cb.page_raw_part(), 0);
-        for t in 0..PAGE_TOKENS {
-            for c in 0..c_n {
-                let (i, m) = (7 * (t * c_n + c), cb.split(v(t, c)).1 as u16);
-                let two = m << (i % 8);
-                out[raw_start + i / 8] |= two as u8;
-                if two > 0xFF {
-                    out[raw_start + i / 8 + 1] |= (two >> 8) as u8;
-                }
-            }
+        // 7 bits a value, value i = t x C + c at bits 7i.., least significant bit first: each 8
+        // values (16 x C is a multiple of 8) fill 7 bytes
+        for vals in values.chunks_exact(16) {
+            let x = vals.chunks_exact(2).enumerate().fold(0u64, |x, (j, b)| x | u64::from(b[0] & 0x7F) << (7 * j));
+            out.extend_from_slice(&x.to_le_bytes()[..7]);
         }
     }
     for w in streams {
