@@ -62,20 +62,32 @@ fuzz_target!(|data: &[u8]| {
         let page = &data[2..];
         let mut out = vec![0xa5u8; 2 * page::PAGE_TOKENS * channels];
         let one = page::decode_page(&cb, page, &mut out).is_ok();
-        // the decoder with its lookup table (decode_pages) gives the table-free one's verdict and
-        // values; on several threads, a run of copies of the page decodes to copies of them
+        // decode_pages (a page and the zero bytes after it in its slot) with the lookup table
+        // gives the table-free decoder's verdict, error and values; on several threads, a run of
+        // copies of a good page decodes to copies of its values, and with one copy in the second
+        // task spoiled, the error names that copy
         let lut = page::lookup_table(&cb);
         let n = page.len() as u64;
-        let mut tabled = vec![0u8; out.len()];
-        assert_eq!(page::decode_pages_with(&cb, lut.as_deref(), page, &[0, n], &mut tabled, 1).is_ok(), one);
+        let (mut tabled, mut plain) = (vec![0u8; out.len()], vec![0u8; out.len()]);
+        let with_lut = page::decode_pages_with(&cb, lut.as_deref(), page, &[0, n], &mut tabled, 1);
+        let without = page::decode_pages_with(&cb, None, page, &[0, n], &mut plain, 1);
+        assert_eq!(with_lut.as_ref().map_err(|e| e.to_string()), without.as_ref().map_err(|e| e.to_string()));
+        if with_lut.is_ok() {
+            assert!(tabled == plain, "the table decoder and the table-free decoder disagree");
+        }
         if one {
-            assert!(tabled == out, "the table decoder and the table-free decoder disagree");
-            let copies = 65;
-            let buf = page.repeat(copies);
+            assert!(tabled == out, "decode_pages and decode_page disagree");
+            let copies = 130;
+            let mut buf = page.repeat(copies);
             let offs: Vec<u64> = (0..=copies as u64).map(|i| i * n).collect();
             let mut many = vec![0u8; copies * out.len()];
             page::decode_pages_threads(&cb, &buf, &offs, &mut many, 2).expect("copies of a good page decode");
             assert!(many.chunks_exact(out.len()).all(|c| c == out.as_slice()));
+            // header padding of copy 100 (page headers are 8-byte aligned: one stream's or two
+            // streams' word counts, then padding)
+            buf[100 * n as usize + 2 * (channels / page::STREAM_CHANNELS)] = 1;
+            let e = page::decode_pages_threads(&cb, &buf, &offs, &mut many, 2).expect_err("a spoiled copy");
+            assert!(e.to_string().contains("page 100:"), "{e}");
         }
         if one {
             let mut again = vec![0x5au8; out.len()];

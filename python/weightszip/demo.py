@@ -96,7 +96,7 @@ def kv_section(tokens: int, threads: int, repeats: int) -> list[str]:
     raw = sum(c.nbytes for c in chunks)
     rows.append(f"  as {len(chunks)} LMCache chunks of 256 tokens: ratio {stored / raw:.4f}")
     rows.append(kv_exact_row(kv, meta))
-    rows.append(exact_page_row(kv))
+    rows.append(exact_page_row(kv, threads))
     return rows
 
 
@@ -129,7 +129,7 @@ def kv_exact_row(kv: np.ndarray, meta: dict) -> str:
             "bit-exact")
 
 
-def exact_page_row(kv: np.ndarray) -> str:
+def exact_page_row(kv: np.ndarray, threads: int | None = None) -> str:
     """The same cache as exact pages (the format offload and restore move between GPU and RAM), in
     both versions of the profile: a codebook per (K or V, layer) from the first half of the tokens,
     pages of the second half with each page's offset and table id (12 bytes), decoded back and
@@ -142,8 +142,8 @@ def exact_page_row(kv: np.ndarray) -> str:
         raw += pg.nbytes
         for version in stored:
             cb = _pages.calibrate(cal, "bfloat16", version=version)
-            buf, offs = _pages.encode_pages(cb, pg)
-            if not (_pages.decode_pages(cb, buf, offs) == pg).all():
+            buf, offs = _pages.encode_pages(cb, pg, threads=threads)
+            if not (_pages.decode_pages(cb, buf, offs, threads=threads) == pg).all():
                 raise SystemExit(f"exact pages (version {version}) did not round-trip bit-exactly: please report this")
             stored[version] += len(buf) + 12 * pg.shape[0]
     return (f"  as exact pages for offload and restore (held out): ratio {stored[1] / raw:.4f} (version 1), "

@@ -654,7 +654,7 @@ fn decode_page_v<const V2: bool>(cb: &PageCodebook, lut: Option<&[u16]>, page: &
             ((two << (bitpos % 32)) >> (64 - k)) as u32
         };
         // The stream's next bits, MSB first, left-aligned in `acc` (`avail` of them valid, at
-        // least 33 after a refill: a code of up to 12 bits and an escape's 9 fit); words past the
+        // least 32 after a refill: a code of up to 12 bits and an escape's 9 fit); words past the
         // stream's end read as zero, and `bitpos` counts the bits taken.
         let (mut acc, mut avail, mut next, mut bitpos) = (0u64, 0u32, 0usize, 0usize);
         let mut prev = [0usize; STREAM_CHANNELS];
@@ -771,10 +771,10 @@ pub fn encode_pages_threads(
     }
     let parts: Vec<Result<(Vec<u8>, Vec<u64>)>> =
         with_threads(threads, || values.par_chunks(TASK_PAGES * pr).map(task).collect());
-    let mut out = Vec::new();
+    let parts = parts.into_iter().collect::<Result<Vec<_>>>()?;
+    let mut out = Vec::with_capacity(parts.iter().map(|(b, _)| b.len()).sum());
     let mut offs = Vec::with_capacity(values.len() / pr + 1);
-    for part in parts {
-        let (b, o) = part?;
+    for (b, o) in parts {
         let base = out.len() as u64;
         offs.extend(o[..o.len() - 1].iter().map(|x| x + base));
         out.extend_from_slice(&b);
@@ -805,7 +805,9 @@ pub fn decode_pages_threads(
 }
 
 /// `decode_pages_threads` with the codebook's `lookup_table` already built (or None: a slower
-/// decode without it), for a caller that decodes many times with one codebook.
+/// decode without it), for a caller that decodes many times with one codebook. The table must be
+/// this codebook's: only its length is checked, and another codebook's table of the same shape
+/// decodes to wrong values (never a panic).
 pub fn decode_pages_with(
     cb: &PageCodebook,
     lut: Option<&[u16]>,

@@ -2,7 +2,7 @@
 //! reference (CPU) page encoder and decoder. Buffers cross as (address, length) like in lib.rs.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -10,22 +10,32 @@ use weightszip_core::page::{self, PageCodebook};
 
 use crate::{slice, slice_mut, to_py};
 
-/// A checked codebook with its decode table, kept for the next call with the same bytes.
+/// A checked codebook with its decode table (built on the first decode), kept for the next call
+/// with the same bytes.
 struct Parsed {
     bytes: Vec<u8>,
     cb: PageCodebook,
-    lut: Option<Vec<u16>>,
+    lut: OnceLock<Option<Vec<u16>>>,
 }
 
 impl Parsed {
+    /// Bytes held, its decode table counted as built: the copy of the bytes, the parsed
+    /// lengths and their 16-bit codes (about 4x the bytes), and the table (2 bytes an entry; none
+    /// above 2^24 entries, see `page::lookup_table`).
     fn size(&self) -> usize {
-        2 * self.bytes.len() + 2 * self.lut.as_ref().map_or(0, Vec::len)
+        let entries = (self.cb.channels * self.cb.classes()) << self.cb.max_len;
+        4 * self.bytes.len() + if entries <= 1 << 24 { 2 * entries } else { 0 }
+    }
+
+    fn lut(&self) -> Option<&[u16]> {
+        self.lut.get_or_init(|| page::lookup_table(&self.cb)).as_deref()
     }
 }
 
 /// Bytes the cache of parsed codebooks may hold (a session's codebooks are decoded in turn: a
-/// Llama-3.1-8B session's 64 version-2 codebooks and their tables take about 200 MiB, so they
-/// thrash it, each call then parsing as it would without the cache).
+/// Llama-3.1-8B session's 64 version-2 codebooks and their tables take about 500 MiB, so they
+/// thrash it, each call then parsing as it would without the cache). A codebook larger than
+/// this is parsed for its call and not kept.
 const CACHE_BYTES: usize = 64 << 20;
 
 /// The parsed codebook of these bytes, from the cache (most recently used first) or parsed now.
@@ -41,13 +51,14 @@ fn parsed(codebook: &[u8]) -> PyResult<Arc<Parsed>> {
         }
     }
     let cb = PageCodebook::parse(codebook).map_err(to_py)?;
-    let lut = page::lookup_table(&cb);
-    let p = Arc::new(Parsed { bytes: codebook.to_vec(), cb, lut });
-    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    c.push_front(p.clone());
-    let mut total: usize = c.iter().map(|p| p.size()).sum();
-    while total > CACHE_BYTES && c.len() > 1 {
-        total -= c.pop_back().expect("len > 1").size();
+    let p = Arc::new(Parsed { bytes: codebook.to_vec(), cb, lut: OnceLock::new() });
+    if p.size() <= CACHE_BYTES {
+        let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        c.push_front(p.clone());
+        let mut total: usize = c.iter().map(|p| p.size()).sum();
+        while total > CACHE_BYTES {
+            total -= c.pop_back().expect("the total counts an entry").size();
+        }
     }
     Ok(p)
 }
@@ -117,7 +128,7 @@ fn page_decode(
     let p = parsed(codebook)?;
     py.allow_threads(|| {
         let out = unsafe { slice_mut(out_addr, out_len) };
-        page::decode_pages_with(&p.cb, p.lut.as_deref(), unsafe { slice(addr, len) }, &offsets, out, threads)
+        page::decode_pages_with(&p.cb, p.lut(), unsafe { slice(addr, len) }, &offsets, out, threads)
     })
     .map_err(to_py)
 }
